@@ -1,0 +1,35 @@
+"""One error hierarchy. Every message names the culprit and, where there is one, the fix."""
+
+from __future__ import annotations
+
+
+class MlxSpecError(Exception):
+    """Base class for every error mlx_spec raises on purpose."""
+
+
+class CheckpointError(MlxSpecError):
+    """A checkpoint file is malformed: extra, missing or mis-shaped tensors, bad config."""
+
+
+class IncompatiblePair(MlxSpecError):
+    """The drafter does not fit the target (hidden size, vocab, tap layers)."""
+
+
+class UnsupportedModel(MlxSpecError):
+    """An architecture, quantization or cache type we cannot run exactly."""
+
+
+class PlanError(MlxSpecError):
+    """The memory plan does not fit the budget."""
+
+
+class ContextTooLong(MlxSpecError):
+    """A prompt (plus max tokens) exceeds the usable context."""
+
+
+class BadRequest(MlxSpecError):
+    """Invalid user input (CLI flag, request field)."""
+
+
+class Cancelled(MlxSpecError):
+    """A generation was cancelled by its client."""
