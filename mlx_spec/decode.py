@@ -1,0 +1,174 @@
+"""The decode loops, as generators of ``Step``s (token level; text lives in text.py).
+
+``spec_steps``: prefill (chunked) -> first token from the target -> cycles of
+draft ``[anchor, MASK x (L-1)]`` -> one target verify pass over ``[anchor, d1..d(L-1)]`` ->
+accept the longest matching prefix plus the target's bonus -> roll the target cache back ->
+hand the accepted rows' features to the drafter's context cache.
+
+``plain_steps``: mlx-lm's own ``generate_step`` (the baseline a user would otherwise run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from .drafter import Drafter
+from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
+from .target import Target
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Tokens committed by one step. The first step of a run is the prefill (target's token)."""
+
+    tokens: tuple[int, ...]
+    drafted: int = 0  # draft tokens proposed this cycle (block_size - 1)
+    accepted: int = 0  # of those, accepted (tokens = accepted + 1 bonus, before truncation)
+    block_size: int = 1
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    elapsed_ms: float = 0.0  # wall time of the whole step, host work included
+    prefill: bool = False
+    prompt_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (EOS) | "length" | None
+
+
+def _finish(tokens: list[int], n_done: int, max_tokens: int, eos: frozenset[int]):
+    """Truncate after the first EOS or at max_tokens; return (tokens, finish_reason)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], "stop"
+    room = max_tokens - n_done
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None
+
+
+def _prefill(target: Target, ids: list[int], cache, step: int, sink) -> mx.array:
+    """Run the prompt through the target in chunks; ``sink(features)`` gets every chunk's taps.
+
+    Returns the last position's logits (V,).
+    """
+    x = mx.array(ids, mx.int32)[None]
+    n = x.shape[1]
+    for s in range(0, n, step):
+        out = target(x[:, s : s + step], cache, last_only=True)
+        sink(out.hidden)
+        mx.eval(out.logits, out.hidden, [c.state for c in cache])
+    return out.logits[0, -1]
+
+
+def spec_steps(
+    target: Target,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    *,
+    block_size: int,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    sampling: SamplingConfig = SamplingConfig(),
+    prefill_step: int = 2048,
+) -> Iterator[Step]:
+    """Speculative decoding with a DFlash drafter. Lossless: the output is the target's."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if not prompt:
+        raise ValueError("empty prompt")
+    eos = frozenset(eos_ids)
+    cache = target.make_cache()
+    dcache = drafter.make_cache()
+    key = mx.random.key(sampling.seed if sampling.seed is not None else time.time_ns() % 2**31)
+    pending: list[mx.array] = []  # features of committed rows not yet in the drafter's cache
+
+    def sink(features):
+        if pending:  # push the previous chunk; the last one waits for the first draft call
+            drafter.add_context(pending.pop(), dcache)
+        pending.append(features)
+
+    t0 = time.perf_counter()
+    logits = _prefill(target, list(prompt), cache, prefill_step, sink)
+    key, sub = mx.random.split(key)
+    anchor = sample_target(logits[None], sampling, sub)[0]  # first token comes from the target
+    first = anchor.item()
+    toks, reason = _finish([first], 0, max_tokens, eos)
+    ms = (time.perf_counter() - t0) * 1e3
+    yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
+               prompt_tokens=len(prompt), finish_reason=reason)
+    n = len(toks)
+    while reason is None:
+        tc = time.perf_counter()
+        L = min(block_size, max_tokens - n)
+        features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
+        pending.clear()
+        key, kd, ka = mx.random.split(key, 3)
+        if L > 1:
+            proposal = drafter.propose(anchor, features, dcache, L, sampling.temperature, kd)
+            mx.eval(proposal.tokens)
+            drafts = proposal.tokens
+            verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]
+        else:  # no room for drafts: a plain step; the features wait for the next draft call
+            proposal, drafts = None, None
+            pending.append(features)
+            verify_in = anchor.reshape(1, 1)
+        td = time.perf_counter()
+        out = target(verify_in, cache)
+        if sampling.temperature == 0:
+            choice = mx.argmax(out.logits[0], axis=-1)
+            mx.eval(choice, out.hidden)
+            draft_list = drafts.tolist() if drafts is not None else []
+            a, bonus = accept_greedy(draft_list, choice.tolist())
+        else:
+            mx.eval(out.logits, out.hidden)
+            draft_list = drafts.tolist() if drafts is not None else []
+            a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
+        tv = time.perf_counter()
+        target.rollback(cache, L, a + 1)
+        pending.append(out.hidden[:, : a + 1])
+        committed, reason = _finish(draft_list[:a] + [bonus], n, max_tokens, eos)
+        n += len(committed)
+        anchor = mx.array(bonus, mx.int32)
+        if n % 256 < len(committed):
+            mx.clear_cache()
+        yield Step(
+            tuple(committed), drafted=L - 1, accepted=a, block_size=L,
+            draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3,
+            elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
+        )
+
+
+def plain_steps(
+    model,
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    sampling: SamplingConfig = SamplingConfig(),
+    prefill_step: int = 2048,
+) -> Iterator[Step]:
+    """Plain decoding through mlx-lm's own ``generate_step`` (one token per step)."""
+    from mlx_lm.generate import generate_step
+
+    eos = frozenset(eos_ids)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    sampler = sampling.mlx_sampler()
+    t = time.perf_counter()
+    first = True
+    gen = generate_step(mx.array(list(prompt), mx.int32), model, max_tokens=max_tokens,
+                        sampler=sampler, prefill_step_size=prefill_step)
+    n = 0
+    for tok, _ in gen:
+        n += 1
+        now = time.perf_counter()
+        reason = "stop" if tok in eos else ("length" if n >= max_tokens else None)
+        ms = (now - t) * 1e3
+        yield Step((tok,), elapsed_ms=ms, verify_ms=ms, prefill=first,
+                   prompt_tokens=len(prompt) if first else 0, finish_reason=reason)
+        first, t = False, now
+        if reason:
+            gen.close()
+            return

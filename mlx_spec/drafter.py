@@ -1,0 +1,456 @@
+"""DFlash (v1) and DFlash 2 block drafters, in one flat module.
+
+The drafter reads fused target features (outputs of ``target_layer_ids``) as attention context
+and denoises a block ``[anchor, MASK x (L-1)]`` in one pass. It owns no embedding or LM head:
+those are the target's, shared and frozen (``bind``). DFlash 2 adds a two-tap grouped dynamic
+convolution around each sublayer and a candidate selector (path walk over the top-K lattice).
+See docs/dflash.md for the maths and the checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+DFLASH1 = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+
+
+def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """The official default tap layers when a config omits them."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass
+class DrafterArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    target_hidden_size: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # DFlash 2
+    architecture: str = DFLASH1
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.layer_types = self.layer_types or ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def is_v2(self) -> bool:
+        return self.architecture == DFLASH2
+
+    def layer_is_causal(self, i: int) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DrafterArgs":
+        """Read a checkpoint config: ``dflash_config`` keys first, then top level."""
+        dc = config.get("dflash_config") or {}
+        archs = config.get("architectures") or [DFLASH1]
+
+        def get(key, default=None):
+            return dc.get(key, config.get(key, default))
+
+        rope = config.get("rope_parameters") or {}
+        n_target = get("num_target_layers")
+        ids = get("target_layer_ids")
+        if ids is None and n_target is not None:
+            ids = build_target_layer_ids(n_target, config["num_hidden_layers"])
+        return cls(
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            num_target_layers=n_target if n_target is not None else max(ids) + 1,
+            target_layer_ids=list(ids),
+            mask_token_id=get("mask_token_id"),
+            block_size=get("block_size", 16),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
+            rope_scaling=config.get("rope_scaling")
+            or ({**rope} if rope.get("rope_type", "default") != "default" else None),
+            max_position_embeddings=config.get("max_position_embeddings", 40960),
+            layer_types=config.get("layer_types"),
+            sliding_window=config.get("sliding_window"),
+            is_causal=config.get("is_causal", dc.get("causal")),
+            target_hidden_size=config.get("target_hidden_size"),
+            input_embedding_scale=get("input_embedding_scale", 1.0) or 1.0,
+            output_multiplier=get("output_multiplier", 1.0) or 1.0,
+            final_logit_softcapping=get("final_logit_softcapping"),
+            architecture=archs[0],
+            conv_kernel_size=get("conv_kernel_size", 2),
+            conv_group_size=get("conv_group_size", 16),
+            selector_rank=get("selector_rank", 256),
+            selector_top_k=get("selector_top_k", 16),
+        )
+
+
+class ContextCache:
+    """Draft-side K/V of committed context only (block K/V are never stored).
+
+    ``offset`` counts every context row ever added (= absolute position of the next one).
+    With a window, only the last ``window - 1`` rows are kept, as in the reference.
+    """
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        if self.window is not None and self.keys.shape[2] > self.window - 1:
+            self.keys = self.keys[:, :, -(self.window - 1) :]
+            self.values = self.values[:, :, -(self.window - 1) :]
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def block_mask(n_ctx_kept: int, ctx_end: int, L: int, causal: bool, window: int | None):
+    """Boolean mask (L, n_ctx_kept + L): True = visible. None when everything is visible.
+
+    Context rows are the ``n_ctx_kept`` positions ending at ``ctx_end - 1``; block row k sits at
+    ``ctx_end + k``. A sliding layer sees keys with ``q_pos - k_pos < window``.
+    """
+    if not causal and (window is None or n_ctx_kept + L <= window):
+        return None
+    q = mx.arange(L)[:, None] + ctx_end
+    k = mx.concatenate([mx.arange(ctx_end - n_ctx_kept, ctx_end), mx.arange(L) + ctx_end])[None]
+    mask = mx.ones((L, n_ctx_kept + L), dtype=mx.bool_)
+    if causal:
+        mask = mask & (k <= q)
+    if window is not None:
+        mask = mask & (q - k < window)
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        H, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+        )
+
+    def _kv(self, x: mx.array, offset: int):
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, S, self.n_kv, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def context_kv(self, c: mx.array, cache: ContextCache):
+        """Push context rows' K/V (from fused target features ``c``) into the cache."""
+        k, v = self._kv(c, cache.offset)
+        return cache.update_and_fetch(k, v)
+
+    def __call__(self, x, ctx_k, ctx_v, start: int, mask):
+        # x: (B, L, H) block; ctx_k/v: (B, n_kv, S, hd); start: absolute position of the anchor.
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        kb, vb = self._kv(x, start)
+        k = mx.concatenate([ctx_k, kb], axis=2) if ctx_k is not None else kb
+        v = mx.concatenate([ctx_v, vb], axis=2) if ctx_v is not None else vb
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TwoTapConv(nn.Module):
+    """DFlash 2 grouped dynamic causal convolution (input side and output side of a sublayer).
+
+    Works on (N, L, H) where each row of N is one block: the shift never crosses a block, and
+    block position 0 (the anchor) has no predecessor.
+    """
+
+    def __init__(self, H: int, taps: int = 2, group: int = 16):
+        super().__init__()
+        self.taps, self.group = taps, group
+        self.base_kernel = mx.zeros((2, taps, H))
+        self.kernel_projection = nn.Linear(H, 2 * taps * (H // group), bias=False)
+
+    def _conv(self, z: mx.array, d: mx.array, b: mx.array) -> mx.array:
+        # z (N, L, H); d (N, L, T, G) dynamic coefficients; b (T, H) base kernel.
+        N, L, H = z.shape
+        G = H // self.group
+        zg = z.reshape(N, L, G, self.group)
+        out = None
+        for t in range(min(self.taps, L)):
+            zt = zg if t == 0 else mx.pad(zg[:, : L - t], [(0, 0), (t, 0), (0, 0), (0, 0)])
+            coef = b[t].reshape(1, 1, G, self.group) + d[:, :, t, :, None]
+            out = coef * zt if out is None else out + coef * zt
+        return out.reshape(N, L, H)
+
+    def prepare(self, u: mx.array):
+        N, L, H = u.shape
+        d = self.kernel_projection(u).reshape(N, L, 2, self.taps, H // self.group)
+        return self._conv(u, d[:, :, 0], self.base_kernel[0]), d[:, :, 1]
+
+    def finish(self, y: mx.array, d_out: mx.array) -> mx.array:
+        return self._conv(y, d_out, self.base_kernel[1])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DrafterArgs, i: int):
+        super().__init__()
+        H = args.hidden_size
+        self.causal = args.layer_is_causal(i)
+        self.window = args.layer_window(i)
+        self.self_attn = Attention(args)
+        self.mlp = MLP(H, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.is_v2:
+            g, T = args.conv_group_size, args.conv_kernel_size
+            self.attention_conv = TwoTapConv(H, T, g)
+            self.mlp_conv = TwoTapConv(H, T, g)
+
+    def __call__(self, x, ctx_k, ctx_v, start: int, mask):
+        v2 = "attention_conv" in self
+        u = self.input_layernorm(x)
+        if v2:
+            u, d_out = self.attention_conv.prepare(u)
+        a = self.self_attn(u, ctx_k, ctx_v, start, mask)
+        x = x + (self.attention_conv.finish(a, d_out) if v2 else a)
+        u = self.post_attention_layernorm(x)
+        if v2:
+            u, d_out = self.mlp_conv.prepare(u)
+        m = self.mlp(u)
+        return x + (self.mlp_conv.finish(m, d_out) if v2 else m)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2 path selection: walk the top-K lattice with bilinear transition scores."""
+
+    def __init__(self, H: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(H, rank, bias=False)
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+
+    def lattice(self, h: mx.array, unary: mx.array, anchor: mx.array):
+        """Candidates and edge scores for one block (batch 1).
+
+        h (P, H) final hidden at draft positions, unary (P, V) transformed logits, anchor ().
+        Returns cand (P, K) ids and scores (P, K_prev, K): for p=0 only row 0 is meaningful
+        (predecessor = anchor). Everything in float32.
+        """
+        K = min(self.top_k, unary.shape[-1])
+        unary = unary.astype(mx.float32)
+        cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K]  # (P, K)
+        u = mx.take_along_axis(unary, cand, axis=-1)  # (P, K)
+        g = self.hidden_projection(h).astype(mx.float32)  # (P, r)
+        succ = self.successor_codebook(cand).astype(mx.float32)  # (P, K, r)
+        preds = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, K)), cand[:-1]], 0)
+        pred = self.predecessor_codebook(preds).astype(mx.float32)  # (P, K, r)
+        scores = u[:, None, :] + (pred * g[:, None, :]) @ succ.transpose(0, 2, 1)  # (P, K, K)
+        return cand, scores
+
+    def walk_greedy(self, cand: mx.array, scores: mx.array) -> mx.array:
+        j = mx.argmax(scores[0, 0])
+        picks = [j]
+        for p in range(1, cand.shape[0]):
+            j = mx.argmax(scores[p, j])
+            picks.append(j)
+        idx = mx.stack(picks)
+        return mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0]
+
+    def walk_sample(self, cand, scores, temperature: float, key: mx.array):
+        """Sampled walk; returns tokens (P,), the chosen slot per position and q rows (P, K)."""
+        keys = mx.random.split(key, cand.shape[0])
+        j, picks, qs = 0, [], []
+        for p in range(cand.shape[0]):
+            row = scores[p, 0] if p == 0 else scores[p, j]
+            q = mx.softmax(row / temperature, axis=-1)
+            j = mx.random.categorical(row / temperature, key=keys[p])
+            picks.append(j)
+            qs.append(q)
+        idx = mx.stack(picks)
+        return mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], idx, mx.stack(qs)
+
+
+class Proposal(NamedTuple):
+    tokens: mx.array  # (L-1,) drafted ids
+    q: mx.array | None  # (L-1, V) proposal probabilities (None when greedy)
+
+
+class Drafter(nn.Module):
+    """A DFlash / DFlash 2 drafter. Call ``bind(embed, head)`` before use."""
+
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.args = args
+        H = args.hidden_size
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.is_v2:
+            self.candidate_selector = CandidateSelector(
+                H, args.vocab_size, args.selector_rank, args.selector_top_k
+            )
+        # Shared, frozen target parts; plain callables so they are not parameters of ours.
+        self._embed: Callable[[mx.array], mx.array] | None = None
+        self._head: Callable[[mx.array], mx.array] | None = None
+
+    def bind(self, embed: Callable, head: Callable) -> "Drafter":
+        self._embed, self._head = embed, head
+        return self
+
+    def make_cache(self) -> list[ContextCache]:
+        return [ContextCache(layer.window) for layer in self.layers]
+
+    def sanitize(self, weights: dict) -> dict:
+        """Official files store the codebooks without ``.weight``; nn.Embedding wants it."""
+        out = {}
+        for k, v in weights.items():
+            if k.endswith("_codebook"):
+                k = k + ".weight"
+            out[k] = v
+        return out
+
+    def add_context(self, features: mx.array, cache: list[ContextCache]):
+        """Fuse target features (B, S, n*H_t) and push their K/V into every layer's cache."""
+        c = self.hidden_norm(self.fc(features))
+        return [layer.self_attn.context_kv(c, lc) for layer, lc in zip(self.layers, cache)]
+
+    def hidden(self, block: mx.array, features: mx.array | None, cache: list[ContextCache]):
+        """Final-normed hidden states (B, L, H) of a block; ``features`` are new context rows."""
+        if features is not None and features.shape[1] > 0:
+            kvs = self.add_context(features, cache)
+        else:
+            kvs = [lc.state for lc in cache]
+        start = cache[0].offset
+        x = self._embed(block) * self.args.input_embedding_scale
+        L = block.shape[1]
+        for layer, lc, (ck, cv) in zip(self.layers, cache, kvs):
+            n_ctx = 0 if ck is None else ck.shape[2]
+            mask = block_mask(n_ctx, start, L, layer.causal, layer.window)
+            x = layer(x, ck, cv, start, mask)
+        return self.norm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self._head(h) * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        return cap * mx.tanh(out / cap) if cap else out
+
+    def propose(
+        self,
+        anchor: mx.array,
+        features: mx.array | None,
+        cache: list[ContextCache],
+        block_size: int,
+        temperature: float = 0.0,
+        key: mx.array | None = None,
+    ) -> Proposal:
+        """Draft ``block_size - 1`` tokens after ``anchor`` (a () or (1,) int array)."""
+        mask_id = self.args.mask_token_id
+        block = mx.concatenate(
+            [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
+        )[None]
+        h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
+        unary = self.logits(h)  # (L-1, V)
+        if "candidate_selector" in self:
+            sel = self.candidate_selector
+            cand, scores = sel.lattice(h, unary, anchor.reshape(()))
+            if temperature == 0:
+                return Proposal(sel.walk_greedy(cand, scores), None)
+            tokens, _, qk = sel.walk_sample(cand, scores, temperature, key)
+            # Sparse q over the K candidates, scattered to vocab space (duplicates cannot occur).
+            q = mx.zeros(unary.shape, mx.float32)
+            q = mx.put_along_axis(q, cand, qk, axis=-1)
+            return Proposal(tokens, q)
+        if temperature == 0:
+            return Proposal(mx.argmax(unary, axis=-1), None)
+        logits = unary.astype(mx.float32) / temperature
+        tokens = mx.random.categorical(logits, key=key)
+        return Proposal(tokens, mx.softmax(logits, axis=-1))
+
+
+def parameter_names(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    from mlx.utils import tree_flatten
+
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+
+
+__all__ = [
+    "DFLASH1",
+    "DFLASH2",
+    "DrafterArgs",
+    "Drafter",
+    "ContextCache",
+    "Proposal",
+    "TwoTapConv",
+    "CandidateSelector",
+    "build_target_layer_ids",
+    "block_mask",
+    "parameter_names",
+]

@@ -1,0 +1,216 @@
+"""Loading targets and drafters, strictly, and checking that a pair fits.
+
+A local path never touches the network; anything else is a Hugging Face repo id
+(huggingface-hub). A drafter checkpoint loads only if every tensor in the file is used, every
+parameter is present and every shape matches; otherwise ``CheckpointError`` names them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, parameter_names
+from .errors import CheckpointError, IncompatiblePair, MlxSpecError
+from .target import Target
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_DRAFTER = "smollm2-135m-dflash2"
+V2_ONLY = ("attention_conv", "mlp_conv", "candidate_selector")
+
+
+def resolve(path_or_id: str, what: str) -> Path:
+    """A local directory, a bundled name under models/, or a Hugging Face repo id."""
+    p = Path(path_or_id).expanduser()
+    if p.exists():
+        return p
+    bundled = MODELS_DIR / path_or_id
+    if bundled.exists():
+        return bundled
+    if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
+        raise MlxSpecError(f"{what} '{path_or_id}' not found (not a directory, not a repo id)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as e:  # network, auth, missing repo: say which
+        raise MlxSpecError(f"could not fetch {what} '{path_or_id}' from the Hugging Face hub: {e}") from e
+
+
+def default_dtype():
+    """float32 on the CPU backend (its fp16/bf16 kernels are slow); keep file dtype on Metal."""
+    return None if mx.metal.is_available() else mx.float32
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}/config.json is not valid JSON: {e}") from None
+
+
+def _read_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from None
+    return weights
+
+
+def _names(keys, limit=8) -> str:
+    keys = sorted(keys)
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def load_drafter(path_or_id: str | Path, *, dtype=None) -> tuple[Drafter, dict]:
+    """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config)."""
+    path = resolve(str(path_or_id), "drafter")
+    config = _read_config(path)
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in (DFLASH1, DFLASH2):
+        raise CheckpointError(
+            f"{path}: architectures={config.get('architectures')} is not a DFlash drafter "
+            f"(expected {DFLASH1} or {DFLASH2})"
+        )
+    try:
+        args = DrafterArgs.from_config(config)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: missing or bad key {e}") from None
+    if args.mask_token_id is None:
+        raise CheckpointError(f"{path}/config.json: no mask_token_id (dflash_config)")
+    model = Drafter(args)
+    weights = model.sanitize(_read_weights(path))
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, q["group_size"], q["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    expected = parameter_names(model)
+    extra = set(weights) - set(expected)
+    missing = set(expected) - set(weights)
+    if extra and arch == DFLASH1 and any(k.split(".")[2 if k.startswith("layers.") else 0] in V2_ONLY for k in extra):
+        raise CheckpointError(
+            f"{path}: the file holds DFlash 2 tensors ({_names(extra)}) but config.json says "
+            f"architectures=['{DFLASH1}']; refusing to load a DFlash 2 checkpoint as DFlash 1"
+        )
+    if extra or missing:
+        msg = [f"{path}: checkpoint does not match a {arch} with this config"]
+        if extra:
+            msg.append(f"unused tensors in the file: {_names(extra)}")
+        if missing:
+            msg.append(f"parameters missing from the file: {_names(missing)}")
+        raise CheckpointError("; ".join(msg))
+    bad = {k: (tuple(weights[k].shape), s) for k, s in expected.items() if tuple(weights[k].shape) != s}
+    if bad:
+        raise CheckpointError(
+            f"{path}: shape mismatch: "
+            + ", ".join(f"{k} file {f} vs model {m}" for k, (f, m) in sorted(bad.items())[:8])
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    dtype = default_dtype() if dtype is None else dtype
+    if dtype is not None and "quantization" not in config:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def save_drafter(model: Drafter, path: str | Path, config: dict, dtype=None) -> None:
+    """Write the official layout: config.json + model.safetensors (codebooks without .weight)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flat = {}
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith("_codebook.weight"):
+            k = k[: -len(".weight")]
+        flat[k] = v.astype(dtype) if dtype is not None else v
+    mx.save_safetensors(str(path / "model.safetensors"), flat, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def check_pair(target: Target, drafter: Drafter) -> None:
+    """Refuse a drafter that does not fit the target, before any generation."""
+    a = drafter.args
+    problems = []
+    if a.hidden_size != target.hidden_size:
+        problems.append(f"drafter hidden_size {a.hidden_size} != target hidden_size {target.hidden_size}"
+                        " (the drafter shares the target's embedding and head)")
+    if a.target_hidden_size != target.hidden_size:
+        problems.append(f"drafter expects target features of width {a.target_hidden_size}, target has {target.hidden_size}")
+    if a.vocab_size != target.vocab_size:
+        problems.append(f"drafter vocab_size {a.vocab_size} != target vocab_size {target.vocab_size}")
+    if a.num_target_layers != target.num_layers:
+        problems.append(f"drafter was trained for a {a.num_target_layers}-layer target, this target has {target.num_layers}")
+    bad = [j for j in a.target_layer_ids if not 0 <= j < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for {target.num_layers} layers")
+    if not 0 <= a.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {a.mask_token_id} outside the target vocabulary")
+    if problems:
+        raise IncompatiblePair("drafter does not fit the target: " + "; ".join(problems))
+
+
+@dataclass
+class Pair:
+    """A loaded target (+ optional drafter) and its tokenizer. Owned by one thread."""
+
+    model: Any  # the mlx-lm model
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    target: Target | None
+    drafter: Drafter | None
+    target_id: str
+    drafter_id: str | None
+    drafter_config: dict | None
+
+
+def load_target_model(path_or_id: str, *, dtype=None):
+    """mlx-lm model + tokenizer; ``path_or_id`` may be the default target's id."""
+    from mlx_lm import load
+
+    from . import default_target
+
+    if path_or_id == default_target.DEFAULT_TARGET_ID:
+        path = default_target.ensure_default_target().path
+    else:
+        path = resolve(path_or_id, "target")
+    model, tokenizer = load(str(path))
+    dtype = default_dtype() if dtype is None else dtype
+    if dtype is not None and not _is_quantized(model):
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def _is_quantized(model) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False) -> Pair:
+    """Load a pair. ``no_draft`` is the only way to get plain decoding."""
+    model, tokenizer = load_target_model(target_id)
+    if no_draft:
+        return Pair(model, tokenizer, None, None, target_id, None, None)
+    if drafter_id is None:
+        raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
+    drafter, config = load_drafter(drafter_id)
+    target = Target(model, drafter.args.target_layer_ids)
+    check_pair(target, drafter)
+    drafter.bind(target.embed, target.head)
+    return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config)
+
+
+__all__ = ["load_drafter", "save_drafter", "check_pair", "load_pair", "Pair", "resolve",
+           "load_target_model"]

@@ -1,0 +1,44 @@
+"""Open the pair a command asked for: defaults, refusals, and the block size's provenance.
+
+Shared by generate, chat, serve, bench, tune and verify, so every command resolves the same
+way: the bundled drafter goes with the default target; any other target needs ``--drafter``
+or ``--no-draft``; nothing falls back to plain decoding on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .default_target import DEFAULT_TARGET_ID
+from .errors import MlxSpecError
+from .loading import DEFAULT_DRAFTER, MODELS_DIR, Pair, load_pair
+
+
+def drafter_for(target: str, drafter: str | None, no_draft: bool) -> str | None:
+    if no_draft:
+        return None
+    if drafter is not None:
+        return drafter
+    if target == DEFAULT_TARGET_ID:
+        if not (MODELS_DIR / DEFAULT_DRAFTER).exists():
+            raise MlxSpecError(
+                f"the bundled drafter models/{DEFAULT_DRAFTER} is missing from this install; "
+                "pass --drafter PATH, or --no-draft for plain decoding")
+        return str(MODELS_DIR / DEFAULT_DRAFTER)
+    raise MlxSpecError(f"no drafter for target '{target}': pass --drafter PATH_OR_REPO, "
+                       "or --no-draft for plain decoding")
+
+
+def open_pair(args, log: Callable[[str], None] = lambda m: None) -> Pair:
+    drafter = drafter_for(args.target, args.drafter, args.no_draft)
+    log(f"loading target {args.target}" + (f" + drafter {drafter}" if drafter else " (no drafter: --no-draft)"))
+    return load_pair(args.target, drafter, no_draft=args.no_draft)
+
+
+def resolve_block_size(pair: Pair, args) -> tuple[int | None, str | None]:
+    """(block size, source): --block-size flag, else the tuner's stored result, else checkpoint."""
+    if pair.drafter is None:
+        return None, None
+    if getattr(args, "block_size", None) is not None:
+        return args.block_size, "flag"
+    return None, None

@@ -1,0 +1,154 @@
+"""Tiny in-process models and scripted drafters for the tests (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_spec.drafter import DFLASH1, DFLASH2, ContextCache, Drafter, DrafterArgs, Proposal
+from mlx_spec.target import Target
+
+VOCAB = 128
+
+TARGET_CONFIGS = {
+    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+}
+
+
+def tiny_model(kind: str = "qwen3", seed: int = 0):
+    """A tiny float32 mlx-lm model with sharpened logits (random models are near-uniform)."""
+    import importlib
+
+    cfg = dict(TARGET_CONFIGS[kind])
+    mod = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    # Sharpen embedding and head so greedy continuations vary and are not a sea of near-ties.
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 4
+    model.lm_head.weight = model.lm_head.weight * 4
+    mx.eval(model.parameters())
+    return model, cfg
+
+
+def drafter_config(target_cfg: dict, *, v2: bool = False, layers: int = 1, taps=(0, 2),
+                   window: int | None = None, block_size: int = 8, is_causal=None) -> dict:
+    H = target_cfg["hidden_size"]
+    cfg = {
+        "architectures": [DFLASH2 if v2 else DFLASH1],
+        "model_type": "qwen3",
+        "hidden_size": H, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+        "vocab_size": target_cfg["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "num_target_layers": target_cfg["num_hidden_layers"],
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": target_cfg["vocab_size"] - 1, "target_layer_ids": list(taps)},
+    }
+    if window:
+        cfg["layer_types"] = ["sliding_attention"] * layers
+        cfg["sliding_window"] = window
+    if is_causal is not None:
+        cfg["is_causal"] = is_causal
+    if v2:
+        cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=8)
+    return cfg
+
+
+def tiny_drafter(model, target_cfg, seed: int = 1, **kw):
+    cfg = drafter_config(target_cfg, **kw)
+    mx.random.seed(seed)
+    d = Drafter(DrafterArgs.from_config(cfg))
+    mx.eval(d.parameters())
+    target = Target(model, d.args.target_layer_ids)
+    d.bind(target.embed, target.head)
+    return target, d, cfg
+
+
+def greedy_reference(model, prompt, n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        out.append(tok)
+    return out
+
+
+class ScriptedDrafter:
+    """Drafts from a known continuation: right for ``right`` positions per block, then wrong.
+
+    ``right=None`` is an oracle (always right); ``right=0`` is always wrong.
+    """
+
+    def __init__(self, full: list[int], vocab: int, right: int | None = None):
+        self.full, self.vocab, self.right = full, vocab, right
+        self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
+                                num_key_value_heads=1, intermediate_size=1, vocab_size=vocab,
+                                num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
+
+    def make_cache(self):
+        return [ContextCache()]
+
+    def add_context(self, features, cache):
+        cache[0].offset += features.shape[1]
+
+    def propose(self, anchor, features, cache, block_size, temperature=0.0, key=None):
+        if features is not None:
+            cache[0].offset += features.shape[1]
+        start = cache[0].offset  # absolute position of the anchor
+        out = []
+        for k in range(1, block_size):
+            tok = self.full[start + k] if start + k < len(self.full) else 0
+            if self.right is not None and k > self.right:
+                tok = (tok + 1) % self.vocab
+            out.append(tok)
+        return Proposal(mx.array(out, mx.int32), None)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_tokenizer(path, vocab_size: int = VOCAB) -> None:
+    """A character-level tokenizer (printable ASCII + newline + specials) with a ChatML template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<extra_{i}>"] = i
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(specials)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<unk>",
+                                 bos_token=None, pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(path))
+
+
+def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
+    """Write a tiny target (with tokenizer) and drafter to disk; returns (target_dir, drafter_dir)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+
+    from mlx_spec.loading import save_drafter
+
+    root = Path(root)
+    model, cfg = tiny_model(kind)
+    save_model(root / "target", model)
+    save_config(dict(cfg), root / "target" / "config.json")
+    save_tiny_tokenizer(root / "target")
+    _, d, dcfg = tiny_drafter(model, cfg, v2=v2, **drafter_kw)
+    save_drafter(d, root / "drafter", dcfg)
+    return root / "target", root / "drafter"

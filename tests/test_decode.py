@@ -1,0 +1,113 @@
+"""Greedy speculative output == mlx-lm's own greedy output, token for token."""
+
+import mlx.core as mx
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny_model
+
+from mlx_spec.decode import spec_steps
+from mlx_spec.target import Target
+
+SHORT = [1, 5, 9, 17, 33, 2, 8]
+LONG = [(7 * i + 3) % 120 + 4 for i in range(40)]  # longer than the sliding window below
+N = 36
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target_model(request):
+    model, cfg = tiny_model(request.param)
+    refs = {tuple(p): greedy_reference(model, p, N) for p in (SHORT, LONG)}
+    return model, cfg, refs
+
+
+def _tokens(steps):
+    return [t for s in steps for t in s.tokens]
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
+@pytest.mark.parametrize("window", [None, 16], ids=["full", "swa16"])
+def test_random_drafter_matches_mlx_lm(target_model, v2, window):
+    model, cfg, refs = target_model
+    target, drafter, _ = tiny_drafter(model, cfg, v2=v2, window=window, layers=2)
+    for prompt in (SHORT, LONG):
+        for B in (2, 3, 4, 8, 16):
+            steps = list(spec_steps(target, drafter, prompt, block_size=B, max_tokens=N))
+            assert _tokens(steps) == refs[tuple(prompt)], (B, prompt[:3])
+            assert steps[1].drafted == B - 1 and all(s.drafted <= B - 1 for s in steps)
+
+
+@pytest.mark.parametrize("B", [2, 3, 4, 8, 16])
+def test_oracle_accepts_everything_and_wrong_accepts_nothing(target_model, B):
+    model, cfg, refs = target_model
+    target = Target(model, [0])
+    for prompt in (SHORT, LONG):
+        ref = refs[tuple(prompt)]
+        full = list(prompt) + ref
+        oracle = list(spec_steps(target, ScriptedDrafter(full, VOCAB), prompt, block_size=B, max_tokens=N))
+        assert _tokens(oracle) == ref
+        assert all(s.accepted == s.drafted for s in oracle[1:])
+        assert sum(s.accepted for s in oracle) > 0
+        wrong = list(spec_steps(target, ScriptedDrafter(full, VOCAB, right=0), prompt, block_size=B, max_tokens=N))
+        assert _tokens(wrong) == ref
+        assert all(s.accepted == 0 and len(s.tokens) == 1 for s in wrong[1:])
+        if B > 3:
+            part = list(spec_steps(target, ScriptedDrafter(full, VOCAB, right=2), prompt, block_size=B, max_tokens=N))
+            assert _tokens(part) == ref
+            assert all(s.accepted == min(2, s.drafted) for s in part[1:] if not s.finish_reason)
+
+
+def test_cache_offset_tracks_committed_tokens(target_model):
+    model, cfg, refs = target_model
+    target = Target(model, [0])
+    full = SHORT + refs[tuple(SHORT)]
+    seen = []
+    orig = target.make_cache
+
+    def spy():
+        c = orig()
+        seen.append(c)
+        return c
+
+    target.make_cache = spy
+    n = 0
+    for s in spec_steps(target, ScriptedDrafter(full, VOCAB, right=3), SHORT, block_size=8, max_tokens=N):
+        n += len(s.tokens)
+        # the cache holds the prompt and every committed token except the newest (next anchor)
+        assert seen[0][0].offset == len(SHORT) + n - 1
+
+
+def test_eos_mid_block_and_max_tokens(target_model):
+    model, cfg, refs = target_model
+    ref = refs[tuple(SHORT)]
+    target = Target(model, [0])
+    full = SHORT + ref
+    eos = ref[10]
+    first = ref.index(eos)
+    steps = list(spec_steps(target, ScriptedDrafter(full, VOCAB), SHORT, block_size=8,
+                            max_tokens=N, eos_ids=[eos]))
+    assert _tokens(steps) == ref[: first + 1]
+    assert steps[-1].finish_reason == "stop"
+    for m in (1, 2, 7, 8, 9):
+        steps = list(spec_steps(target, ScriptedDrafter(full, VOCAB), SHORT, block_size=8, max_tokens=m))
+        assert _tokens(steps) == ref[:m]
+        assert steps[-1].finish_reason == "length"
+
+
+def test_taps_are_layer_outputs(target_model):
+    """Tap j must be the output of decoder layer j (HF hidden_states[j+1]); off-by-one fails."""
+    model, cfg, _ = target_model
+    target = Target(model, [0, 2])
+    ids = mx.array([SHORT])
+    out = target(ids, target.make_cache())
+    h = model.model.embed_tokens(ids)
+    from mlx_lm.models.base import create_attention_mask
+
+    mask = create_attention_mask(h, None)
+    outs = []
+    for layer in model.model.layers:
+        h = layer(h, mask, cache=None)
+        outs.append(h)
+    H = cfg["hidden_size"]
+    assert mx.allclose(out.hidden[..., :H], outs[0], atol=1e-5)
+    assert mx.allclose(out.hidden[..., H:], outs[2], atol=1e-5)
+    assert not mx.allclose(out.hidden[..., H:], outs[1], atol=1e-3)
+    assert mx.allclose(out.logits, model(ids), atol=1e-4)
