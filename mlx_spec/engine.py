@@ -1,0 +1,320 @@
+"""The engine thread: the one thread that owns every MLX array, model and cache.
+
+MLX streams are thread-local (mlx >= 0.31.2), so the TUI and the server never touch MLX: they
+``submit`` a ``Request`` and read plain-value events (``Started``, ``Delta``, ``Done``,
+``Failed``) from a ``Handle``, blocking (``for ev in handle``) or async (``async for``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import BadRequest, MlxSpecError
+
+LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
+
+
+class EngineBusy(MlxSpecError):
+    """The request queue is full; retry later."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str | None = None
+    messages: list[dict] | None = None  # chat; goes through the chat template
+    prompt_ids: tuple[int, ...] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: list | None = None
+    speculate: bool = True  # False: plain decoding for an A/B (only changes a pair with a drafter)
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+    prompt_tokens: int
+    engine: dict
+
+
+@dataclass(frozen=True)
+class Delta:
+    request_id: str
+    text: str
+    tokens: tuple[int, ...]
+    drafted: int
+    accepted: int
+    stats: dict  # running Stats.as_dict()
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: str
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    engine: dict
+    stats: dict
+    timings: dict  # llama.cpp-style counters (see README)
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    error: str
+    kind: str  # exception class name, e.g. "BadRequest", "ContextTooLong"
+
+
+class Handle:
+    """Events of one request. Iterate (blocking) or ``async for``; ``cancel()`` any time."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self._q: queue.Queue = queue.Queue()
+        self._loop = loop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self.cancelled = threading.Event()
+
+    def _put(self, ev) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+        else:
+            self._q.put(ev)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self):
+        while True:
+            ev = self._q.get()
+            yield ev
+            if isinstance(ev, (Done, Failed)):
+                return
+
+    async def __aiter__(self):
+        while True:
+            ev = await self._aq.get()
+            yield ev
+            if isinstance(ev, (Done, Failed)):
+                return
+
+    def result(self) -> Done:
+        """Block until done; raise on failure."""
+        last = None
+        for ev in self:
+            last = ev
+        if isinstance(last, Failed):
+            raise MlxSpecError(f"{last.kind}: {last.error}")
+        return last
+
+
+def timings(stats, block_size: int) -> dict:
+    return {
+        "prompt_n": stats.prompt_tokens,
+        "prompt_ms": round(stats.prefill_ms, 3),
+        "predicted_n": stats.tokens,
+        "predicted_ms": round(stats.prefill_ms + stats.decode_ms, 3),
+        "predicted_per_second": round(stats.end_to_end_tps, 3),
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+        "draft_rounds": stats.cycles if stats.drafted else 0,
+        "block_size": block_size,
+    }
+
+
+class Engine:
+    """Owns a pair on its own thread. ``loader`` runs on that thread and returns
+    ``(pair, info)`` where info is a ``generation.EngineInfo``."""
+
+    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, context_length: int | None = None):
+        self._loader = loader
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.state = LOADING
+        self.error: str | None = None
+        self.info = None  # EngineInfo once ready
+        self.context_length = context_length
+        self._ready = threading.Event()
+        self._pair = None
+        self.counters = {"requests": 0, "errors": 0, "tokens": 0, "prompt_tokens": 0, "drafted": 0,
+                         "accepted": 0, "cycles": 0, "cancelled": 0}
+        self.accepted_by_position: list[int] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine still loading")
+        if self.state == FAILED:
+            raise MlxSpecError(self.error)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+        self.state = CLOSED
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._jobs.qsize()
+
+    # -- API for other threads ---------------------------------------------------------------
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        if self.state not in (LOADING, READY):
+            raise MlxSpecError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""))
+        handle = Handle(request, loop)
+        try:
+            self._jobs.put_nowait(("gen", handle))
+        except queue.Full:
+            raise EngineBusy(f"request queue full ({self._jobs.maxsize} waiting)") from None
+        return handle
+
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run ``fn(pair)`` on the engine thread (tuning, verify, plans). Returns a Future."""
+        fut: Future = Future()
+        try:
+            self._jobs.put_nowait(("call", (fn, fut)))
+        except queue.Full:
+            raise EngineBusy("request queue full") from None
+        return fut
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._pair, self.info = self._loader()
+            self.state = READY
+        except BaseException as e:  # the UI/server must see why loading failed
+            self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
+        finally:
+            self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, payload = job
+            if self.state != READY:
+                if kind == "gen":
+                    payload._put(Failed(payload.request.id, self.error or "engine not ready", "EngineFailed"))
+                else:
+                    payload[1].set_exception(MlxSpecError(self.error or "engine not ready"))
+                continue
+            if kind == "call":
+                fn, fut = payload
+                try:
+                    fut.set_result(fn(self._pair))
+                except BaseException as e:
+                    fut.set_exception(e)
+            else:
+                self._generate(payload)
+
+    def _generate(self, handle: Handle) -> None:
+        from .generation import GenConfig, Result, engine_info, generate
+        from .sampling import SamplingConfig
+        from .text import encode_prompt
+
+        req, pair = handle.request, self._pair
+        rid = req.id
+        with self._lock:
+            self.counters["requests"] += 1
+        try:
+            if handle.cancelled.is_set():
+                raise _Cancelled()
+            try:
+                cfg = GenConfig(max_tokens=req.max_tokens, stop=tuple(req.stop),
+                                sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            info = self.info
+            if not req.speculate and info.method != "plain":
+                info = engine_info(_plain_view(pair))
+            if req.prompt_ids is not None:
+                ids = list(req.prompt_ids)
+            else:
+                ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools)
+            if not ids:
+                raise BadRequest("empty prompt")
+            if self.context_length and len(ids) + req.max_tokens > self.context_length:
+                from .errors import ContextTooLong
+
+                raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
+                                     f"exceeds the context length {self.context_length}")
+            handle._put(Started(rid, len(ids), info.as_dict()))
+            result = Result()
+            finish = None
+            for chunk in generate(_plain_view(pair) if info.method == "plain" else pair, info, ids, cfg, result):
+                s = chunk.step
+                handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.as_dict()))
+                self._count(s)
+                if handle.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+            finish = finish or result.finish_reason or "length"
+            if finish == "cancelled":
+                with self._lock:
+                    self.counters["cancelled"] += 1
+            st = result.stats
+            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info.as_dict(),
+                             st.as_dict(), timings(st, info.block_size)))
+            with self._lock:
+                self.counters["prompt_tokens"] += len(ids)
+        except _Cancelled:
+            handle._put(Done(rid, "", "cancelled", 0, 0, self.info.as_dict(), {}, {}))
+        except Exception as e:
+            with self._lock:
+                self.counters["errors"] += 1
+            handle._put(Failed(rid, str(e), type(e).__name__))
+
+    def _count(self, step) -> None:
+        with self._lock:
+            c = self.counters
+            c["tokens"] += len(step.tokens)
+            if not step.prefill:
+                c["cycles"] += 1 if step.drafted else 0
+                c["drafted"] += step.drafted
+                c["accepted"] += step.accepted
+                while len(self.accepted_by_position) < step.drafted:
+                    self.accepted_by_position.append(0)
+                for k in range(step.accepted):
+                    self.accepted_by_position[k] += 1
+
+    def snapshot(self) -> dict:
+        """Counters for /metrics and the UI (plain values)."""
+        with self._lock:
+            return {**self.counters, "accepted_by_position": list(self.accepted_by_position),
+                    "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _plain_view(pair):
+    """The same loaded pair seen without its drafter (plain decoding for an A/B)."""
+    from dataclasses import replace
+
+    return replace(pair, drafter=None, target=None, drafter_id=None)

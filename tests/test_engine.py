@@ -1,0 +1,83 @@
+"""The engine thread: plain-value events, cancel, failures arrive as Failed."""
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+from helpers import save_tiny_pair
+
+from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
+from mlx_spec.generation import engine_info
+from mlx_spec.loading import load_pair
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return pair, engine_info(pair, 4, "flag")
+
+    with Engine(loader) as e:
+        e.wait_ready(60)
+        yield e
+
+
+def _no_arrays(x):
+    if isinstance(x, mx.array):
+        return False
+    if dataclasses.is_dataclass(x):
+        return all(_no_arrays(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, dict):
+        return all(_no_arrays(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return all(_no_arrays(v) for v in x)
+    return True
+
+
+def test_events_are_plain_values_and_sequential_requests(engine):
+    texts = []
+    for _ in range(2):
+        evs = list(engine.submit(Request(prompt="hello", max_tokens=12)))
+        assert isinstance(evs[0], Started) and isinstance(evs[-1], Done)
+        assert all(_no_arrays(e) for e in evs)
+        done = evs[-1]
+        assert done.completion_tokens == 12 and done.finish_reason == "length"
+        assert done.engine["method"] == "dflash2" and done.engine["block_size"] == 4
+        assert done.timings["draft_n"] > 0 and done.timings["draft_rounds"] > 0
+        assert "".join(e.text for e in evs if isinstance(e, Delta)) == done.text
+        texts.append(done.text)
+    assert texts[0] == texts[1]
+
+
+def test_plain_ab_gives_same_greedy_text(engine):
+    spec = engine.submit(Request(messages=[{"role": "user", "content": "hi"}], max_tokens=10)).result()
+    plain = engine.submit(Request(messages=[{"role": "user", "content": "hi"}], max_tokens=10, speculate=False)).result()
+    assert plain.engine["method"] == "plain" and plain.timings["draft_n"] == 0
+    assert spec.text == plain.text
+
+
+def test_cancel_and_failure(engine):
+    h = engine.submit(Request(prompt="abc", max_tokens=200))
+    seen = []
+    for ev in h:
+        seen.append(ev)
+        if isinstance(ev, Delta):
+            h.cancel()
+    assert isinstance(seen[-1], Done) and seen[-1].finish_reason == "cancelled"
+    assert seen[-1].completion_tokens < 200
+    bad = list(engine.submit(Request(prompt="abc", max_tokens=0)))
+    assert isinstance(bad[-1], Failed) and bad[-1].kind == "BadRequest"
+    # still serving
+    assert engine.submit(Request(prompt="abc", max_tokens=3)).result().completion_tokens == 3
+
+
+def test_loader_failure_is_reported():
+    def boom():
+        raise ValueError("drafter is broken")
+
+    e = Engine(boom).start()
+    with pytest.raises(Exception, match="drafter is broken"):
+        e.wait_ready(10)
+    e.close()
