@@ -1,0 +1,82 @@
+"""`mlx_spec generate` end to end on tiny models saved to disk."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import greedy_reference, save_tiny_pair
+
+from mlx_spec.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
+    from mlx_lm import load
+
+    t, d = pair_dirs
+    model, tok = load(str(t))
+    prompt_ids = tok.encode("hello world")
+    ref = greedy_reference(model, prompt_ids, 24)
+    ref_text = tok.decode([x for x in ref if x not in tok.eos_token_ids])
+    for B in (2, 4, 8):
+        out = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
+                             "--max-tokens", "24", "--block-size", str(B), "--json"])
+        assert out["text"] == ref_text
+        assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
+                                 "block_size_source": "flag", "target": str(t)}
+        s = out["stats"]
+        assert s["cycles"] > 0 and s["drafted"] > 0
+        for k in ("cycles", "drafted", "accepted", "mean_acceptance_length", "acceptance_rate",
+                  "acceptance_by_position", "draft_ms", "verify_ms", "prefill_tps", "decode_tps"):
+            assert k in s
+        assert len(s["acceptance_by_position"]) == B - 1
+        assert out["prompt_tokens"] == len(prompt_ids)
+    plain = _json(capsys, ["generate", "--target", str(t), "--no-draft", "--prompt", "hello world",
+                           "--max-tokens", "24", "--json"])
+    assert plain["text"] == ref_text and plain["engine"]["method"] == "plain"
+    assert plain["stats"]["drafted"] == 0
+
+
+def test_chat_template_and_stop(pair_dirs, capsys):
+    t, d = pair_dirs
+    full = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--chat", "--prompt", "hi",
+                          "--max-tokens", "30", "--json"])
+    assert full["engine"]["block_size_source"] == "checkpoint"
+    text = full["text"]
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--chat", "--prompt", "hi",
+                             "--max-tokens", "30", "--stop", stop, "--json"])
+        assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_no_silent_fallback(pair_dirs, tmp_path, capsys):
+    t, d = pair_dirs
+    # a target other than the default without a drafter: refuse, name the fix
+    assert main(["generate", "--target", str(t), "--prompt", "x", "--max-tokens", "2"]) == 1
+    assert "--no-draft" in capsys.readouterr().err
+    # a broken drafter: refuse, never plain
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "--target", str(t), "--drafter", str(tmp_path), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "not a DFlash drafter" in err
+    assert main(["generate", "--target", str(t), "--drafter", str(d), "--prompt", "x", "--block-size", "1"]) == 1
+    assert "block size must be >= 2" in capsys.readouterr().err
+
+
+def test_console_script_streams(pair_dirs):
+    t, d = pair_dirs
+    r = subprocess.run([sys.executable, "-m", "mlx_spec", "generate", "--target", str(t), "--drafter", str(d),
+                        "--prompt", "abc", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "engine: dflash2 speculative decoding" in r.stderr and "tau" in r.stderr
