@@ -4,7 +4,7 @@ The drafter reads fused target features (outputs of ``target_layer_ids``) as att
 and denoises a block ``[anchor, MASK x (L-1)]`` in one pass. It owns no embedding or LM head:
 those are the target's, shared and frozen (``bind``). DFlash 2 adds a two-tap grouped dynamic
 convolution around each sublayer and a candidate selector (path walk over the top-K lattice).
-See docs/dflash.md for the maths and the checkpoint layout.
+See docs/dflash.md for the maths, the checkpoint layout and our decisions.
 """
 
 from __future__ import annotations
