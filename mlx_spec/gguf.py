@@ -11,7 +11,6 @@ permutation, so the result is a plain Hugging Face-layout llama that uses mlx-lm
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections import Counter
@@ -303,20 +302,3 @@ def convert_gguf(
     )
     log.info("converted %s -> %s (%d tensors, dtype=%s)", gguf_path, out_dir, len(weights), dtype)
     return out_dir
-
-
-def main_convert(args: Sequence[str] | None = None) -> Path:
-    """`mlx_spec convert FILE.gguf OUT/ [--dtype float32|keep]`; returns the output folder."""
-    parser = argparse.ArgumentParser(
-        prog="mlx_spec convert", description="Convert a llama GGUF to MLX."
-    )
-    parser.add_argument("gguf", type=Path, help="the .gguf file")
-    parser.add_argument("out", type=Path, help="output folder (loadable with mlx_lm.load)")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "keep"),
-        default="float32",
-        help="float32: dequantize everything; keep: keep 4/8-bit weights quantized",
-    )
-    ns = parser.parse_args(args)
-    return convert_gguf(ns.gguf, ns.out, dtype=ns.dtype)

@@ -16,7 +16,7 @@ from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlx_spec.errors import CheckpointError, UnsupportedModel
-from mlx_spec.gguf import convert_gguf, main_convert, map_weights, quant_bits, read_gguf
+from mlx_spec.gguf import convert_gguf, map_weights, quant_bits, read_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -318,8 +318,10 @@ def test_refuses_unknown_pre_tokenizer(tmp_path, tk, source):
         convert_gguf(tmp_path / "p.gguf", tmp_path / "out")
 
 
-def test_main_convert(tmp_path, converted):
-    out = main_convert(
-        [str(converted.parent / "tiny.gguf"), str(tmp_path / "cli"), "--dtype", "keep"]
-    )
-    assert out == tmp_path / "cli" and (out / "model.safetensors").is_file()
+def test_convert_command(tmp_path, converted):
+    from mlx_spec.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["convert", str(converted.parent / "tiny.gguf"), str(out), "--dtype", "keep"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert main(["convert", str(tmp_path / "missing.gguf"), str(out)]) == 1
