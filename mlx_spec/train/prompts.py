@@ -1,0 +1,212 @@
+"""Offline training prompts: a seeded mix of code, prose and math, or a user's JSONL.
+
+Nothing is downloaded. Code prompts come from the public functions of common standard-library
+modules (name, signature, first docstring line) and from small task templates; prose prompts from
+module docstrings and general-knowledge templates; math prompts are word problems with random
+numbers. The same seed and Python version give the same list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadRequest
+
+STDLIB_MODULES = (
+    "abc", "argparse", "base64", "bisect", "calendar", "collections", "colorsys", "copy", "csv",
+    "dataclasses", "datetime", "difflib", "enum", "filecmp", "fnmatch", "fractions", "functools",
+    "glob", "gzip", "hashlib", "heapq", "html", "http.client", "inspect", "io", "itertools", "json",
+    "logging", "math", "operator", "os", "os.path", "pathlib", "pickle", "pprint", "queue", "random",
+    "re", "sched", "secrets", "shlex", "shutil", "socket", "sqlite3", "statistics", "string",
+    "struct", "subprocess", "tempfile", "textwrap", "threading", "time", "timeit", "tokenize",
+    "typing", "unicodedata", "urllib.parse", "uuid", "weakref", "zipfile", "zlib",
+)
+
+CODE_TASKS = (
+    "reverses the words in a sentence", "checks whether a string is a palindrome",
+    "counts the vowels in a string", "returns the n-th Fibonacci number",
+    "removes duplicates from a list while keeping the order", "flattens a nested list",
+    "merges two sorted lists into one sorted list", "computes the factorial of a number",
+    "checks whether a number is prime", "finds the second largest number in a list",
+    "groups a list of words by their first letter", "converts a Roman numeral to an integer",
+    "returns the most common element of a list", "splits a list into chunks of size n",
+    "computes the greatest common divisor of two numbers", "transposes a matrix given as a list of lists",
+    "counts the words in a text file", "validates an email address with a regular expression",
+    "converts Celsius to Fahrenheit", "computes the running average of a list of numbers",
+    "finds all anagrams of a word in a list", "rotates a list by k positions",
+    "implements binary search on a sorted list", "returns the prime factors of an integer",
+    "parses a CSV line into a list of fields", "capitalizes the first letter of every word",
+    "computes the dot product of two vectors", "checks whether brackets in a string are balanced",
+    "sorts a list of dictionaries by a given key", "computes the median of a list",
+    "returns the longest common prefix of a list of strings", "converts a decimal number to binary",
+    "implements a simple stack class with push and pop", "implements a queue using two stacks",
+    "reads a JSON file and returns the parsed object", "counts character frequencies in a string",
+    "checks whether two strings are anagrams", "generates all permutations of a list",
+    "computes the sum of digits of a number", "finds the missing number in a list from 1 to n",
+)
+
+CODE_TEMPLATES = (
+    "Write a Python function that {task}.",
+    "Write a short Python function that {task}. Include a docstring.",
+    "How would you write a Python function that {task}? Show the code.",
+    "Write a Python function that {task}, then show an example call.",
+    "Implement a function in Python that {task}.",
+)
+
+TOPICS = (
+    "photosynthesis", "the water cycle", "gravity", "a rainbow", "the seasons", "volcanoes",
+    "earthquakes", "the immune system", "vaccines", "electricity", "magnets", "the internet",
+    "a computer processor", "a hash table", "recursion", "compound interest", "inflation",
+    "supply and demand", "democracy", "the printing press", "the Roman Empire", "the moon's phases",
+    "black holes", "DNA", "evolution", "climate change", "renewable energy", "batteries",
+    "airplanes flying", "sound waves", "light", "the human heart", "sleep", "exercise",
+    "a healthy diet", "bees", "coral reefs", "rain forests", "deserts", "the ocean tides",
+    "version control with git", "unit testing", "encryption", "a database index", "machine learning",
+    "neural networks", "the stock market", "taxes", "time zones", "the metric system",
+)
+
+PROSE_TEMPLATES = (
+    "Explain {topic} in simple terms.",
+    "What is {topic}? Answer in a short paragraph.",
+    "Give three interesting facts about {topic}.",
+    "Explain {topic} to a ten-year-old.",
+    "Write a short paragraph about why {topic} matters.",
+    "What are the main ideas behind {topic}?",
+)
+
+MODULE_TEMPLATES = (
+    "Explain what the Python module `{mod}` is for.",
+    "What is the Python `{mod}` module used for? Give an example.",
+    "Describe the Python standard library module `{mod}`. Its documentation starts: \"{doc}\"",
+)
+
+NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Sara", "Omar", "Mia", "Leo", "Nina", "Raj")
+ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "cards", "coins", "shells")
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    id: str
+    """Stable id: kind + index in the seeded list (or the JSONL line number)."""
+    kind: str
+    """code | prose | math | user"""
+    text: str
+
+
+def _first_line(doc: str | None) -> str:
+    line = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return line[:200]
+
+
+def stdlib_functions() -> list[tuple[str, str, str]]:
+    """(module, "name(signature)", first docstring line) of public stdlib functions."""
+    out = []
+    for name in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr, obj in sorted(vars(mod).items()):
+            if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
+                continue
+            doc = _first_line(obj.__doc__)
+            if len(doc) < 12:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            if len(sig) > 80:
+                continue
+            out.append((name, f"{attr}{sig}", doc))
+    return out
+
+
+def stdlib_modules() -> list[tuple[str, str]]:
+    out = []
+    for name in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        doc = _first_line(mod.__doc__)
+        if doc:
+            out.append((name, doc))
+    return out
+
+
+def _math(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+    n1, n2 = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return f"{n1} has {a} {item} and buys {b} more. Then {n1} gives {c} to {n2}. How many {item} does {n1} have now?"
+    if kind == 1:
+        return f"{n1} has {a} {item}. {n2} has {c} times as many. How many {item} do they have together?"
+    if kind == 2:
+        return f"A box holds {c} {item}. How many boxes are needed for {a * c + rng.randint(1, c - 1)} {item}?"
+    if kind == 3:
+        return f"A train travels at {a + 20} km per hour for {c} hours. How far does it go?"
+    if kind == 4:
+        return f"A shirt costs ${a + 10}. It is on sale for {rng.choice((10, 20, 25, 50))}% off. What is the sale price?"
+    return f"{n1} reads {b} pages a day. How many days does it take to read a book of {b * c + a} pages?"
+
+
+def builtin_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25)) -> list[Prompt]:
+    """``n`` prompts: shares ``mix`` of (code, prose, math), shuffled with ``seed``."""
+    rng = random.Random(seed)
+    funcs, mods = stdlib_functions(), stdlib_modules()
+    n_code = round(n * mix[0])
+    n_prose = round(n * mix[1])
+    n_math = n - n_code - n_prose
+    code = []
+    fn_order = rng.sample(funcs, len(funcs))
+    for i in range(n_code):
+        if i % 2 == 0 and fn_order:
+            mod, sig, doc = fn_order[(i // 2) % len(fn_order)]
+            code.append(f"Write a Python function `{sig}` that does the following: {doc}")
+        else:
+            code.append(rng.choice(CODE_TEMPLATES).format(task=rng.choice(CODE_TASKS)))
+    prose = []
+    for i in range(n_prose):
+        if i % 3 == 0 and mods:
+            mod, doc = rng.choice(mods)
+            prose.append(rng.choice(MODULE_TEMPLATES).format(mod=mod, doc=doc))
+        else:
+            prose.append(rng.choice(PROSE_TEMPLATES).format(topic=rng.choice(TOPICS)))
+    math = [_math(rng) for _ in range(n_math)]
+    items = ([("code", t) for t in code] + [("prose", t) for t in prose] + [("math", t) for t in math])
+    rng.shuffle(items)
+    return [Prompt(f"{kind}-{i}", kind, text) for i, (kind, text) in enumerate(items)]
+
+
+def read_jsonl(path: str | Path) -> list[Prompt]:
+    """A JSONL of prompts: each line a string, or an object with "prompt" (or "text"/"messages")."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"{path}:{i + 1}: not JSON: {e}") from None
+        if isinstance(obj, dict):
+            if "messages" in obj:
+                text = next((m["content"] for m in reversed(obj["messages"]) if m.get("role") == "user"), None)
+            else:
+                text = obj.get("prompt", obj.get("text"))
+        else:
+            text = obj
+        if not isinstance(text, str) or not text.strip():
+            raise BadRequest(f"{path}:{i + 1}: no prompt text (want a string or {{\"prompt\": ...}})")
+        out.append(Prompt(f"user-{i}", "user", text))
+    return out
+
+
+__all__ = ["Prompt", "builtin_prompts", "read_jsonl", "stdlib_functions", "stdlib_modules"]
