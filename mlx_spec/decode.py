@@ -31,6 +31,7 @@ class Step:
     block_size: int = 1
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    rollback_ms: float = 0.0  # target cache rollback (hybrid targets: GDN state rebuild)
     elapsed_ms: float = 0.0  # wall time of the whole step, host work included
     prefill: bool = False
     prompt_tokens: int = 0
@@ -115,7 +116,7 @@ def spec_steps(
             pending.append(features)
             verify_in = anchor.reshape(1, 1)
         td = time.perf_counter()
-        out = target(verify_in, cache)
+        out = target(verify_in, cache, record=True)
         if sampling.temperature == 0:
             choice = mx.argmax(out.logits[0], axis=-1)
             mx.eval(choice, out.hidden)
@@ -127,6 +128,7 @@ def spec_steps(
             a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
         tv = time.perf_counter()
         target.rollback(cache, L, a + 1)
+        tr = time.perf_counter()
         pending.append(out.hidden[:, : a + 1])
         committed, reason = _finish(draft_list[:a] + [bonus], n, max_tokens, eos)
         n += len(committed)
@@ -135,7 +137,7 @@ def spec_steps(
             mx.clear_cache()
         yield Step(
             tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-            draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3,
+            draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3, rollback_ms=(tr - tv) * 1e3,
             elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
         )
 

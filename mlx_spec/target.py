@@ -3,26 +3,40 @@
 We run the decoder-layer loop ourselves (the same masks mlx-lm builds), so no mlx-lm class or
 instance is patched. ``taps`` are layer *outputs*: tap j is the output of decoder layer j,
 i.e. Hugging Face ``hidden_states[j + 1]``, before the final norm.
+
+Hybrid targets (qwen3_5, qwen3_5_moe, qwen3_next) mix GatedDeltaNet layers, whose recurrent cache
+cannot be trimmed, with attention layers. A verify pass called with ``record=True`` records the
+GDN inputs, and ``rollback`` rebuilds the GDN state of the accepted prefix (see hybrid.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UnsupportedModel
+from . import hybrid
+from .errors import MlxSpecError, UnsupportedModel
 
 # model_type -> layer-loop family. Dense families have only trimmable KVCache layers.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
+SUPPORTED = DENSE | hybrid.HYBRID
 
 
 class TargetOut(NamedTuple):
     logits: mx.array  # (B, T, V), or (B, 1, V) with last_only
     hidden: mx.array | None  # (B, T, n_taps * H) concat of tapped layer outputs
+
+
+class _Tape(NamedTuple):
+    """The GDN records of the latest ``record=True`` pass, bound to the cache it advanced."""
+
+    cache: list
+    length: int
+    records: dict  # layer index -> hybrid.GDNRecord
 
 
 def text_parts(model: nn.Module):
@@ -34,48 +48,89 @@ def text_parts(model: nn.Module):
     return inner, inner.embed_tokens, head, args
 
 
-class Target:
-    """Wraps an mlx-lm model. Hybrid families extend ``rollback`` (see hybrid.py)."""
+def _model_type(model: nn.Module) -> str | None:
+    mt = getattr(model, "model_type", None)
+    return mt or getattr(getattr(model, "args", None), "model_type", None)
 
-    def __init__(self, model: nn.Module, taps: Sequence[int] = ()):
+
+def _refusal(model: nn.Module, model_type: str | None) -> str:
+    msg = f"target architecture '{model_type}' is not supported for speculative decoding"
+    try:
+        problems = hybrid.rollback_problems(list(model.layers), make_prompt_cache(model))
+    except Exception:  # an unknown layout: the architecture name is all we can say
+        problems = []
+    if problems:
+        msg += ": " + "; ".join(problems)
+    return msg + f" (supported: {', '.join(sorted(SUPPORTED))})"
+
+
+class Target:
+    """Wraps an mlx-lm model.
+
+    Args:
+        model: an mlx-lm model of a supported architecture.
+        taps: decoder layers whose outputs the drafter reads.
+        restore: GDN rollback function (``hybrid.restore``); injectable so tests can break it.
+    """
+
+    def __init__(self, model: nn.Module, taps: Sequence[int] = (), *,
+                 restore: Callable[..., None] = hybrid.restore):
         self.model = model
-        self.model_type = getattr(model, "model_type", None) or model.args.model_type
-        if self.model_type not in DENSE:
-            raise UnsupportedModel(
-                f"target architecture '{self.model_type}' is not supported for speculative "
-                f"decoding (supported: {', '.join(sorted(DENSE))})"
-            )
+        self.model_type = _model_type(model)
+        if self.model_type not in SUPPORTED:
+            raise UnsupportedModel(_refusal(model, self.model_type))
         self.inner, self.embed, self.head, self.args = text_parts(model)
-        self.num_layers = len(self.inner.layers)
+        self.layers = list(self.inner.layers)  # the inner list: `model.layers` is a fresh slice
+        self.num_layers = len(self.layers)
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
         self.taps = tuple(taps)
         bad = [j for j in self.taps if not 0 <= j < self.num_layers]
         if bad:
             raise UnsupportedModel(f"tap layers {bad} out of range for a {self.num_layers}-layer target")
-        if getattr(self.inner, "swa_idx", None) is not None:
-            raise UnsupportedModel(
-                f"target '{self.model_type}' has sliding-window layers whose rotating cache cannot "
-                "be rolled back exactly"
-            )
+        problems = hybrid.rollback_problems(self.layers, make_prompt_cache(model))
+        if problems:
+            raise UnsupportedModel(f"target '{self.model_type}': " + "; ".join(problems))
+        self.gdn = {i for i, layer in enumerate(self.layers) if hybrid.is_gdn(layer)}
+        if self.gdn:
+            if getattr(self.inner, "pipeline_size", 1) > 1 or any(
+                getattr(self.layers[i].linear_attn, "sharding_group", None) is not None for i in self.gdn
+            ):
+                raise UnsupportedModel("pipelined or sharded hybrid targets are not supported")
+            hybrid.check_mirror(self.layers[min(self.gdn)], self.model_type)
+        self.restore = restore
+        self._tape: _Tape | None = None
 
     def make_cache(self) -> list[Any]:
-        cache = make_prompt_cache(self.model)
-        bad = {type(c).__name__ for c in cache if not isinstance(c, KVCache)}
-        if bad:
-            raise UnsupportedModel(f"cannot roll back target cache types {sorted(bad)}")
-        return cache
+        return make_prompt_cache(self.model)
 
-    def __call__(self, ids: mx.array, cache: list[Any], *, last_only: bool = False, taps: bool = True) -> TargetOut:
-        """ids (B, T) -> logits and tapped features, advancing ``cache`` by T."""
+    def __call__(self, ids: mx.array, cache: list[Any], *, last_only: bool = False, taps: bool = True,
+                 record: bool = False) -> TargetOut:
+        """ids (B, T) -> logits and tapped features, advancing ``cache`` by T.
+
+        ``record=True`` marks a verify pass: a later ``rollback`` may keep only a prefix of it.
+        """
         h = self.embed(ids)
-        mask = create_attention_mask(h, cache[0])
+        if self.gdn:
+            fa_mask = create_attention_mask(h, cache[self.inner.fa_idx])
+            ssm_mask = create_ssm_mask(h, cache[self.inner.ssm_idx])
+        else:
+            fa_mask, ssm_mask = create_attention_mask(h, cache[0]), None
+        records: dict[int, hybrid.GDNRecord] = {}
         feats = []
         want = set(self.taps) if taps else set()
-        for i, (layer, c) in enumerate(zip(self.inner.layers, cache)):
-            h = layer(h, mask, cache=c)
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if i not in self.gdn:
+                h = layer(h, fa_mask, cache=c)
+            elif record:
+                rec: list = []
+                h = hybrid.gdn_block(layer, h, ssm_mask, c, rec)
+                records[i] = rec[0]
+            else:
+                h = layer(h, ssm_mask, cache=c)
             if i in want:
                 feats.append(h)
+        self._tape = _Tape(cache, ids.shape[1], records) if record and self.gdn else None
         if last_only:
             h = h[:, -1:]
         logits = self.head(self.inner.norm(h))
@@ -86,8 +141,27 @@ class Target:
         return TargetOut(logits, hidden)
 
     def rollback(self, cache: list[Any], n_verified: int, n_keep: int) -> None:
-        """Drop the last ``n_verified - n_keep`` positions of a verify pass."""
+        """Keep the first ``n_keep`` positions of the last ``n_verified``-token pass, drop the rest.
+
+        Attention caches are trimmed; GDN caches are rebuilt from the ``record=True`` pass's tape.
+        """
+        tape, self._tape = self._tape, None
         n = n_verified - n_keep
-        if n > 0:
+        if n <= 0:
+            return
+        if not self.gdn:
             for c in cache:
                 c.trim(n)
+            return
+        if tape is None or tape.cache is not cache or tape.length != n_verified:
+            raise MlxSpecError(
+                "rolling back a hybrid target needs the verify pass to be run with record=True "
+                "on the same cache, immediately before"
+            )
+        gdn = sorted(self.gdn)
+        for i, c in enumerate(cache):
+            if i not in self.gdn:
+                c.trim(n)
+        self.restore([cache[i] for i in gdn], [tape.records[i] for i in gdn],
+                     [self.layers[i].linear_attn for i in gdn], n_keep)
+        mx.eval([cache[i].cache for i in gdn])
