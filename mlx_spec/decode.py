@@ -107,7 +107,7 @@ def spec_steps(
         pending.clear()
         key, kd, ka = mx.random.split(key, 3)
         if L > 1:
-            proposal = drafter.propose(anchor, features, dcache, L, sampling.temperature, kd)
+            proposal = drafter.propose(anchor, features, dcache, L, sampling, kd)
             mx.eval(proposal.tokens)
             drafts = proposal.tokens
             verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]

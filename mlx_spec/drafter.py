@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .sampling import SamplingConfig, sample_proposal
+
 DFLASH1 = "DFlashDraftModel"
 DFLASH2 = "DFlash2DraftModel"
 
@@ -323,18 +325,28 @@ class CandidateSelector(nn.Module):
         idx = mx.stack(picks)
         return mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0]
 
-    def walk_sample(self, cand, scores, temperature: float, key: mx.array):
-        """Sampled walk; returns tokens (P,), the chosen slot per position and q rows (P, K)."""
-        keys = mx.random.split(key, cand.shape[0])
-        j, picks, qs = 0, [], []
-        for p in range(cand.shape[0]):
-            row = scores[p, 0] if p == 0 else scores[p, j]
-            q = mx.softmax(row / temperature, axis=-1)
-            j = mx.random.categorical(row / temperature, key=keys[p])
+    def walk_sample(self, cand, scores, temperature: float, key: mx.array, n: int | None = None):
+        """Sampled walk at ``temperature`` only (no top-p/top-k: the reference's rule).
+
+        Returns tokens (P,), the chosen slot per position (P,) and q (P, K), the distribution
+        each slot was drawn from given the previous pick; with ``n``, n independent walks:
+        (n, P), (n, P), (n, P, K).
+        """
+        P, K = cand.shape
+        keys = mx.random.split(key, P)
+        rows = mx.broadcast_to(scores[0, 0], (n or 1, K))  # predecessor = the anchor
+        picks, qs = [], []
+        for p in range(P):
+            if p > 0:
+                rows = scores[p][j]  # (n, K): the row of each walk's previous pick
+            logits = rows / temperature
+            qs.append(mx.softmax(logits, axis=-1))
+            j = mx.random.categorical(logits, key=keys[p])  # (n,)
             picks.append(j)
-            qs.append(q)
-        idx = mx.stack(picks)
-        return mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], idx, mx.stack(qs)
+        idx = mx.stack(picks, axis=1)  # (n, P)
+        tokens = mx.take_along_axis(mx.broadcast_to(cand, (idx.shape[0], P, K)), idx[..., None], axis=-1)[..., 0]
+        q = mx.stack(qs, axis=1)
+        return (tokens[0], idx[0], q[0]) if n is None else (tokens, idx, q)
 
 
 class Proposal(NamedTuple):
@@ -408,31 +420,51 @@ class Drafter(nn.Module):
         features: mx.array | None,
         cache: list[ContextCache],
         block_size: int,
-        temperature: float = 0.0,
+        sampling: SamplingConfig | float = 0.0,
         key: mx.array | None = None,
     ) -> Proposal:
-        """Draft ``block_size - 1`` tokens after ``anchor`` (a () or (1,) int array)."""
+        """Draft ``block_size - 1`` tokens after ``anchor`` (a () or (1,) int array).
+
+        ``sampling`` is the request's SamplingConfig (a float is a bare temperature). At T > 0
+        the proposal carries q, the exact distribution each draft was drawn from (see sample).
+        """
+        cfg = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(float(sampling))
         mask_id = self.args.mask_token_id
         block = mx.concatenate(
             [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
         )[None]
         h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
         unary = self.logits(h)  # (L-1, V)
+        if cfg.greedy:
+            if "candidate_selector" in self:
+                sel = self.candidate_selector
+                return Proposal(sel.walk_greedy(*sel.lattice(h, unary, anchor.reshape(()))), None)
+            return Proposal(mx.argmax(unary, axis=-1), None)
+        return Proposal(*self.sample(h, unary, anchor, cfg, key))
+
+    def sample(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
+               key: mx.array, n: int | None = None):
+        """Sampled drafts (T > 0) and their realized proposal distribution q.
+
+        DFlash 2: the selector's walk at the temperature only; q is sparse over the K candidates
+        of each position, scattered into vocab space. DFlash 1: independent draws per position
+        from the target's own rule (temperature, top-p, top-k) applied to the drafter's logits,
+        as the reference does; drafts outside the target's top-p/top-k would be rejected anyway.
+
+        h (P, H), unary (P, V). Returns tokens (P,) and q (P, V); with ``n``, n independent
+        proposals: (n, P) and (n, P, V).
+        """
         if "candidate_selector" in self:
             sel = self.candidate_selector
             cand, scores = sel.lattice(h, unary, anchor.reshape(()))
-            if temperature == 0:
-                return Proposal(sel.walk_greedy(cand, scores), None)
-            tokens, _, qk = sel.walk_sample(cand, scores, temperature, key)
-            # Sparse q over the K candidates, scattered to vocab space (duplicates cannot occur).
-            q = mx.zeros(unary.shape, mx.float32)
-            q = mx.put_along_axis(q, cand, qk, axis=-1)
-            return Proposal(tokens, q)
-        if temperature == 0:
-            return Proposal(mx.argmax(unary, axis=-1), None)
-        logits = unary.astype(mx.float32) / temperature
-        tokens = mx.random.categorical(logits, key=key)
-        return Proposal(tokens, mx.softmax(logits, axis=-1))
+            tokens, _, qk = sel.walk_sample(cand, scores, cfg.temperature, key, n or 1)
+            m, (P, K) = qk.shape[0], cand.shape
+            # candidates are distinct ids (argpartition), so the scatter never collides
+            q = mx.put_along_axis(mx.zeros((m, P, unary.shape[-1]), mx.float32),
+                                  mx.broadcast_to(cand, (m, P, K)), qk, axis=-1)
+            return (tokens[0], q[0]) if n is None else (tokens, q)
+        tokens, q = sample_proposal(unary, cfg, key, n)
+        return (tokens, q) if n is None else (tokens, mx.broadcast_to(q, (n, *q.shape)))
 
 
 def parameter_names(model: nn.Module) -> dict[str, tuple[int, ...]]:

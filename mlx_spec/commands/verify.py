@@ -1,0 +1,60 @@
+"""`mlx_spec verify`: greedy speculative output must equal greedy plain output, token for token.
+
+Exit status: 0 when every prompt is identical or a numeric near tie, 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..cli import add_model_args
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL prompts, one object per line with 'prompt' or 'messages' (default: built-in set)")
+    p.add_argument("--block-sizes", default=None, metavar="B,B,...",
+                   help="block sizes to check, e.g. 2,4,8 (default: --block-size, else the drafter checkpoint's; never tunes)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="near-tie tolerance in logits (default: derived from the logits' dtype and size)")
+    p.add_argument("--json", action="store_true", help="print one JSON report at the end")
+
+
+def _sizes(args) -> tuple[int, ...] | None:
+    from ..errors import BadRequest
+
+    if args.block_sizes is None:
+        return None
+    try:
+        return tuple(int(x) for x in args.block_sizes.split(",") if x.strip())
+    except ValueError:
+        raise BadRequest(f"--block-sizes expects comma-separated integers (got {args.block_sizes!r})") from None
+
+
+def run(args) -> int:
+    from ..errors import BadRequest
+    from ..pair import open_pair
+    from ..prompts import BUILTIN, load_prompts
+    from ..verify import check
+
+    if args.no_draft:
+        raise BadRequest("verify compares speculative with plain decoding; it cannot run with --no-draft")
+    sizes = _sizes(args)
+    prompts = load_prompts(args.prompts) if args.prompts else list(BUILTIN)
+    pair = open_pair(args, log=lambda m: print(m, file=sys.stderr))
+    if sizes is None and args.block_size is not None:
+        sizes = (args.block_size,)
+    n = len(prompts) * len(sizes or (pair.drafter.args.block_size,))
+    print(f"verify: {n} runs, greedy, up to {args.max_tokens} tokens each", file=sys.stderr)
+    report = check(pair, prompts, sizes, args.max_tokens, tol=args.tolerance,
+                   progress=None if args.json else (lambda r: print(r.describe(), flush=True)))
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(report.summary())
+    if not report.ok:
+        print("verify: speculative decoding changed the output (see 'mismatch' above)", file=sys.stderr)
+    return 0 if report.ok else 1
