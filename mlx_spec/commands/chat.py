@@ -1,0 +1,46 @@
+"""`mlx_spec chat`: the Textual chat UI (tui/) over the engine thread."""
+
+from __future__ import annotations
+
+import sys
+
+from ..cli import add_model_args
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system prompt for the conversation")
+    p.add_argument("--export-dir", default=".", help="where F4 writes the chat as markdown (default: .)")
+
+
+def run(args) -> int:
+    from ..errors import BadRequest
+    from ..sampling import SamplingConfig
+
+    if args.max_tokens < 1:
+        raise BadRequest(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    try:
+        SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    from tui.app import SpecChatApp
+    from tui.backend import LocalBackend, Settings
+
+    settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed)
+    backend = LocalBackend.from_args(args)
+    app = SpecChatApp(backend, settings, system=args.system, export_dir=args.export_dir)
+    try:
+        app.run()
+    finally:
+        backend.close()
+    rc = app.return_code
+    if rc is None:  # the app never started or crashed before exiting
+        print("mlx_spec chat: error: the UI stopped unexpectedly", file=sys.stderr)
+        return 1
+    return rc

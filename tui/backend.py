@@ -1,0 +1,384 @@
+"""What the chat UI talks to: a ``Backend`` that streams plain-value events.
+
+``LocalBackend`` wraps ``mlx_spec.engine.Engine``: the engine thread does all MLX work, the UI's
+worker threads only iterate a ``Handle``. ``FakeBackend`` (tui/fake_backend.py) plays scripted
+events without MLX, for the UI tests. The events are the engine's own ``Started``, ``Delta``,
+``Done`` and ``Failed`` dataclasses (importing ``mlx_spec.engine`` does not import MLX).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Protocol
+
+from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
+from mlx_spec.errors import MlxSpecError
+
+log = logging.getLogger(__name__)
+
+Event = Started | Delta | Done | Failed
+Progress = Callable[[float, str], None]  # (fraction done 0..1, what is happening)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Per-request knobs the UI sends with every turn."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    speculate: bool = True
+    """False: plain decoding of the same target, for an A/B against speculation."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Working-set numbers in bytes. ``kv`` is estimated for ``context_tokens`` of context."""
+
+    used: int  # MLX active + allocator cache, now
+    peak: int  # MLX peak since the last reply started
+    budget: int
+    budget_source: str
+    target: int
+    drafter: int
+    kv: int
+    context_tokens: int
+    swap_used: int
+    swap_total: int
+    rss: int
+
+    @property
+    def other(self) -> int:
+        return max(0, self.used - self.target - self.drafter - self.kv)
+
+    @property
+    def fraction(self) -> float:
+        """Share of the budget taken by the larger of now and the last reply's peak."""
+        return max(self.used, self.peak) / self.budget if self.budget else 0.0
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    block_size: int  # 1 = plain decoding
+    tokens_per_s: float | None  # None: ranked out by the cost model, not raced
+    speedup: float | None  # measured (or predicted, see note) against plain decoding
+    tau: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TuneView:
+    """A tuner result as the UI shows it."""
+
+    best: int  # 1: "off", plain decoding is faster on this machine
+    baseline_tps: float | None  # plain decoding tok/s of this target, same prompts
+    rows: tuple[TuneRow, ...]
+    date: str  # YYYY-MM-DD
+    source: str  # the block size's source, as the header shows it
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool  # no mismatch (a numeric near tie is ok)
+    verdict: str  # "identical" | "numeric" | "mismatch"
+    tokens: int
+    detail: str
+
+
+class Backend(Protocol):
+    def start(self, progress: Progress | None = None) -> dict: ...
+    """Block until loaded (``progress`` hears first-launch tuning); raise on failure."""
+    @property
+    def info(self) -> dict | None: ...  # EngineInfo.as_dict()
+    def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]: ...
+    def cancel(self) -> None: ...
+    def memory(self) -> Memory | None: ...
+    def tuner_unavailable(self) -> str | None: ...  # None when the tuner can run
+    def stored_tune(self) -> TuneView | None: ...
+    def retune(self, progress: Progress) -> TuneView: ...
+    def check_unavailable(self) -> str | None: ...
+    def check(self, messages: list[dict], settings: Settings) -> CheckResult: ...
+    def close(self) -> None: ...
+
+
+def request_for(messages: list[dict], settings: Settings) -> Request:
+    return Request(messages=[dict(m) for m in messages], max_tokens=settings.max_tokens,
+                   temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                   seed=settings.seed, speculate=settings.speculate)
+
+
+def compare_tokens(spec: list[int], plain: list[int]) -> CheckResult:
+    """Greedy speculative output must equal plain output token for token."""
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            return CheckResult(False, "mismatch", i, f"first difference at token {i}: "
+                               f"speculative {a}, plain {b}")
+    if len(spec) != len(plain):
+        return CheckResult(False, "mismatch", min(len(spec), len(plain)),
+                           f"lengths differ: speculative {len(spec)}, plain {len(plain)} tokens")
+    return CheckResult(True, "identical", len(spec), f"{len(spec)} tokens, speculative == plain")
+
+
+# -- MLX-side probes: each runs on the engine thread via Engine.call ---------------------------
+def _static_sizes(pair) -> dict:
+    """Weight bytes and KV bytes per token of the loaded pair."""
+    from mlx.utils import tree_flatten
+
+    def nbytes(module) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+    def kv_per_token(args, width: int) -> int:
+        layers = getattr(args, "num_hidden_layers", 0)
+        heads = getattr(args, "num_attention_heads", 1) or 1
+        kvh = getattr(args, "num_key_value_heads", None) or heads
+        hd = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+        return 2 * layers * kvh * hd * width
+
+    model = pair.model
+    width = next(v.dtype.size for _, v in tree_flatten(model.parameters()))
+    out = {"target": nbytes(model), "drafter": 0, "target_kv": 0, "drafter_kv": 0}
+    if getattr(model, "args", None) is not None:
+        out["target_kv"] = kv_per_token(model.args, width)
+    if pair.drafter is not None:
+        out["drafter"] = nbytes(pair.drafter)
+        out["drafter_kv"] = kv_per_token(pair.drafter.args, width)
+    return out
+
+
+def _live_memory(pair) -> dict:
+    """mlx_spec.memory.live() where it exists, else the MLX counters and psutil directly."""
+    try:
+        from mlx_spec.memory import live
+    except ImportError:
+        live = None
+    if live is not None:
+        return live()
+    import mlx.core as mx
+    import psutil
+
+    budget = mx.device_info().get("max_recommended_working_set_size")
+    source = "Metal recommended working set"
+    if not budget:
+        budget, source = psutil.virtual_memory().total, "physical memory"
+    swap = psutil.swap_memory()
+    return {"used": mx.get_active_memory() + mx.get_cache_memory(), "peak": mx.get_peak_memory(),
+            "budget": budget, "budget_source": source, "swap_used": swap.used, "swap_total": swap.total}
+
+
+def _clear_streams(pair) -> None:
+    """Last job on the engine thread (mlx >= 0.32: streams are per thread and must be cleared
+    before the interpreter exits, ml-explore/mlx#3126; otherwise exit can abort with 134)."""
+    import mlx.core as mx
+
+    mx.clear_streams()
+
+
+def _reset_peak(pair) -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+
+
+def read_memory(engine: Engine, sizes: dict, context_tokens: int, timeout: float = 5.0) -> Memory:
+    """The one place the UI's memory numbers come from (read on the engine thread)."""
+    import psutil
+
+    m = engine.call(_live_memory).result(timeout)
+    kv = (sizes["target_kv"] + sizes["drafter_kv"]) * context_tokens
+    return Memory(used=m["used"], peak=m["peak"], budget=m["budget"], budget_source=m["budget_source"],
+                  target=sizes["target"], drafter=sizes["drafter"], kv=kv,
+                  context_tokens=context_tokens, swap_used=m["swap_used"], swap_total=m["swap_total"],
+                  rss=psutil.Process().memory_info().rss)
+
+
+def _module_missing(name: str) -> bool:
+    return importlib.util.find_spec(name) is None
+
+
+# -- the tuner (mlx_spec/tuner.py) and the losslessness check (mlx_spec/verify.py) -------------
+def tune_view(result) -> TuneView:
+    """A ``tuner.TuneResult`` as the UI shows it."""
+    rows = tuple(TuneRow(c.block, c.median_tps, c.speedup if c.measured else c.predicted, c.tau,
+                         c.note or ("" if c.measured else "predicted")) for c in result.candidates)
+    plain = next((c.median_tps for c in result.candidates if c.block == 1 and c.measured), None)
+    return TuneView(result.best, plain, rows, result.date[:10], result.source)
+
+
+def _stored_tune(pair) -> TuneView | None:
+    from mlx_spec import tuner
+
+    result = tuner.load_result(tuner.tune_key(pair))
+    return tune_view(result) if result is not None else None
+
+
+def _retune(engine: Engine, budget_s: float, progress: Progress):
+    """An engine-thread job: tune, store, and switch the engine to the new block size."""
+
+    def job(pair) -> TuneView:
+        from mlx_spec import tuner
+        from mlx_spec.generation import engine_info
+
+        key = tuner.tune_key(pair)
+        result = replace(tuner.tune(pair, budget_s=budget_s,
+                                    progress=lambda d, t, m: progress(d / t if t else 0.0, m)), key=key)
+        tuner.save_result(result)
+        # Between requests, on the engine thread: the next turn runs the tuned engine.
+        engine.info = engine_info(pair, result.block_size, result.source)
+        progress(1.0, "done")
+        return tune_view(result)
+
+    return job
+
+
+def _verify_last(engine: Engine, messages: list[dict], max_tokens: int):
+    """An engine-thread job: mlx_spec.verify on the conversation so far, at the block size in use."""
+
+    def job(pair) -> CheckResult:
+        from mlx_spec.text import encode_prompt
+        from mlx_spec.verify import IDENTICAL, check
+
+        info = engine.info
+        block = info.block_size if info.method != "plain" else pair.drafter.args.block_size
+        ids = encode_prompt(pair.tokenizer, messages=messages)
+        r = check(pair, [ids], (block,), max_tokens).results[0]
+        if r.verdict == IDENTICAL:
+            detail = (f"{r.plain_tokens} tokens at block size {block}, same token ids and text "
+                      f"(sha256 {r.plain_sha256[:12]}), τ {r.tau:.2f}")
+        else:
+            d = r.divergence
+            detail = (f"first divergence at token {d.index}: plain {d.plain_text!r} vs speculative "
+                      f"{d.spec_text!r}; {d.reason}" + (f"; block size 2: {r.block2}" if r.block2 else ""))
+        return CheckResult(r.verdict != "mismatch", r.verdict, r.plain_tokens, detail)
+
+    return job
+
+
+class LocalBackend:
+    """The engine in this process. ``loader(progress)`` runs on the engine thread and returns
+    ``(pair, EngineInfo)``; ``progress`` hears first-launch tuning."""
+
+    CHECK_TOKENS = 64  # the losslessness check replays at most this many tokens (both ways)
+
+    def __init__(self, loader: Callable[[Progress], Any], *, tune_budget_s: float | None = None):
+        self._loader = loader
+        self._progress: Progress = lambda f, m: None
+        self.engine = Engine(lambda: self._loader(lambda f, m: self._progress(f, m)))
+        self.tune_budget_s = tune_budget_s
+        self._handle = None
+        self._sizes: dict | None = None
+        self._context = 0  # tokens of the last turn (prompt + reply), for the KV estimate
+
+    @classmethod
+    def from_args(cls, args) -> "LocalBackend":
+        """Load what ``mlx_spec chat`` asked for (the same flags and defaults as generate)."""
+
+        def loader(progress: Progress):
+            from mlx_spec.generation import engine_info
+            from mlx_spec.pair import open_pair, resolve_block_size
+
+            pair = open_pair(args, log=log.info)
+            # First launch tunes here, as generate and serve do; progress goes to the UI.
+            tune_progress = (lambda d, t, m: progress(d / t if t else 0.0, m))
+            block, source = resolve_block_size(pair, args, progress=tune_progress)
+            return pair, engine_info(pair, block, source)
+
+        return cls(loader, tune_budget_s=getattr(args, "tune_budget", None))
+
+    def start(self, progress: Progress | None = None) -> dict:
+        if progress is not None:
+            self._progress = progress
+        self.engine.start()
+        self.engine.wait_ready()  # raises MlxSpecError with the loader's error
+        self._sizes = self.engine.call(_static_sizes).result()
+        return self.info
+
+    @property
+    def info(self) -> dict | None:
+        return self.engine.info.as_dict() if self.engine.info is not None else None
+
+    def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]:
+        self.engine.call(_reset_peak)  # ordered before the request: peak = this reply's
+        handle = self.engine.submit(request_for(messages, settings))
+        self._handle = handle
+        try:
+            for ev in handle:
+                if isinstance(ev, Done) and ev.prompt_tokens:
+                    self._context = ev.prompt_tokens + ev.completion_tokens
+                yield ev
+        finally:
+            handle.cancel()  # a consumer that stops early must not leave the engine generating
+            self._handle = None
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def memory(self) -> Memory | None:
+        if self._sizes is None:
+            return None
+        return read_memory(self.engine, self._sizes, self._context)
+
+    def _has_drafter(self) -> bool:
+        return bool(self.info and self.info.get("drafter"))
+
+    def tuner_unavailable(self) -> str | None:
+        if not self._has_drafter():
+            return "no drafter loaded (--no-draft): there is no block size to tune"
+        if _module_missing("mlx_spec.tuner"):
+            return "the tuner (mlx_spec/tuner.py) is not in this install"
+        return None
+
+    def stored_tune(self) -> TuneView | None:
+        if self.tuner_unavailable():
+            return None
+        return self.engine.call(_stored_tune).result()
+
+    def retune(self, progress: Progress) -> TuneView:
+        reason = self.tuner_unavailable()
+        if reason:
+            raise MlxSpecError(reason)
+        from mlx_spec.tuner import DEFAULT_BUDGET_S
+
+        job = _retune(self.engine, self.tune_budget_s or DEFAULT_BUDGET_S, progress)
+        return self.engine.call(job).result()
+
+    def check_unavailable(self) -> str | None:
+        if not self._has_drafter():
+            return "no drafter loaded (--no-draft): nothing to compare against plain decoding"
+        return None
+
+    def check(self, messages: list[dict], settings: Settings) -> CheckResult:
+        """Greedy speculative vs greedy plain decoding of the conversation so far
+        (``mlx_spec.verify``; without it, an A/B through the engine that compares token ids)."""
+        reason = self.check_unavailable()
+        if reason:
+            raise MlxSpecError(reason)
+        n = min(settings.max_tokens, self.CHECK_TOKENS)
+        if not _module_missing("mlx_spec.verify"):
+            return self.engine.call(_verify_last(self.engine, messages, n)).result()
+        if self.info["method"] == "plain":
+            raise MlxSpecError("speculation is off (tuner) and mlx_spec.verify is missing: nothing to compare")
+        toks = []
+        for speculate in (True, False):
+            s = replace(settings, max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, speculate=speculate)
+            got: list[int] = []
+            for ev in self.engine.submit(request_for(messages, s)):
+                if isinstance(ev, Delta):
+                    got.extend(ev.tokens)
+                elif isinstance(ev, Failed):
+                    raise MlxSpecError(f"{ev.kind}: {ev.error}")
+            toks.append(got)
+        return compare_tokens(*toks)
+
+    def close(self) -> None:
+        self.cancel()
+        if self.engine.state == "ready":
+            try:  # MLX needs its streams destroyed on the thread that made them, or exit may abort
+                self.engine.call(_clear_streams).result(30)
+            except Exception as e:
+                log.warning("could not clear the engine thread's MLX streams: %s", e)
+        self.engine.close()

@@ -1,0 +1,169 @@
+"""A scripted backend for the UI tests and demos: no MLX, no models, deterministic events."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from mlx_spec.engine import Delta, Done, Started
+from mlx_spec.errors import MlxSpecError
+
+from .backend import CheckResult, Event, Memory, Progress, Settings, TuneRow, TuneView
+
+GiB = 1 << 30
+
+SPEC_INFO = {"method": "dflash2", "target": "fake-target", "drafter": "fake-drafter",
+             "block_size": 8, "block_size_source": "checkpoint"}
+
+
+def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float) -> dict:
+    """A running Stats.as_dict() for scripted cycles (the real one lives in mlx_spec.stats)."""
+    cycles = len(accepts)
+    drafted = cycles * (block - 1)
+    reached = [cycles] * (block - 1)
+    hits = [sum(1 for a in accepts if a > k) for k in range(block - 1)]
+    tps = (tokens - 1) / elapsed_s if elapsed_s > 0 and tokens > 1 else 0.0
+    return {
+        "cycles": cycles, "drafted": drafted, "accepted": sum(accepts),
+        "mean_acceptance_length": round((sum(accepts) + cycles) / cycles, 4) if cycles else 0.0,
+        "acceptance_rate": round(sum(accepts) / drafted, 4) if drafted else 0.0,
+        "acceptance_by_position": [round(h / r, 4) for h, r in zip(hits, reached)] if cycles else [],
+        "decode_tps": round(tps, 2), "end_to_end_tps": round(tps, 2),
+    }
+
+
+@dataclass
+class FakeBackend:
+    """Plays ``replies`` in turn (the last one repeats). Each reply is split into words; a cycle
+    commits ``pattern[i] + 1`` words with ``pattern[i]`` drafts accepted.
+
+    ``hold_after``: block the stream after that many steps until ``cancel()`` or ``release()``,
+    so a test can act while a reply is in flight.
+    """
+
+    replies: list[str] = field(default_factory=lambda: ["Hello **there**, how can I help?"])
+    pattern: tuple[int, ...] = (3, 1, 5, 2)
+    info_dict: dict = field(default_factory=lambda: dict(SPEC_INFO))
+    step_delay: float = 0.0
+    tps: float = 40.0  # reported decode tok/s (scripted, independent of the delay)
+    hold_after: int | None = None
+    load_error: str | None = None
+    tuner: TuneView | None = None  # None: the tuner is "not available"
+    stored: TuneView | None = None
+    tune_on_start: bool = False  # first launch: report tuning progress while "loading"
+    memory_fraction: float = 0.25
+    requests: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self._cancel = threading.Event()
+        self._release = threading.Event()
+        self._ready = False
+        self._turn = 0
+
+    def start(self, progress: Progress | None = None) -> dict:
+        if self.load_error:
+            raise MlxSpecError(self.load_error)
+        if self.tune_on_start and self.tuner:
+            self.retune(progress or (lambda f, m: None))
+        self._ready = True
+        return self.info
+
+    @property
+    def info(self) -> dict | None:
+        return self.info_dict if self._ready else None
+
+    def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]:
+        self.requests.append(([dict(m) for m in messages], settings))
+        self._cancel.clear()
+        self._release.clear()
+        text = self.replies[min(self._turn, len(self.replies) - 1)]
+        self._turn += 1
+        spec = settings.speculate and self.info_dict["method"] != "plain"
+        info = self.info_dict if spec else {**self.info_dict, "method": "plain", "block_size": 1,
+                                            "block_size_source": "plain (A/B)"}
+        block = info["block_size"]
+        rid = f"fake-{self._turn}"
+        yield Started(rid, sum(len(m["content"].split()) for m in messages), info)
+        words = [w + " " for w in text.split(" ")]
+        words[-1] = words[-1].rstrip(" ")
+        out, accepts, n, i, step = "", [], 0, 0, 0
+        finish = "stop"
+        while i < len(words):
+            if self._cancel.is_set():
+                finish = "cancelled"
+                break
+            if step == 0 or not spec:
+                k, acc, drafted = 1, 0, 0
+            else:
+                acc = min(self.pattern[(step - 1) % len(self.pattern)], block - 1)
+                k, drafted = acc + 1, block - 1
+                accepts.append(acc)
+            part = words[i : i + k]
+            i, n, step = i + len(part), n + len(part), step + 1
+            out += "".join(part)
+            stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0)
+            yield Delta(rid, "".join(part), tuple(range(len(part))), drafted, acc, stats)
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            if self.hold_after is not None and step == self.hold_after:
+                self._release.wait(10)
+        stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0)
+        yield Done(rid, out, finish, len(messages), n, info, stats, {})
+
+    def release(self) -> None:
+        self._release.set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        self._release.set()
+
+    def memory(self) -> Memory | None:
+        budget = 16 * GiB
+        used = int(self.memory_fraction * budget)
+        return Memory(used=used, peak=used, budget=budget, budget_source="fake", target=used // 2,
+                      drafter=used // 8, kv=used // 8, context_tokens=100, swap_used=0,
+                      swap_total=2 * GiB, rss=used)
+
+    def tuner_unavailable(self) -> str | None:
+        if not self.info_dict.get("drafter"):
+            return "no drafter loaded (--no-draft): there is no block size to tune"
+        return None if self.tuner else "the tuner (mlx_spec/tuner.py) is not in this install"
+
+    def stored_tune(self) -> TuneView | None:
+        return self.stored
+
+    def retune(self, progress: Progress) -> TuneView:
+        if not self.tuner:
+            raise MlxSpecError(self.tuner_unavailable())
+        rows = self.tuner.rows
+        for j, row in enumerate(rows):
+            progress(j / len(rows), f"block size {row.block_size}")
+            time.sleep(self.step_delay)
+        progress(1.0, "done")
+        self.stored = self.tuner
+        if self.tuner.best > 1:
+            self.info_dict = {**self.info_dict, "method": "dflash2", "block_size": self.tuner.best,
+                              "block_size_source": self.tuner.source}
+        else:
+            self.info_dict = {**self.info_dict, "method": "plain", "block_size": 1,
+                              "block_size_source": self.tuner.source}
+        return self.tuner
+
+    def check_unavailable(self) -> str | None:
+        return None if self.info_dict.get("drafter") else "no drafter loaded (--no-draft)"
+
+    def check(self, messages: list[dict], settings: Settings) -> CheckResult:
+        self.requests.append(([dict(m) for m in messages], settings))
+        return CheckResult(True, "identical", 12, "12 tokens at block size 8, same token ids and text")
+
+    def close(self) -> None:
+        self.cancel()
+
+
+def sample_tune(best: int = 8) -> TuneView:
+    rows = (TuneRow(1, 10.0, 1.0), TuneRow(4, 16.0, 1.6, 2.8), TuneRow(8, 19.5, 1.95, 3.9),
+            TuneRow(16, None, 1.4, 4.2, "predicted"))
+    source = "tuned 2026-01-01" if best > 1 else "tuned 2026-01-01: off — plain decoding faster on this machine"
+    return TuneView(best=best, baseline_tps=10.0, rows=rows, date="2026-01-01", source=source)
