@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .errors import BadRequest, MlxSpecError
@@ -30,7 +31,7 @@ class Request:
     prompt: str | None = None
     messages: list[dict] | None = None  # chat; goes through the chat template
     prompt_ids: tuple[int, ...] | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: until the context is full (needs a context length)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -92,7 +93,10 @@ class Handle:
 
     def _put(self, ev) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+            except RuntimeError:  # the consumer's loop is closed (server shut down): drop
+                self.cancelled.set()
         else:
             self._q.put(ev)
 
@@ -113,6 +117,13 @@ class Handle:
             if isinstance(ev, (Done, Failed)):
                 return
 
+    async def next_event(self, timeout: float | None = None):
+        """The next event (async handles), or None if none came within ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self._aq.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
     def result(self) -> Done:
         """Block until done; raise on failure."""
         last = None
@@ -124,15 +135,18 @@ class Handle:
 
 
 def timings(stats, block_size: int) -> dict:
+    """llama.cpp-style counters. The prefill step also yields the first token, so prompt_ms
+    includes it and predicted_ms / predicted_per_second cover the tokens after it."""
     return {
         "prompt_n": stats.prompt_tokens,
         "prompt_ms": round(stats.prefill_ms, 3),
+        "prompt_per_second": round(stats.prefill_tps, 3),
         "predicted_n": stats.tokens,
-        "predicted_ms": round(stats.prefill_ms + stats.decode_ms, 3),
-        "predicted_per_second": round(stats.end_to_end_tps, 3),
+        "predicted_ms": round(stats.decode_ms, 3),
+        "predicted_per_second": round(stats.decode_tps, 3),
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
-        "draft_rounds": stats.cycles if stats.drafted else 0,
+        "draft_rounds": stats.reached[0] if stats.reached else 0,  # cycles that drafted >= 1 token
         "block_size": block_size,
     }
 
@@ -153,6 +167,7 @@ class Engine:
         self.counters = {"requests": 0, "errors": 0, "tokens": 0, "prompt_tokens": 0, "drafted": 0,
                          "accepted": 0, "cycles": 0, "cancelled": 0}
         self.accepted_by_position: list[int] = []
+        self.drafted_by_position: list[int] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
 
@@ -169,8 +184,13 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         if self._thread.is_alive():
-            self._jobs.put(None)
+            try:
+                self._jobs.put(None, timeout=timeout)
+            except queue.Full:
+                pass
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                _wait_native_exit(self._thread.native_id, timeout)
         self.state = CLOSED
 
     def __enter__(self):
@@ -207,6 +227,8 @@ class Engine:
     def _main(self) -> None:
         try:
             self._pair, self.info = self._loader()
+            if self.context_length is None:
+                self.context_length = model_context_length(getattr(self._pair, "model", None))
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
             self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
@@ -244,25 +266,34 @@ class Engine:
         try:
             if handle.cancelled.is_set():
                 raise _Cancelled()
-            try:
-                cfg = GenConfig(max_tokens=req.max_tokens, stop=tuple(req.stop),
-                                sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
-            except ValueError as e:
-                raise BadRequest(str(e)) from None
             info = self.info
             if not req.speculate and info.method != "plain":
                 info = engine_info(_plain_view(pair))
             if req.prompt_ids is not None:
                 ids = list(req.prompt_ids)
+                vocab = getattr(getattr(pair.model, "args", None), "vocab_size", None)
+                if vocab and any(not 0 <= t < vocab for t in ids):
+                    raise BadRequest(f"prompt token ids must be in [0, {vocab})")
             else:
-                ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools)
+                try:
+                    ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools)
+                except Exception as e:  # e.g. the chat template rejects these messages
+                    raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
             if not ids:
                 raise BadRequest("empty prompt")
-            if self.context_length and len(ids) + req.max_tokens > self.context_length:
+            max_tokens = req.max_tokens
+            if max_tokens is None:  # OpenAI semantics: until the context is full
+                max_tokens = (self.context_length or len(ids) + 256) - len(ids)
+            if self.context_length and len(ids) + max(max_tokens, 1) > self.context_length:
                 from .errors import ContextTooLong
 
-                raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
+                raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
                                      f"exceeds the context length {self.context_length}")
+            try:
+                cfg = GenConfig(max_tokens=max_tokens, stop=tuple(req.stop),
+                                sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
             handle._put(Started(rid, len(ids), info.as_dict()))
             result = Result()
             finish = None
@@ -283,6 +314,8 @@ class Engine:
             with self._lock:
                 self.counters["prompt_tokens"] += len(ids)
         except _Cancelled:
+            with self._lock:
+                self.counters["cancelled"] += 1
             handle._put(Done(rid, "", "cancelled", 0, 0, self.info.as_dict(), {}, {}))
         except Exception as e:
             with self._lock:
@@ -299,6 +332,9 @@ class Engine:
                 c["accepted"] += step.accepted
                 while len(self.accepted_by_position) < step.drafted:
                     self.accepted_by_position.append(0)
+                    self.drafted_by_position.append(0)
+                for k in range(step.drafted):
+                    self.drafted_by_position[k] += 1
                 for k in range(step.accepted):
                     self.accepted_by_position[k] += 1
 
@@ -306,7 +342,27 @@ class Engine:
         """Counters for /metrics and the UI (plain values)."""
         with self._lock:
             return {**self.counters, "accepted_by_position": list(self.accepted_by_position),
-                    "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+                    "drafted_by_position": list(self.drafted_by_position), "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+
+
+def _wait_native_exit(native_id: int | None, timeout: float) -> None:
+    """``join`` returns before the OS thread has run its C++ thread-local destructors (MLX's
+    thread-local streams); a process that exits meanwhile can abort ("terminate called without
+    an active exception", measured ~1 in 3 exits here). Wait until the thread is really gone."""
+    task = Path(f"/proc/self/task/{native_id}")
+    if native_id is None or not task.parent.is_dir():
+        time.sleep(0.05)  # no /proc: a short grace period
+        return
+    deadline = time.monotonic() + timeout
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def model_context_length(model) -> int | None:
+    """The target's trained context (``max_position_embeddings``), if its config says."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 class _Cancelled(Exception):

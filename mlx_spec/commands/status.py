@@ -1,0 +1,52 @@
+"""`mlx_spec status`: the detached servers, found by pid and start time (never by name).
+
+Stale state files (process gone, or the pid reused by another process) are removed and reported.
+Exit code 0 whether or not a server runs; non-zero only if the state directory is unreadable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object: servers and removed stale files")
+
+
+def run(args) -> int:
+    from ..server import process
+
+    directory = process.state_dir()
+    found = process.scan(directory)
+    servers = []
+    for _, state, _ in found.running:
+        status, body = process.health(state.url)
+        health = {200: "ready", 503: body.get("status", "unavailable")}.get(status, "not answering")
+        servers.append({"pid": state.pid, "url": state.url, "health": health, "target": state.target,
+                        "drafter": state.drafter, "speculation": body.get("speculation"),
+                        "uptime_s": round(time.time() - state.started_at, 1), "log": state.log,
+                        "auth": state.auth})
+    if args.json:
+        print(json.dumps({"state_dir": str(directory), "servers": servers,
+                          "stale_removed": [{"file": str(p), "reason": r} for p, r in found.stale]}))
+        return 0
+    for path, reason in found.stale:
+        print(f"removed stale state file {path.name}: {reason}")
+    if not servers:
+        print(f"no mlx_spec server running (state dir {directory})")
+        return 0
+    for s in servers:
+        spec = s["speculation"] or {}
+        engine = (f"{spec['method']} block {spec['block_size']} ({spec['block_size_source']})"
+                  if spec.get("enabled") else f"plain decoding ({spec['block_size_source']})" if spec
+                  else "engine unknown")
+        print(f"pid {s['pid']}  {s['url']}  {s['health']}  up {_ago(s['uptime_s'])}  "
+              f"target {s['target']}  {engine}  log {s['log']}")
+    return 0
+
+
+def _ago(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

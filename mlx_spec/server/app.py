@@ -1,0 +1,307 @@
+"""Routes of ``mlx_spec serve``: parse -> engine handle -> OpenAI JSON or SSE. Nothing else.
+
+Handlers never touch MLX: they ``engine.submit(request, loop=...)`` and read plain-value events.
+A client that disconnects cancels its generation; a full queue answers 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..engine import FAILED, READY, Done, Failed, Started
+from . import errors, schemas
+from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized
+
+MAX_BODY_BYTES = 4 << 20
+KEEPALIVE_S = 5.0
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               keepalive_s: float = KEEPALIVE_S) -> FastAPI:
+    """An OpenAI-compatible app over a started ``Engine`` (or anything with its interface)."""
+    app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
+    created = schemas.now()
+    http_counts: dict[tuple[str, int], int] = {}
+    live = {"in_flight": 0, "rejected": 0}
+    handles: set = set()  # generations in flight, so a shutdown can end them cleanly
+    app.add_middleware(_Counter, counts=http_counts, live=live)
+
+    def cancel_all() -> None:
+        """End every generation (server shutdown): streams finish with an error event."""
+        for h in list(handles):
+            h.cancel()
+
+    app.state.cancel_all = cancel_all
+
+    async def check_key(request: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    auth = [Depends(check_key)]
+
+    @app.exception_handler(errors.MlxSpecError)
+    async def on_error(request, exc):
+        return errors.to_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request, exc: HTTPException):
+        return errors.http_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request, exc):  # a bug: answer in OpenAI shape; uvicorn logs the traceback
+        return errors.to_response(exc)
+
+    def ready_info():
+        if engine.state != READY:
+            msg = "model is loading" if engine.state != FAILED else f"engine failed: {engine.error}"
+            raise NotReady(msg)
+        return engine.info
+
+    def model_id() -> str:
+        return ready_info().target
+
+    def check_model(name: str | None) -> str:
+        served = model_id()
+        if name is not None and name not in (served, Path(served).name):
+            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'")
+        return served
+
+    @app.get("/health")
+    @app.get("/v1/health", include_in_schema=False)
+    async def health():
+        if engine.state == READY:
+            info = engine.info.as_dict()
+            return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
+                    "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth}
+        if engine.state == FAILED:
+            content = errors.body(f"engine failed: {engine.error}", "unavailable_error", None, "model_failed")
+            content["status"] = "failed"
+        else:
+            content = errors.body("Loading model", "unavailable_error", None, "model_loading")
+            content["status"] = "loading"
+        content["speculation"] = None
+        return JSONResponse(content, status_code=503, headers={"Retry-After": str(errors.RETRY_AFTER_S)})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        info = ready_info()
+        card = schemas.model_card(info.target, created, engine.context_length, info.as_dict())
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}", dependencies=auth)
+    async def model(name: str):
+        info = ready_info()
+        check_model(name)
+        return schemas.model_card(info.target, created, engine.context_length, info.as_dict())
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics():
+        return PlainTextResponse(prometheus(engine, http_counts, live),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: HTTPRequest):
+        return await complete(request, schemas.ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: HTTPRequest):
+        return await complete(request, schemas.CompletionRequest, "text")
+
+    async def complete(request: HTTPRequest, model_cls, kind: str):
+        body = schemas.parse(model_cls, await read_body(request, max_body_bytes))
+        served = check_model(body.model)
+        req = body.to_engine(engine.context_length)
+        handle = engine.submit(req, loop=asyncio.get_running_loop())
+        handles.add(handle)
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
+        rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        created_at = schemas.now()
+        try:
+            if not body.stream:
+                done = await collect(handle)
+                watcher.cancel()
+                return schemas.completion(kind, rid, created_at, served, done)
+            # Wait briefly for the first event so early failures get a real HTTP status.
+            first = await handle.next_event(keepalive_s)
+            if isinstance(first, Failed):
+                raise errors.from_failed(first)
+        except BaseException:
+            watcher.cancel()
+            handle.cancel()
+            handles.discard(handle)
+            raise
+        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def collect(handle) -> Done:
+        try:
+            async for ev in handle:
+                if isinstance(ev, Failed):
+                    raise errors.from_failed(ev)
+                if isinstance(ev, Done):
+                    if ev.finish_reason == "cancelled":
+                        raise errors.Cancelled("generation cancelled (client gone or server stopping)")
+                    return ev
+        finally:
+            handle.cancel()  # no-op once done; stops the engine if this task is cancelled
+            handles.discard(handle)
+        raise errors.MlxSpecError("engine ended the request without a result")
+
+    async def sse(handle, first, watcher, kind, rid, created_at, model, include_usage) -> AsyncIterator[str]:
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        def chunk(**kw):
+            return schemas.chunk(kind, rid, created_at, model, include_usage=include_usage, **kw)
+
+        ev = first
+        try:
+            while True:
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(ev, Started):
+                    if kind == "chat":
+                        yield data(chunk(role=True))
+                elif isinstance(ev, Failed):
+                    _, content = errors.to_body(errors.from_failed(ev))
+                    yield data(content)
+                    break
+                elif isinstance(ev, Done):
+                    if ev.finish_reason == "cancelled":
+                        yield data(errors.body("generation cancelled: the server is shutting down",
+                                                 "server_error", None, "cancelled"))
+                        break
+                    extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine)}
+                    yield data(chunk(finish=schemas.finish_reason(ev), **extra))
+                    if include_usage:
+                        yield data({**chunk(), "choices": [], "usage": schemas.usage(ev), **extra})
+                    break
+                elif ev.text:
+                    yield data(chunk(text=ev.text))
+                ev = await handle.next_event(keepalive_s)
+            yield "data: [DONE]\n\n"
+        finally:
+            handle.cancel()
+            handles.discard(handle)
+            watcher.cancel()
+
+    return app
+
+
+class _Counter:
+    """Pure ASGI middleware: counts responses by (route, status) and requests in flight."""
+
+    def __init__(self, app, counts: dict, live: dict):
+        self.app, self.counts, self.live = app, counts, live
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = [500]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        self.live["in_flight"] += 1
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.live["in_flight"] -= 1
+            key = (route, status[0])
+            self.counts[key] = self.counts.get(key, 0) + 1
+            if status[0] == 503 and route.startswith("/v1/"):
+                self.live["rejected"] += 1
+
+
+async def read_body(request: HTTPRequest, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+    return bytes(buf)
+
+
+async def cancel_on_disconnect(request: HTTPRequest, handle) -> None:
+    """After the body is read, the next ASGI message is http.disconnect: cancel then."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+def prometheus(engine, http_counts: dict, live: dict) -> str:
+    """Prometheus text exposition (names follow llama.cpp's ``spec_decode`` counters)."""
+    snap = engine.snapshot()
+    out: list[str] = []
+
+    def metric(name, kind, help_, samples):
+        out.append(f"# HELP mlx_spec:{name} {help_}")
+        out.append(f"# TYPE mlx_spec:{name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            out.append(f"mlx_spec:{name}{{{lab}}} {value}" if lab else f"mlx_spec:{name} {value}")
+
+    metric("requests_total", "counter", "Generation requests the engine took from its queue.",
+           [({}, snap["requests"])])
+    metric("requests_cancelled_total", "counter", "Generations cancelled (client disconnected).",
+           [({}, snap["cancelled"])])
+    metric("request_errors_total", "counter", "Generation requests that failed in the engine (bad prompt, too long, bug).",
+           [({}, snap["errors"])])
+    metric("requests_rejected_total", "counter", "Completion requests answered 503 (queue full or not ready).",
+           [({}, live["rejected"])])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
+           [({}, snap["prompt_tokens"])])
+    metric("tokens_predicted_total", "counter", "Tokens generated (committed), all requests.",
+           [({}, snap["tokens"])])
+    metric("spec_decode_num_drafts_total", "counter", "Draft blocks proposed (verify cycles that drafted).",
+           [({}, snap["cycles"])])
+    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
+           [({}, snap["drafted"])])
+    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted by the target.",
+           [({}, snap["accepted"])])
+    metric("spec_decode_num_draft_tokens_per_pos_total", "counter",
+           "Draft tokens proposed at block position N (1 = first token after the anchor).",
+           [({"position": str(k + 1)}, v) for k, v in enumerate(snap.get("drafted_by_position", []))])
+    metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+           "Draft tokens accepted at block position N (1 = first token after the anchor).",
+           [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])])
+    metric("http_requests_total", "counter", "HTTP responses by route and status.",
+           [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http_counts.items())])
+    metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, snap["queue_depth"])])
+    metric("http_requests_in_flight", "gauge", "HTTP requests being handled now.", [({}, live["in_flight"])])
+    metric("engine_ready", "gauge", "1 when the engine is loaded and serving.",
+           [({}, int(snap["state"] == READY))])
+    info = getattr(engine, "info", None)
+    if info is not None:
+        labels = {k: str(v) for k, v in info.as_dict().items() if v is not None}
+        metric("engine_info", "gauge", "The engine that runs (method, target, drafter, block size).",
+               [(labels, 1)])
+    return "\n".join(out) + "\n"
+
+
+def _escape(v) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+

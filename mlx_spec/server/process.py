@@ -1,0 +1,180 @@
+"""Detached servers: state files, finding them again, stopping them.
+
+A detached server is identified by its pid *and* its process start time (psutil), never by
+its command line: a reused pid or a renamed process cannot fool ``status`` or ``stop``. State
+files whose process is gone (or whose pid now belongs to another process) are stale and are
+removed by whoever finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+START_TIME_TOLERANCE_S = 0.5
+
+
+def state_dir() -> Path:
+    """``MLX_SPEC_STATE_DIR``, else the platform's user state directory."""
+    env = os.environ.get("MLX_SPEC_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "mlx_spec"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return (Path(xdg) if xdg else home / ".local" / "state") / "mlx_spec"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    pid: int
+    create_time: float  # psutil.Process(pid).create_time() when the server was spawned
+    host: str
+    port: int
+    target: str
+    drafter: str | None
+    log: str
+    started_at: float
+    auth: bool = False  # an API key is required (the key itself is never written)
+
+    @property
+    def url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+
+def state_path(port: int, directory: Path | None = None) -> Path:
+    return (directory or state_dir()) / f"server-{port}.json"
+
+
+def write_state(state: ServerState, directory: Path | None = None) -> Path:
+    path = state_path(state.port, directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def process_for(state: ServerState) -> psutil.Process | None:
+    """The live process this state describes, or None (gone, zombie, or pid reused)."""
+    try:
+        proc = psutil.Process(state.pid)
+        if abs(proc.create_time() - state.create_time) > START_TIME_TOLERANCE_S:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
+@dataclass(frozen=True)
+class Found:
+    running: list[tuple[Path, ServerState, psutil.Process]]
+    stale: list[tuple[Path, str]]  # removed files and why
+
+
+def scan(directory: Path | None = None, clean: bool = True) -> Found:
+    """Every state file: running servers, and stale files (removed when ``clean``)."""
+    directory = directory or state_dir()
+    running, stale = [], []
+    for path in sorted(directory.glob("server-*.json")) if directory.is_dir() else []:
+        try:
+            state = ServerState(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            stale.append((path, f"unreadable state file ({type(e).__name__})"))
+        else:
+            proc = process_for(state)
+            if proc is not None:
+                running.append((path, state, proc))
+                continue
+            if psutil.pid_exists(state.pid):
+                why = f"pid {state.pid} now belongs to another process (start time differs)"
+            else:
+                why = f"pid {state.pid} is no longer running"
+            stale.append((path, why))
+        if clean:
+            path.unlink(missing_ok=True)
+    return Found(running, stale)
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if not _gone(p)]
+    return alive
+
+
+def terminate(proc: psutil.Process, timeout: float = 10.0) -> list[psutil.Process]:
+    """SIGTERM the server and its children, wait, then SIGKILL what is left.
+
+    Returns the processes still alive afterwards (empty on success). Raises
+    ``psutil.AccessDenied`` if the process belongs to someone else.
+    """
+    try:
+        family = [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for p in family:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    alive = _wait(family, timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return _wait(alive, 5.0)
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict | None = None):
+    """Start ``cmd`` in its own session (it survives the terminal), output to ``log_path``."""
+    import subprocess
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, close_fds=True)
+
+
+def health(url: str, timeout: float = 2.0) -> tuple[int | None, dict]:
+    """(HTTP status, JSON body) of ``url``/health; (None, {}) if nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return None, {}
+
+
+def tail(path: Path | str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
