@@ -237,6 +237,7 @@ class Engine:
         while True:
             job = self._jobs.get()
             if job is None:
+                self._release()
                 return
             kind, payload = job
             if self.state != READY:
@@ -253,6 +254,17 @@ class Engine:
                     fut.set_exception(e)
             else:
                 self._generate(payload)
+
+    def _release(self) -> None:
+        """Free the pair and this thread's MLX streams before the thread ends: MLX aborts the
+        process at exit when a thread-local stream outlives its thread (ml-explore/mlx#3126)."""
+        self._pair = None
+        import mlx.core as mx
+
+        mx.synchronize()
+        clear = getattr(mx, "clear_streams", None)
+        if clear is not None:
+            clear()
 
     def _generate(self, handle: Handle) -> None:
         from .generation import GenConfig, Result, engine_info, generate

@@ -169,14 +169,6 @@ def _live_memory(pair) -> dict:
             "budget": budget, "budget_source": source, "swap_used": swap.used, "swap_total": swap.total}
 
 
-def _clear_streams(pair) -> None:
-    """Last job on the engine thread (mlx >= 0.32: streams are per thread and must be cleared
-    before the interpreter exits, ml-explore/mlx#3126; otherwise exit can abort with 134)."""
-    import mlx.core as mx
-
-    mx.clear_streams()
-
-
 def _reset_peak(pair) -> None:
     import mlx.core as mx
 
@@ -376,9 +368,4 @@ class LocalBackend:
 
     def close(self) -> None:
         self.cancel()
-        if self.engine.state == "ready":
-            try:  # MLX needs its streams destroyed on the thread that made them, or exit may abort
-                self.engine.call(_clear_streams).result(30)
-            except Exception as e:
-                log.warning("could not clear the engine thread's MLX streams: %s", e)
-        self.engine.close()
+        self.engine.close()  # the engine clears its thread's MLX streams as its last job
