@@ -35,6 +35,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target (no speculation)")
     p.add_argument("--block-size", type=int, default=None, help="block size incl. the anchor (skips tuning)")
+    bits = ("4", "8", "none")
+    p.add_argument("--target-bits", choices=bits, default=None,
+                   help="quantize the target at load (default: as the checkpoint is; float32 on CPU)")
+    p.add_argument("--drafter-bits", choices=bits, default=None,
+                   help="quantize the drafter at load (default: the target's bits on Apple Silicon, float32 on CPU)")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
+    p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
+    p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, parameter_names
 from .errors import CheckpointError, IncompatiblePair, MlxSpecError
 from .target import Target
@@ -76,8 +77,13 @@ def _names(keys, limit=8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def load_drafter(path_or_id: str | Path, *, dtype=None) -> tuple[Drafter, dict]:
-    """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config)."""
+def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
+                 group_size: int = 64) -> tuple[Drafter, dict]:
+    """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config).
+
+    ``bits`` quantizes the drafter's own layers (never the target's shared embedding/head)
+    before its weights are materialized; an already quantized checkpoint loads as it is.
+    """
     path = resolve(str(path_or_id), "drafter")
     config = _read_config(path)
     arch = (config.get("architectures") or [None])[0]
@@ -120,10 +126,9 @@ def load_drafter(path_or_id: str | Path, *, dtype=None) -> tuple[Drafter, dict]:
             + ", ".join(f"{k} file {f} vs model {m}" for k, (f, m) in sorted(bad.items())[:8])
         )
     model.load_weights(list(weights.items()), strict=True)
+    del weights  # lazy sources: let each be freed once its (quantized) copy is materialized
     dtype = default_dtype() if dtype is None else dtype
-    if dtype is not None and "quantization" not in config:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"drafter {path}")
     model.eval()
     return model, config
 
@@ -176,8 +181,12 @@ class Pair:
     drafter_config: dict | None
 
 
-def load_target_model(path_or_id: str, *, dtype=None):
-    """mlx-lm model + tokenizer; ``path_or_id`` may be the default target's id."""
+def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64):
+    """mlx-lm model + tokenizer; ``path_or_id`` may be the default target's id.
+
+    Loaded lazily, cast to ``dtype`` (default: float32 on CPU) and quantized to ``bits`` before
+    any weight is materialized; an already quantized checkpoint loads as it is.
+    """
     from mlx_lm import load
 
     from . import default_target
@@ -186,11 +195,9 @@ def load_target_model(path_or_id: str, *, dtype=None):
         path = default_target.ensure_default_target().path
     else:
         path = resolve(path_or_id, "target")
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path), lazy=True)
     dtype = default_dtype() if dtype is None else dtype
-    if dtype is not None and not _is_quantized(model):
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}")
     return model, tokenizer
 
 
@@ -198,14 +205,17 @@ def _is_quantized(model) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False) -> Pair:
-    """Load a pair. ``no_draft`` is the only way to get plain decoding."""
-    model, tokenizer = load_target_model(target_id)
+def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
+              target_bits: int | None = None, drafter_bits: int | None = None,
+              group_size: int = 64) -> Pair:
+    """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
+    before the drafter binds to its embedding and head, so those exist once."""
+    model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size)
     if no_draft:
         return Pair(model, tokenizer, None, None, target_id, None, None)
     if drafter_id is None:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
-    drafter, config = load_drafter(drafter_id)
+    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size)
     target = Target(model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     drafter.bind(target.embed, target.head)

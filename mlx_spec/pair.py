@@ -30,9 +30,24 @@ def drafter_for(target: str, drafter: str | None, no_draft: bool) -> str | None:
 
 
 def open_pair(args, log: Callable[[str], None] = lambda m: None) -> Pair:
+    """Plan memory (print the one-line summary; PlanError over budget unless --force), then load."""
+    from . import memory
+
     drafter = drafter_for(args.target, args.drafter, args.no_draft)
-    log(f"loading target {args.target}" + (f" + drafter {drafter}" if drafter else " (no drafter: --no-draft)"))
-    return load_pair(args.target, drafter, no_draft=args.no_draft)
+    try:
+        quant, plan = memory.plan_from_args(args, drafter)
+    except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:
+        # A malformed checkpoint: loading below names the problem better than the plan can.
+        quant, plan = memory.quant_from_args(args, drafter, None), None
+        log(f"memory plan unavailable ({type(e).__name__}: {e}); loading without one")
+    if plan is not None:
+        log(plan.summary())
+        memory.check(plan, force=getattr(args, "force", False), warn=log)
+    memory.set_wired_limit()
+    log(f"loading target {args.target}" + (f" + drafter {drafter}" if drafter else " (no drafter: --no-draft)")
+        + f" ({quant.describe()})")
+    return load_pair(args.target, drafter, no_draft=args.no_draft, target_bits=quant.target_bits,
+                     drafter_bits=quant.drafter_bits, group_size=quant.group_size)
 
 
 def resolve_block_size(pair: Pair, args) -> tuple[int | None, str | None]:

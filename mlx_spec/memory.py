@@ -1,0 +1,427 @@
+"""The memory plan: every byte a pair will use, counted from configs before anything loads.
+
+``make_plan`` is pure arithmetic over ``ModelDims`` / ``DrafterDims`` (read from config dicts)
+and weight byte counts (from safetensors headers or lazily built modules, see quantize.py), so it
+is testable on synthetic configs. ``plan_for`` is the glue that reads a pair's files;
+``check`` refuses a plan over budget; ``live`` reports what MLX really holds.
+
+Activation coefficients are measured on mlx 0.32 (scripts/plan_accuracy.py, docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import PlanError
+
+log = logging.getLogger(__name__)
+
+MiB, GiB = 2**20, 2**30
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 positions
+WARN_FRACTION = 0.9  # as mlx-lm's wired_limit warning
+CPU_CACHE_LIMIT = 32 * MiB  # MLX's default allocator cache limit on the CPU backend
+# Live activation floats per token during a forward pass (one layer's temporaries at a time),
+# per unit of hidden size, MLP width, query width and key/value width. Measured on mlx 0.32 CPU.
+ACT_HIDDEN, ACT_MLP, ACT_Q, ACT_KV = 7.0, 2.0, 6.5, 3.7
+FUSED_SDPA_HEAD_DIMS = (64, 80, 128)  # Metal's fused attention: no (heads, T, S) score matrix
+NON_PEAK = ("prefix cache", "MLX cache allowance")  # budgeted, but not in get_peak_memory()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """What the plan needs from a target config."""
+
+    layers: int
+    hidden: int
+    intermediate: int  # MLP width active per token (MoE: experts per token x expert width)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    kinds: tuple[str, ...]  # per layer: "full" | "sliding" | "linear" (recurrent)
+    window: int | None = None
+    conv_dim: int = 0  # recurrent layers: conv channels, kernel, recurrent state shape
+    conv_kernel: int = 4
+    linear_qk: int = 0  # Hk * Dk
+    linear_v: int = 0  # Hv * Dv
+    ssm_state: int = 0  # Hv * Dv * Dk (float32)
+    max_position: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterDims:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    taps: int  # fused target features per position: taps x target_hidden
+    target_hidden: int
+    windows: tuple[int | None, ...]  # per layer: sliding window or None (full)
+    block_size: int
+
+
+def target_dims(config: dict) -> ModelDims:
+    c = {**config, **(config.get("text_config") or {})}
+    L, H = c["num_hidden_layers"], c["hidden_size"]
+    heads = c.get("num_attention_heads") or 1
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or H // heads
+    inter = c.get("intermediate_size") or 4 * H
+    if c.get("num_experts_per_tok") and c.get("moe_intermediate_size"):
+        inter = c["num_experts_per_tok"] * c["moe_intermediate_size"] + c.get("shared_expert_intermediate_size", 0)
+    names = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
+    if c.get("layer_types"):
+        kinds = tuple(names.get(t, "linear") for t in c["layer_types"][:L])
+    elif c.get("full_attention_interval"):
+        kinds = tuple("full" if (i + 1) % c["full_attention_interval"] == 0 else "linear" for i in range(L))
+    elif c.get("sliding_window_pattern") and c.get("sliding_window"):
+        p = c["sliding_window_pattern"]
+        kinds = tuple("full" if (i + 1) % p == 0 else "sliding" for i in range(L))
+    else:
+        kinds = ("full",) * L
+    qk = c.get("linear_num_key_heads", 0) * c.get("linear_key_head_dim", 0)
+    v = c.get("linear_num_value_heads", 0) * c.get("linear_value_head_dim", 0)
+    return ModelDims(
+        layers=L, hidden=H, intermediate=inter, heads=heads, kv_heads=kv, head_dim=hd,
+        vocab=c["vocab_size"], kinds=kinds, window=c.get("sliding_window"),
+        conv_dim=2 * qk + v, conv_kernel=c.get("linear_conv_kernel_dim", 4), linear_qk=qk, linear_v=v,
+        ssm_state=v * c.get("linear_key_head_dim", 0), max_position=c.get("max_position_embeddings"),
+    )
+
+
+def drafter_dims(config: dict) -> DrafterDims:
+    from .drafter import DrafterArgs
+
+    a = DrafterArgs.from_config(config)
+    return DrafterDims(
+        layers=a.num_hidden_layers, hidden=a.hidden_size, intermediate=a.intermediate_size,
+        heads=a.num_attention_heads, kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+        taps=len(a.target_layer_ids), target_hidden=a.target_hidden_size,
+        windows=tuple(a.layer_window(i) for i in range(a.num_hidden_layers)), block_size=a.block_size,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    name: str
+    bytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """Everything but the context: model shapes, loaded weight bytes, backend facts."""
+
+    target: ModelDims
+    target_weights: int
+    drafter: DrafterDims | None = None
+    drafter_weights: int = 0
+    act_bytes: int = 4  # activation / KV dtype size: float32 on CPU, the model's dtype on Metal
+    metal: bool = False
+    prefill_step: int = 2048
+    prefix_cache: int = 0
+    cache_limit: int | None = CPU_CACHE_LIMIT  # MLX allocator cache limit; None: unbounded
+    labels: dict = field(default_factory=dict)  # descriptions for the weight rows
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _act(d, tokens: int, ab: int) -> int:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return int(tokens * ab * (ACT_HIDDEN * d.hidden + ACT_MLP * d.intermediate + ACT_Q * q + ACT_KV * kv))
+
+
+def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) -> list[Item]:
+    """The plan's rows for ``context`` positions, verify blocks of ``block`` and a prompt of
+    ``prompt`` positions (default: the whole context arrives as one prompt, the worst case)."""
+    t, d, ab = p.target, p.drafter, p.act_bytes
+    prompt = context if prompt is None else min(prompt, context)
+    B = block if d is not None else 1
+    rows = [Item("target weights", p.target_weights, p.labels.get("target", ""))]
+    if d is not None:
+        rows.append(Item("drafter weights", p.drafter_weights,
+                         p.labels.get("drafter", "") + "embedding and head shared: counted in the target"))
+    # Target KV: keys + values per attention layer, allocated in 256-position steps.
+    kv_tok = 2 * t.kv_heads * t.head_dim * ab
+    n_full, n_swa, n_lin = (t.kinds.count(k) for k in ("full", "sliding", "linear"))
+    alloc = _round_up(context + B, KV_STEP)
+    swa = min(alloc, (t.window or alloc) + B)
+    rows.append(Item("target KV cache", kv_tok * (n_full * alloc + n_swa * swa),
+                     f"{kv_tok * (n_full + n_swa) / 1024:.0f} KiB/token x {alloc} positions"
+                     + (f" ({n_full} full, {n_swa} sliding window {t.window})" if n_swa else "")))
+    if n_lin:  # GDN layers: conv + recurrent state; a verify pass also records its inputs
+        state = (t.conv_kernel - 1) * t.conv_dim * ab + 4 * t.ssm_state
+        record = 0 if d is None else ((t.conv_kernel - 1 + B) * t.conv_dim + B * (2 * t.linear_qk + t.linear_v)) * ab + 4 * t.ssm_state
+        rows.append(Item("recurrent state", n_lin * (state + record), f"{n_lin} linear-attention layers x (state "
+                         f"{state / 1024:.0f} KiB + verify record {record / 1024:.0f} KiB); independent of context"))
+    if d is not None:
+        kept = sum(context if w is None else min(context, w - 1) for w in d.windows)
+        kinds = ", ".join(sorted({"full" if w is None else f"window {w}" for w in d.windows}))
+        rows.append(Item("drafter context cache", 2 * d.kv_heads * d.head_dim * ab * kept, f"{d.layers} layers, {kinds}"))
+        rows.append(Item("target features for the drafter", d.taps * d.target_hidden * ab * prompt,
+                         f"{d.taps} taps x {d.target_hidden} x {prompt} prompt positions (held until the first draft)"))
+    C = min(prompt, p.prefill_step)
+    prefill, verify = _phases(p, context, B, prompt, C)
+    rows.append(Item("verify / prefill scratch", max(prefill, verify), f"max(prefill chunk {C}: {prefill / MiB:.0f} MiB, "
+                     f"verify block {B} with {t.vocab}-vocab logits: {verify / MiB:.0f} MiB)"))
+    if p.prefix_cache:
+        rows.append(Item("prefix cache", p.prefix_cache, "budget for reused prompt caches"))
+    allowance = max(prefill, verify) + kv_tok * t.layers * KV_STEP
+    rows.append(Item("MLX cache allowance", allowance if p.cache_limit is None else min(allowance, p.cache_limit),
+                     "freed buffers MLX keeps for reuse"))
+    return rows
+
+
+def _attn_scores(p: PlanInputs, heads: int, head_dim: int, q: int, s: int) -> int:
+    """The (heads, q, s) score matrix an unfused attention materializes."""
+    fused = p.metal and head_dim in FUSED_SDPA_HEAD_DIMS
+    return 0 if fused else heads * q * s * p.act_bytes
+
+
+def _phases(p: PlanInputs, context: int, B: int, prompt: int, C: int) -> tuple[int, int]:
+    """Transient bytes of the worst prefill chunk (C rows over the prompt) and of one verify."""
+    t, d, ab = p.target, p.drafter, p.act_bytes
+    prefill = _act(t, C, ab) + _attn_scores(p, t.heads, t.head_dim, C, prompt) + 4 * t.vocab
+    verify = _act(t, B, ab) + _attn_scores(p, t.heads, t.head_dim, B, context) + 2 * B * t.vocab * 4
+    if d is not None:  # the drafter's first pass fuses every prompt position; then its own block
+        prefill += 2 * prompt * d.hidden * ab
+        verify += _act(d, B, ab) + _attn_scores(p, d.heads, d.head_dim, B, context + B) + 2 * B * t.vocab * 4
+    return prefill, verify
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    items: tuple[Item, ...]
+    context: int
+    block_size: int
+    prompt: int
+    budget: int
+    budget_source: str
+    max_context: int  # the largest context whose plan fits the budget
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak of active MLX memory (what ``mx.get_peak_memory()`` reports)."""
+        return sum(i.bytes for i in self.items if i.name not in NON_PEAK)
+
+    headroom = property(lambda self: self.budget - self.total)
+    fraction = property(lambda self: self.total / self.budget if self.budget else math.inf)
+    fits = property(lambda self: self.total <= self.budget)
+
+    def biggest(self, n: int = 3) -> list[Item]:
+        return sorted(self.items, key=lambda i: -i.bytes)[:n]
+
+    def summary(self) -> str:
+        top = ", ".join(f"{i.name} {_gib(i.bytes)}" for i in self.biggest())
+        return (f"memory plan: {_gib(self.total)} of {_gib(self.budget)} ({self.fraction:.0%}, "
+                f"{self.budget_source}) at context {self.context}: {top}; max context {self.max_context}")
+
+    def table(self) -> str:
+        w = max(len(i.name) for i in self.items)
+        lines = [f"memory plan: context {self.context} (prompt {self.prompt}), block {self.block_size}", ""]
+        lines += [f"  {i.name:<{w}}  {i.bytes / MiB:>10.1f} MiB  {i.detail}" for i in self.items]
+        lines += ["", f"  {'total':<{w}}  {self.total / MiB:>10.1f} MiB  (predicted peak of active memory "
+                  f"{self.peak / MiB:.1f} MiB)",
+                  f"  {'budget':<{w}}  {self.budget / MiB:>10.1f} MiB  {self.budget_source}",
+                  f"  {'headroom':<{w}}  {self.headroom / MiB:>10.1f} MiB  ({self.fraction:.1%} used)",
+                  f"  largest context that fits: {self.max_context}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        names = ("context", "prompt", "block_size", "total", "peak", "budget", "budget_source",
+                 "headroom", "fraction", "fits", "max_context")
+        return {**{k: getattr(self, k) for k in names}, "notes": list(self.notes),
+                "items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in self.items]}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def make_plan(p: PlanInputs, *, context: int, block_size: int, budget: int, budget_source: str,
+              prompt: int | None = None, notes: tuple[str, ...] = ()) -> MemoryPlan:
+    """Pure: the plan for ``context`` positions, and the largest context that fits ``budget``."""
+    def total(n: int) -> int:
+        return sum(i.bytes for i in items(p, n, block_size))
+
+    lo, hi = 0, p.target.max_position or 1 << 24
+    if total(hi) <= budget:
+        lo = hi
+    while lo < hi:  # largest n with total(n) <= budget (total grows with n)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
+    rows = tuple(items(p, context, block_size, prompt))
+    return MemoryPlan(rows, context, block_size, context if prompt is None else min(prompt, context),
+                      budget, budget_source, lo, notes)
+
+
+def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] = log.warning) -> None:
+    """Raise PlanError when the plan exceeds the budget (unless ``force``); warn above 90 %."""
+    if not plan.fits:
+        top = ", ".join(f"{i.name} {_gib(i.bytes)}" for i in plan.biggest())
+        msg = (f"the memory plan needs {_gib(plan.total)} but the budget is {_gib(plan.budget)} "
+               f"({plan.budget_source}); biggest items: {top}. Lower --context (max that fits: "
+               f"{plan.max_context}), quantize (--target-bits/--drafter-bits 4), or pass --force")
+        if not force:
+            raise PlanError(msg)
+        warn("--force: " + msg)
+    elif plan.fraction > WARN_FRACTION:
+        warn(f"the memory plan uses {plan.fraction:.0%} of the budget ({_gib(plan.total)} of "
+             f"{_gib(plan.budget)}, {plan.budget_source}); expect swapping or slowdowns")
+
+
+# -- the machine (MLX / psutil) -------------------------------------------------------------------
+
+
+def device_budget() -> tuple[int, str]:
+    """Metal's recommended working set on Apple Silicon, else physical memory (psutil)."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        size = mx.device_info().get("max_recommended_working_set_size")
+        if size:
+            return int(size), "Metal recommended working set"
+    import psutil
+
+    return int(psutil.virtual_memory().total), "physical memory"
+
+
+def set_wired_limit() -> int | None:
+    """Wire up to the recommended working set, as mlx-lm's ``wired_limit`` does (Metal only).
+    Returns the previous limit, or None where there is nothing to set (CPU)."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return None
+    size = mx.device_info().get("max_recommended_working_set_size")
+    if not size:
+        return None
+    try:
+        return mx.set_wired_limit(int(size))
+    except Exception as e:  # macOS < 15 or a limit above the sysctl: keep running unwired
+        log.warning("could not set the wired limit: %s", e)
+        return None
+
+
+def live(plan: MemoryPlan | None = None) -> dict:
+    """Live memory numbers for the UI and the server, as plain values.
+
+    Call it on the engine thread (``engine.call(lambda pair: memory.live(plan))``): the MLX
+    counters belong to the thread that runs the models. Swap and RAM come from psutil.
+    """
+    import mlx.core as mx
+    import psutil
+
+    budget, source = (plan.budget, plan.budget_source) if plan else device_budget()
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    active, cache = mx.get_active_memory(), mx.get_cache_memory()
+    return {"active": active, "peak": mx.get_peak_memory(), "cache": cache, "used": active + cache,
+            "budget": budget, "budget_source": source, "fraction": (active + cache) / budget if budget else None,
+            "ram_total": vm.total, "ram_available": vm.available, "swap_used": sw.used, "swap_total": sw.total,
+            "plan": plan.as_dict() if plan else None}
+
+
+# -- glue: a plan for a pair on disk -----------------------------------------------------------------
+
+
+def _target_path(target_id: str):
+    from . import default_target
+    from .loading import resolve
+
+    if target_id == default_target.DEFAULT_TARGET_ID:
+        return default_target.ensure_default_target().path
+    return resolve(target_id, "target")
+
+
+def _read_json(path) -> dict:
+    import json
+
+    return json.loads((path / "config.json").read_text())
+
+
+def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, metal: bool,
+               prefix_cache: int = 0) -> PlanInputs:
+    """Plan inputs from configs and tensor lists (``quantize.safetensors_tensors`` of the files,
+    or ``quantize.module_tensors`` of unevaluated modules). ``quant`` is a ``QuantChoice``."""
+    from . import quantize as q
+
+    float_bytes = None if metal else 4  # float32 on the CPU backend; as stored on Metal
+    ttensors = list(ttensors)
+    tw = q.loaded_nbytes(ttensors, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
+    stored = {t.dtype for t in ttensors if t.dtype in q.FLOATS}
+    ab = 4 if not metal else (2 if stored & {"F16", "BF16"} else 4)
+    n = sum(t.numel for t in ttensors if not t.name.endswith((".scales", ".biases")))
+    prec = f"{quant.target_bits}-bit" if quant.target_bits else ("float32" if not metal else "as stored")
+    labels = {"target": f"{n / 1e6:.0f}M stored params, {prec}"}
+    d, dw = None, 0
+    if dcfg is not None:
+        dtensors = list(dtensors)
+        d = drafter_dims(dcfg)
+        dw = q.loaded_nbytes(dtensors, bits=quant.drafter_bits, group_size=quant.group_size, float_bytes=float_bytes)
+        prec = f"{quant.drafter_bits}-bit" if quant.drafter_bits else "float"
+        labels["drafter"] = f"{sum(t.numel for t in dtensors) / 1e6:.0f}M params, {prec}; "
+    return PlanInputs(target_dims(tcfg), tw, d, dw, act_bytes=ab, metal=metal, prefix_cache=prefix_cache,
+                      cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels)
+
+
+def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, block_size: int | None = None,
+             prompt: int | None = None, prefix_cache: int = 0, budget: tuple[int, str] | None = None,
+             metal: bool | None = None) -> MemoryPlan:
+    """The plan of a pair on disk, from its configs and safetensors headers (nothing loads).
+
+    ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``.
+    """
+    import mlx.core as mx
+
+    from .loading import resolve
+    from .quantize import safetensors_tensors
+
+    metal = mx.metal.is_available() if metal is None else metal
+    tpath = _target_path(target_id)
+    dpath = resolve(str(drafter_id), "drafter") if drafter_id is not None else None
+    inputs = inputs_for(_read_json(tpath), safetensors_tensors(tpath),
+                        _read_json(dpath) if dpath else None, safetensors_tensors(dpath) if dpath else (),
+                        quant, metal=metal, prefix_cache=prefix_cache)
+    block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
+    budget = budget or device_budget()
+    notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
+    if inputs.target.max_position and context > inputs.target.max_position:
+        notes += (f"context {context} exceeds the target's max_position_embeddings {inputs.target.max_position}",)
+    return make_plan(inputs, context=context, block_size=block, budget=budget[0], budget_source=budget[1],
+                     prompt=prompt, notes=notes)
+
+
+def quant_from_args(args, drafter_id: str | None, target_config: dict | None):
+    """The QuantChoice for a command's --target-bits / --drafter-bits / --group-size flags."""
+    import mlx.core as mx
+
+    from . import quantize as q
+
+    return q.choose(getattr(args, "target_bits", None), getattr(args, "drafter_bits", None),
+                    getattr(args, "group_size", None), metal=mx.metal.is_available(),
+                    checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
+
+
+def plan_from_args(args, drafter_id: str | None):
+    """(QuantChoice, MemoryPlan) for a command's model flags (see ``cli.add_model_args``)."""
+    quant = quant_from_args(args, drafter_id, _read_json(_target_path(args.target)))
+    gb = getattr(args, "budget_gb", None)
+    plan = plan_for(args.target, drafter_id, quant, context=getattr(args, "context", None) or 4096,
+                    block_size=getattr(args, "block_size", None), prompt=getattr(args, "prompt_tokens", None),
+                    prefix_cache=int((getattr(args, "prefix_cache_mb", None) or 0) * MiB),
+                    budget=(int(gb * GiB), "--budget-gb") if gb else None)
+    return quant, plan
+
