@@ -12,6 +12,7 @@ bundled one), or a path to a BLAS shared library.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -80,4 +81,8 @@ def load_blas(env: dict | None = None) -> BlasInfo:
         name = "openblas" if "openblas" in path else "custom"
         return BlasInfo(name, path, f"threads={os.environ['OPENBLAS_NUM_THREADS']} core={core}")
     hint = "apt-get install libopenblas0-pthread" if choice == "auto" else f"{choice} not found"
-    return BlasInfo("reference", None, f"no optimized BLAS found ({hint}); block verify is slow")
+    info = BlasInfo("reference", None, f"no optimized BLAS found ({hint}); block verify is slow")
+    # Once per process (mlx_spec/__init__ calls this once), before any command runs.
+    logging.getLogger(__name__).warning("mlx_spec: %s; speculative decoding will not pay on this "
+                                        "CPU (set MLX_SPEC_BLAS=none to silence)", info.detail)
+    return info

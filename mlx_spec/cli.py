@@ -43,6 +43,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
     p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
+    p.add_argument("--no-tune", action="store_true",
+                   help="no first-launch tuning: use the checkpoint's block size unless --block-size")
+    p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
 
 
 def main(argv: list[str] | None = None) -> int:

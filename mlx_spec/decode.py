@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -73,8 +73,14 @@ def spec_steps(
     eos_ids: Sequence[int] = (),
     sampling: SamplingConfig = SamplingConfig(),
     prefill_step: int = 2048,
+    controller: Callable[[Step | None], int] | None = None,
 ) -> Iterator[Step]:
-    """Speculative decoding with a DFlash drafter. Lossless: the output is the target's."""
+    """Speculative decoding with a DFlash drafter. Lossless: the output is the target's.
+
+    ``controller`` (optional) is called before every cycle with the previous Step (the prefill
+    Step first) and returns that cycle's block size L; L = 1 is a plain target step. Without
+    it every cycle uses ``block_size``.
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
     if not prompt:
@@ -100,31 +106,32 @@ def spec_steps(
     yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
                prompt_tokens=len(prompt), finish_reason=reason)
     n = len(toks)
+    prev = Step(tuple(toks), prefill=True)
     while reason is None:
         tc = time.perf_counter()
-        L = min(block_size, max_tokens - n)
-        features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
-        pending.clear()
+        L = controller(prev) if controller is not None else block_size
+        L = max(1, min(L, max_tokens - n))
         key, kd, ka = mx.random.split(key, 3)
         if L > 1:
+            features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
+            pending.clear()
             proposal = drafter.propose(anchor, features, dcache, L, sampling, kd)
-            mx.eval(proposal.tokens)
             drafts = proposal.tokens
+            # Start drafting now and build the verify graph while it runs: one host sync per cycle.
+            mx.async_eval(drafts if proposal.q is None else (drafts, proposal.q))
             verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]
-        else:  # no room for drafts: a plain step; the features wait for the next draft call
+        else:  # a plain step; the features wait for the next draft call
             proposal, drafts = None, None
-            pending.append(features)
             verify_in = anchor.reshape(1, 1)
-        td = time.perf_counter()
         out = target(verify_in, cache, record=True)
-        if sampling.temperature == 0:
-            choice = mx.argmax(out.logits[0], axis=-1)
-            mx.eval(choice, out.hidden)
-            draft_list = drafts.tolist() if drafts is not None else []
+        greedy = sampling.temperature == 0
+        choice = mx.argmax(out.logits[0], axis=-1) if greedy else out.logits
+        mx.async_eval(choice, out.hidden)
+        draft_list = drafts.tolist() if drafts is not None else []  # waits for the draft only
+        td = time.perf_counter()
+        if greedy:
             a, bonus = accept_greedy(draft_list, choice.tolist())
         else:
-            mx.eval(out.logits, out.hidden)
-            draft_list = drafts.tolist() if drafts is not None else []
             a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
         tv = time.perf_counter()
         target.rollback(cache, L, a + 1)
@@ -135,11 +142,12 @@ def spec_steps(
         anchor = mx.array(bonus, mx.int32)
         if n % 256 < len(committed):
             mx.clear_cache()
-        yield Step(
+        prev = Step(
             tuple(committed), drafted=L - 1, accepted=a, block_size=L,
             draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3, rollback_ms=(tr - tv) * 1e3,
             elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
         )
+        yield prev
 
 
 def plain_steps(

@@ -47,7 +47,8 @@ class EngineInfo:
 
     def describe(self) -> str:
         if self.method == "plain":
-            return f"engine: plain decoding of {self.target} (--no-draft; no speculation)"
+            why = "--no-draft" if self.drafter is None else self.block_size_source
+            return f"engine: plain decoding of {self.target} ({why}; no speculation)"
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
                 f"{self.drafter}, block size {self.block_size} ({self.block_size_source})")
 
@@ -57,6 +58,8 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     if pair.drafter is None:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)")
     ckpt = pair.drafter.args.block_size
+    if block_size == 1 and (source or "").startswith("tuned"):  # the tuner chose "off"
+        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source)
     if block_size is None:
         block_size, source = ckpt, "checkpoint"
     if block_size < 2:

@@ -50,10 +50,27 @@ def open_pair(args, log: Callable[[str], None] = lambda m: None) -> Pair:
                      drafter_bits=quant.drafter_bits, group_size=quant.group_size)
 
 
-def resolve_block_size(pair: Pair, args) -> tuple[int | None, str | None]:
-    """(block size, source): --block-size flag, else the tuner's stored result, else checkpoint."""
+def resolve_block_size(pair: Pair, args, progress=None) -> tuple[int | None, str | None]:
+    """(block size, source): --block-size flag, else the tuner's stored result for this machine
+    and pair (tuning it first, once, if there is none), else with --no-tune the checkpoint's.
+
+    A block size of 1 means the tuner chose "off": plain decoding (the source says why).
+    ``progress(done, total, note)`` shows the first-launch tuning; default: a bar on stderr.
+    """
     if pair.drafter is None:
         return None, None
     if getattr(args, "block_size", None) is not None:
         return args.block_size, "flag"
-    return None, None
+    from .tuner import ensure_tuned
+
+    if progress is None:
+        import sys
+
+        from .bench import ProgressBar
+
+        bar = ProgressBar(sys.stderr, "tuning block size (first launch; --block-size N or --no-tune skip it)")
+        try:
+            return ensure_tuned(pair, args, bar)
+        finally:
+            bar.close()
+    return ensure_tuned(pair, args, progress)

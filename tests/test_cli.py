@@ -50,13 +50,13 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
 def test_chat_template_and_stop(pair_dirs, capsys):
     t, d = pair_dirs
     full = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--chat", "--prompt", "hi",
-                          "--max-tokens", "30", "--json"])
-    assert full["engine"]["block_size_source"] == "checkpoint"
+                          "--max-tokens", "30", "--no-tune", "--json"])
+    assert full["engine"]["block_size_source"] == "checkpoint (--no-tune)"
     text = full["text"]
     if len(text) > 4:
         stop = text[2:4]
         cut = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--chat", "--prompt", "hi",
-                             "--max-tokens", "30", "--stop", stop, "--json"])
+                             "--max-tokens", "30", "--stop", stop, "--no-tune", "--json"])
         assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop"
 
 
@@ -77,6 +77,6 @@ def test_no_silent_fallback(pair_dirs, tmp_path, capsys):
 def test_console_script_streams(pair_dirs):
     t, d = pair_dirs
     r = subprocess.run([sys.executable, "-m", "mlx_spec", "generate", "--target", str(t), "--drafter", str(d),
-                        "--prompt", "abc", "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+                        "--prompt", "abc", "--max-tokens", "8", "--no-tune"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "engine: dflash2 speculative decoding" in r.stderr and "tau" in r.stderr

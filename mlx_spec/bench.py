@@ -1,0 +1,500 @@
+"""Timing and measurement, shared by `mlx_spec bench` and the tuner (one implementation).
+
+- ``measure_costs``: the model passes alone (T1 plain decode step, Td(B) draft pass, Tt(B)
+  B-token verify pass), interleaved over rounds, warm-up discarded, medians.
+- ``Runner``: one generation of any method (plain mlx-lm, DFlash at a block size, adaptive,
+  prompt lookup, mlx-lm AR draft, the official ``dflash`` package), timed by wall clock.
+- ``bench``: methods side by side in one process, alternating order, repeated; ``summarize``
+  turns the runs into rows (medians, spread, speedup vs plain, tau, the eta ceiling, efficiency,
+  and the engaged-mechanism check).
+
+Definitions (DESIGN.md): decode tok/s = tokens after the first step / time after the first
+step; end to end = all tokens / all time (prefill included); speedup = median over repeats of
+(method tok/s / plain tok/s) of the same repeat; ceiling = tau * T1 / (Td + Tt(B)), in general
+committed tokens * T1 / sum over cycles of (Td(L) + Tt(L)); efficiency = speedup / ceiling.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .decode import Step, plain_steps, spec_steps
+from .stats import Stats
+
+Progress = Callable[[int, int, str], None]  # (done, total, note)
+
+
+# ---------------------------------------------------------------- pure arithmetic
+
+def ceiling(tau: float, t1_ms: float, td_ms: float, tt_ms: float) -> float:
+    """The eta ceiling: the speedup one cycle of these costs allows at acceptance length tau."""
+    cost = td_ms + tt_ms
+    return tau * t1_ms / cost if cost > 0 else math.nan
+
+
+def efficiency(speedup: float, ceil: float) -> float:
+    return speedup / ceil if ceil and ceil > 0 and not math.isnan(ceil) else math.nan
+
+
+def engaged(drafted: int, accepted: int) -> bool:
+    """A speculative row counts only if it drafted and at least one draft was accepted."""
+    return drafted > 0 and accepted > 0
+
+
+def spread(xs: Sequence[float]) -> float:
+    """(max - min) / median: the relative width of the repeats."""
+    m = statistics.median(xs) if xs else 0.0
+    return (max(xs) - min(xs)) / m if m else math.nan
+
+
+# ---------------------------------------------------------------- pass costs
+
+@dataclass(frozen=True)
+class Costs:
+    t1_ms: float  # plain decode step of the target (mlx-lm model)
+    td_ms: dict[int, float]  # draft pass at block size B
+    tt_ms: dict[int, float]  # B-token verify pass (taps included)
+    context: int
+    t1_draft_ms: float | None = None  # one step of an AR draft model
+
+    def _interp(self, table: dict[int, float], B: float) -> float:
+        """Linear between measured sizes, flat below the first, extrapolated past the last."""
+        keys = sorted(table)
+        if not keys:
+            return math.nan
+        if B <= keys[0]:
+            return table[keys[0]]
+        for lo, hi in zip(keys, keys[1:]):
+            if lo <= B <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (B - lo) / (hi - lo)
+        if len(keys) == 1:
+            return table[keys[0]]
+        lo, hi = keys[-2:]
+        return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (B - hi)
+
+    def verify(self, B: float) -> float:
+        return self.tt_ms[B] if B in self.tt_ms else self._interp(self.tt_ms, B)
+
+    def draft(self, B: float) -> float:
+        if B <= 1:
+            return 0.0
+        return self.td_ms[B] if B in self.td_ms else self._interp(self.td_ms, B)
+
+    def as_dict(self) -> dict:
+        return {"t1_ms": round(self.t1_ms, 3), "context": self.context,
+                "td_ms": {str(k): round(v, 3) for k, v in sorted(self.td_ms.items())},
+                "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
+                "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Costs":
+        return cls(float(d["t1_ms"]), {int(k): float(v) for k, v in d["td_ms"].items()},
+                   {int(k): float(v) for k, v in d["tt_ms"].items()}, int(d.get("context", 0)),
+                   d.get("t1_draft_ms"))
+
+
+class CostMeter:
+    """Times the model passes alone at ``context`` tokens: T1 (plain decode step of the mlx-lm
+    model), Tt(B) (B-token verify with taps, rolled back), Td(B) (draft pass), optionally one AR
+    draft-model step. Each ``round()`` times every pass once, in a rotated order; ``costs()`` is
+    the median over the rounds after the first (a warm-up). Rounds can be interleaved with the
+    runs they explain, so both see the same machine."""
+
+    def __init__(self, model, target, drafter, sizes: Sequence[int], context: Sequence[int], *, ar_model=None):
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        self.context = len(context)
+        x = mx.array([list(context)], mx.int32)
+        tok = mx.array([[int(context[-1])]], mx.int32)
+        tasks: dict[tuple[str, int], Callable[[], None]] = {}
+
+        def plain_step(m, cache):
+            def run():
+                mx.eval(mx.argmax(m(tok, cache=cache)[0, -1]))
+                trim_prompt_cache(cache, 1)
+            return run
+
+        pcache = make_prompt_cache(model)
+        mx.eval(model(x, cache=pcache), [c.state for c in pcache])
+        tasks[("t1", 1)] = plain_step(model, pcache)
+        if ar_model is not None:
+            acache = make_prompt_cache(ar_model)
+            mx.eval(ar_model(x, cache=acache), [c.state for c in acache])
+            tasks[("t1_draft", 1)] = plain_step(ar_model, acache)
+        if target is not None:
+            tcache = target.make_cache()
+            out = target(x, tcache)
+            mx.eval(out.logits, out.hidden, [c.state for c in tcache])
+            dcache = None
+            if drafter is not None:
+                dcache = drafter.make_cache()
+                drafter.add_context(out.hidden, dcache)
+                mx.eval([c.state for c in dcache])
+            anchor = mx.array(int(context[-1]), mx.int32)
+
+            def verify(B):
+                ids = mx.array([[int(context[-1])] * B], mx.int32)
+
+                def run():
+                    o = target(ids, tcache, record=True)
+                    mx.eval(mx.argmax(o.logits[0], axis=-1), o.hidden)
+                    target.rollback(tcache, B, 0)
+                return run
+
+            def draft(B):
+                def run():
+                    mx.eval(drafter.propose(anchor, None, dcache, B).tokens)
+                return run
+
+            for B in sorted({1, *sizes}):
+                tasks[("tt", B)] = verify(B)
+                if drafter is not None and B > 1:
+                    tasks[("td", B)] = draft(B)
+        self.tasks = tasks
+        self.times: dict[tuple[str, int], list[float]] = {k: [] for k in tasks}
+        self.rounds = 0
+
+    def round(self, progress: Progress | None = None, note: str = "measuring pass costs") -> None:
+        keys = list(self.tasks)
+        k = self.rounds % len(keys)
+        for i, key in enumerate(keys[k:] + keys[:k]):
+            t = time.perf_counter()
+            self.tasks[key]()
+            if self.rounds:
+                self.times[key].append((time.perf_counter() - t) * 1e3)
+            if progress:
+                progress(i + 1, len(keys), note)
+        self.rounds += 1
+
+    def costs(self) -> Costs:
+        med = {k: round(statistics.median(v), 3) for k, v in self.times.items() if v}
+        return Costs(med[("t1", 1)], {B: v for (n, B), v in med.items() if n == "td"},
+                     {B: v for (n, B), v in med.items() if n == "tt"}, self.context, med.get(("t1_draft", 1)))
+
+
+def measure_costs(model, target, drafter, sizes: Sequence[int], context: Sequence[int], *,
+                  reps: int = 5, ar_model=None, progress: Progress | None = None) -> Costs:
+    """Median cost of each pass at ``context`` tokens over ``reps`` rounds after a warm-up round."""
+    meter = CostMeter(model, target, drafter, sizes, context, ar_model=ar_model)
+    for r in range(reps + 1):
+        meter.round(None if progress is None else
+                    (lambda d, t, m, r=r: progress(r * t + d, (reps + 1) * t, m)))
+    return meter.costs()
+
+
+# ---------------------------------------------------------------- one generation
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    kind: str  # plain | dflash | adaptive | lookup | ar-draft | peer
+    block_size: int = 1  # tokens per verify incl. the anchor (lookup/ar-draft: drafts + 1)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "plain":
+            return "plain (mlx-lm)"
+        if self.kind == "adaptive":
+            return f"adaptive <={self.block_size}"
+        return f"{self.kind} B={self.block_size}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind != "plain"
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    total_s: float
+    first_s: float  # time to the first step (prefill + first token or round)
+    first_tokens: int
+    stats: Stats
+    blocks: dict[int, int]  # cycles per block size L (drafted + 1), prefill excluded
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.first_s
+
+
+class Runner:
+    """Runs any method on one loaded pair. Everything here must run on the pair's thread."""
+
+    def __init__(self, pair, *, ar_model=None, costs: Costs | None = None,
+                 controller_factory: Callable[[], Callable] | None = None, stop_at_eos: bool = True):
+        self.pair, self.ar_model, self.costs = pair, ar_model, costs
+        self.controller_factory = controller_factory
+        self.eos = tuple(pair.tokenizer.eos_token_ids) if stop_at_eos else ()
+        self._peer = None
+
+    def steps(self, method: Method, ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
+        p, B = self.pair, method.block_size
+        if method.kind == "plain":
+            return plain_steps(p.model, ids, max_tokens=max_tokens, eos_ids=self.eos)
+        if method.kind == "dflash":
+            return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
+        if method.kind == "adaptive":
+            return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
+                              eos_ids=self.eos, controller=self.controller_factory())
+        if method.kind == "lookup":
+            from .lookup import lookup_steps
+
+            return lookup_steps(p.model, ids, num_draft=B - 1, max_tokens=max_tokens, eos_ids=self.eos)
+        if method.kind == "ar-draft":
+            from .lookup import ar_draft_steps
+
+            return ar_draft_steps(p.model, self.ar_model, ids, num_draft=B - 1, max_tokens=max_tokens,
+                                  eos_ids=self.eos)
+        if method.kind == "peer":
+            from .lookup import load_peer, peer_steps
+
+            if self._peer is None:
+                self._peer = load_peer(p)
+            return peer_steps(self._peer, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
+        raise ValueError(f"unknown method {method.kind}")
+
+    def run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
+        stats, tokens, blocks = Stats(), [], {}
+        first_s, first_tokens = None, 0
+        t0 = time.perf_counter()
+        for step in self.steps(method, ids, max_tokens):
+            now = time.perf_counter()
+            stats.add(step)
+            tokens.extend(step.tokens)
+            if first_s is None:
+                first_s, first_tokens = now - t0, len(step.tokens)
+            if not step.prefill:
+                blocks[step.drafted + 1] = blocks.get(step.drafted + 1, 0) + 1
+        total = time.perf_counter() - t0
+        return Run(tokens, total, first_s or total, first_tokens, stats, blocks)
+
+
+def model_ms(method: Method, blocks: dict[int, int], costs: Costs) -> float:
+    """The two passes' time over a run's cycles by the cost curve (nan where unknown)."""
+    total = 0.0
+    for L, n in blocks.items():
+        if method.kind == "plain":
+            c = costs.t1_ms
+        elif method.kind == "lookup":
+            c = costs.verify(L)
+        elif method.kind == "ar-draft":
+            c = (L - 1) * costs.t1_draft_ms + costs.verify(L) if costs.t1_draft_ms else math.nan
+        else:
+            c = costs.draft(L) + costs.verify(L)
+        total += n * c
+    return total
+
+
+# ---------------------------------------------------------------- side by side
+
+@dataclass
+class Sample:
+    method: Method
+    repeat: int
+    prompt_id: str
+    kind: str
+    run: Run
+
+
+def bench(runner: Runner, methods: Sequence[Method], prompts: Sequence[tuple[str, str, list[int]]], *,
+          repeats: int = 3, max_tokens: int = 128, warmup_tokens: int = 16,
+          progress: Progress | None = None, meter: CostMeter | None = None) -> tuple[list[Sample], dict[Method, str]]:
+    """Every method on every prompt, ``repeats`` times, order rotated per prompt and repeat.
+
+    ``prompts``: (id, kind, token ids). A warm-up pass (every method, first prompt, short) is
+    discarded. ``meter`` (optional) gets one round of pass timings before every repeat.
+    Returns the samples and {method: why} for methods that raised (they are dropped).
+    """
+    total = len(methods) * (1 + repeats * len(prompts))
+    done = 0
+    failed: dict[Method, str] = {}
+
+    def attempt(m: Method, ids, n: int) -> Run | None:
+        try:
+            return runner.run(m, ids, n)
+        except Exception as e:  # one broken method must not hide the others' numbers
+            failed[m] = f"failed: {type(e).__name__}: {e}"
+            return None
+
+    for m in methods:
+        attempt(m, prompts[0][2], warmup_tokens)
+        done += 1
+        if progress:
+            progress(done, total, f"warm-up {m.label}")
+    samples = []
+    for r in range(repeats):
+        if meter is not None:
+            meter.round()
+        for j, (pid, kind, ids) in enumerate(prompts):
+            k = (r * len(prompts) + j) % len(methods)
+            for m in list(methods[k:]) + list(methods[:k]):
+                run = None if m in failed else attempt(m, ids, max_tokens)
+                if run is not None:
+                    samples.append(Sample(m, r, pid, kind, run))
+                done += 1
+                if progress:
+                    progress(done, total, f"repeat {r + 1}/{repeats} {pid} {m.label}")
+    return [s for s in samples if s.method not in failed], failed
+
+
+@dataclass
+class Row:
+    label: str
+    kind: str
+    block_size: int
+    status: str = "ok"  # "ok" | "failed: ..."
+    decode_tps: float | None = None
+    e2e_tps: float | None = None
+    spread: float | None = None  # of decode tok/s over repeats
+    speedup: float | None = None  # decode, vs plain
+    e2e_speedup: float | None = None
+    speedup_by_kind: dict = field(default_factory=dict)
+    tau: float | None = None
+    acceptance: float | None = None
+    acceptance_by_position: list = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    t1_ms: float | None = None
+    td_ms: float | None = None
+    tt_ms: float | None = None
+    ceiling: float | None = None
+    efficiency: float | None = None
+    mean_block: float | None = None
+    diverged: int = 0  # runs whose tokens differ from plain's (greedy; near-ties in the target)
+    runs: int = 0
+    tokens: int = 0
+
+
+def merge_stats(parts: Sequence[Stats]) -> Stats:
+    """The cycle counters of several runs added up (timings are not merged)."""
+    out = Stats()
+    for p in parts:
+        for name in ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens"):
+            setattr(out, name, getattr(out, name) + getattr(p, name))
+        n = max(len(out.reached), len(p.reached))
+        out.reached = [a + b for a, b in zip(out.reached + [0] * n, p.reached + [0] * n)][:n]
+        out.hits = [a + b for a, b in zip(out.hits + [0] * n, p.hits + [0] * n)][:n]
+    return out
+
+
+def _per_repeat(samples: list[Sample], kinds: set[str] | None = None) -> dict[int, tuple[float, float]]:
+    """repeat -> (decode tok/s, end-to-end tok/s) over the prompts (of the given kinds)."""
+    acc: dict[int, list[float]] = {}
+    for s in samples:
+        if kinds is not None and s.kind not in kinds:
+            continue
+        a = acc.setdefault(s.repeat, [0, 0.0, 0, 0.0])
+        a[0] += len(s.run.tokens) - s.run.first_tokens
+        a[1] += s.run.decode_s
+        a[2] += len(s.run.tokens)
+        a[3] += s.run.total_s
+    nan = math.nan  # a repeat whose runs all ended in their first step has no decode rate
+    return {r: (a[0] / a[1] if a[0] and a[1] else nan, a[2] / a[3] if a[3] else nan) for r, a in acc.items()}
+
+
+def _median_ratio(num: dict, den: dict, i: int) -> float | None:
+    """Median over repeats of num[r][i] / den[r][i], skipping repeats without both rates."""
+    xs = [num[r][i] / den[r][i] for r in num if r in den and num[r][i] > 0 and den[r][i] > 0]
+    return _r(statistics.median(xs)) if xs else None
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else None
+
+
+def _r(x, n=3):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, n)
+
+
+def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | None = None,
+              methods: Sequence[Method] | None = None) -> list[Row]:
+    """One Row per method (in ``methods`` order); raised or unengaged methods are marked failed."""
+    failed = failed or {}
+    methods = list(methods or dict.fromkeys(s.method for s in samples))
+    plain = [s for s in samples if s.method.kind == "plain"]
+    plain_tokens = {(s.repeat, s.prompt_id): s.run.tokens for s in plain}
+    base = _per_repeat(plain)
+    kinds = sorted({s.kind for s in samples})
+    base_kind = {k: _per_repeat(plain, {k}) for k in kinds}
+    rows = []
+    for m in methods:
+        if m in failed:
+            rows.append(Row(m.label, m.kind, m.block_size, status=failed[m]))
+            continue
+        mine = [s for s in samples if s.method == m]
+        st = merge_stats([s.run.stats for s in mine])
+        committed = st.committed_in_cycles
+        row = Row(m.label, m.kind, m.block_size, runs=len(mine), tokens=sum(len(s.run.tokens) for s in mine),
+                  drafted=st.drafted, accepted=st.accepted,
+                  diverged=sum(1 for s in mine if plain_tokens.get((s.repeat, s.prompt_id), s.run.tokens) != s.run.tokens))
+        if m.speculative:
+            row.tau = _r(st.mean_acceptance_length)
+            row.acceptance = _r(st.acceptance_rate)
+            row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
+            row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
+            if not engaged(st.drafted, st.accepted):
+                row.status = f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted})"
+                rows.append(row)
+                continue
+        per = _per_repeat(mine)
+        dec = [v[0] for v in per.values() if not math.isnan(v[0])]
+        row.decode_tps = _r(_median(dec), 2)
+        row.e2e_tps = _r(_median([v[1] for v in per.values()]), 2)
+        row.spread = _r(spread(dec)) if dec else None
+        if base:
+            row.speedup = _median_ratio(per, base, 0)
+            row.e2e_speedup = _median_ratio(per, base, 1)
+            for k in kinds:
+                x = _median_ratio(_per_repeat(mine, {k}), base_kind[k], 0)
+                if x is not None:
+                    row.speedup_by_kind[k] = x
+        if costs is not None:
+            row.t1_ms = _r(costs.t1_ms, 2)
+            if m.kind in ("dflash", "peer"):
+                row.td_ms, row.tt_ms = _r(costs.draft(m.block_size), 2), _r(costs.verify(m.block_size), 2)
+            elif m.kind == "lookup":
+                row.td_ms, row.tt_ms = 0.0, _r(costs.verify(m.block_size), 2)
+            elif m.kind == "ar-draft" and costs.t1_draft_ms:
+                row.td_ms, row.tt_ms = _r((m.block_size - 1) * costs.t1_draft_ms, 2), _r(costs.verify(m.block_size), 2)
+            passes = sum(model_ms(m, s.run.blocks, costs) for s in mine)
+            if m.speculative and passes and not math.isnan(passes):
+                # committed tokens * T1 / model time: tau * T1 / (Td + Tt(B)) when B is fixed
+                row.ceiling = _r(ceiling(committed / st.cycles, costs.t1_ms, passes / st.cycles, 0.0))
+                if row.speedup is not None:
+                    row.efficiency = _r(efficiency(row.speedup, row.ceiling))
+        rows.append(row)
+    return rows
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal stream; off a terminal, one line when it starts."""
+
+    def __init__(self, stream, label: str = "", width: int = 28):
+        self.stream, self.label, self.width = stream, label, width
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self.started = False
+
+    def __call__(self, done: int, total: int, note: str = "") -> None:
+        if not self.tty:
+            if not self.started and self.label:
+                self.stream.write(f"{self.label} ...\n")
+                self.stream.flush()
+            self.started = True
+            return
+        f = done / total if total else 1.0
+        bar = "#" * int(f * self.width) + "." * (self.width - int(f * self.width))
+        el = time.perf_counter() - self.t0
+        self.stream.write(f"\r\x1b[2K{self.label} [{bar}] {100 * f:3.0f}% {el:5.0f}s {note[:60]}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()

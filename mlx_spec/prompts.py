@@ -1,0 +1,105 @@
+"""The fixed built-in prompt set (code, math, prose) shared by bench, tune and verify.
+
+Fixed text, never generated, so numbers measured on different days compare. The prompts are
+chat requests that make a small instruct model write a few hundred tokens. They are kept apart
+from the training prompts (mlx_spec/train/prompts.py) so a drafter is not benched on its own data.
+A user's set comes from a JSONL file: one object per line with ``prompt`` (or ``messages``) and
+optionally ``kind``, ``id`` and ``chat`` (default true: apply the tokenizer's chat template).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BadRequest
+
+KINDS = ("code", "math", "prose")
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    id: str
+    kind: str  # code | math | prose | user
+    text: str = ""
+    messages: tuple | None = None  # chat messages (dicts); overrides text
+    chat: bool = True  # apply the chat template
+
+    def encode(self, tokenizer) -> list[int]:
+        from .text import encode_prompt
+
+        if self.messages is not None:
+            return encode_prompt(tokenizer, messages=list(self.messages))
+        return encode_prompt(tokenizer, self.text, chat=self.chat)
+
+
+BUILTIN = (
+    Prompt("code-1", "code", "Write a Python function that checks whether a string is a valid "
+           "IPv4 address. Include a docstring and three example calls."),
+    Prompt("code-2", "code", "Implement a Python class `LRUCache` with `get` and `put` methods, "
+           "using collections.OrderedDict. Show how to use it."),
+    Prompt("code-3", "code", "Write a Python script that reads a CSV file of sales (date, region, "
+           "amount) and prints the total amount per region, sorted from largest to smallest."),
+    Prompt("math-1", "math", "A train leaves at 9:40 and travels 210 km at 84 km/h. At what time "
+           "does it arrive? Explain each step."),
+    Prompt("math-2", "math", "Solve for x: 3(x - 4) + 7 = 2x + 9. Show your work step by step, "
+           "then check the answer."),
+    Prompt("math-3", "math", "A shop sells pencils at 3 for $0.75 and erasers at $0.40 each. How "
+           "much do 12 pencils and 5 erasers cost? Explain."),
+    Prompt("prose-1", "prose", "Write a short story about a lighthouse keeper who finds a message "
+           "in a bottle."),
+    Prompt("prose-2", "prose", "Explain how a refrigerator keeps food cold, for someone with no "
+           "background in physics."),
+    Prompt("prose-3", "prose", "Write a friendly email inviting your neighbours to a community "
+           "garden clean-up on Saturday morning."),
+)
+
+
+def builtin_prompts(kinds: tuple[str, ...] | None = None, per_kind: int | None = None) -> list[Prompt]:
+    """The built-in set, optionally only some kinds and the first ``per_kind`` of each."""
+    kinds = KINDS if not kinds else tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise BadRequest(f"unknown prompt kind(s) {bad}; choose from {', '.join(KINDS)}")
+    out = []
+    for kind in kinds:
+        of_kind = [p for p in BUILTIN if p.kind == kind]
+        out.extend(of_kind[:per_kind] if per_kind else of_kind)
+    return out
+
+
+def interleave(prompts: list[Prompt]) -> list[Prompt]:
+    """code-1, math-1, prose-1, code-2, ...: every prefix is a balanced mix."""
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    out = []
+    for i in range(max((len(v) for v in by_kind.values()), default=0)):
+        out.extend(v[i] for v in by_kind.values() if i < len(v))
+    return out
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL file (see the module docstring)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise BadRequest(f"cannot read prompts file {path}: {e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"{path}:{n}: not JSON: {e}") from None
+        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)):
+            raise BadRequest(f"{path}:{n}: expected an object with 'prompt' (string) or 'messages' (list)")
+        msgs = obj.get("messages")
+        out.append(Prompt(str(obj.get("id", f"line-{n}")), str(obj.get("kind", "user")), obj.get("prompt", ""),
+                          tuple(msgs) if msgs is not None else None, bool(obj.get("chat", True))))
+    if not out:
+        raise BadRequest(f"{path}: no prompts")
+    return out

@@ -1,0 +1,177 @@
+"""bench: ceiling/efficiency arithmetic, the engaged-mechanism check, baselines, a --json smoke."""
+
+import json
+import math
+
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
+
+from mlx_spec.bench import (Costs, Method, ProgressBar, Run, Sample, ceiling, efficiency, engaged,
+                            merge_stats, summarize)
+from mlx_spec.decode import Step, spec_steps
+from mlx_spec.lookup import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
+from mlx_spec.prompts import BUILTIN, KINDS, builtin_prompts, interleave, load_prompts
+from mlx_spec.stats import Stats
+from mlx_spec.target import Target
+
+PROMPT = [1, 5, 9, 17, 33, 2, 8, 5, 9, 17]
+
+
+def test_ceiling_and_efficiency():
+    assert ceiling(3.0, 100.0, 20.0, 130.0) == pytest.approx(2.0)  # tau * T1 / (Td + Tt)
+    assert ceiling(1.0, 100.0, 0.0, 100.0) == pytest.approx(1.0)  # plain-like cycle: no gain
+    assert efficiency(1.8, 2.0) == pytest.approx(0.9)
+    assert math.isnan(efficiency(1.0, math.nan)) and math.isnan(ceiling(2, 10, 0, 0))
+
+
+def test_engaged():
+    assert not engaged(0, 0) and not engaged(40, 0) and engaged(40, 1)
+
+
+def test_costs_interpolate_and_round_trip():
+    c = Costs(100.0, {2: 30.0, 4: 40.0}, {1: 100.0, 4: 130.0, 8: 170.0}, 64)
+    assert c.verify(6) == pytest.approx(150.0) and c.verify(12) == pytest.approx(210.0)
+    assert c.draft(3) == pytest.approx(35.0) and c.draft(1) == 0.0
+    assert Costs.from_dict(json.loads(json.dumps(c.as_dict()))) == c
+
+
+def _run(steps, seconds_per_cycle, first=0.5):
+    st = Stats()
+    for s in steps:
+        st.add(s)
+    n = len(steps) - 1
+    toks = [t for s in steps for t in s.tokens]
+    blocks = {}
+    for s in steps[1:]:
+        blocks[s.drafted + 1] = blocks.get(s.drafted + 1, 0) + 1
+    return Run(toks, first + n * seconds_per_cycle, first, len(steps[0].tokens), st, blocks)
+
+
+def _steps(per_cycle: list[tuple[int, int]]):
+    """(drafted, accepted) per cycle -> Steps committing accepted + 1 tokens."""
+    out, t = [Step((0,), prefill=True)], 1
+    for d, a in per_cycle:
+        out.append(Step(tuple(range(t, t + a + 1)), drafted=d, accepted=a, block_size=d + 1))
+        t += a + 1
+    return out
+
+
+def test_summarize_speedup_ceiling_and_failed_rows():
+    plain, spec, dead = Method("plain"), Method("dflash", 4), Method("dflash", 8)
+    costs = Costs(100.0, {4: 20.0, 8: 30.0}, {1: 100.0, 4: 130.0, 8: 160.0}, 32)
+    samples = []
+    for r in range(3):
+        ps = _steps([(0, 0)] * 24)  # 24 plain tokens after the first
+        samples.append(Sample(plain, r, "p", "code", _run(ps, 0.1)))
+        ss = _steps([(3, 2)] * 8)  # tau 3 -> 24 tokens in 8 cycles
+        samples.append(Sample(spec, r, "p", "code", _run(ss, 0.15)))
+        samples.append(Sample(dead, r, "p", "code", _run(_steps([(7, 0)] * 24), 0.2)))
+    rows = {r.label: r for r in summarize(samples, costs)}
+    p, s, d = rows["plain (mlx-lm)"], rows["dflash B=4"], rows["dflash B=8"]
+    assert p.status == "ok" and p.speedup == 1.0 and p.tau is None
+    assert s.status == "ok" and s.tau == 3.0 and s.acceptance == pytest.approx(2 / 3, abs=1e-3)
+    assert s.acceptance_by_position == [1.0, 1.0, 0.0]
+    assert s.speedup == pytest.approx(2.0)  # (24 tok / 1.2 s) / (24 tok / 2.4 s)
+    assert s.ceiling == pytest.approx(3 * 100 / 150)  # tau * T1 / (Td + Tt(4))
+    assert s.efficiency == pytest.approx(s.speedup / s.ceiling, abs=1e-3)
+    assert d.status.startswith("failed: mechanism did not engage")
+    assert d.decode_tps is None and d.speedup is None and d.ceiling is None  # never a speed
+    assert merge_stats([x.run.stats for x in samples if x.method == spec]).cycles == 24
+
+
+def test_find_draft():
+    h = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert find_draft(h, 3) == [4, 9, 1]  # the trigram 1 2 3 occurred before: continue it
+    assert find_draft(h, 1) == [4]
+    assert find_draft([5, 6, 7], 4) == [] and find_draft(h, 0) == []
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, cfg = tiny_model("qwen3")
+    return model, cfg, greedy_reference(model, PROMPT, 30)
+
+
+def test_lookup_and_ar_draft_are_lossless(tiny):
+    model, cfg, ref = tiny
+    for k in (1, 3, 7):
+        steps = list(lookup_steps(model, PROMPT, num_draft=k, max_tokens=30))
+        assert [t for s in steps for t in s.tokens] == ref
+        assert all(s.drafted <= k and s.accepted <= s.drafted for s in steps)
+    other, _ = tiny_model("qwen3", seed=3)
+    for k in (2, 4):
+        steps = list(ar_draft_steps(model, other, PROMPT, num_draft=k, max_tokens=30))
+        assert [t for s in steps for t in s.tokens] == ref
+    same = list(ar_draft_steps(model, model, PROMPT, num_draft=3, max_tokens=30))  # draft = target
+    assert all(s.accepted == s.drafted for s in same)
+    skip = layer_skip_draft(model, 2)  # the target's first 2 of 4 layers, shared weights
+    assert len(skip.layers) == 2 and len(model.layers) == 4
+    steps = list(ar_draft_steps(model, skip, PROMPT, num_draft=3, max_tokens=30))
+    assert [t for s in steps for t in s.tokens] == ref
+
+
+def test_spec_steps_controller_sets_each_cycle(tiny):
+    model, cfg, ref = tiny
+    target = Target(model, [0])
+    plan = iter([4, 1, 1, 6, 2, 8] * 20)
+    seen = []
+
+    def controller(prev):
+        seen.append(prev)
+        return next(plan)
+
+    steps = list(spec_steps(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT, block_size=16,
+                            max_tokens=30, controller=controller))
+    assert [t for s in steps for t in s.tokens] == ref
+    assert seen[0].prefill and [s.block_size for s in steps[1:5]] == [4, 1, 1, 6]
+    assert steps[2].drafted == 0 and steps[4].accepted == 2
+
+
+def test_prompts_builtin_and_jsonl(tmp_path):
+    assert {p.kind for p in BUILTIN} == set(KINDS) and len(builtin_prompts(per_kind=1)) == 3
+    assert [p.kind for p in interleave(builtin_prompts())][:3] == ["code", "math", "prose"]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    ps = load_prompts(f)
+    assert [p.kind for p in ps] == ["code", "user"] and ps[1].messages[0]["content"] == "yo"
+    f.write_text('{"nope": 1}\n')
+    from mlx_spec.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="p.jsonl:1"):
+        load_prompts(f)
+
+
+def test_progress_bar_off_a_tty_says_one_line():
+    import io
+
+    buf = io.StringIO()
+    bar = ProgressBar(buf, "tuning")
+    bar(1, 2, "half")
+    bar(2, 2, "done")
+    bar.close()
+    assert buf.getvalue() == "tuning ...\n"
+
+
+def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
+    """Not timed: the command runs every row on tiny models and reports them honestly."""
+    from mlx_spec.cli import main
+
+    monkeypatch.setenv("MLX_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    t, d = save_tiny_pair(tmp_path)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n{"prompt": "hello there", "kind": "prose"}\n')
+    rc = main(["bench", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--max-tokens", "12",
+               "--repeats", "1", "--block-sizes", "2,4", "--ar-draft", str(t), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    labels = [r["label"] for r in out["rows"]]
+    assert labels == ["plain (mlx-lm)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4", "adaptive <=8"]
+    assert out["blas"] and out["costs"]["t1_ms"] > 0 and out["kinds"] == ["code", "prose"]
+    for r in out["rows"]:
+        if r["status"] != "ok":  # a random tiny drafter may accept nothing: then no speed at all
+            assert r["status"].startswith("failed: mechanism did not engage") and r["decode_tps"] is None
+        else:
+            assert r["decode_tps"] > 0 and r["speedup"] > 0
+    ar = out["rows"][2]
+    assert ar["status"] == "ok" and ar["acceptance"] == 1.0  # the target as its own draft
+    assert all(r["diverged"] == 0 for r in out["rows"])  # greedy: every method is the target's output
+    assert rc == (1 if out["failed"] else 0)

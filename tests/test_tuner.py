@@ -1,0 +1,165 @@
+"""Tuner: the pure choice, the key, storage, first-launch trigger, "off", the online controller."""
+
+import argparse
+import json
+import random
+
+import pytest
+from helpers import save_tiny_pair
+
+from mlx_spec.adaptive import AdaptiveController, expected_tokens
+from mlx_spec.bench import Costs
+from mlx_spec.decode import Step
+from mlx_spec.tuner import (Candidate, TuneResult, choose, default_candidates, ensure_tuned, key_hash, load_result,
+                            predict, result_path, save_result, tune, tune_key)
+
+
+def C(block, speedup, final=True, **kw):
+    return Candidate(block, True, speedup=speedup, final=final, **kw)
+
+
+def test_choose_clear_winner_off_and_ties():
+    assert choose([C(1, 1.0), C(2, 1.3), C(4, 1.6), C(8, 1.4)]) == 4
+    assert choose([C(1, 1.0), C(2, 0.9), C(4, 1.01)]) == 1  # nothing beats plain by the margin: off
+    assert choose([C(1, 1.0)]) == 1 and choose([]) == 1
+    assert choose([C(1, 1.0), C(4, 1.500), C(6, 1.505), C(8, 1.49)]) == 4  # within 1 %: smaller block
+    assert choose([C(1, 1.0), C(4, 1.2), C(8, 2.0, final=False)]) == 4  # dropped early: cannot win
+    assert choose([C(1, 1.0), Candidate(4, False, predicted=3.0)]) == 1  # predicted only: never chosen
+
+
+def test_choose_on_noisy_synthetic_measurements():
+    """True speedups 1.00 / 1.25 / 1.45 / 1.30 with 8 % noise: the median of 7 rounds finds 4."""
+    rng = random.Random(0)
+    truth = {2: 1.25, 4: 1.45, 8: 1.30}
+    wins = 0
+    for trial in range(50):
+        cands = [C(1, 1.0)]
+        for b, mu in truth.items():
+            xs = sorted(mu * (1 + rng.gauss(0, 0.08)) for _ in range(7))
+            cands.append(C(b, xs[3]))
+        wins += choose(cands) == 4
+    assert wins >= 45
+    slow = {2: 0.85, 4: 0.9, 8: 0.8}  # a machine where drafting never pays
+    for trial in range(20):
+        cands = [C(1, 1.0)] + [C(b, sorted(mu * (1 + rng.gauss(0, 0.05)) for _ in range(5))[2]) for b, mu in slow.items()]
+        assert choose(cands) == 1
+
+
+def test_predict_and_candidates():
+    costs = Costs(100.0, {2: 20.0, 8: 30.0}, {1: 100.0, 2: 105.0, 8: 150.0}, 64)
+    acc = [0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05]
+    assert expected_tokens(acc, 1) == 1.0 and expected_tokens(acc, 3) == pytest.approx(2.4)
+    assert predict(costs, acc, 8) == pytest.approx((1 + sum(acc)) * 100 / 180)
+    assert predict(costs, acc, 1) == 1.0
+    assert default_candidates(16) == [2, 3, 4, 5, 6, 8, 10, 12, 16]
+    assert default_candidates(8)[-1] == 16 and default_candidates(24)[-1] == 24
+
+
+def _result(key, best=4):
+    cands = (Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
+             Candidate(4, True, 15.0, 0.04, 1.5, 2.9, 1.6, 3, final=True),
+             Candidate(8, False, predicted=1.2, tau=3.1, note="ranked out by the cost model"))
+    return TuneResult(key, best, "2026-11-29T12:00:00+00:00", cands, Costs(100.0, {4: 20.0}, {1: 100.0, 4: 130.0}, 50),
+                      (0.8, 0.6, 0.4), ("code", "math", "prose"), 24, 90.0, 42.0)
+
+
+def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
+    key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
+    r = _result(key)
+    path = save_result(r, tmp_path)
+    assert path == result_path(key, tmp_path) and load_result(key, tmp_path) == r
+    assert json.loads(path.read_text())["best"] == 4
+    changed = json.loads(json.dumps(key))
+    changed["drafter"]["hash"] = "3"  # a retrained drafter
+    assert key_hash(changed) != key_hash(key) and load_result(changed, tmp_path) is None
+    path.write_text("{ not json")
+    assert load_result(key, tmp_path) is None  # corrupt: re-tune, don't crash
+    path.write_text(json.dumps({"best": 4}))
+    assert load_result(key, tmp_path) is None
+
+
+def test_off_source_says_why():
+    r = _result({"k": 1}, best=1)
+    assert r.block_size == 1
+    assert r.source.startswith("tuned 2026-11-29: off — plain decoding faster on this machine")
+    assert _result({"k": 1}).source == "tuned 2026-11-29"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from mlx_spec.loading import load_pair
+
+    t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    return load_pair(str(t), str(d))
+
+
+def _args(**kw):
+    return argparse.Namespace(**{"block_size": None, "no_tune": False, "tune_budget": None, **kw})
+
+
+def test_first_launch_tunes_once_then_reads_the_store(pair, tmp_path):
+    calls = []
+
+    def fake_tune(p, budget_s, progress):
+        calls.append(budget_s)
+        return _result({"stale": True}, best=4)
+
+    assert ensure_tuned(pair, _args(tune_budget=30), None, root=tmp_path, tune_fn=fake_tune) == (4, "tuned 2026-11-29")
+    assert ensure_tuned(pair, _args(), None, root=tmp_path, tune_fn=fake_tune) == (4, "tuned 2026-11-29")
+    assert calls == [30]
+    assert load_result(tune_key(pair), tmp_path).key == tune_key(pair)
+    assert ensure_tuned(pair, _args(block_size=6), None, root=tmp_path, tune_fn=fake_tune) == (6, "flag")
+    ckpt = pair.drafter.args.block_size
+    assert ensure_tuned(pair, _args(no_tune=True), None, root=tmp_path, tune_fn=fake_tune) == (ckpt, "checkpoint (--no-tune)")
+    result_path(tune_key(pair), tmp_path).write_text("garbage")
+    ensure_tuned(pair, _args(), None, root=tmp_path, tune_fn=fake_tune)
+    assert len(calls) == 2  # the corrupt store was re-tuned
+
+
+def test_off_runs_plain_decoding(pair, tmp_path):
+    from mlx_spec.generation import GenConfig, engine_info, run
+
+    block, source = ensure_tuned(pair, _args(), None, root=tmp_path, tune_fn=lambda p, **kw: _result({}, best=1))
+    info = engine_info(pair, block, source)
+    assert info.method == "plain" and info.block_size == 1 and "off — plain decoding faster" in info.describe()
+    res = run(pair, info, [5, 6, 7], GenConfig(max_tokens=6))
+    assert res.stats.drafted == 0 and len(res.tokens) > 0
+
+
+def test_tune_on_tiny_pair_is_bounded_and_stored(pair, tmp_path):
+    r = tune(pair, budget_s=8, tokens=6, candidates=[2, 4], max_rounds=4)
+    assert {c.block for c in r.candidates} == {1, 2, 4} and r.best in (1, 2, 4)
+    assert r.elapsed_s < 60 and r.costs.t1_ms > 0 and set(r.costs.tt_ms) >= {1, 2, 4}
+    assert r.prompt_kinds == ("code", "math", "prose")
+    off = next(c for c in r.candidates if c.block == 1)
+    assert off.measured and off.speedup == 1.0 and off.rounds >= 1
+    save_result(r, tmp_path)
+    assert load_result(r.key, tmp_path) == r
+
+
+def _step(L, accepted, ms):
+    return Step(tuple(range(accepted + 1)), drafted=L - 1, accepted=accepted, block_size=L, elapsed_ms=ms)
+
+
+def test_controller_picks_the_block_that_pays_falls_back_and_recovers():
+    costs = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
+    c = AdaptiveController(costs, 16, prior=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    L = c(Step((1,), prefill=True))
+    assert L >= 4  # a good prior: draft a real block
+    for _ in range(30):  # the drafter stops agreeing: nothing accepted
+        L = c(_step(L, 0, costs.draft(L) + costs.verify(L)) if L > 1 else _step(1, 0, 100.0))
+    trace = c.trace[-20:]
+    assert trace.count(1) >= 15 and any(x > 1 for x in trace)  # plain, with occasional probes
+    for _ in range(40):  # it agrees again: every probe is fully accepted
+        L = c(_step(L, L - 1, costs.draft(L) + costs.verify(L)) if L > 1 else _step(1, 0, 100.0))
+    assert c.trace[-5:] == [c.trace[-1]] * 5 and c.trace[-1] >= 8  # recovered to a long block
+
+
+def test_controller_for_uses_the_stored_curve_and_prior(pair):
+    from mlx_spec.adaptive import controller_for
+
+    r = _result({}, best=4)
+    c = controller_for(pair, r)
+    assert c.costs is r.costs and c.max_block == 8 and c.prior[:3] == [0.8, 0.6, 0.4]
+    fresh = controller_for(pair, None, max_block=4, context=[5, 6, 7, 8])  # no result: measures now
+    assert fresh.max_block == 4 and fresh.costs.t1_ms > 0 and 4 in fresh.costs.tt_ms
