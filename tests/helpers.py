@@ -152,3 +152,17 @@ def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
     _, d, dcfg = tiny_drafter(model, cfg, v2=v2, **drafter_kw)
     save_drafter(d, root / "drafter", dcfg)
     return root / "target", root / "drafter"
+
+
+def tiny_engine_loader(root, block_size: int = 4):
+    """An Engine loader for a tiny pair saved under ``root`` (runs on the engine thread)."""
+    from mlx_spec.generation import engine_info
+    from mlx_spec.loading import load_pair
+
+    t, d = save_tiny_pair(root)
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return pair, engine_info(pair, block_size, "flag")
+
+    return loader

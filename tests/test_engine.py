@@ -4,22 +4,14 @@ import dataclasses
 
 import mlx.core as mx
 import pytest
-from helpers import save_tiny_pair
+from helpers import tiny_engine_loader
 
 from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
-from mlx_spec.generation import engine_info
-from mlx_spec.loading import load_pair
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-
-    def loader():
-        pair = load_pair(str(t), str(d))
-        return pair, engine_info(pair, 4, "flag")
-
-    with Engine(loader) as e:
+    with Engine(tiny_engine_loader(tmp_path_factory.mktemp("pair"))) as e:
         e.wait_ready(60)
         yield e
 

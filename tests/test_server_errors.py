@@ -6,23 +6,16 @@ import threading
 
 import httpx
 import pytest
-from helpers import save_tiny_pair
+from helpers import tiny_engine_loader
 from test_server import serve_in_thread
 
 from mlx_spec.engine import Delta, Done, Engine, Handle, Started
-from mlx_spec.generation import engine_info
-from mlx_spec.loading import load_pair
 from mlx_spec.server.app import create_app
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-
-    def loader():
-        pair = load_pair(str(t), str(d))
-        return pair, engine_info(pair, 4, "flag")
-
+    loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"))
     e = Engine(loader, max_queue=4, context_length=512).start()
     e.wait_ready(60)
     yield e
