@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .bench import Costs
+from .costs import Costs
 
 
 def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> float:
@@ -31,7 +31,7 @@ class AdaptiveController:
 
     def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), *, decay: float = 0.9,
                  prior_weight: float = 3.0, probe_every: int = 8, max_probe_every: int = 64):
-        self.costs, self.max_block = costs, max(1, max_block)
+        self.costs, self.max_block = costs.smoothed(), max(1, max_block)
         n = self.max_block - 1
         p = [min(1.0, max(0.0, float(x))) for x in prior[:n]]
         while len(p) < n:  # extrapolate geometrically (a neutral guess without a prior)
@@ -108,7 +108,7 @@ def controller_for(pair, result=None, max_block: int | None = None, context: Seq
         max_block = max(tried + [pair.drafter.args.block_size])
     costs = result.costs if result is not None else None
     if costs is None:
-        from .bench import measure_costs
+        from .costs import measure_costs
 
         sizes = sorted({2, 3, 4, 6, 8, 12, 16, max_block} - {s for s in (12, 16) if s > max_block})
         costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context or list(range(10, 74)), reps=2)

@@ -4,7 +4,8 @@ Fixed text, never generated, so numbers measured on different days compare. The 
 chat requests that make a small instruct model write a few hundred tokens. They are kept apart
 from the training prompts (mlx_spec/train/prompts.py) so a drafter is not benched on its own data.
 A user's set comes from a JSONL file: one object per line with ``prompt`` (or ``messages``) and
-optionally ``kind``, ``id`` and ``chat`` (default true: apply the tokenizer's chat template).
+optionally ``kind`` (else taken from an id like ``code-12``, else "user"), ``id`` and ``chat``
+(default true: apply the tokenizer's chat template).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)):
             raise BadRequest(f"{path}:{n}: expected an object with 'prompt' (string) or 'messages' (list)")
         msgs = obj.get("messages")
-        out.append(Prompt(str(obj.get("id", f"line-{n}")), str(obj.get("kind", "user")), obj.get("prompt", ""),
+        pid = str(obj.get("id", f"line-{n}"))
+        kind = obj.get("kind") or next((k for k in KINDS if pid.startswith(k + "-")), "user")
+        out.append(Prompt(pid, str(kind), obj.get("prompt", ""),
                           tuple(msgs) if msgs is not None else None, bool(obj.get("chat", True))))
     if not out:
         raise BadRequest(f"{path}: no prompts")

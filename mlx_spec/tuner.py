@@ -1,7 +1,7 @@
 """Block-size tuner: measure on this machine, store the best (or "off") per machine and pair.
 
 ``tune`` runs a bounded sweep: the pass costs Tt(B), Td(B) for every candidate, one acceptance
-probe at the largest block (acceptance by position gives tau for every smaller block), a cost
+probe at the checkpoint's block (acceptance by position gives tau for every smaller block), a cost
 model that ranks the candidates, then a race of the best few against plain decoding, end to end
 on the built-in prompt mix, alternating order, warm-up discarded, until the medians are stable,
 dropping clearly worse candidates early, within a time budget. ``choose`` (pure) picks the
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .adaptive import expected_tokens
-from .bench import Costs, Method, Progress, Runner, measure_costs, merge_stats, model_ms, spread
+from .bench import Method, Runner, merge_stats, model_ms, spread
+from .costs import Costs, Progress, measure_costs
 
 log = logging.getLogger(__name__)
 
@@ -274,17 +275,22 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     def frac(x: float, msg: str):  # progress as a share of the budget
         note(min(999, int(1000 * x)), 1000, msg)
 
+    kinds = list(dict.fromkeys(k for _, k, _ in encoded))
     context = max((ids for _, _, ids in encoded), key=len)
     costs = measure_costs(pair.model, pair.target, pair.drafter, cands, context, reps=2,
                           progress=lambda d, t, m: frac(0.15 * d / t, m))
     runner = Runner(pair, costs=costs)
-    probe = [runner.run(Method("dflash", cands[-1]), ids, tokens) for _, _, ids in encoded[:3]]
+    # Probe at the trained block: more masks than the drafter saw in training lower the early
+    # positions too. Positions past it are untrained (counted as never accepted).
+    probe_block = min(pair.drafter.args.block_size, cands[-1])
+    probe = [runner.run(Method("dflash", probe_block), ids, tokens) for _, _, ids in encoded[:3]]
     frac(0.3, "acceptance probe")
     st = merge_stats([r.stats for r in probe])
-    acc = st.acceptance_by_position
-    passes = sum(model_ms(Method("dflash", cands[-1]), r.blocks, costs) for r in probe)
+    acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
+    passes = sum(model_ms(Method("dflash", probe_block), r.blocks, costs) for r in probe)
     overhead = max(0.0, (sum(r.decode_s for r in probe) * 1e3 - passes) / max(1, st.cycles))
-    predicted = {B: predict(costs, acc, B, overhead) for B in cands}
+    smooth = costs.smoothed()
+    predicted = {B: predict(smooth, acc, B, overhead) for B in cands}
     ranked = sorted(cands, key=lambda B: -predicted[B])
     alive = [1] + sorted(ranked[:finalists])
     method = {B: Method("plain") if B == 1 else Method("dflash", B) for B in alive}
@@ -313,8 +319,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         round_s = time.perf_counter() - tr
         frac(0.3 + 0.7 * (time.perf_counter() - t0) / budget_s, f"round {rounds}: " + ", ".join(
             f"{'off' if B == 1 else B} x{statistics.median(ratio[B]):.2f}" for B in alive))
-        if rounds < 2:
-            continue
+        if rounds < max(min_rounds, len(kinds)) or rounds % len(kinds):
+            continue  # judge only after whole cycles of the prompt kinds (they disagree)
         med = {B: statistics.median(ratio[B]) for B in alive}
         lead = max(alive, key=lambda B: med[B])
         for B in list(alive):  # clearly worse: even its best round is below the leader's median
@@ -322,7 +328,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                 alive.remove(B)
                 dropped[B] = f"dropped after {rounds} rounds"
         leader_hist.append((lead, med[lead]))
-        if rounds >= min_rounds and len(leader_hist) >= 2:
+        if len(leader_hist) >= 2:
             (a, ma), (b, mb) = leader_hist[-2:]
             if a == b and abs(ma - mb) <= 0.02 * mb:
                 break

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from mlx_spec.bench import measure_costs
+    from mlx_spec.costs import measure_costs
     from mlx_spec.prompts import BUILTIN
 
     model, tok, target, drafter, what = load(args)

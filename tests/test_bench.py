@@ -33,6 +33,10 @@ def test_costs_interpolate_and_round_trip():
     assert c.verify(6) == pytest.approx(150.0) and c.verify(12) == pytest.approx(210.0)
     assert c.draft(3) == pytest.approx(35.0) and c.draft(1) == 0.0
     assert Costs.from_dict(json.loads(json.dumps(c.as_dict()))) == c
+    noisy = Costs(100.0, {2: 30.0, 4: 50.0, 6: 35.0, 8: 60.0}, {1: 100.0, 4: 150.0, 6: 120.0, 8: 160.0}, 64).smoothed()
+    tt = [noisy.tt_ms[b] for b in (1, 4, 6, 8)]
+    assert tt == sorted(tt) and sum(tt) == pytest.approx(530.0, abs=0.01)  # a line through the points
+    assert noisy.t1_ms == 100.0
 
 
 def _run(steps, seconds_per_cycle, first=0.5):
@@ -131,9 +135,10 @@ def test_prompts_builtin_and_jsonl(tmp_path):
     assert {p.kind for p in BUILTIN} == set(KINDS) and len(builtin_prompts(per_kind=1)) == 3
     assert [p.kind for p in interleave(builtin_prompts())][:3] == ["code", "math", "prose"]
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    f.write_text('{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
+                 '{"id": "math-7", "prompt": "1+1?"}\n')
     ps = load_prompts(f)
-    assert [p.kind for p in ps] == ["code", "user"] and ps[1].messages[0]["content"] == "yo"
+    assert [p.kind for p in ps] == ["code", "user", "math"] and ps[1].messages[0]["content"] == "yo"
     f.write_text('{"nope": 1}\n')
     from mlx_spec.errors import BadRequest
 

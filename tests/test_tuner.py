@@ -160,6 +160,30 @@ def test_controller_for_uses_the_stored_curve_and_prior(pair):
 
     r = _result({}, best=4)
     c = controller_for(pair, r)
-    assert c.costs is r.costs and c.max_block == 8 and c.prior[:3] == [0.8, 0.6, 0.4]
+    assert c.costs == r.costs.smoothed() and c.max_block == 8 and c.prior[:3] == [0.8, 0.6, 0.4]
     fresh = controller_for(pair, None, max_block=4, context=[5, 6, 7, 8])  # no result: measures now
     assert fresh.max_block == 4 and fresh.costs.t1_ms > 0 and 4 in fresh.costs.tt_ms
+
+
+def test_controller_reaches_most_of_the_best_fixed_rate():
+    """Simulated drafter with stationary per-position acceptance c: the controller, knowing only
+    the cost curve, commits tokens at >= 90 % of the rate of the best fixed block for that c."""
+    costs = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
+
+    def cycle_ms(L):
+        return costs.draft(L) + costs.verify(L) if L > 1 else costs.verify(1)
+
+    for cond in (0.3, 0.6, 0.85):
+        best = max(sum(cond ** i for i in range(L)) / cycle_ms(L) for L in range(1, 17))
+        rates = []
+        for seed in range(8):
+            rng, c = random.Random(seed), AdaptiveController(costs, 16)
+            L, toks, ms = c(None), 0, 0.0
+            for _ in range(150):
+                a = 0
+                while a < L - 1 and rng.random() < cond:
+                    a += 1
+                toks, ms = toks + a + 1, ms + cycle_ms(L)
+                L = c(_step(L, a, cycle_ms(L)) if L > 1 else _step(1, 0, cycle_ms(1)))
+            rates.append(toks / ms)
+        assert sum(rates) / len(rates) >= 0.9 * best, cond

@@ -1,0 +1,176 @@
+"""Pass costs: what one plain decode step, one draft pass and one B-token verify pass cost here.
+
+One implementation for `mlx_spec bench`, the tuner and the adaptive controller. ``CostMeter``
+times each pass alone (synced) at a given context; rounds interleave the passes and can be
+interleaved with the runs they explain. ``ceiling`` is the eta ceiling (DESIGN.md):
+``tau * T1 / (Td + Tt(B))``, the speedup these two passes allow with zero loop overhead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+Progress = Callable[[int, int, str], None]  # (done, total, note)
+
+
+def ceiling(tau: float, t1_ms: float, td_ms: float, tt_ms: float) -> float:
+    """The eta ceiling: the speedup one cycle of these costs allows at acceptance length tau."""
+    cost = td_ms + tt_ms
+    return tau * t1_ms / cost if cost > 0 else math.nan
+
+
+def efficiency(speedup: float, ceil: float) -> float:
+    return speedup / ceil if ceil and ceil > 0 and not math.isnan(ceil) else math.nan
+
+
+@dataclass(frozen=True)
+class Costs:
+    t1_ms: float  # plain decode step of the target (mlx-lm model)
+    td_ms: dict[int, float]  # draft pass at block size B
+    tt_ms: dict[int, float]  # B-token verify pass (taps included)
+    context: int
+    t1_draft_ms: float | None = None  # one step of an AR draft model
+
+    def _interp(self, table: dict[int, float], B: float) -> float:
+        """Linear between measured sizes, flat below the first, extrapolated past the last."""
+        keys = sorted(table)
+        if not keys:
+            return math.nan
+        if B <= keys[0]:
+            return table[keys[0]]
+        for lo, hi in zip(keys, keys[1:]):
+            if lo <= B <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (B - lo) / (hi - lo)
+        if len(keys) == 1:
+            return table[keys[0]]
+        lo, hi = keys[-2:]
+        return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (B - hi)
+
+    def verify(self, B: float) -> float:
+        return self.tt_ms[B] if B in self.tt_ms else self._interp(self.tt_ms, B)
+
+    def draft(self, B: float) -> float:
+        if B <= 1:
+            return 0.0
+        return self.td_ms[B] if B in self.td_ms else self._interp(self.td_ms, B)
+
+    def smoothed(self) -> "Costs":
+        """Td and Tt replaced by their least-squares lines in B (pass costs grow with B; single
+        medians on a busy machine do not always), for ranking and control."""
+        def fit(table: dict[int, float]) -> dict[int, float]:
+            if len(table) < 3:
+                return dict(table)
+            xs, ys = list(table), list(table.values())
+            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx_) ** 2 for x in xs)
+            b = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+            b = max(b, 0.0)
+            return {x: round(my + b * (x - mx_), 3) for x in xs}
+        return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms)
+
+    def as_dict(self) -> dict:
+        return {"t1_ms": round(self.t1_ms, 3), "context": self.context,
+                "td_ms": {str(k): round(v, 3) for k, v in sorted(self.td_ms.items())},
+                "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
+                "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Costs":
+        return cls(float(d["t1_ms"]), {int(k): float(v) for k, v in d["td_ms"].items()},
+                   {int(k): float(v) for k, v in d["tt_ms"].items()}, int(d.get("context", 0)),
+                   d.get("t1_draft_ms"))
+
+
+class CostMeter:
+    """Times the model passes alone at ``context`` tokens: T1 (plain decode step of the mlx-lm
+    model), Tt(B) (B-token verify with taps, rolled back), Td(B) (draft pass), optionally one AR
+    draft-model step. Each ``round()`` times every pass once, in a rotated order; ``costs()`` is
+    the median over the rounds after the first (a warm-up). Rounds can be interleaved with the
+    runs they explain, so both see the same machine."""
+
+    def __init__(self, model, target, drafter, sizes: Sequence[int], context: Sequence[int], *, ar_model=None):
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        self.context = len(context)
+        x = mx.array([list(context)], mx.int32)
+        tok = mx.array([[int(context[-1])]], mx.int32)
+        tasks: dict[tuple[str, int], Callable[[], None]] = {}
+
+        def plain_step(m, cache):
+            def run():
+                mx.eval(mx.argmax(m(tok, cache=cache)[0, -1]))
+                trim_prompt_cache(cache, 1)
+            return run
+
+        pcache = make_prompt_cache(model)
+        mx.eval(model(x, cache=pcache), [c.state for c in pcache])
+        tasks[("t1", 1)] = plain_step(model, pcache)
+        if ar_model is not None:
+            acache = make_prompt_cache(ar_model)
+            mx.eval(ar_model(x, cache=acache), [c.state for c in acache])
+            tasks[("t1_draft", 1)] = plain_step(ar_model, acache)
+        if target is not None:
+            tcache = target.make_cache()
+            out = target(x, tcache)
+            mx.eval(out.logits, out.hidden, [c.state for c in tcache])
+            dcache = None
+            if drafter is not None:
+                dcache = drafter.make_cache()
+                drafter.add_context(out.hidden, dcache)
+                mx.eval([c.state for c in dcache])
+            anchor = mx.array(int(context[-1]), mx.int32)
+
+            def verify(B):
+                ids = mx.array([[int(context[-1])] * B], mx.int32)
+
+                def run():
+                    o = target(ids, tcache, record=True)
+                    mx.eval(mx.argmax(o.logits[0], axis=-1), o.hidden)
+                    target.rollback(tcache, B, 0)
+                return run
+
+            def draft(B):
+                def run():
+                    mx.eval(drafter.propose(anchor, None, dcache, B).tokens)
+                return run
+
+            for B in sorted({1, *sizes}):
+                tasks[("tt", B)] = verify(B)
+                if drafter is not None and B > 1:
+                    tasks[("td", B)] = draft(B)
+        self.tasks = tasks
+        self.times: dict[tuple[str, int], list[float]] = {k: [] for k in tasks}
+        self.rounds = 0
+
+    def round(self, progress: Progress | None = None, note: str = "measuring pass costs") -> None:
+        keys = list(self.tasks)
+        k = self.rounds % len(keys)
+        for i, key in enumerate(keys[k:] + keys[:k]):
+            t = time.perf_counter()
+            self.tasks[key]()
+            if self.rounds:
+                self.times[key].append((time.perf_counter() - t) * 1e3)
+            if progress:
+                progress(i + 1, len(keys), note)
+        self.rounds += 1
+
+    def costs(self) -> Costs:
+        med = {k: round(statistics.median(v), 3) for k, v in self.times.items() if v}
+        return Costs(med[("t1", 1)], {B: v for (n, B), v in med.items() if n == "td"},
+                     {B: v for (n, B), v in med.items() if n == "tt"}, self.context, med.get(("t1_draft", 1)))
+
+
+def measure_costs(model, target, drafter, sizes: Sequence[int], context: Sequence[int], *,
+                  reps: int = 5, ar_model=None, progress: Progress | None = None) -> Costs:
+    """Median cost of each pass at ``context`` tokens over ``reps`` rounds after a warm-up round."""
+    meter = CostMeter(model, target, drafter, sizes, context, ar_model=ar_model)
+    for r in range(reps + 1):
+        meter.round(None if progress is None else
+                    (lambda d, t, m, r=r: progress(r * t + d, (reps + 1) * t, m)))
+    return meter.costs()
