@@ -48,6 +48,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
 
 
+DEFAULT_PREFIX_CACHE_MB = 256
+
+
+def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PREFIX_CACHE_MB) -> None:
+    """For long-lived engines (chat, serve): K/V kept between turns and requests."""
+    p.add_argument("--prefix-cache-mb", type=float, default=default,
+                   help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
+                        f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
+
+
+def prefix_cache_bytes(args) -> int:
+    from .errors import BadRequest
+
+    mb = getattr(args, "prefix_cache_mb", 0) or 0
+    if mb < 0:
+        raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {mb:g})")
+    return int(mb * 2**20)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mlx_spec", description="Lossless speculative decoding on MLX")
     parser.add_argument("--verbose", action="store_true", help="log details (BLAS, plan, loading)")

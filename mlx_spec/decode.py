@@ -5,11 +5,16 @@ draft ``[anchor, MASK x (L-1)]`` -> one target verify pass over ``[anchor, d1..d
 accept the longest matching prefix plus the target's bonus -> roll the target cache back ->
 hand the accepted rows' features to the drafter's context cache.
 
+Both loops can start from a ``Prefill`` (caches already holding a prefix of the prompt, from the
+prefix cache) and hand their final caches to ``on_exit`` when they end or are closed, so the next
+turn of a conversation prefills only its new tokens.
+
 ``plain_steps``: mlx-lm's own ``generate_step`` (the baseline a user would otherwise run).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -17,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 
 from .drafter import Drafter
+from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
 from .target import Target
 
@@ -35,7 +41,30 @@ class Step:
     elapsed_ms: float = 0.0  # wall time of the whole step, host work included
     prefill: bool = False
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill step)
     finish_reason: str | None = None  # "stop" (EOS) | "length" | None
+
+
+log = logging.getLogger(__name__)
+
+
+def _start(prefill: Prefill | None, prompt: Sequence[int]) -> int:
+    if prefill is None:
+        return 0
+    n = len(prefill.tokens)
+    if n >= len(prompt) or tuple(prompt[:n]) != tuple(prefill.tokens):
+        raise ValueError("the prefill's tokens must be a proper prefix of the prompt")
+    return n
+
+
+def _hand_over(on_exit, make) -> None:
+    """Give the final caches away; a failure here must not turn a finished reply into an error."""
+    if on_exit is None:
+        return
+    try:
+        on_exit(make())
+    except Exception:  # pragma: no cover - logged, the reply is already complete
+        log.exception("could not keep the caches for prefix reuse")
 
 
 def _finish(tokens: list[int], n_done: int, max_tokens: int, eos: frozenset[int]):
@@ -74,20 +103,31 @@ def spec_steps(
     sampling: SamplingConfig = SamplingConfig(),
     prefill_step: int = 2048,
     controller: Callable[[Step | None], int] | None = None,
+    prefill: Prefill | None = None,
+    on_exit: Callable[[Prefill], None] | None = None,
 ) -> Iterator[Step]:
     """Speculative decoding with a DFlash drafter. Lossless: the output is the target's.
 
     ``controller`` (optional) is called before every cycle with the previous Step (the prefill
     Step first) and returns that cycle's block size L; L = 1 is a plain target step. Without
     it every cycle uses ``block_size``.
+
+    ``prefill``: caches (target and drafter) already holding a proper prefix of ``prompt``; they
+    are advanced in place. ``on_exit`` receives the final caches and the ids they hold when the
+    run ends or the generator is closed between steps (not after an error).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
     if not prompt:
         raise ValueError("empty prompt")
     eos = frozenset(eos_ids)
-    cache = target.make_cache()
-    dcache = drafter.make_cache()
+    done = _start(prefill, prompt)
+    if prefill is not None and prefill.drafter is None:
+        raise ValueError("a speculative run needs the drafter's context cache in its prefill")
+    cache = prefill.target if prefill else target.make_cache()
+    dcache = prefill.drafter if prefill else drafter.make_cache()
+    fed = list(prompt)  # the ids whose K/V the target cache holds once the prefill is done
+    consistent = False  # caches, `fed` and `pending` agree (true at every yield)
     key = mx.random.key(sampling.seed if sampling.seed is not None else time.time_ns() % 2**31)
     pending: list[mx.array] = []  # features of committed rows not yet in the drafter's cache
 
@@ -96,58 +136,75 @@ def spec_steps(
             drafter.add_context(pending.pop(), dcache)
         pending.append(features)
 
-    t0 = time.perf_counter()
-    logits = _prefill(target, list(prompt), cache, prefill_step, sink)
-    key, sub = mx.random.split(key)
-    anchor = sample_target(logits[None], sampling, sub)[0]  # first token comes from the target
-    first = anchor.item()
-    toks, reason = _finish([first], 0, max_tokens, eos)
-    ms = (time.perf_counter() - t0) * 1e3
-    yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
-               prompt_tokens=len(prompt), finish_reason=reason)
-    n = len(toks)
-    prev = Step(tuple(toks), prefill=True)
-    while reason is None:
-        tc = time.perf_counter()
-        L = controller(prev) if controller is not None else block_size
-        L = max(1, min(L, max_tokens - n))
-        key, kd, ka = mx.random.split(key, 3)
-        if L > 1:
-            features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
-            pending.clear()
-            proposal = drafter.propose(anchor, features, dcache, L, sampling, kd)
-            drafts = proposal.tokens
-            # Start drafting now and build the verify graph while it runs: one host sync per cycle.
-            mx.async_eval(drafts if proposal.q is None else (drafts, proposal.q))
-            verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]
-        else:  # a plain step; the features wait for the next draft call
-            proposal, drafts = None, None
-            verify_in = anchor.reshape(1, 1)
-        out = target(verify_in, cache, record=True)
-        greedy = sampling.temperature == 0
-        choice = mx.argmax(out.logits[0], axis=-1) if greedy else out.logits
-        mx.async_eval(choice, out.hidden)
-        draft_list = drafts.tolist() if drafts is not None else []  # waits for the draft only
-        td = time.perf_counter()
-        if greedy:
-            a, bonus = accept_greedy(draft_list, choice.tolist())
-        else:
-            a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
-        tv = time.perf_counter()
-        target.rollback(cache, L, a + 1)
-        tr = time.perf_counter()
-        pending.append(out.hidden[:, : a + 1])
-        committed, reason = _finish(draft_list[:a] + [bonus], n, max_tokens, eos)
-        n += len(committed)
-        anchor = mx.array(bonus, mx.int32)
-        if n % 256 < len(committed):
-            mx.clear_cache()
-        prev = Step(
-            tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-            draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3, rollback_ms=(tr - tv) * 1e3,
-            elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
-        )
-        yield prev
+    def final() -> Prefill:
+        for f in pending:
+            drafter.add_context(f, dcache)
+        pending.clear()
+        return Prefill(tuple(fed), cache, dcache)
+
+    try:
+        t0 = time.perf_counter()
+        logits = _prefill(target, list(prompt[done:]), cache, prefill_step, sink)
+        key, sub = mx.random.split(key)
+        anchor = sample_target(logits[None], sampling, sub)[0]  # first token comes from the target
+        anchor_id = anchor.item()
+        toks, reason = _finish([anchor_id], 0, max_tokens, eos)
+        ms = (time.perf_counter() - t0) * 1e3
+        consistent = True
+        yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
+                   prompt_tokens=len(prompt), cached_tokens=done, finish_reason=reason)
+        n = len(toks)
+        prev = Step(tuple(toks), prefill=True)
+        while reason is None:
+            tc = time.perf_counter()
+            L = controller(prev) if controller is not None else block_size
+            L = max(1, min(L, max_tokens - n))
+            key, kd, ka = mx.random.split(key, 3)
+            consistent = False
+            if L > 1:
+                features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
+                pending.clear()
+                proposal = drafter.propose(anchor, features, dcache, L, sampling, kd)
+                drafts = proposal.tokens
+                # Start drafting now and build the verify graph while it runs: one host sync per cycle.
+                mx.async_eval(drafts if proposal.q is None else (drafts, proposal.q))
+                verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]
+            else:  # a plain step; the features wait for the next draft call
+                proposal, drafts = None, None
+                verify_in = anchor.reshape(1, 1)
+            out = target(verify_in, cache, record=True)
+            greedy = sampling.temperature == 0
+            choice = mx.argmax(out.logits[0], axis=-1) if greedy else out.logits
+            mx.async_eval(choice, out.hidden)
+            draft_list = drafts.tolist() if drafts is not None else []  # waits for the draft only
+            td = time.perf_counter()
+            if greedy:
+                a, bonus = accept_greedy(draft_list, choice.tolist())
+            else:
+                a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
+            tv = time.perf_counter()
+            target.rollback(cache, L, a + 1)
+            tr = time.perf_counter()
+            pending.append(out.hidden[:, : a + 1])
+            fed.append(anchor_id)
+            fed.extend(draft_list[:a])
+            committed, reason = _finish(draft_list[:a] + [bonus], n, max_tokens, eos)
+            n += len(committed)
+            anchor, anchor_id = mx.array(bonus, mx.int32), bonus
+            if n % 256 < len(committed):
+                mx.clear_cache()
+            prev = Step(
+                tuple(committed), drafted=L - 1, accepted=a, block_size=L,
+                draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3, rollback_ms=(tr - tv) * 1e3,
+                elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
+            )
+            consistent = True
+            yield prev
+    except GeneratorExit:
+        if consistent:
+            _hand_over(on_exit, final)
+        raise
+    _hand_over(on_exit, final)
 
 
 def plain_steps(
@@ -158,27 +215,60 @@ def plain_steps(
     eos_ids: Sequence[int] = (),
     sampling: SamplingConfig = SamplingConfig(),
     prefill_step: int = 2048,
+    prefill: Prefill | None = None,
+    on_exit: Callable[[Prefill], None] | None = None,
 ) -> Iterator[Step]:
-    """Plain decoding through mlx-lm's own ``generate_step`` (one token per step)."""
+    """Plain decoding through mlx-lm's own ``generate_step`` (one token per step).
+
+    ``prefill`` / ``on_exit`` as in ``spec_steps`` (target cache only).
+    """
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     eos = frozenset(eos_ids)
+    done = _start(prefill, prompt)
+    cache = prefill.target if prefill else make_prompt_cache(model)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     sampler = sampling.mlx_sampler()
     t = time.perf_counter()
     first = True
-    gen = generate_step(mx.array(list(prompt), mx.int32), model, max_tokens=max_tokens,
-                        sampler=sampler, prefill_step_size=prefill_step)
+    seq = list(prompt)
+
+    def final() -> Prefill | None:
+        # generate_step feeds each token before yielding it, so the cache holds a prefix of seq.
+        held = next((c.offset for c in cache if type(c) is KVCache), None)
+        if held is None or held > len(seq):
+            return None
+        for c in cache:
+            if type(c) is KVCache and c.offset != held:
+                return None
+        return Prefill(tuple(seq[:held]), cache, None)
+
+    def keep():
+        got = final()
+        if got is not None:
+            _hand_over(on_exit, lambda: got)
+
+    gen = generate_step(mx.array(list(prompt[done:]), mx.int32), model, max_tokens=max_tokens,
+                        sampler=sampler, prefill_step_size=prefill_step, prompt_cache=cache)
     n = 0
-    for tok, _ in gen:
-        n += 1
-        now = time.perf_counter()
-        reason = "stop" if tok in eos else ("length" if n >= max_tokens else None)
-        ms = (now - t) * 1e3
-        yield Step((tok,), elapsed_ms=ms, verify_ms=ms, prefill=first,
-                   prompt_tokens=len(prompt) if first else 0, finish_reason=reason)
-        first, t = False, now
-        if reason:
-            gen.close()
-            return
+    try:
+        for tok, _ in gen:
+            n += 1
+            seq.append(tok)
+            now = time.perf_counter()
+            reason = "stop" if tok in eos else ("length" if n >= max_tokens else None)
+            ms = (now - t) * 1e3
+            yield Step((tok,), elapsed_ms=ms, verify_ms=ms, prefill=first,
+                       prompt_tokens=len(prompt) if first else 0, cached_tokens=done if first else 0,
+                       finish_reason=reason)
+            first, t = False, now
+            if reason:
+                break
+    except GeneratorExit:
+        gen.close()
+        keep()
+        raise
+    gen.close()
+    keep()

@@ -136,9 +136,12 @@ class Handle:
 
 def timings(stats, block_size: int) -> dict:
     """llama.cpp-style counters. The prefill step also yields the first token, so prompt_ms
-    includes it and predicted_ms / predicted_per_second cover the tokens after it."""
+    includes it and predicted_ms / predicted_per_second cover the tokens after it. As in
+    llama.cpp, prompt_n counts the prompt tokens actually run and cache_n those reused from the
+    prefix cache."""
     return {
-        "prompt_n": stats.prompt_tokens,
+        "cache_n": stats.cached_tokens,
+        "prompt_n": stats.prompt_tokens - stats.cached_tokens,
         "prompt_ms": round(stats.prefill_ms, 3),
         "prompt_per_second": round(stats.prefill_tps, 3),
         "predicted_n": stats.tokens,
@@ -153,9 +156,14 @@ def timings(stats, block_size: int) -> dict:
 
 class Engine:
     """Owns a pair on its own thread. ``loader`` runs on that thread and returns
-    ``(pair, info)`` where info is a ``generation.EngineInfo``."""
+    ``(pair, info)`` where info is a ``generation.EngineInfo``.
 
-    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, context_length: int | None = None):
+    ``prefix_cache``: bytes of K/V (target + drafter context) kept between requests so a
+    conversation's next turn, or a request sharing a system prompt, prefills only its new tokens
+    (0 = off). The memory plan counts this budget (``--prefix-cache-mb``)."""
+
+    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, context_length: int | None = None,
+                 prefix_cache: int = 0):
         self._loader = loader
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
@@ -164,8 +172,11 @@ class Engine:
         self.context_length = context_length
         self._ready = threading.Event()
         self._pair = None
+        self._prefix_budget = prefix_cache
+        self._prefix = None  # PrefixCache, made on the engine thread
         self.counters = {"requests": 0, "errors": 0, "tokens": 0, "prompt_tokens": 0, "drafted": 0,
-                         "accepted": 0, "cycles": 0, "cancelled": 0}
+                         "accepted": 0, "cycles": 0, "cancelled": 0, "cached_tokens": 0,
+                         "prefix_cache_bytes": 0}
         self.accepted_by_position: list[int] = []
         self.drafted_by_position: list[int] = []
         self._lock = threading.Lock()
@@ -226,6 +237,9 @@ class Engine:
     # -- the thread ----------------------------------------------------------------------------
     def _main(self) -> None:
         try:
+            from .prefix import PrefixCache
+
+            self._prefix = PrefixCache(self._prefix_budget)
             self._pair, self.info = self._loader()
             if self.context_length is None:
                 self.context_length = model_context_length(getattr(self._pair, "model", None))
@@ -259,6 +273,8 @@ class Engine:
         """Free the pair and this thread's MLX streams before the thread ends: MLX aborts the
         process at exit when a thread-local stream outlives its thread (ml-explore/mlx#3126)."""
         self._pair = None
+        if self._prefix is not None:
+            self._prefix.clear()
         import mlx.core as mx
 
         mx.synchronize()
@@ -309,13 +325,16 @@ class Engine:
             handle._put(Started(rid, len(ids), info.as_dict()))
             result = Result()
             finish = None
-            for chunk in generate(_plain_view(pair) if info.method == "plain" else pair, info, ids, cfg, result):
+            chunks = generate(_plain_view(pair) if info.method == "plain" else pair, info, ids, cfg, result,
+                              prefix=self._prefix)
+            for chunk in chunks:
                 s = chunk.step
                 handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.as_dict()))
                 self._count(s)
                 if handle.cancelled.is_set():
                     finish = "cancelled"
                     break
+            chunks.close()  # hands the caches to the prefix cache now, not at garbage collection
             finish = finish or result.finish_reason or "length"
             if finish == "cancelled":
                 with self._lock:
@@ -325,6 +344,8 @@ class Engine:
                              st.as_dict(), timings(st, info.block_size)))
             with self._lock:
                 self.counters["prompt_tokens"] += len(ids)
+                self.counters["cached_tokens"] += st.cached_tokens
+                self.counters["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix else 0
         except _Cancelled:
             with self._lock:
                 self.counters["cancelled"] += 1

@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 from .decode import Step, plain_steps, spec_steps
 from .errors import BadRequest
 from .loading import Pair
+from .prefix import PrefixCache
 from .sampling import SamplingConfig
 from .stats import Stats
 from .text import Chunk, stream_text
@@ -72,14 +73,19 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag")
 
 
-def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig) -> Iterator[Step]:
+def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
+                prefix: PrefixCache | None = None) -> Iterator[Step]:
+    """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
+    and keep the final caches there for the next request."""
     eos = tuple(pair.tokenizer.eos_token_ids)
-    if info.method == "plain":
+    plain = info.method == "plain"
+    reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
+    if plain:
         return plain_steps(pair.model, prompt, max_tokens=cfg.max_tokens, eos_ids=eos,
-                           sampling=cfg.sampling, prefill_step=cfg.prefill_step)
+                           sampling=cfg.sampling, prefill_step=cfg.prefill_step, **reuse)
     return spec_steps(pair.target, pair.drafter, prompt, block_size=info.block_size,
                       max_tokens=cfg.max_tokens, eos_ids=eos, sampling=cfg.sampling,
-                      prefill_step=cfg.prefill_step)
+                      prefill_step=cfg.prefill_step, **reuse)
 
 
 @dataclass
@@ -91,7 +97,7 @@ class Result:
 
 
 def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-             result: Result | None = None) -> Iterator[Chunk]:
+             result: Result | None = None, prefix: PrefixCache | None = None) -> Iterator[Chunk]:
     """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come."""
     result = Result() if result is None else result
 
@@ -101,7 +107,7 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg)), pair.tokenizer,
+    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix)), pair.tokenizer,
                              cfg.stop, eos):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)

@@ -16,6 +16,7 @@ from .decode import Step
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache
     tokens: int = 0
     cycles: int = 0
     drafted: int = 0
@@ -37,6 +38,7 @@ class Stats:
             self.finish_reason = step.finish_reason
         if step.prefill:
             self.prompt_tokens = step.prompt_tokens
+            self.cached_tokens = step.cached_tokens
             self.prefill_ms += step.elapsed_ms
             self.first_token_ms = step.elapsed_ms
             return
@@ -70,7 +72,9 @@ class Stats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms else 0.0
+        """Prompt tokens actually run per second (cached ones excluded)."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / (self.prefill_ms / 1e3) if self.prefill_ms else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -84,6 +88,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {
+            "cached_tokens": self.cached_tokens,
             "cycles": self.cycles,
             "drafted": self.drafted,
             "accepted": self.accepted,

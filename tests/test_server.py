@@ -56,7 +56,7 @@ def engine(pair_dirs):
         pair = load_pair(str(t), str(d))
         return pair, engine_info(pair, 4, "flag")
 
-    e = Engine(loader, max_queue=4).start()
+    e = Engine(loader, max_queue=4, prefix_cache=16 << 20).start()  # as `serve` runs by default
     e.wait_ready(60)
     yield e
     e.close()
@@ -87,6 +87,19 @@ def reference(engine, max_tokens, *, messages=None, prompt=None, stop=()):
     return engine.call(fn).result(60)
 
 
+def test_a_conversation_reuses_its_prefix_and_output_is_unchanged(engine, client, model, url):
+    turn1 = [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "name a colour"}]
+    r1 = client.chat.completions.create(model=model, messages=turn1, max_tokens=16, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "and another"}]
+    r2 = client.chat.completions.create(model=model, messages=turn2, max_tokens=16, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens  # at least turn 1's whole prompt was not prefilled again
+    assert r2.model_extra["timings"]["cache_n"] == cached
+    assert r2.choices[0].message.content == reference(engine, 16, messages=turn2).text
+    assert _metrics(url)["mlx_spec:prompt_tokens_cached_total"] >= cached
+
+
 def test_chat_non_stream_equals_generation_run(engine, client, model):
     messages = [{"role": "user", "content": "hello there"}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
@@ -99,7 +112,9 @@ def test_chat_non_stream_equals_generation_run(engine, client, model):
     t = extra["timings"]
     assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second", "draft_n",
             "draft_n_accepted", "draft_rounds", "block_size"} <= set(t)
-    assert t["predicted_n"] == r.usage.completion_tokens and t["prompt_n"] == r.usage.prompt_tokens
+    assert t["predicted_n"] == r.usage.completion_tokens
+    assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
+    assert t["cache_n"] == r.usage.prompt_tokens_details.cached_tokens
     assert t["draft_n"] > 0 and t["block_size"] == 4
     spec = extra["speculation"]
     assert spec["enabled"] and spec["method"] == "dflash2" and spec["block_size_source"] == "flag"

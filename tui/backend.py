@@ -47,13 +47,14 @@ class Memory:
     drafter: int
     kv: int
     context_tokens: int
+    prefix: int  # K/V held by the prefix cache for reuse across turns
     swap_used: int
     swap_total: int
     rss: int
 
     @property
     def other(self) -> int:
-        return max(0, self.used - self.target - self.drafter - self.kv)
+        return max(0, self.used - self.target - self.drafter - self.kv - self.prefix)
 
     @property
     def fraction(self) -> float:
@@ -183,6 +184,7 @@ def read_memory(engine: Engine, sizes: dict, context_tokens: int, timeout: float
     kv = (sizes["target_kv"] + sizes["drafter_kv"]) * context_tokens
     return Memory(used=m["used"], peak=m["peak"], budget=m["budget"], budget_source=m["budget_source"],
                   target=sizes["target"], drafter=sizes["drafter"], kv=kv,
+                  prefix=engine.snapshot()["prefix_cache_bytes"],
                   context_tokens=context_tokens, swap_used=m["swap_used"], swap_total=m["swap_total"],
                   rss=psutil.Process().memory_info().rss)
 
@@ -255,10 +257,11 @@ class LocalBackend:
 
     CHECK_TOKENS = 64  # the losslessness check replays at most this many tokens (both ways)
 
-    def __init__(self, loader: Callable[[Progress], Any], *, tune_budget_s: float | None = None):
+    def __init__(self, loader: Callable[[Progress], Any], *, tune_budget_s: float | None = None,
+                 prefix_cache: int = 0):
         self._loader = loader
         self._progress: Progress = lambda f, m: None
-        self.engine = Engine(lambda: self._loader(lambda f, m: self._progress(f, m)))
+        self.engine = Engine(lambda: self._loader(lambda f, m: self._progress(f, m)), prefix_cache=prefix_cache)
         self.tune_budget_s = tune_budget_s
         self._handle = None
         self._sizes: dict | None = None
@@ -278,7 +281,10 @@ class LocalBackend:
             block, source = resolve_block_size(pair, args, progress=tune_progress)
             return pair, engine_info(pair, block, source)
 
-        return cls(loader, tune_budget_s=getattr(args, "tune_budget", None))
+        from mlx_spec.cli import prefix_cache_bytes
+
+        return cls(loader, tune_budget_s=getattr(args, "tune_budget", None),
+                   prefix_cache=prefix_cache_bytes(args))
 
     def start(self, progress: Progress | None = None) -> dict:
         if progress is not None:

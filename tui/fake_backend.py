@@ -123,7 +123,7 @@ class FakeBackend:
         budget = 16 * GiB
         used = int(self.memory_fraction * budget)
         return Memory(used=used, peak=used, budget=budget, budget_source="fake", target=used // 2,
-                      drafter=used // 8, kv=used // 8, context_tokens=100, swap_used=0,
+                      drafter=used // 8, kv=used // 8, context_tokens=100, prefix=used // 16, swap_used=0,
                       swap_total=2 * GiB, rss=used)
 
     def tuner_unavailable(self) -> str | None:

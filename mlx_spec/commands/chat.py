@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import add_model_args
+from ..cli import add_model_args, add_prefix_cache_arg, prefix_cache_bytes
 
 
 def add_arguments(p) -> None:
     add_model_args(p)
+    add_prefix_cache_arg(p)
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -22,6 +23,7 @@ def run(args) -> int:
     from ..errors import BadRequest
     from ..sampling import SamplingConfig
 
+    prefix_cache_bytes(args)  # validates the flag before anything loads
     if args.max_tokens < 1:
         raise BadRequest(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     try:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from ..cli import add_model_args
+from ..cli import add_model_args, add_prefix_cache_arg, prefix_cache_bytes
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
@@ -23,6 +23,7 @@ DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 
 def add_arguments(p) -> None:
     add_model_args(p)
+    add_prefix_cache_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     p.add_argument("--api-key", default=None,
@@ -45,6 +46,7 @@ def run(args) -> int:
         raise BadRequest(f"--max-queue must be >= 1 (got {args.max_queue})")
     if getattr(args, "context", None) is not None and args.context < 2:
         raise BadRequest(f"--context must be >= 2 (got {args.context})")
+    prefix_cache_bytes(args)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
     if args.detach:
         return _detach(args, api_key)
@@ -91,7 +93,7 @@ def _serve(args, api_key: str | None) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(loader, max_queue=args.max_queue)
+    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=prefix_cache_bytes(args))
     engine.start()
     app = create_app(engine, api_key=api_key)
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",

@@ -274,6 +274,10 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
            [({}, live["rejected"])])
     metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
            [({}, snap["prompt_tokens"])])
+    metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from the prefix cache (not prefilled).",
+           [({}, snap["cached_tokens"])])
+    metric("prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds for reuse.",
+           [({}, snap["prefix_cache_bytes"])])
     metric("tokens_predicted_total", "counter", "Tokens generated (committed), all requests.",
            [({}, snap["tokens"])])
     metric("spec_decode_num_drafts_total", "counter", "Draft blocks proposed (verify cycles that drafted).",

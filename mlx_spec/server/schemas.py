@@ -205,7 +205,7 @@ def speculation(engine: dict | None) -> dict | None:
 def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": int((done.stats or {}).get("cached_tokens", 0))}}
 
 
 def finish_reason(done: Done) -> str:

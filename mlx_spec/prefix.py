@@ -1,0 +1,173 @@
+"""Prefix cache: reuse the K/V of a conversation's earlier tokens across turns and requests.
+
+A finished (or cancelled) run leaves a ``Prefill`` behind: the token ids its caches hold, the
+target's cache and, for speculative runs, the drafter's context cache over the same rows. The
+next request that starts with a prefix of those ids takes a copy trimmed to the longest common
+prefix and prefills only the rest. Entries are never mutated (a taken copy shares no array
+object with them) and are evicted least-recently-used to stay within a byte budget.
+
+Exactness: target K/V rows depend only on earlier tokens, drafter context rows only on their
+own target features, so a trimmed copy equals what a fresh prefill would build (bitwise on the
+CPU backend; tests compare token streams). Caches that cannot be trimmed (hybrid targets'
+recurrent GDN state, quantized or rotating K/V) are reused only when the whole entry is a prefix
+of the new prompt. Everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .drafter import ContextCache
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Caches holding exactly ``tokens`` (target) and, if not None, the drafter's context rows
+    for the same positions."""
+
+    tokens: tuple[int, ...]
+    target: list
+    drafter: list[ContextCache] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(_nbytes(c) for c in self.target)
+        return n + (sum(c.nbytes for c in self.drafter) if self.drafter else 0)
+
+
+def _nbytes(c) -> int:
+    if isinstance(c, KVCache):
+        return 0 if c.keys is None else c.keys.nbytes + c.values.nbytes
+    if isinstance(c, ArraysCache):
+        return sum(a.nbytes for a in c.cache if a is not None)
+    try:
+        return int(c.nbytes)
+    except (AttributeError, NotImplementedError):
+        return 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _clone_target(c, keep: int, total: int):
+    """A copy of one target layer cache holding its first ``keep`` of ``total`` rows, or None."""
+    if type(c) is KVCache:
+        if c.keys is None or c.offset != total:
+            return None
+        new = KVCache()
+        new.keys, new.values = c.keys[..., :keep, :], c.values[..., :keep, :]
+        new.offset = keep
+        return new
+    if type(c) is ArraysCache and keep == total:  # recurrent state: exact entries only
+        new = ArraysCache(len(c.cache))
+        new.cache, new.left_padding, new.lengths = list(c.cache), c.left_padding, c.lengths
+        return new
+    return None
+
+
+def _clone_context(c: ContextCache, keep: int, total: int) -> ContextCache | None:
+    if c.offset != total:
+        return None
+    new = ContextCache(c.window)
+    if keep == 0 or c.keys is None:
+        return new if keep == 0 else None
+    kept = c.keys.shape[2]
+    first = c.offset - kept  # absolute position of the first kept row
+    need = 0 if c.window is None else max(0, keep - (c.window - 1))
+    if first > need:  # the rows a window at `keep` sees were already dropped
+        return None
+    n = keep - first
+    new.keys, new.values, new.offset = c.keys[:, :, :n], c.values[:, :, :n], keep
+    return new
+
+
+def take(entry: Prefill, keep: int, drafter: bool) -> Prefill | None:
+    """Independent caches for ``entry.tokens[:keep]`` (None if these caches cannot give that)."""
+    total = len(entry.tokens)
+    target = [_clone_target(c, keep, total) for c in entry.target]
+    if any(c is None for c in target):
+        return None
+    ctx = None
+    if drafter:
+        if entry.drafter is None:
+            return None
+        ctx = [_clone_context(c, keep, total) for c in entry.drafter]
+        if any(c is None for c in ctx):
+            return None
+    return Prefill(entry.tokens[:keep], target, ctx)
+
+
+class PrefixCache:
+    """LRU of ``Prefill`` entries within ``budget`` bytes (0 disables it)."""
+
+    def __init__(self, budget: int, min_tokens: int = 16):
+        self.budget = max(0, int(budget))
+        self.min_tokens = min_tokens  # shorter matches are not worth the bookkeeping
+        self._entries: OrderedDict[int, Prefill] = OrderedDict()
+        self._next = 0
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: Sequence[int], drafter: bool) -> Prefill | None:
+        """Caches for the longest reusable prefix of ``ids`` (always leaving >= 1 token to run)."""
+        if not self.budget:
+            return None
+        best = None
+        for key, e in self._entries.items():
+            keep = min(common_prefix(e.tokens, ids), len(ids) - 1)
+            if keep >= self.min_tokens and (best is None or keep > best[1]):
+                got = take(e, keep, drafter)
+                if got is not None:
+                    best = (key, keep, got)
+        if best is None:
+            self.misses += 1
+            return None
+        key, keep, got = best
+        self._entries.move_to_end(key)
+        self.hits += 1
+        self.reused_tokens += keep
+        return got
+
+    def store(self, entry: Prefill) -> None:
+        """Keep ``entry`` (evaluated now), replacing entries it extends; evict LRU over budget."""
+        if not self.budget or len(entry.tokens) < self.min_tokens:
+            return
+        arrays = [c.keys for c in entry.target if isinstance(c, KVCache) and c.keys is not None]
+        arrays += [a for c in entry.target if isinstance(c, ArraysCache) for a in c.cache if a is not None]
+        arrays += [c.keys for c in entry.drafter or () if c.keys is not None]
+        mx.eval(arrays, [c.values for c in entry.drafter or () if c.values is not None],
+                [c.values for c in entry.target if isinstance(c, KVCache) and c.values is not None])
+        if entry.nbytes > self.budget:
+            return
+        for key, e in list(self._entries.items()):  # an entry this one extends is redundant
+            if common_prefix(e.tokens, entry.tokens) == len(e.tokens) and (e.drafter is None or entry.drafter is not None):
+                del self._entries[key]
+        self._entries[self._next] = entry
+        self._next += 1
+        while self.nbytes > self.budget and len(self._entries) > 1:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def stats(self) -> dict:
+        return {"entries": len(self), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
+                "misses": self.misses, "reused_tokens": self.reused_tokens}
