@@ -303,7 +303,9 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     leader_hist: list[tuple[int, float]] = []
     rounds = 0
     round_s = 0.0
-    while rounds < max_rounds and (rounds == 0 or time.perf_counter() + round_s < deadline):
+    # The budget bounds the optional rounds; min_rounds always run (one round is noise: a 2 s
+    # budget once stored block 6 at tau 1.00).
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() + round_s < deadline):
         tr = time.perf_counter()
         _, _, ids = encoded[rounds % len(encoded)]
         k = rounds % len(alive)

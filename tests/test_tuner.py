@@ -137,6 +137,13 @@ def test_tune_on_tiny_pair_is_bounded_and_stored(pair, tmp_path):
     assert load_result(r.key, tmp_path) == r
 
 
+def test_a_tiny_budget_still_runs_min_rounds(pair):
+    """The budget bounds the optional rounds only: a winner is never chosen from one noisy round."""
+    r = tune(pair, budget_s=0.01, tokens=4, candidates=[2, 3], min_rounds=3, max_rounds=6)
+    assert all(c.rounds >= 3 for c in r.candidates if c.measured)
+    assert r.best == 1 or next(c for c in r.candidates if c.block == r.best).rounds >= 3
+
+
 def _step(L, accepted, ms):
     return Step(tuple(range(accepted + 1)), drafted=L - 1, accepted=accepted, block_size=L, elapsed_ms=ms)
 
