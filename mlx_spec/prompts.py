@@ -3,9 +3,10 @@
 Fixed text, never generated, so numbers measured on different days compare. The prompts are
 chat requests that make a small instruct model write a few hundred tokens. They are kept apart
 from the training prompts (mlx_spec/train/prompts.py) so a drafter is not benched on its own data.
-A user's set comes from a JSONL file: one object per line with ``prompt`` (or ``messages``) and
-optionally ``kind`` (else taken from an id like ``code-12``, else "user"), ``id`` and ``chat``
-(default true: apply the tokenizer's chat template).
+A user's set (for bench, verify and ``train data``) comes from a JSONL file: one JSON string per
+line, or an object with ``prompt`` (or ``text``, or ``messages``) and optionally ``kind`` (else
+taken from an id like ``code-12``, else "user"), ``id`` and ``chat`` (default true: apply the
+tokenizer's chat template).
 """
 
 from __future__ import annotations
@@ -96,8 +97,15 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise BadRequest(f"{path}:{n}: not JSON: {e}") from None
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
+        if isinstance(obj, dict) and "prompt" not in obj and isinstance(obj.get("text"), str):
+            obj = {**obj, "prompt": obj["text"]}
         if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)):
-            raise BadRequest(f"{path}:{n}: expected an object with 'prompt' (string) or 'messages' (list)")
+            raise BadRequest(f"{path}:{n}: expected a string, or an object with 'prompt' (string) or "
+                             "'messages' (list)")
+        if isinstance(obj.get("prompt"), str) and not obj["prompt"].strip() and obj.get("messages") is None:
+            raise BadRequest(f"{path}:{n}: empty prompt")
         msgs = obj.get("messages")
         pid = str(obj.get("id", f"line-{n}"))
         kind = obj.get("kind") or next((k for k in KINDS if pid.startswith(k + "-")), "user")

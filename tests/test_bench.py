@@ -144,6 +144,12 @@ def test_prompts_builtin_and_jsonl(tmp_path):
 
     with pytest.raises(BadRequest, match="p.jsonl:1"):
         load_prompts(f)
+    # the same reader serves `train data --prompts`: bare strings and "text" objects too
+    f.write_text('"write a haiku"\n{"text": "sum a list", "id": "code-3"}\n')
+    assert [(p.text, p.kind) for p in load_prompts(f)] == [("write a haiku", "user"), ("sum a list", "code")]
+    f.write_text('{"prompt": "  "}\n')
+    with pytest.raises(BadRequest, match="empty prompt"):
+        load_prompts(f)
 
 
 def test_progress_bar_off_a_tty_says_one_line():

@@ -83,7 +83,8 @@ def _data(args) -> int:
     from ..loading import load_target_model
     from ..target import Target
     from ..train.data import DataConfig, build_dataset, featurize_tokens
-    from ..train.prompts import builtin_prompts, read_jsonl
+    from ..prompts import load_prompts
+    from ..train.prompts import builtin_prompts
 
     model, tokenizer = load_target_model(args.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -95,7 +96,7 @@ def _data(args) -> int:
         print(json.dumps(summary))
         return 0
     if args.prompts:
-        prompts = read_jsonl(args.prompts)
+        prompts = load_prompts(args.prompts)
         evals = []
     else:
         allp = builtin_prompts(args.num_prompts + args.num_eval, seed=args.seed)

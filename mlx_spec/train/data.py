@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import BadRequest
 from ..target import Target
-from .prompts import Prompt
+from ..prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,7 @@ def build_dataset(
     todo = [p for p in prompts if p.id not in done]
     eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    encoded = [(p, list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
-                                                       add_generation_prompt=True))) for p in todo]
+    encoded = [(p, p.encode(tokenizer)) for p in todo]  # the chat template the target is used with
     # Similar prompt lengths share a batch (less padding), sorted only within windows of 8
     # batches so a partial run is still a fair sample of the mix. Deterministic.
     w = cfg.batch_size * 8

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadRequest
+from ..prompts import Prompt
 
 STDLIB_MODULES = (
     "abc", "argparse", "base64", "bisect", "calendar", "collections", "colorsys", "copy", "csv",
@@ -87,15 +87,6 @@ MODULE_TEMPLATES = (
 
 NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Sara", "Omar", "Mia", "Leo", "Nina", "Raj")
 ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "cards", "coins", "shells")
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    id: str
-    """Stable id: kind + index in the seeded list (or the JSONL line number)."""
-    kind: str
-    """code | prose | math | user"""
-    text: str
 
 
 def _first_line(doc: str | None) -> str:
@@ -186,27 +177,4 @@ def builtin_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25)) -> list[Prompt
     return [Prompt(f"{kind}-{i}", kind, text) for i, (kind, text) in enumerate(items)]
 
 
-def read_jsonl(path: str | Path) -> list[Prompt]:
-    """A JSONL of prompts: each line a string, or an object with "prompt" (or "text"/"messages")."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"{path}:{i + 1}: not JSON: {e}") from None
-        if isinstance(obj, dict):
-            if "messages" in obj:
-                text = next((m["content"] for m in reversed(obj["messages"]) if m.get("role") == "user"), None)
-            else:
-                text = obj.get("prompt", obj.get("text"))
-        else:
-            text = obj
-        if not isinstance(text, str) or not text.strip():
-            raise BadRequest(f"{path}:{i + 1}: no prompt text (want a string or {{\"prompt\": ...}})")
-        out.append(Prompt(f"user-{i}", "user", text))
-    return out
-
-
-__all__ = ["Prompt", "builtin_prompts", "read_jsonl", "stdlib_functions", "stdlib_modules"]
+__all__ = ["Prompt", "builtin_prompts", "stdlib_functions", "stdlib_modules"]

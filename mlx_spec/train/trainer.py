@@ -473,32 +473,37 @@ def export_checkpoint(run: str | Path, out: str | Path, card: str | None = None)
 # ---- evaluation --------------------------------------------------------------------------
 
 
-def eval_prompts(data_dir: Path, n: int) -> list[str]:
+def eval_prompts(data_dir: Path, n: int) -> list:
+    """The first ``n`` held-out prompts written by ``train data`` (interleaved by kind)."""
+    from ..prompts import interleave, load_prompts
+
     path = data_dir / "eval_prompts.jsonl"
     if n <= 0 or not path.exists():
         return []
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [x["prompt"] for x in lines[:n]]
+    return interleave(load_prompts(path))[:n]
 
 
-def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list[str], block_size: int,
+def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size: int,
                  max_tokens: int) -> dict:
-    """Real greedy speculative decoding on held-out prompts: tau and acceptance by position."""
+    """Real greedy speculative decoding on held-out prompts (``prompts.Prompt``s): tau,
+    acceptance by position, and tau per prompt kind."""
     from ..decode import spec_steps
     from ..stats import Stats
 
     total = Stats()
+    by_kind: dict[str, Stats] = {}
     eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
     t0 = time.perf_counter()
-    for text in prompts:
-        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True))
-        for step in spec_steps(target, drafter, ids, block_size=block_size, max_tokens=max_tokens,
-                               eos_ids=eos):
+    for p in prompts:
+        kind = by_kind.setdefault(p.kind, Stats())
+        for step in spec_steps(target, drafter, p.encode(tokenizer), block_size=block_size,
+                               max_tokens=max_tokens, eos_ids=eos):
             total.add(step)
+            kind.add(step)
     return {"tau": round(total.mean_acceptance_length, 4),
             "acceptance_rate": round(total.acceptance_rate, 4),
             "by_position": [round(x, 4) for x in total.acceptance_by_position],
+            "tau_by_kind": {k: round(v.mean_acceptance_length, 4) for k, v in by_kind.items()},
             "cycles": total.cycles, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -605,7 +610,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 ev["step"] = step
                 state["evals"].append(ev)
                 say(f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
-                    f"by position {ev['by_position']} ({ev['seconds']}s)")
+                    f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
             state["rng"] = rng.bit_generator.state
             save_checkpoint(run, drafter, config, opt, state)
             write_curves(run, state)
