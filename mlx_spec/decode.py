@@ -134,6 +134,7 @@ def spec_steps(
     def sink(features):
         if pending:  # push the previous chunk; the last one waits for the first draft call
             drafter.add_context(pending.pop(), dcache)
+            mx.eval([c.state for c in dcache])  # so that chunk's features can be freed now
         pending.append(features)
 
     def final() -> Prefill:

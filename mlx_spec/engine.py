@@ -169,6 +169,7 @@ class Engine:
         self.state = LOADING
         self.error: str | None = None
         self.info = None  # EngineInfo once ready
+        self.tool_format = None  # server.tools.ToolFormat once ready, if the tokenizer has one
         self.context_length = context_length
         self._ready = threading.Event()
         self._pair = None
@@ -238,9 +239,11 @@ class Engine:
     def _main(self) -> None:
         try:
             from .prefix import PrefixCache
+            from .server.tools import tool_format  # plain Python: markers + parser function
 
             self._prefix = PrefixCache(self._prefix_budget)
             self._pair, self.info = self._loader()
+            self.tool_format = tool_format(getattr(self._pair, "tokenizer", None))
             if self.context_length is None:
                 self.context_length = model_context_length(getattr(self._pair, "model", None))
             self.state = READY

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import FAILED, READY, Done, Failed, Started
-from . import errors, schemas
+from . import errors, schemas, tools
 from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized
 
 MAX_BODY_BYTES = 4 << 20
@@ -130,11 +130,15 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created_at = schemas.now()
+        # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
+        # tool-call format; otherwise the model's text is returned as it is.
+        fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.tools else None
         try:
             if not body.stream:
                 done = await collect(handle)
                 watcher.cancel()
-                return schemas.completion(kind, rid, created_at, served, done)
+                content, calls = tools.split(fmt, done.text, body.tools) if fmt else (None, None)
+                return schemas.completion(kind, rid, created_at, served, done, content=content, tool_calls=calls)
             # Wait briefly for the first event so early failures get a real HTTP status.
             first = await handle.next_event(keepalive_s)
             if isinstance(first, Failed):
@@ -144,7 +148,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handle.cancel()
             handles.discard(handle)
             raise
-        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage)
+        tool_stream = tools.ToolCallStream(fmt, body.tools) if fmt else None
+        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage, tool_stream)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -162,12 +167,17 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handles.discard(handle)
         raise errors.MlxSpecError("engine ended the request without a result")
 
-    async def sse(handle, first, watcher, kind, rid, created_at, model, include_usage) -> AsyncIterator[str]:
+    async def sse(handle, first, watcher, kind, rid, created_at, model, include_usage,
+                  calls: tools.ToolCallStream | None) -> AsyncIterator[str]:
         def data(obj) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         def chunk(**kw):
             return schemas.chunk(kind, rid, created_at, model, include_usage=include_usage, **kw)
+
+        def pieces(items):  # content text and tool calls, in the order the model wrote them
+            for item in items:
+                yield data(chunk(text=item) if isinstance(item, str) else chunk(tool_calls=[item]))
 
         ev = first
         try:
@@ -187,10 +197,18 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
                                                  "server_error", None, "cancelled"))
                         break
                     extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine)}
-                    yield data(chunk(finish=schemas.finish_reason(ev), **extra))
+                    finish = schemas.finish_reason(ev)
+                    if calls is not None:
+                        for piece in pieces(calls.finish()):
+                            yield piece
+                        finish = tools.finish_reason(finish, calls.calls > 0)
+                    yield data(chunk(finish=finish, **extra))
                     if include_usage:
                         yield data({**chunk(), "choices": [], "usage": schemas.usage(ev), **extra})
                     break
+                elif ev.text and calls is not None:
+                    for piece in pieces(calls.feed(ev.text)):
+                        yield piece
                 elif ev.text:
                     yield data(chunk(text=ev.text))
                 ev = await handle.next_event(keepalive_s)

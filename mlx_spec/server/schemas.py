@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import Done, Request
+from . import tools
 from .errors import InvalidField
 
 
@@ -212,11 +213,17 @@ def finish_reason(done: Done) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-def completion(kind: str, rid: str, created: int, model: str, done: Done) -> dict:
-    """A whole (non-stream) response. ``kind`` is "chat" or "text"."""
+def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
+               content: str | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """A whole (non-stream) response. ``kind`` is "chat" or "text". With ``tool_calls`` (parsed
+    by server.tools), ``content`` is the text outside them (null when empty)."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                  "logprobs": None, "finish_reason": finish_reason(done)}
+        message = {"role": "assistant", "content": done.text}
+        finish = finish_reason(done)
+        if tool_calls:
+            message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+            finish = tools.finish_reason(finish, called=True)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish_reason(done)}
@@ -227,12 +234,14 @@ def completion(kind: str, rid: str, created: int, model: str, done: Done) -> dic
 
 def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
           role: bool = False, finish: str | None = None, include_usage: bool = False,
-          **extra) -> dict:
+          tool_calls: list[dict] | None = None, **extra) -> dict:
     """One streamed chunk with one choice; ``extra`` keys (timings, ...) are added at the top."""
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
