@@ -100,6 +100,18 @@ class AdaptiveController:
         return choice
 
 
+class Controllers:
+    """A fresh ``AdaptiveController`` per generation (``--adaptive``), all from one cost curve:
+    the tuner's stored one, else measured once here (on the engine thread)."""
+
+    def __init__(self, pair, result=None, max_block: int | None = None):
+        first = controller_for(pair, result, max_block)
+        self.costs, self.max_block, self.prior = first.costs, first.max_block, first.prior
+
+    def __call__(self) -> AdaptiveController:
+        return AdaptiveController(self.costs, self.max_block, self.prior)
+
+
 def controller_for(pair, result=None, max_block: int | None = None, context: Sequence[int] | None = None):
     """A fresh controller for one generation: the tuner's stored cost curve and acceptance prior
     (``result``, a ``tuner.TuneResult``), or pass costs measured now when there is none."""

@@ -46,6 +46,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tune", action="store_true",
                    help="no first-launch tuning: use the checkpoint's block size unless --block-size")
     p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose the block size every cycle (online controller over the tuned cost curve; "
+                        "falls back to plain steps while drafting does not pay; docs/tuner.md)")
 
 
 DEFAULT_PREFIX_CACHE_MB = 256

@@ -175,6 +175,7 @@ class Engine:
         self._pair = None
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
+        self._controllers = (None, None)  # (EngineInfo, generation.controllers(...)) for --adaptive
         self.counters = {"requests": 0, "errors": 0, "tokens": 0, "prompt_tokens": 0, "drafted": 0,
                          "accepted": 0, "cycles": 0, "cancelled": 0, "cached_tokens": 0,
                          "prefix_cache_bytes": 0}
@@ -286,7 +287,7 @@ class Engine:
             clear()
 
     def _generate(self, handle: Handle) -> None:
-        from .generation import GenConfig, Result, engine_info, generate
+        from .generation import GenConfig, Result, controllers, engine_info, generate
         from .sampling import SamplingConfig
         from .text import encode_prompt
 
@@ -328,8 +329,11 @@ class Engine:
             handle._put(Started(rid, len(ids), info.as_dict()))
             result = Result()
             finish = None
+            if self._controllers[0] is not info:  # built once per engine (re-tuning changes info)
+                self._controllers = (info, controllers(pair, info))
+            make = self._controllers[1]
             chunks = generate(_plain_view(pair) if info.method == "plain" else pair, info, ids, cfg, result,
-                              prefix=self._prefix)
+                              prefix=self._prefix, controller=make() if make else None)
             for chunk in chunks:
                 s = chunk.step
                 handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.as_dict()))

@@ -42,6 +42,7 @@ class EngineInfo:
     drafter: str | None
     block_size: int  # 1 for plain decoding
     block_size_source: str  # "flag" | "checkpoint" | "tuned <date>" | "plain (--no-draft)" ...
+    adaptive_max: int = 0  # > 0: --adaptive, the block size is chosen each cycle in 1..adaptive_max
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,12 +51,19 @@ class EngineInfo:
         if self.method == "plain":
             why = "--no-draft" if self.drafter is None else self.block_size_source
             return f"engine: plain decoding of {self.target} ({why}; no speculation)"
+        block = (f"adaptive block size <= {self.adaptive_max} (online controller; fixed would be "
+                 f"{self.block_size}, {self.block_size_source})" if self.adaptive_max else
+                 f"block size {self.block_size} ({self.block_size_source})")
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-                f"{self.drafter}, block size {self.block_size} ({self.block_size_source})")
+                f"{self.drafter}, {block}")
 
 
-def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None) -> EngineInfo:
-    """Resolve the block size: explicit flag, else the given source (tuner), else checkpoint."""
+def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None,
+                adaptive: bool = False) -> EngineInfo:
+    """Resolve the block size: explicit flag, else the given source (tuner), else checkpoint.
+
+    ``adaptive``: the online controller picks each cycle's block in 1..max(block size, the
+    checkpoint's, the tuner's candidates); the fixed choice stays in ``block_size``."""
     if pair.drafter is None:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)")
     ckpt = pair.drafter.args.block_size
@@ -70,13 +78,26 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
         log.warning("block size %d exceeds the checkpoint's trained %d; acceptance past "
                     "position %d is untrained", block_size, ckpt, ckpt - 1)
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
-    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag")
+    top = max(block_size, ckpt, 16) if adaptive else 0
+    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", top)
+
+
+def controllers(pair: Pair, info: EngineInfo):
+    """For ``--adaptive``: a factory of fresh controllers (one per generation) from the tuner's
+    stored cost curve for this pair, else costs measured once now; None when not adaptive."""
+    if not info.adaptive_max or info.method == "plain":
+        return None
+    from .adaptive import Controllers
+    from .tuner import load_result, tune_key
+
+    return Controllers(pair, load_result(tune_key(pair)), info.adaptive_max)
 
 
 def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-                prefix: PrefixCache | None = None) -> Iterator[Step]:
+                prefix: PrefixCache | None = None, controller=None) -> Iterator[Step]:
     """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
-    and keep the final caches there for the next request."""
+    and keep the final caches there for the next request. ``controller``: a fresh
+    ``adaptive.AdaptiveController`` for this generation (``--adaptive``)."""
     eos = tuple(pair.tokenizer.eos_token_ids)
     plain = info.method == "plain"
     reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
@@ -85,7 +106,7 @@ def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenCon
                            sampling=cfg.sampling, prefill_step=cfg.prefill_step, **reuse)
     return spec_steps(pair.target, pair.drafter, prompt, block_size=info.block_size,
                       max_tokens=cfg.max_tokens, eos_ids=eos, sampling=cfg.sampling,
-                      prefill_step=cfg.prefill_step, **reuse)
+                      prefill_step=cfg.prefill_step, controller=controller, **reuse)
 
 
 @dataclass
@@ -97,7 +118,8 @@ class Result:
 
 
 def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-             result: Result | None = None, prefix: PrefixCache | None = None) -> Iterator[Chunk]:
+             result: Result | None = None, prefix: PrefixCache | None = None,
+             controller=None) -> Iterator[Chunk]:
     """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come."""
     result = Result() if result is None else result
 
@@ -107,7 +129,7 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix)), pair.tokenizer,
+    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller)), pair.tokenizer,
                              cfg.stop, eos):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)

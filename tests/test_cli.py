@@ -33,7 +33,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
                              "--max-tokens", "24", "--block-size", str(B), "--json"])
         assert out["text"] == ref_text
         assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
-                                 "block_size_source": "flag", "target": str(t)}
+                                 "block_size_source": "flag", "target": str(t), "adaptive_max": 0}
         s = out["stats"]
         assert s["cycles"] > 0 and s["drafted"] > 0
         for k in ("cycles", "drafted", "accepted", "mean_acceptance_length", "acceptance_rate",
@@ -45,6 +45,20 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
                            "--max-tokens", "24", "--json"])
     assert plain["text"] == ref_text and plain["engine"]["method"] == "plain"
     assert plain["stats"]["drafted"] == 0
+
+
+def test_generate_adaptive_is_lossless_and_engaged(pair_dirs, capsys):
+    """--adaptive: the controller picks each cycle's block (a random drafter is soon not worth
+    drafting for: plain steps), and the text is still the target's."""
+    t, d = pair_dirs
+    fixed = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
+                           "--max-tokens", "40", "--block-size", "4", "--json"])
+    out = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
+                         "--max-tokens", "40", "--block-size", "4", "--adaptive", "--json"])
+    assert out["text"] == fixed["text"]
+    assert out["engine"]["adaptive_max"] == 16 and out["engine"]["block_size"] == 4
+    s = out["stats"]
+    assert 0 < s["drafted"] < 3 * s["cycles"] - 3  # some cycles drafted, many ran plain steps
 
 
 def test_chat_template_and_stop(pair_dirs, capsys):

@@ -73,3 +73,24 @@ def test_loader_failure_is_reported():
     with pytest.raises(Exception, match="drafter is broken"):
         e.wait_ready(10)
     e.close()
+
+
+def test_adaptive_engine_is_lossless_and_uses_the_controller(engine, tmp_path):
+    """--adaptive through the engine: same text as the fixed block, blocks chosen per cycle."""
+    from mlx_spec.generation import engine_info
+
+    base = tiny_engine_loader(tmp_path / "a")
+
+    def loader():
+        pair, info = base()
+        return pair, engine_info(pair, 4, "flag", adaptive=True)
+
+    with Engine(loader) as adaptive, Engine(base) as fixed:
+        adaptive.wait_ready(60)
+        fixed.wait_ready(60)
+        req = dict(prompt="hello", max_tokens=40)
+        got, ref = adaptive.submit(Request(**req)).result(), fixed.submit(Request(**req)).result()
+        assert got.text == ref.text and got.engine["adaptive_max"] == 16
+        assert 0 < got.timings["draft_n"] < ref.timings["draft_n"]  # it stopped drafting a useless drafter
+        again = adaptive.submit(Request(**req)).result()  # a fresh controller per request
+        assert again.text == ref.text and again.timings["draft_n"] == got.timings["draft_n"]

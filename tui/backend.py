@@ -221,7 +221,8 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
                                     progress=lambda d, t, m: progress(d / t if t else 0.0, m)), key=key)
         tuner.save_result(result)
         # Between requests, on the engine thread: the next turn runs the tuned engine.
-        engine.info = engine_info(pair, result.block_size, result.source)
+        engine.info = engine_info(pair, result.block_size, result.source,
+                                  adaptive=bool(engine.info and engine.info.adaptive_max))
         progress(1.0, "done")
         return tune_view(result)
 
@@ -279,7 +280,7 @@ class LocalBackend:
             # First launch tunes here, as generate and serve do; progress goes to the UI.
             tune_progress = (lambda d, t, m: progress(d / t if t else 0.0, m))
             block, source = resolve_block_size(pair, args, progress=tune_progress)
-            return pair, engine_info(pair, block, source)
+            return pair, engine_info(pair, block, source, adaptive=getattr(args, "adaptive", False))
 
         from mlx_spec.cli import prefix_cache_bytes
 

@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..errors import BadRequest
-    from ..generation import GenConfig, engine_info, generate, Result
+    from ..generation import GenConfig, Result, controllers, engine_info, generate
     from ..pair import open_pair, resolve_block_size
     from ..sampling import SamplingConfig
     from ..text import encode_prompt
@@ -37,10 +37,11 @@ def run(args) -> int:
     out = sys.stderr if args.json else sys.stdout
     pair = open_pair(args, log=lambda m: print(m, file=sys.stderr))
     block, source = resolve_block_size(pair, args)
-    info = engine_info(pair, block, source)
+    info = engine_info(pair, block, source, adaptive=args.adaptive)
     ids = encode_prompt(pair.tokenizer, prompt, chat=args.chat)
     result = Result()
-    for chunk in generate(pair, info, ids, cfg, result):
+    make = controllers(pair, info)
+    for chunk in generate(pair, info, ids, cfg, result, controller=make() if make else None):
         if not args.json:
             out.write(chunk.text)
             out.flush()

@@ -79,7 +79,7 @@ def _serve(args, api_key: str | None) -> int:
     def loader():
         pair = open_pair(args, log=say)
         block, source = resolve_block_size(pair, args)
-        info = engine_info(pair, block, source)
+        info = engine_info(pair, block, source, adaptive=args.adaptive)
         trained = model_context_length(pair.model)
         wanted = getattr(args, "context", None)
         if wanted and trained and wanted > trained:
