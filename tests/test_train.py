@@ -245,3 +245,41 @@ def test_draft_vocab_with_every_id_equals_full_softmax(env):
         assert abs(full - every) < 1e-4
         part = loss_fn(d, to_mx(nb, c, v, head_weight(target)), c)[0].item()
         assert part <= full + 1e-5  # fewer competitors, lower (or equal) loss
+
+
+def test_wide_prompts_are_distinct_and_exclude(tmp_path):
+    from collections import Counter
+
+    from mlx_spec.train.prompts import wide_prompts
+
+    narrow = builtin_prompts(1500, seed=0)
+    assert len({p.text for p in narrow}) < 1300  # the narrow mix repeats itself (why "wide" exists)
+    used = {p.text for p in narrow}
+    wide = wide_prompts(1500, seed=1, exclude=used)
+    assert len({p.text for p in wide}) == 1500 and not used & {p.text for p in wide}
+    kinds = Counter(p.kind for p in wide)
+    assert kinds["code"] == 600 and kinds["prose"] > 400 and sum(kinds.values()) == 1500
+    assert [p.text for p in wide_prompts(50, seed=1)] == [p.text for p in wide_prompts(50, seed=1)]
+
+
+def test_several_data_dirs_train_together(env, tmp_path):
+    from mlx_spec.train.data import load_datasets
+
+    root, tdir, model, tok, target = env
+    build_dataset(target, tok, builtin_prompts(12, seed=3)[:4], tmp_path / "more",
+                  DataConfig(max_tokens=16, batch_size=4, top_k=4))
+    both, taps = load_datasets(f"{root / 'data'},{tmp_path / 'more'}")
+    assert len(both) == 12 and taps == TAPS and sum(x.startswith("1:") for x in both.ids) == 4
+    # a run resumes with a grown data set
+    cfg = _cfg(root, tdir, out=str(tmp_path / "run"), steps=2, checkpoint_every=2)
+    train(cfg)
+    train(_cfg(root, tdir, out=str(tmp_path / "run"), steps=4, checkpoint_every=2, resume=True,
+               data=f"{root / 'data'},{tmp_path / 'more'}"))
+    assert json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["step"] == 4
+    other = Target(model, [1, 3])
+    build_dataset(other, tok, builtin_prompts(12, seed=3)[:4], tmp_path / "taps13",
+                  DataConfig(max_tokens=8, batch_size=4, top_k=4))
+    from mlx_spec.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="cannot be mixed"):
+        load_datasets([root / "data", tmp_path / "taps13"])

@@ -16,6 +16,9 @@ def add_arguments(p) -> None:
     d.add_argument("--out", required=True, help="data directory (resumable; reruns skip done prompts)")
     d.add_argument("--prompts", default=None, help="JSONL of prompts (default: built-in offline mix)")
     d.add_argument("--num-prompts", type=int, default=2000, help="built-in mix size (training part)")
+    d.add_argument("--mix", choices=("wide", "narrow"), default="wide",
+                   help="built-in mix: wide = distinct prompts from large pools (default); narrow = the "
+                        "first shipped drafter's mix (repeats itself)")
     d.add_argument("--num-eval", type=int, default=16, help="built-in prompts held out for evaluation")
     d.add_argument("--taps", default=None,
                    help="comma-separated target layers to store (default: build_target_layer_ids(L, 5))")
@@ -30,7 +33,8 @@ def add_arguments(p) -> None:
 
     t = sub.add_parser("drafter", help="train a DFlash 2 drafter on a data directory")
     t.add_argument("--target", default=DEFAULT_TARGET_ID)
-    t.add_argument("--data", required=True, help="data directory from `train data`")
+    t.add_argument("--data", required=True,
+                   help="data directory from `train data`; several as a,b (same taps; may grow on --resume)")
     t.add_argument("--out", required=True, help="run directory (checkpoints, log, curve)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     t.add_argument("--init", default=None, help="initialise weights from a drafter directory")
@@ -84,7 +88,7 @@ def _data(args) -> int:
     from ..target import Target
     from ..train.data import DataConfig, build_dataset, featurize_tokens
     from ..prompts import load_prompts
-    from ..train.prompts import builtin_prompts
+    from ..train.prompts import builtin_prompts, wide_prompts
 
     model, tokenizer = load_target_model(args.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -99,7 +103,8 @@ def _data(args) -> int:
         prompts = load_prompts(args.prompts)
         evals = []
     else:
-        allp = builtin_prompts(args.num_prompts + args.num_eval, seed=args.seed)
+        make = wide_prompts if args.mix == "wide" else builtin_prompts
+        allp = make(args.num_prompts + args.num_eval, seed=args.seed)
         prompts, evals = allp[: args.num_prompts], allp[args.num_prompts :]
     if args.limit:
         prompts = prompts[: args.limit]

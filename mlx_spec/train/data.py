@@ -371,6 +371,32 @@ class Dataset:
         return d
 
 
+def load_datasets(data_dirs: str | Path | list) -> tuple["Dataset", list[int]]:
+    """Several data dirs (a list, or "a,b") made with the same taps and top-K, as one Dataset.
+    Returns it and the taps. Sequence ids are prefixed with the dir's index past the first."""
+    dirs = [Path(d) for d in (str(data_dirs).split(",") if not isinstance(data_dirs, list) else data_dirs) if str(d)]
+    if not dirs:
+        raise BadRequest("no data directory given")
+    metas = []
+    for d in dirs:
+        try:
+            metas.append(json.loads((d / "meta.json").read_text()))
+        except (OSError, ValueError) as e:
+            raise BadRequest(f"{d}: not a `mlx_spec train data` directory ({e})") from None
+    taps, top_k = metas[0]["taps"], metas[0].get("config", {}).get("top_k")
+    for d, m in zip(dirs[1:], metas[1:]):
+        if m["taps"] != taps or m.get("config", {}).get("top_k") != top_k:
+            raise BadRequest(f"{d} was made with taps={m['taps']} top_k={m.get('config', {}).get('top_k')}, "
+                             f"{dirs[0]} with taps={taps} top_k={top_k}: they cannot be mixed")
+    out = Dataset.load(dirs[0])
+    for i, d in enumerate(dirs[1:], 1):
+        more = Dataset.load(d)
+        for name in ("tokens", "prompt_lens", "features", "topk_ids", "topk_logp"):
+            getattr(out, name).extend(getattr(more, name))
+        out.ids.extend(f"{i}:{x}" for x in more.ids)
+    return out, taps
+
+
 def iter_shards(data_dir: str | Path) -> Iterator[Path]:
     yield from sorted((Path(data_dir) / "shards").glob("[0-9]*[0-9].npz"))
 

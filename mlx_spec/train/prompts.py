@@ -4,6 +4,12 @@ Nothing is downloaded. Code prompts come from the public functions of common sta
 modules (name, signature, first docstring line) and from small task templates; prose prompts from
 module docstrings and general-knowledge templates; math prompts are word problems with random
 numbers. The same seed and Python version give the same list.
+
+Two mixes: ``builtin_prompts`` (the "narrow" mix the shipped drafter's first data used; it repeats
+itself: 1500 prompts hold ~1140 distinct texts) and ``wide_prompts`` (the default for new data:
+distinct texts only, drawn from much larger pools: class methods as well as functions, task x
+template x constraint combinations, more prose templates, the Python language-reference topics),
+optionally excluding texts already used (another data set, held-out prompts).
 """
 
 from __future__ import annotations
@@ -83,6 +89,31 @@ MODULE_TEMPLATES = (
     "Explain what the Python module `{mod}` is for.",
     "What is the Python `{mod}` module used for? Give an example.",
     "Describe the Python standard library module `{mod}`. Its documentation starts: \"{doc}\"",
+)
+
+EXTRA_MODULES = (
+    "array", "ast", "binascii", "cmath", "codecs", "configparser", "contextlib", "decimal", "email.utils",
+    "getopt", "gettext", "graphlib", "hmac", "ipaddress", "keyword", "linecache", "locale",
+    "mimetypes", "numbers", "optparse", "platform", "plistlib", "poplib", "quopri", "reprlib", "selectors",
+    "smtplib", "stat", "string", "symtable", "tarfile", "token", "traceback", "types", "urllib.request",
+    "wave", "xml.dom.minidom", "xml.etree.ElementTree", "zipapp", "zoneinfo",
+)
+
+CODE_CONSTRAINTS = (
+    "", " Use type hints.", " Do not use any imports.", " Add a few doctest examples.",
+    " Handle invalid input by raising ValueError.", " Keep it under ten lines.",
+    " Explain the time complexity afterwards.",
+)
+
+MORE_PROSE_TEMPLATES = (
+    "Write a short story that involves {topic}.", "Summarize the history of {topic}.",
+    "List the pros and cons of {topic}.", "Write a haiku about {topic}, then explain it.",
+    "What are common misconceptions about {topic}?", "How would you teach {topic} to a classmate?",
+)
+
+LANGUAGE_TEMPLATES = (
+    "Explain the Python language feature '{topic}' with a short example.",
+    "What does the Python reference manual mean by '{topic}'? Explain briefly.",
 )
 
 NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Sara", "Omar", "Mia", "Leo", "Nina", "Raj")
@@ -177,4 +208,64 @@ def builtin_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25)) -> list[Prompt
     return [Prompt(f"{kind}-{i}", kind, text) for i, (kind, text) in enumerate(items)]
 
 
-__all__ = ["Prompt", "builtin_prompts", "stdlib_functions", "stdlib_modules"]
+def stdlib_methods(modules=STDLIB_MODULES + EXTRA_MODULES) -> list[tuple[str, str, str]]:
+    """(module, "Class.name(signature)", first docstring line) of public methods of public classes."""
+    out = []
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for cname, cls in sorted(vars(mod).items()):
+            if cname.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
+                continue
+            for attr, obj in sorted(vars(cls).items()):
+                if attr.startswith("_") or not inspect.isfunction(obj):
+                    continue
+                doc = _first_line(obj.__doc__)
+                try:
+                    sig = str(inspect.signature(obj))
+                except (TypeError, ValueError):
+                    continue
+                if len(doc) >= 12 and len(sig) <= 80:
+                    out.append((name, f"{cname}.{attr}{sig}", doc))
+    return out
+
+
+def _pools() -> dict[str, list[str]]:
+    from pydoc_data.topics import topics as language_topics
+
+    code = [f"Write a Python function `{sig}` that does the following: {doc}" for _, sig, doc in stdlib_functions()]
+    code += [f"Implement the method `{sig}` of a Python class. It should do the following: {doc}"
+             for _, sig, doc in stdlib_methods()]
+    code += [tpl.format(task=task) + extra for task in CODE_TASKS for tpl in CODE_TEMPLATES for extra in CODE_CONSTRAINTS]
+    prose = [tpl.format(topic=t) for t in TOPICS for tpl in PROSE_TEMPLATES + MORE_PROSE_TEMPLATES]
+    prose += [tpl.format(mod=m, doc=d) for m, d in stdlib_modules() for tpl in MODULE_TEMPLATES]
+    prose += [tpl.format(topic=t.replace("-", " ")) for t in language_topics for tpl in LANGUAGE_TEMPLATES]
+    return {"code": list(dict.fromkeys(code)), "prose": list(dict.fromkeys(prose))}
+
+
+def wide_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25), exclude: set[str] = frozenset()) -> list[Prompt]:
+    """``n`` distinct prompts (none in ``exclude``): shares ``mix`` of (code, prose, math) as far as
+    the code and prose pools go (math fills the rest), shuffled with ``seed``."""
+    rng = random.Random(seed)
+    pools = {k: [t for t in v if t not in exclude] for k, v in _pools().items()}
+    for v in pools.values():
+        rng.shuffle(v)
+    code = pools["code"][: round(n * mix[0])]
+    prose = pools["prose"][: round(n * mix[1])]
+    math: list[str] = []
+    seen = set(exclude)
+    for _ in range(100 * n):
+        if len(code) + len(prose) + len(math) >= n:
+            break
+        t = _math(rng)
+        if t not in seen:
+            seen.add(t)
+            math.append(t)
+    items = [("code", t) for t in code] + [("prose", t) for t in prose] + [("math", t) for t in math]
+    rng.shuffle(items)
+    return [Prompt(f"{kind}-w{i}", kind, text) for i, (kind, text) in enumerate(items)]
+
+
+__all__ = ["Prompt", "builtin_prompts", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]

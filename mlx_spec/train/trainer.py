@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs
 from ..errors import BadRequest, CheckpointError
-from .data import Dataset
+from .data import Dataset, load_datasets
 
 log = logging.getLogger(__name__)
 
@@ -525,19 +525,17 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     say = progress or log.info
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(cfg.data)
-    meta = json.loads((data_dir / "meta.json").read_text())
-    taps = meta["taps"]
+    data, taps = load_datasets(cfg.data)  # "a,b": several data sets made with the same taps
+    data_dir = Path(str(cfg.data).split(",")[0])  # held-out prompts come from the first
     model, tokenizer = load_target_model(cfg.target)
     target = Target(model, taps)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
-    data = Dataset.load(data_dir)
     if any((t == mask_id).any() for t in data.tokens):
         raise BadRequest(f"mask token {mask_id} occurs in the training data; choose another --mask-token-id")
     if cfg.resume and (run / "ckpt" / "config.json").exists():
         config = json.loads((run / "ckpt" / "config.json").read_text())
         saved = json.loads((run / "train_config.json").read_text())
-        keep = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "export", "resume"}
+        keep = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "export", "resume", "data"}
         diff = {k for k, v in asdict(cfg).items() if k not in keep and saved.get(k) != v}
         if diff:
             raise BadRequest(f"--resume with different settings than the run: {sorted(diff)}")
