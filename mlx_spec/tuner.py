@@ -261,6 +261,7 @@ def default_candidates(checkpoint_block: int) -> list[int]:
 
 def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None = None, prompts=None,
          tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
+         clear_margin: float = 0.15,
          candidates: Sequence[int] | None = None) -> TuneResult:
     """Measure and choose the block size for this pair on this machine (see module docstring)."""
     from .prompts import builtin_prompts, interleave
@@ -303,9 +304,15 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     leader_hist: list[tuple[int, float]] = []
     rounds = 0
     round_s = 0.0
-    # The budget bounds the optional rounds; min_rounds always run (one round is noise: a 2 s
-    # budget once stored block 6 at tau 1.00).
-    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() + round_s < deadline):
+    # The budget bounds the optional rounds; min_rounds run unless the answer is already clear
+    # (one close round is noise: a 2 s budget once stored block 6 at tau 1.00).
+    def clear() -> bool:
+        med = {B: statistics.median(ratio[B]) for B in alive}
+        lead = max(alive, key=lambda B: med[B])
+        return all(max(ratio[B]) < med[lead] * (1 - clear_margin) for B in alive if B != lead)
+
+    while rounds < max_rounds and (rounds == 0 or time.perf_counter() + round_s < deadline
+                                   or (rounds < min_rounds and not clear())):
         tr = time.perf_counter()
         _, _, ids = encoded[rounds % len(encoded)]
         k = rounds % len(alive)
