@@ -260,6 +260,10 @@ def test_wide_prompts_are_distinct_and_exclude(tmp_path):
     kinds = Counter(p.kind for p in wide)
     assert kinds["code"] == 600 and kinds["prose"] > 400 and sum(kinds.values()) == 1500
     assert [p.text for p in wide_prompts(50, seed=1)] == [p.text for p in wide_prompts(50, seed=1)]
+    # deterministic across processes too: no object addresses in signatures
+    from mlx_spec.train.prompts import stdlib_functions, stdlib_methods
+
+    assert not [s for _, s, _ in stdlib_functions() + stdlib_methods() if "0x" in s]
 
 
 def test_several_data_dirs_train_together(env, tmp_path):

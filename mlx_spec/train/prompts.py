@@ -18,6 +18,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,27 +126,35 @@ def _first_line(doc: str | None) -> str:
     return line[:200]
 
 
+def _modules(names):
+    for name in names:
+        try:
+            yield name, importlib.import_module(name)
+        except ImportError:
+            continue
+
+
+def _described(label: str, obj) -> tuple[str, str] | None:
+    """("label(signature)", first docstring line), or None without a usable doc or signature."""
+    doc = _first_line(obj.__doc__)
+    try:
+        # default values like <object object at 0x7f..> differ per process: drop the address
+        sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(obj)))
+    except (TypeError, ValueError):
+        return None
+    return (f"{label}{sig}", doc) if len(doc) >= 12 and len(sig) <= 80 else None
+
+
 def stdlib_functions() -> list[tuple[str, str, str]]:
     """(module, "name(signature)", first docstring line) of public stdlib functions."""
     out = []
-    for name in STDLIB_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
+    for name, mod in _modules(STDLIB_MODULES):
         for attr, obj in sorted(vars(mod).items()):
             if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
                 continue
-            doc = _first_line(obj.__doc__)
-            if len(doc) < 12:
-                continue
-            try:
-                sig = str(inspect.signature(obj))
-            except (TypeError, ValueError):
-                continue
-            if len(sig) > 80:
-                continue
-            out.append((name, f"{attr}{sig}", doc))
+            got = _described(attr, obj)
+            if got:
+                out.append((name, *got))
     return out
 
 
@@ -211,24 +220,15 @@ def builtin_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25)) -> list[Prompt
 def stdlib_methods(modules=STDLIB_MODULES + EXTRA_MODULES) -> list[tuple[str, str, str]]:
     """(module, "Class.name(signature)", first docstring line) of public methods of public classes."""
     out = []
-    for name in modules:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
+    for name, mod in _modules(modules):
         for cname, cls in sorted(vars(mod).items()):
             if cname.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
                 continue
             for attr, obj in sorted(vars(cls).items()):
-                if attr.startswith("_") or not inspect.isfunction(obj):
-                    continue
-                doc = _first_line(obj.__doc__)
-                try:
-                    sig = str(inspect.signature(obj))
-                except (TypeError, ValueError):
-                    continue
-                if len(doc) >= 12 and len(sig) <= 80:
-                    out.append((name, f"{cname}.{attr}{sig}", doc))
+                if not attr.startswith("_") and inspect.isfunction(obj):
+                    got = _described(f"{cname}.{attr}", obj)
+                    if got:
+                        out.append((name, *got))
     return out
 
 
