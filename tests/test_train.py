@@ -225,6 +225,19 @@ def test_train_end_to_end_loads_strictly(env, tmp_path):
     # Resume continues to a larger step count.
     out2 = train(replace(cfg, steps=6, resume=True))
     assert out2["step"] == 6
+    # `train eval` measures the exported drafter by block size and prompt kind.
+    import subprocess
+    import sys
+
+    pf = tmp_path / "held.jsonl"
+    pf.write_text('{"id": "code-1", "prompt": "def f"}\n{"id": "prose-1", "prompt": "the sea"}\n')
+    r = subprocess.run([sys.executable, "-m", "mlx_spec", "train", "eval", "--target", str(tdir), "--drafter",
+                        str(tmp_path / "export"), "--prompts", str(pf), "--blocks", "2,4", "--max-tokens", "6",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ev = json.loads(r.stdout)
+    assert [row["block"] for row in ev["rows"]] == [2, 4] and ev["prompts"] == 2
+    assert all(row["tau"] >= 1.0 and set(row["tau_by_kind"]) == {"code", "prose"} for row in ev["rows"])
 
 
 def test_draft_vocab_with_every_id_equals_full_softmax(env):

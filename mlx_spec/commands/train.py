@@ -1,5 +1,6 @@
-"""`mlx_spec train data|drafter|export`: build a training set from the target's own responses,
-train a DFlash 2 (or DFlash 1) drafter on it, and export a float16 copy of a checkpoint."""
+"""`mlx_spec train data|drafter|export|eval`: build a training set from the target's own
+responses, train a DFlash 2 (or DFlash 1) drafter on it, export a float16 copy of a checkpoint,
+and measure a drafter's held-out tau by block size and prompt kind."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 def add_arguments(p) -> None:
     from ..default_target import DEFAULT_TARGET_ID
 
-    sub = p.add_subparsers(dest="train_command", metavar="{data,drafter,export}")
+    sub = p.add_subparsers(dest="train_command", metavar="{data,drafter,export,eval}")
     d = sub.add_parser("data", help="generate training data (target responses + features)")
     d.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model (path, repo id, default id)")
     d.add_argument("--out", required=True, help="data directory (resumable; reruns skip done prompts)")
@@ -75,6 +76,16 @@ def add_arguments(p) -> None:
     e.add_argument("--out", default=None, help="drafter output directory")
     e.add_argument("--data", default=None, help="data directory, for --tokens")
     e.add_argument("--tokens", default=None, help="write the data's token ids to this .npz")
+
+
+    v = sub.add_parser("eval", help="held-out tau of a drafter by block size and prompt kind (real decoding)")
+    v.add_argument("--target", default=DEFAULT_TARGET_ID)
+    v.add_argument("--drafter", required=True, help="drafter directory (or a run's ckpt/)")
+    v.add_argument("--prompts", required=True, help="JSONL of held-out prompts (e.g. a data dir's eval_prompts.jsonl)")
+    v.add_argument("--blocks", default="2,4,8,16", help="block sizes, e.g. 2,4,8,16")
+    v.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    v.add_argument("--limit", type=int, default=None, help="only the first N prompts (interleaved by kind)")
+    v.add_argument("--json", action="store_true")
 
 
 def _log(msg: str) -> None:
@@ -149,10 +160,42 @@ def _export(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from ..errors import BadRequest
+    from ..loading import load_pair
+    from ..prompts import interleave, load_prompts
+    from ..train.trainer import evaluate_tau
+
+    try:
+        blocks = [int(b) for b in args.blocks.split(",") if b]
+    except ValueError:
+        raise BadRequest(f"--blocks must be comma-separated integers (got {args.blocks!r})") from None
+    if not blocks or min(blocks) < 2 or args.max_tokens < 1:
+        raise BadRequest("--blocks must be >= 2 and --max-tokens >= 1")
+    prompts = interleave(load_prompts(args.prompts))[: args.limit]
+    pair = load_pair(args.target, args.drafter)
+    rows = []
+    for B in blocks:
+        ev = evaluate_tau(pair.target, pair.drafter, pair.tokenizer, prompts, B, args.max_tokens)
+        rows.append({"block": B, **ev})
+        _log(f"block {B}: tau {ev['tau']:.2f} by kind {ev['tau_by_kind']} ({ev['seconds']} s)")
+    if args.json:
+        print(json.dumps({"drafter": args.drafter, "prompts": len(prompts), "max_tokens": args.max_tokens,
+                          "rows": rows}))
+        return 0
+    kinds = sorted({k for r in rows for k in r["tau_by_kind"]})
+    print(f"held-out tau, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, real speculative decoding")
+    print("block  tau   " + "  ".join(f"{k:>6}" for k in kinds) + "  acceptance by position")
+    for r in rows:
+        print(f"{r['block']:>5}  {r['tau']:.2f}  " + "  ".join(f"{r['tau_by_kind'].get(k, 0):6.2f}" for k in kinds)
+              + "  " + " ".join(f"{x:.2f}" for x in r["by_position"]))
+    return 0
+
+
 def run(args) -> int:
     from ..errors import BadRequest
 
-    commands = {"data": _data, "drafter": _drafter, "export": _export}
+    commands = {"data": _data, "drafter": _drafter, "export": _export, "eval": _eval}
     if getattr(args, "train_command", None) not in commands:
-        raise BadRequest("choose a train command: data, drafter or export (see `mlx_spec train -h`)")
+        raise BadRequest("choose a train command: data, drafter, export or eval (see `mlx_spec train -h`)")
     return commands[args.train_command](args)
