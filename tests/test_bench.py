@@ -172,8 +172,10 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n{"prompt": "hello there", "kind": "prose"}\n')
     rc = main(["bench", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--max-tokens", "12",
-               "--repeats", "1", "--block-sizes", "2,4", "--ar-draft", str(t), "--json"])
+               "--repeats", "1", "--block-sizes", "2,4", "--ar-draft", str(t), "--json",
+               "--json-out", str(tmp_path / "bench.json")])
     out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
     assert labels == ["plain (mlx-lm)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4", "adaptive <=8"]
     assert out["blas"] and out["costs"]["t1_ms"] > 0 and out["kinds"] == ["code", "prose"]

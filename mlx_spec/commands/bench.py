@@ -8,6 +8,7 @@ official ``dflash`` package (``--peer``). See docs/bench.md for every column.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 import sys
 from dataclasses import asdict
@@ -44,6 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
 
 
 def _fmt(x, spec=".2f", none="-"):
@@ -163,6 +165,8 @@ def run(args) -> int:
                                              "source": tuned.source},
         "failed": [r.label for r in rows if r.status != "ok"],
     }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
     else:
