@@ -47,6 +47,9 @@ async def test_streamed_reply_multi_turn_and_stats(tmp_path):
         assert [m["role"] for m in sent] == ["user", "assistant", "user"]
         assert sent[2]["content"] == "and then?" and settings.speculate and settings.max_tokens == 64
         assert app.screen.query(MessageView).last().text == "Second **answer**."
+        # the second turn reused the first from the prefix cache, and says so
+        assert app.screen.query_one(SpecPanel).view.cached_tokens > 0
+        assert "reused" in screen_text(app) and "prompt tok cached" in app.chat.turns[-1].meta
 
 
 async def test_main_screen_snapshot(tmp_path):

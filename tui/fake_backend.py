@@ -18,7 +18,7 @@ SPEC_INFO = {"method": "dflash2", "target": "fake-target", "drafter": "fake-draf
              "block_size": 8, "block_size_source": "checkpoint"}
 
 
-def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float) -> dict:
+def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float, cached: int = 0) -> dict:
     """A running Stats.as_dict() for scripted cycles (the real one lives in mlx_spec.stats)."""
     cycles = len(accepts)
     drafted = cycles * (block - 1)
@@ -30,7 +30,7 @@ def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float) -> dic
         "mean_acceptance_length": round((sum(accepts) + cycles) / cycles, 4) if cycles else 0.0,
         "acceptance_rate": round(sum(accepts) / drafted, 4) if drafted else 0.0,
         "acceptance_by_position": [round(h / r, 4) for h, r in zip(hits, reached)] if cycles else [],
-        "decode_tps": round(tps, 2), "end_to_end_tps": round(tps, 2),
+        "decode_tps": round(tps, 2), "end_to_end_tps": round(tps, 2), "cached_tokens": cached,
     }
 
 
@@ -89,6 +89,8 @@ class FakeBackend:
         words = [w + " " for w in text.split(" ")]
         words[-1] = words[-1].rstrip(" ")
         out, accepts, n, i, step = "", [], 0, 0, 0
+        # like the prefix cache: a later turn reuses the words of every earlier message
+        cached = sum(len(m["content"].split()) for m in messages[:-1])
         finish = "stop"
         while i < len(words):
             if self._cancel.is_set():
@@ -103,13 +105,13 @@ class FakeBackend:
             part = words[i : i + k]
             i, n, step = i + len(part), n + len(part), step + 1
             out += "".join(part)
-            stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0)
+            stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0, cached)
             yield Delta(rid, "".join(part), tuple(range(len(part))), drafted, acc, stats)
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.hold_after is not None and step == self.hold_after:
                 self._release.wait(10)
-        stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0)
+        stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0, cached)
         yield Done(rid, out, finish, len(messages), n, info, stats, {})
 
     def release(self) -> None:

@@ -216,6 +216,8 @@ class ChatScreen(Screen):
         if s.get("drafted"):
             parts += [f"τ {s['mean_acceptance_length']:.2f}", f"acceptance {s['acceptance_rate']:.0%}",
                       f"block {done.engine.get('block_size')}"]
+        if s.get("cached_tokens"):
+            parts.append(f"{s['cached_tokens']}/{done.prompt_tokens} prompt tok cached")
         parts.append(done.finish_reason)
         return " · ".join(parts)
 
@@ -245,7 +247,8 @@ class ChatScreen(Screen):
                         tau=s.get("mean_acceptance_length", 0.0), acceptance=s.get("acceptance_rate", 0.0),
                         by_position=tuple(s.get("acceptance_by_position", ())),
                         tps=s.get("decode_tps", 0.0), tokens=self._tokens, baseline_tps=base,
-                        baseline_source=source, taus=tuple(self._taus))
+                        baseline_source=source, taus=tuple(self._taus),
+                        cached_tokens=int(s.get("cached_tokens", 0)))
 
     # -- memory ---------------------------------------------------------------------------------
     def _poll_memory(self) -> None:

@@ -31,6 +31,7 @@ class SpecView:
     baseline_tps: float | None = None
     baseline_source: str = ""
     taus: tuple[int, ...] = ()
+    cached_tokens: int = 0  # prompt tokens of this reply reused from the prefix cache
 
 
 def bar(frac: float, width: int = BAR) -> str:
@@ -68,6 +69,8 @@ def render_numbers(v: SpecView) -> Text:
         row("τ", f"{v.tau:.2f}", "tokens/cycle")
         row("accept", f"{v.acceptance:.1%}", "of drafts")
     row("tok/s", f"{v.tps:.1f}" if v.tokens else "–", "this reply")
+    if v.cached_tokens:
+        row("reused", f"{v.cached_tokens} tok", "of the prompt, from the prefix cache")
     row("speedup", speedup_text(v))
     if v.baseline_tps:
         t.append(f"  vs plain {v.baseline_tps:.1f} tok/s\n  ({v.baseline_source})\n", style="dim")
