@@ -92,5 +92,7 @@ def test_adaptive_engine_is_lossless_and_uses_the_controller(engine, tmp_path):
         got, ref = adaptive.submit(Request(**req)).result(), fixed.submit(Request(**req)).result()
         assert got.text == ref.text and got.engine["adaptive_max"] == 16
         assert 0 < got.timings["draft_n"] < ref.timings["draft_n"]  # it stopped drafting a useless drafter
-        again = adaptive.submit(Request(**req)).result()  # a fresh controller per request
-        assert again.text == ref.text and again.timings["draft_n"] == got.timings["draft_n"]
+        # A fresh controller per request: it starts from the prior and drafts again (one carried
+        # over would have backed off to plain steps). Its choices depend on measured timings.
+        again = adaptive.submit(Request(**req)).result()
+        assert again.text == ref.text and again.timings["draft_n"] > 0
