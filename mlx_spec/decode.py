@@ -59,11 +59,14 @@ def _start(prefill: Prefill | None, prompt: Sequence[int]) -> int:
 
 
 def _hand_over(on_exit, make) -> None:
-    """Give the final caches away; a failure here must not turn a finished reply into an error."""
+    """Give the final caches (``make()``; None = nothing to keep) away; a failure here must not
+    turn a finished reply into an error."""
     if on_exit is None:
         return
     try:
-        on_exit(make())
+        got = make()
+        if got is not None:
+            on_exit(got)
     except Exception:  # pragma: no cover - logged, the reply is already complete
         log.exception("could not keep the caches for prefix reuse")
 
@@ -129,6 +132,7 @@ def spec_steps(
     dcache = prefill.drafter if prefill else drafter.make_cache()
     fed = list(prompt)  # the ids whose K/V the target cache holds once the prefill is done
     consistent = False  # caches, `fed` and `pending` agree (true at every yield)
+    greedy = sampling.greedy
     key = mx.random.key(sampling.seed if sampling.seed is not None else time.time_ns() % 2**31)
     pending: list[mx.array] = []  # features of committed rows not yet in the drafter's cache
 
@@ -163,7 +167,9 @@ def spec_steps(
                 tc = time.perf_counter()
                 L = controller(prev) if controller is not None else block_size
                 L = max(1, min(L, max_tokens - n))
-                key, kd, ka = mx.random.split(key, 3)
+                kd = ka = None
+                if not greedy:  # greedy never evaluates keys: splitting would grow a lazy chain
+                    key, kd, ka = mx.random.split(key, 3)
                 consistent = False
                 if L > 1:
                     features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
@@ -177,7 +183,6 @@ def spec_steps(
                     proposal, drafts = None, None
                     verify_in = anchor.reshape(1, 1)
                 out = target(verify_in, cache, record=True)
-                greedy = sampling.temperature == 0
                 choice = mx.argmax(out.logits[0], axis=-1) if greedy else out.logits
                 mx.async_eval(choice, out.hidden)
                 draft_list = drafts.tolist() if drafts is not None else []  # waits for the draft only
@@ -249,11 +254,6 @@ def plain_steps(
                 return None
         return Prefill(tuple(seq[:held]), cache, None)
 
-    def keep():
-        got = final()
-        if got is not None:
-            _hand_over(on_exit, lambda: got)
-
     gen = generate_step(mx.array(list(prompt[done:]), mx.int32), model, max_tokens=max_tokens,
                         sampler=sampler, prefill_step_size=prefill_step, prompt_cache=cache)
     n = 0
@@ -272,7 +272,7 @@ def plain_steps(
                 break
     except GeneratorExit:
         gen.close()
-        keep()
+        _hand_over(on_exit, final)
         raise
     gen.close()
-    keep()
+    _hand_over(on_exit, final)

@@ -306,9 +306,12 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     round_s = 0.0
     # The budget bounds the optional rounds; min_rounds run unless the answer is already clear
     # (one close round is noise: a 2 s budget once stored block 6 at tau 1.00).
-    def clear() -> bool:
+    def standings():
         med = {B: statistics.median(ratio[B]) for B in alive}
-        lead = max(alive, key=lambda B: med[B])
+        return med, max(alive, key=lambda B: med[B])
+
+    def clear() -> bool:
+        med, lead = standings()
         return all(max(ratio[B]) < med[lead] * (1 - clear_margin) for B in alive if B != lead)
 
     while rounds < max_rounds and (rounds == 0 or time.perf_counter() + round_s < deadline
@@ -330,8 +333,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             f"{'off' if B == 1 else B} x{statistics.median(ratio[B]):.2f}" for B in alive))
         if rounds < max(min_rounds, len(kinds)) or rounds % len(kinds):
             continue  # judge only after whole cycles of the prompt kinds (they disagree)
-        med = {B: statistics.median(ratio[B]) for B in alive}
-        lead = max(alive, key=lambda B: med[B])
+        med, lead = standings()
         for B in list(alive):  # clearly worse: even its best round is below the leader's median
             if B not in (1, lead) and max(ratio[B]) < med[lead] * 0.97:
                 alive.remove(B)

@@ -279,6 +279,16 @@ def test_wide_prompts_are_distinct_and_exclude(tmp_path):
     assert not [s for _, s, _ in stdlib_functions() + stdlib_methods() if "0x" in s]
 
 
+def test_held_out_prompts_are_never_trained_on():
+    from mlx_spec.train.prompts import split_held_out
+
+    allp = builtin_prompts(1516, seed=0)  # the shipped drafter's first data: it repeats itself
+    assert {p.text for p in allp[:1500]} & {p.text for p in allp[1500:]}  # the leak this closes
+    train, held = split_held_out(allp, 1500)
+    assert held == allp[1500:] and not {p.text for p in train} & {p.text for p in held}
+    assert len({p.text for p in train}) == len(train) < 1500
+
+
 def test_several_data_dirs_train_together(env, tmp_path):
     from mlx_spec.train.data import load_datasets
 

@@ -99,7 +99,7 @@ def _data(args) -> int:
     from ..target import Target
     from ..train.data import DataConfig, build_dataset, featurize_tokens
     from ..prompts import load_prompts
-    from ..train.prompts import builtin_prompts, wide_prompts
+    from ..train.prompts import builtin_prompts, split_held_out, wide_prompts
 
     model, tokenizer = load_target_model(args.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -116,7 +116,7 @@ def _data(args) -> int:
     else:
         make = wide_prompts if args.mix == "wide" else builtin_prompts
         allp = make(args.num_prompts + args.num_eval, seed=args.seed)
-        prompts, evals = allp[: args.num_prompts], allp[args.num_prompts :]
+        prompts, evals = split_held_out(allp, args.num_prompts)
     if args.limit:
         prompts = prompts[: args.limit]
     if not prompts:

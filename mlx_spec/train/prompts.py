@@ -160,11 +160,7 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
 
 def stdlib_modules() -> list[tuple[str, str]]:
     out = []
-    for name in STDLIB_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
+    for name, mod in _modules(STDLIB_MODULES):
         doc = _first_line(mod.__doc__)
         if doc:
             out.append((name, doc))
@@ -268,4 +264,13 @@ def wide_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25), exclude: set[str]
     return [Prompt(f"{kind}-w{i}", kind, text) for i, (kind, text) in enumerate(items)]
 
 
-__all__ = ["Prompt", "builtin_prompts", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]
+def split_held_out(prompts: list[Prompt], n_train: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts): the ones after ``n_train`` are held out *by text*
+    (the narrow mix repeats itself: a held-out prompt also trained on measures memory, not
+    drafting), and a training text that repeats is kept once."""
+    evals = prompts[n_train:]
+    held = {p.text for p in evals}
+    return list({p.text: p for p in prompts[:n_train] if p.text not in held}.values()), evals
+
+
+__all__ = ["Prompt", "builtin_prompts", "split_held_out", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]
