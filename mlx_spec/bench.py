@@ -46,6 +46,7 @@ def spread(xs: Sequence[float]) -> float:
 class Method:
     kind: str  # plain | dflash | adaptive | lookup | ar-draft | peer
     block_size: int = 1  # tokens per verify incl. the anchor (lookup/ar-draft: drafts + 1)
+    full_vocab: bool = False  # dflash with the whole head though the drafter ships a draft vocabulary
 
     @property
     def label(self) -> str:
@@ -53,7 +54,7 @@ class Method:
             return "plain (mlx-lm)"
         if self.kind == "adaptive":
             return f"adaptive <={self.block_size}"
-        return f"{self.kind} B={self.block_size}"
+        return f"{self.kind} B={self.block_size}" + (" full-vocab" if self.full_vocab else "")
 
     @property
     def speculative(self) -> bool:
@@ -111,6 +112,15 @@ class Runner:
         raise ValueError(f"unknown method {method.kind}")
 
     def run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
+        if not method.full_vocab:
+            return self._run(method, ids, max_tokens)
+        prev = self.pair.drafter.set_vocab(None)
+        try:
+            return self._run(method, ids, max_tokens)
+        finally:
+            self.pair.drafter.set_vocab(prev)
+
+    def _run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
         stats, tokens, blocks = Stats(), [], {}
         first_s, first_tokens = None, 0
         t0 = time.perf_counter()
@@ -128,6 +138,8 @@ class Runner:
 
 def model_ms(method: Method, blocks: dict[int, int], costs: Costs) -> float:
     """The two passes' time over a run's cycles by the cost curve (nan where unknown)."""
+    if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
+        return math.nan
     total = 0.0
     for L, n in blocks.items():
         if method.kind == "plain":
@@ -309,7 +321,8 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
         if costs is not None:
             row.t1_ms = _r(costs.t1_ms, 2)
             if m.kind in ("dflash", "peer"):
-                row.td_ms, row.tt_ms = _r(costs.draft(m.block_size), 2), _r(costs.verify(m.block_size), 2)
+                row.td_ms = None if m.full_vocab else _r(costs.draft(m.block_size), 2)
+                row.tt_ms = _r(costs.verify(m.block_size), 2)
             elif m.kind == "lookup":
                 row.td_ms, row.tt_ms = 0.0, _r(costs.verify(m.block_size), 2)
             elif m.kind == "ar-draft" and costs.t1_draft_ms:

@@ -41,6 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-bits", choices=bits, default=None,
                    help="quantize the drafter at load (default: the target's bits on Apple Silicon, float32 on CPU)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
+    p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                   help="auto: draft over the drafter's reduced vocabulary when it ships one "
+                        "(draft_vocab.json; a cheaper draft head, same output); full: the whole head")
     p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
     p.add_argument("--no-tune", action="store_true",

@@ -298,17 +298,20 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(vocab, rank)
         self.successor_codebook = nn.Embedding(vocab, rank)
 
-    def lattice(self, h: mx.array, unary: mx.array, anchor: mx.array):
+    def lattice(self, h: mx.array, unary: mx.array, anchor: mx.array, ids: mx.array | None = None):
         """Candidates and edge scores for one block (batch 1).
 
-        h (P, H) final hidden at draft positions, unary (P, V) transformed logits, anchor ().
-        Returns cand (P, K) ids and scores (P, K_prev, K): for p=0 only row 0 is meaningful
-        (predecessor = anchor). Everything in float32.
+        h (P, H) final hidden at draft positions, unary (P, V) transformed logits (over ``ids``
+        when a reduced draft vocabulary is in use), anchor (). Returns cand (P, K) target ids and
+        scores (P, K_prev, K): for p=0 only row 0 is meaningful (predecessor = anchor).
+        Everything in float32.
         """
         K = min(self.top_k, unary.shape[-1])
         unary = unary.astype(mx.float32)
         cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K]  # (P, K)
         u = mx.take_along_axis(unary, cand, axis=-1)  # (P, K)
+        if ids is not None:
+            cand = ids[cand]
         g = self.hidden_projection(h).astype(mx.float32)  # (P, r)
         succ = self.successor_codebook(cand).astype(mx.float32)  # (P, K, r)
         preds = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, K)), cand[:-1]], 0)
@@ -349,6 +352,22 @@ class CandidateSelector(nn.Module):
         return (tokens[0], idx[0], q[0]) if n is None else (tokens, idx, q)
 
 
+@dataclass(frozen=True)
+class DraftVocab:
+    """A reduced draft vocabulary (a d2t map, as in speculators): the draft head scores only
+    ``ids`` (sorted target ids), so a draft pass multiplies by K rows of the target's head, not
+    all V. Drafts are mapped back to target ids; verification is unchanged, so output stays
+    the target's own. A target token outside ``ids`` can never be drafted (it is rejected and
+    the target's own token commits)."""
+
+    ids: mx.array  # (K,) int32, sorted, unique, < V
+    head: Callable[[mx.array], mx.array]  # (..., H) -> (..., K) logits over ``ids``
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+
 class Proposal(NamedTuple):
     tokens: mx.array  # (L-1,) drafted ids
     q: mx.array | None  # (L-1, V) proposal probabilities (None when greedy)
@@ -372,10 +391,19 @@ class Drafter(nn.Module):
         # Shared, frozen target parts; plain callables so they are not parameters of ours.
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._head: Callable[[mx.array], mx.array] | None = None
+        self.vocab: DraftVocab | None = None
+        # ids of the checkpoint's reduced draft vocabulary (draft_vocab.json), if it ships one
+        self.shipped_vocab = None
 
-    def bind(self, embed: Callable, head: Callable) -> "Drafter":
-        self._embed, self._head = embed, head
+    def bind(self, embed: Callable, head: Callable, vocab: DraftVocab | None = None) -> "Drafter":
+        """Share the target's embedding and head; ``vocab`` drafts over a subset of the head."""
+        self._embed, self._head, self.vocab = embed, head, vocab
         return self
+
+    def set_vocab(self, vocab: DraftVocab | None) -> DraftVocab | None:
+        """Draft over ``vocab`` (None: the full head) from now on; returns the previous one."""
+        prev, self.vocab = self.vocab, vocab
+        return prev
 
     def make_cache(self) -> list[ContextCache]:
         return [ContextCache(layer.window) for layer in self.layers]
@@ -409,8 +437,10 @@ class Drafter(nn.Module):
             x = layer(x, ck, cv, start, mask)
         return self.norm(x)
 
-    def logits(self, h: mx.array) -> mx.array:
-        out = self._head(h) * self.args.output_multiplier
+    def logits(self, h: mx.array, full: bool = False) -> mx.array:
+        """Draft logits over the draft vocabulary (all V, or ``vocab.ids``; ``full`` forces V)."""
+        head = self._head if full or self.vocab is None else self.vocab.head
+        out = head(h) * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
         return cap * mx.tanh(out / cap) if cap else out
 
@@ -434,12 +464,14 @@ class Drafter(nn.Module):
             [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
         )[None]
         h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
-        unary = self.logits(h)  # (L-1, V)
+        unary = self.logits(h)  # (L-1, V), or (L-1, K) over a reduced draft vocabulary
         if cfg.greedy:
+            ids = self.vocab.ids if self.vocab is not None else None
             if "candidate_selector" in self:
                 sel = self.candidate_selector
-                return Proposal(sel.walk_greedy(*sel.lattice(h, unary, anchor.reshape(()))), None)
-            return Proposal(mx.argmax(unary, axis=-1), None)
+                return Proposal(sel.walk_greedy(*sel.lattice(h, unary, anchor.reshape(()), ids)), None)
+            best = mx.argmax(unary, axis=-1)
+            return Proposal(best if ids is None else ids[best], None)
         return Proposal(*self.sample(h, unary, anchor, cfg, key))
 
     def sample(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
@@ -451,19 +483,24 @@ class Drafter(nn.Module):
         from the target's own rule (temperature, top-p, top-k) applied to the drafter's logits,
         as the reference does; drafts outside the target's top-p/top-k would be rejected anyway.
 
-        h (P, H), unary (P, V). Returns tokens (P,) and q (P, V); with ``n``, n independent
-        proposals: (n, P) and (n, P, V).
+        h (P, H), unary (P, V) (or (P, K) over a reduced draft vocabulary). Returns tokens (P,)
+        and q (P, V) in target ids; with ``n``, n independent proposals: (n, P) and (n, P, V).
         """
+        V = self.args.vocab_size
+        ids = self.vocab.ids if self.vocab is not None else None
         if "candidate_selector" in self:
             sel = self.candidate_selector
-            cand, scores = sel.lattice(h, unary, anchor.reshape(()))
+            cand, scores = sel.lattice(h, unary, anchor.reshape(()), ids)
             tokens, _, qk = sel.walk_sample(cand, scores, cfg.temperature, key, n or 1)
             m, (P, K) = qk.shape[0], cand.shape
             # candidates are distinct ids (argpartition), so the scatter never collides
-            q = mx.put_along_axis(mx.zeros((m, P, unary.shape[-1]), mx.float32),
+            q = mx.put_along_axis(mx.zeros((m, P, V), mx.float32),
                                   mx.broadcast_to(cand, (m, P, K)), qk, axis=-1)
             return (tokens[0], q[0]) if n is None else (tokens, q)
         tokens, q = sample_proposal(unary, cfg, key, n)
+        if ids is not None:  # back to target ids: q is 0 outside the draft vocabulary
+            tokens = ids[tokens]
+            q = mx.put_along_axis(mx.zeros((*q.shape[:-1], V), q.dtype), mx.broadcast_to(ids, q.shape), q, axis=-1)
         return (tokens, q) if n is None else (tokens, mx.broadcast_to(q, (n, *q.shape)))
 
 
@@ -480,6 +517,7 @@ __all__ = [
     "Drafter",
     "ContextCache",
     "Proposal",
+    "DraftVocab",
     "TwoTapConv",
     "CandidateSelector",
     "build_target_layer_ids",

@@ -43,6 +43,7 @@ class EngineInfo:
     block_size: int  # 1 for plain decoding
     block_size_source: str  # "flag" | "checkpoint" | "tuned <date>" | "plain (--no-draft)" ...
     adaptive_max: int = 0  # > 0: --adaptive, the block size is chosen each cycle in 1..adaptive_max
+    draft_vocab: int = 0  # > 0: drafts come from a reduced vocabulary of this many ids (0: full head)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,8 +55,9 @@ class EngineInfo:
         block = (f"adaptive block size <= {self.adaptive_max} (online controller; fixed would be "
                  f"{self.block_size}, {self.block_size_source})" if self.adaptive_max else
                  f"block size {self.block_size} ({self.block_size_source})")
+        vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-                f"{self.drafter}, {block}")
+                f"{self.drafter}, {block}{vocab}")
 
 
 def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None,
@@ -79,7 +81,8 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
                     "position %d is untrained", block_size, ckpt, ckpt - 1)
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
     top = max(block_size, ckpt, 16) if adaptive else 0
-    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", top)
+    vocab = pair.drafter.vocab.size if pair.drafter.vocab is not None else 0
+    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", top, vocab)
 
 
 def controllers(pair: Pair, info: EngineInfo):

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import quantize
-from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, parameter_names
+from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
 from .errors import CheckpointError, IncompatiblePair, MlxSpecError
 from .target import Target
 
@@ -77,6 +77,44 @@ def _names(keys, limit=8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: Path, vocab_size: int):
+    """The sorted ids of a checkpoint's reduced draft vocabulary (``draft_vocab.json``: {"ids":
+    [...]}) as an int32 numpy array, or None without the file. A bad file is refused by name."""
+    import numpy as np
+
+    f = Path(path) / DRAFT_VOCAB_FILE
+    if not f.exists():
+        return None
+    try:
+        ids = json.loads(f.read_text())["ids"]
+        arr = np.asarray(ids)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: unreadable draft vocabulary ({type(e).__name__}: {e}); "
+                              "expected {\"ids\": [sorted target token ids]}") from None
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise CheckpointError(f"{f}: 'ids' must be a non-empty list of integers")
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        raise CheckpointError(f"{f}: ids outside the vocabulary [0, {vocab_size})")
+    if (np.diff(arr) <= 0).any():
+        raise CheckpointError(f"{f}: ids must be sorted and unique")
+    return arr.astype(np.int32)
+
+
+def write_draft_vocab(path: str | Path, ids, note: str = "") -> None:
+    """Write ``draft_vocab.json`` (sorted unique ids) beside a checkpoint. The official layout is
+    untouched: loaders that do not know the file draft over the full head."""
+    import numpy as np
+
+    ids = np.unique(np.asarray(ids, np.int64))
+    body = {"format": "mlx_spec draft vocabulary 1", "note": note, "size": int(len(ids)),
+            "ids": [int(i) for i in ids]}
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / DRAFT_VOCAB_FILE).write_text(json.dumps(body))
+
+
 def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
                  group_size: int = 64) -> tuple[Drafter, dict]:
     """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config).
@@ -130,6 +168,7 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
     dtype = default_dtype() if dtype is None else dtype
     quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"drafter {path}")
     model.eval()
+    model.shipped_vocab = read_draft_vocab(path, args.vocab_size)
     return model, config
 
 
@@ -207,9 +246,13 @@ def _is_quantized(model) -> bool:
 
 def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
               target_bits: int | None = None, drafter_bits: int | None = None,
-              group_size: int = 64) -> Pair:
+              group_size: int = 64, draft_vocab: str = "auto") -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
-    before the drafter binds to its embedding and head, so those exist once."""
+    before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
+    "auto" drafts over the checkpoint's reduced vocabulary when it ships one
+    (``draft_vocab.json``), "full" always over the whole head."""
+    if draft_vocab not in ("auto", "full"):
+        raise MlxSpecError(f"draft vocabulary must be 'auto' or 'full', not {draft_vocab!r}")
     model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size)
     if no_draft:
         return Pair(model, tokenizer, None, None, target_id, None, None)
@@ -218,9 +261,13 @@ def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
     drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size)
     target = Target(model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
-    drafter.bind(target.embed, target.head)
+    vocab = None
+    if draft_vocab == "auto" and drafter.shipped_vocab is not None:
+        ids = mx.array(drafter.shipped_vocab)
+        vocab = DraftVocab(ids, target.head_rows(ids))
+    drafter.bind(target.embed, target.head, vocab)
     return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config)
 
 
-__all__ = ["load_drafter", "save_drafter", "check_pair", "load_pair", "Pair", "resolve",
+__all__ = ["load_drafter", "read_draft_vocab", "write_draft_vocab", "DRAFT_VOCAB_FILE", "save_drafter", "check_pair", "load_pair", "Pair", "resolve",
            "load_target_model"]

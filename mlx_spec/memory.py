@@ -121,6 +121,7 @@ class PlanInputs:
     target_weights: int
     drafter: DrafterDims | None = None
     drafter_weights: int = 0
+    draft_head: int = 0  # bytes of the head rows a reduced draft vocabulary copies (0: full head)
     act_bytes: int = 4  # activation / KV dtype size: float32 on CPU, the model's dtype on Metal
     metal: bool = False
     prefill_step: int = 2048
@@ -148,6 +149,8 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
     if d is not None:
         rows.append(Item("drafter weights", p.drafter_weights,
                          p.labels.get("drafter", "") + "embedding and head shared: counted in the target"))
+        if p.draft_head:
+            rows.append(Item("draft head rows", p.draft_head, p.labels.get("draft_head", "")))
     # Target KV: keys + values per attention layer, allocated in 256-position steps.
     kv_tok = 2 * t.kv_heads * t.head_dim * ab
     n_full, n_swa, n_lin = (t.kinds.count(k) for k in ("full", "sliding", "linear"))
@@ -353,9 +356,10 @@ def _read_json(path) -> dict:
 
 
 def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, metal: bool,
-               prefix_cache: int = 0) -> PlanInputs:
+               prefix_cache: int = 0, draft_vocab: int = 0) -> PlanInputs:
     """Plan inputs from configs and tensor lists (``quantize.safetensors_tensors`` of the files,
-    or ``quantize.module_tensors`` of unevaluated modules). ``quant`` is a ``QuantChoice``."""
+    or ``quantize.module_tensors`` of unevaluated modules). ``quant`` is a ``QuantChoice``;
+    ``draft_vocab`` the size of a reduced draft vocabulary (its head rows are a copy)."""
     from . import quantize as q
 
     float_bytes = None if metal else 4  # float32 on the CPU backend; as stored on Metal
@@ -373,13 +377,23 @@ def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, meta
         dw = q.loaded_nbytes(dtensors, bits=quant.drafter_bits, group_size=quant.group_size, float_bytes=float_bytes)
         prec = f"{quant.drafter_bits}-bit" if quant.drafter_bits else "float"
         labels["drafter"] = f"{sum(t.numel for t in dtensors) / 1e6:.0f}M params, {prec}; "
-    return PlanInputs(target_dims(tcfg), tw, d, dw, act_bytes=ab, metal=metal, prefix_cache=prefix_cache,
-                      cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels)
+    dh = 0
+    if dcfg is not None and draft_vocab:
+        # the head's rows for the draft vocabulary are sliced into their own buffers
+        tied = tcfg.get("tie_word_embeddings", (tcfg.get("text_config") or {}).get("tie_word_embeddings", False))
+        stem = "embed_tokens." if tied else "lm_head."
+        head = [t for t in ttensors if stem in t.name and t.name.rsplit(".", 1)[-1] in ("weight", "scales", "biases")]
+        vocab = target_dims(tcfg).vocab
+        hb = q.loaded_nbytes(head, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
+        dh = hb * draft_vocab // max(1, vocab)
+        labels["draft_head"] = f"{draft_vocab} of {vocab} head rows (reduced draft vocabulary)"
+    return PlanInputs(target_dims(tcfg), tw, d, dw, draft_head=dh, act_bytes=ab, metal=metal,
+                      prefix_cache=prefix_cache, cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels)
 
 
 def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, block_size: int | None = None,
              prompt: int | None = None, prefix_cache: int = 0, budget: tuple[int, str] | None = None,
-             metal: bool | None = None) -> MemoryPlan:
+             metal: bool | None = None, draft_vocab: str = "auto") -> MemoryPlan:
     """The plan of a pair on disk, from its configs and safetensors headers (nothing loads).
 
     ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``.
@@ -392,9 +406,16 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
     metal = mx.metal.is_available() if metal is None else metal
     tpath = _target_path(target_id)
     dpath = resolve(str(drafter_id), "drafter") if drafter_id is not None else None
-    inputs = inputs_for(_read_json(tpath), safetensors_tensors(tpath),
-                        _read_json(dpath) if dpath else None, safetensors_tensors(dpath) if dpath else (),
-                        quant, metal=metal, prefix_cache=prefix_cache)
+    dcfg = _read_json(dpath) if dpath else None
+    ids = None
+    if dpath and draft_vocab == "auto":
+        from .drafter import DrafterArgs
+        from .loading import read_draft_vocab
+
+        ids = read_draft_vocab(dpath, DrafterArgs.from_config(dcfg).vocab_size)
+    inputs = inputs_for(_read_json(tpath), safetensors_tensors(tpath), dcfg,
+                        safetensors_tensors(dpath) if dpath else (), quant, metal=metal,
+                        prefix_cache=prefix_cache, draft_vocab=0 if ids is None else len(ids))
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
@@ -422,6 +443,7 @@ def plan_from_args(args, drafter_id: str | None):
     plan = plan_for(args.target, drafter_id, quant, context=getattr(args, "context", None) or 4096,
                     block_size=getattr(args, "block_size", None), prompt=getattr(args, "prompt_tokens", None),
                     prefix_cache=int((getattr(args, "prefix_cache_mb", None) or 0) * MiB),
-                    budget=(int(gb * GiB), "--budget-gb") if gb else None)
+                    budget=(int(gb * GiB), "--budget-gb") if gb else None,
+                    draft_vocab=getattr(args, "draft_vocab", None) or "auto")
     return quant, plan
 

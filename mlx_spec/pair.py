@@ -47,7 +47,8 @@ def open_pair(args, log: Callable[[str], None] = lambda m: None) -> Pair:
     log(f"loading target {args.target}" + (f" + drafter {drafter}" if drafter else " (no drafter: --no-draft)")
         + f" ({quant.describe()})")
     return load_pair(args.target, drafter, no_draft=args.no_draft, target_bits=quant.target_bits,
-                     drafter_bits=quant.drafter_bits, group_size=quant.group_size)
+                     drafter_bits=quant.drafter_bits, group_size=quant.group_size,
+                     draft_vocab=getattr(args, "draft_vocab", None) or "auto")
 
 
 def resolve_block_size(pair: Pair, args, progress=None) -> tuple[int | None, str | None]:

@@ -101,6 +101,30 @@ class Target:
         self.restore = restore
         self._tape: _Tape | None = None
 
+    def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The output head restricted to the rows ``ids``: (..., H) -> (..., len(ids)) logits,
+        equal to ``head(h)[..., ids]`` (float or quantized head, tied or not) at K/V the cost."""
+        lm = getattr(self.model, "language_model", self.model)
+        m = self.inner.embed_tokens if getattr(self.args, "tie_word_embeddings", False) else lm.lm_head
+        bias = m["bias"][ids] if "bias" in m else None
+        if isinstance(m, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+            w, scales = m["weight"][ids], m["scales"][ids]
+            biases = m["biases"][ids] if "biases" in m else None
+            mx.eval(w, scales, *([biases] if biases is not None else []))
+
+            def head(h):
+                return mx.quantized_matmul(h, w, scales=scales, biases=biases, transpose=True,
+                                           group_size=m.group_size, bits=m.bits, mode=m.mode)
+        else:
+            w = m["weight"][ids]
+            mx.eval(w)
+
+            def head(h):
+                return h @ w.T
+        if bias is None:
+            return head
+        return lambda h: head(h) + bias
+
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 

@@ -188,3 +188,26 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     assert ar["status"] == "ok" and ar["acceptance"] == 1.0  # the target as its own draft
     assert all(r["diverged"] == 0 for r in out["rows"])  # greedy: every method is the target's output
     assert rc == (1 if out["failed"] else 0)
+
+
+def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
+    """--vocab-compare adds full-head rows beside the reduced draft vocabulary's; both lossless."""
+    from mlx_spec.cli import main
+    from mlx_spec.loading import write_draft_vocab
+
+    monkeypatch.setenv("MLX_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    t, d = save_tiny_pair(tmp_path)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n')
+    base = ["bench", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--max-tokens", "10",
+            "--repeats", "1", "--block-sizes", "4", "--lookup-block", "0", "--no-adaptive", "--json"]
+    assert main(base + ["--vocab-compare"]) != 0
+    assert "full head already" in capsys.readouterr().err
+    write_draft_vocab(d, range(0, 128, 2))
+    main(base + ["--vocab-compare"])
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["label"]: r for r in out["rows"]}
+    assert list(rows) == ["plain (mlx-lm)", "dflash B=4", "dflash B=4 full-vocab"]
+    assert all(r["diverged"] == 0 for r in out["rows"])
+    full = rows["dflash B=4 full-vocab"]
+    assert full["td_ms"] is None and full["ceiling"] is None

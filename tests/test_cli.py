@@ -33,7 +33,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
                              "--max-tokens", "24", "--block-size", str(B), "--json"])
         assert out["text"] == ref_text
         assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
-                                 "block_size_source": "flag", "target": str(t), "adaptive_max": 0}
+                                 "block_size_source": "flag", "target": str(t), "adaptive_max": 0, "draft_vocab": 0}
         s = out["stats"]
         assert s["cycles"] > 0 and s["drafted"] > 0
         for k in ("cycles", "drafted", "accepted", "mean_acceptance_length", "acceptance_rate",

@@ -118,6 +118,7 @@ def test_chat_non_stream_equals_generation_run(engine, client, model):
     assert t["draft_n"] > 0 and t["block_size"] == 4
     spec = extra["speculation"]
     assert spec["enabled"] and spec["method"] == "dflash2" and spec["block_size_source"] == "flag"
+    assert "draft_vocab" in spec and spec["draft_vocab"] is None  # the tiny drafter ships no vocabulary
     # the basename of a path-valued model id is accepted too; A/B plain decoding says so
     plain = client.chat.completions.create(model="target", messages=messages, max_tokens=24,
                                            temperature=0, extra_body={"speculate": False})

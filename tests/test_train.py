@@ -310,3 +310,35 @@ def test_several_data_dirs_train_together(env, tmp_path):
 
     with pytest.raises(BadRequest, match="cannot be mixed"):
         load_datasets([root / "data", tmp_path / "taps13"])
+
+
+def test_eval_prompts_that_were_trained_on_are_dropped(env, tmp_path):
+    from mlx_spec.train.trainer import drop_trained, eval_prompts
+
+    root, tdir, model, tok, target = env
+    trained = builtin_prompts(10, seed=0)[:8]
+    f = tmp_path / "held.jsonl"
+    f.write_text(json.dumps({"id": "code-a", "prompt": trained[3].text}) + "\n"
+                 + json.dumps({"id": "prose-b", "prompt": "a prompt nobody trained on"}) + "\n")
+    prompts = eval_prompts(f, 10)
+    assert [p.id for p in prompts] == ["code-a", "prose-b"]
+    keep, dropped = drop_trained(prompts, Dataset.load(root / "data"), tok)
+    assert [p.id for p in keep] == ["prose-b"] and [p.id for p in dropped] == ["code-a"]
+    assert len(eval_prompts(root / "data", 10)) == 2  # a data dir means its eval_prompts.jsonl
+
+
+def test_draft_vocab_training_ships_its_vocabulary(env, tmp_path):
+    from mlx_spec.loading import load_pair
+    from mlx_spec.train.trainer import base_vocab, export_checkpoint
+
+    root, tdir, model, tok, target = env
+    train(_cfg(root, tdir, out=str(tmp_path / "run"), steps=2, checkpoint_every=2, draft_vocab=16,
+               vocab_negatives=4))
+    want = base_vocab(Dataset.load(root / "data"), 16).tolist()
+    assert json.loads((tmp_path / "run" / "ckpt" / "draft_vocab.json").read_text())["ids"] == want
+    export_checkpoint(tmp_path / "run", tmp_path / "export")
+    pair = load_pair(str(tdir), str(tmp_path / "export"))
+    assert pair.drafter.vocab.ids.tolist() == want
+    # a run trained over the full vocabulary ships none
+    train(_cfg(root, tdir, out=str(tmp_path / "full"), steps=2, checkpoint_every=2))
+    assert not (tmp_path / "full" / "ckpt" / "draft_vocab.json").exists()

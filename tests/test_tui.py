@@ -217,3 +217,12 @@ async def test_load_failure_exits_non_zero(tmp_path):
             await asyncio.sleep(0.05)
     backend.close()
     assert app.return_code == 1 and "FileNotFoundError: no such model: /nowhere" in app.error
+
+
+def test_engine_line_names_a_reduced_draft_vocabulary():
+    from tui.widgets.engine_header import describe
+
+    info = {"method": "dflash2", "target": "t", "drafter": "d", "block_size": 4, "block_size_source": "flag",
+            "adaptive_max": 0, "draft_vocab": 8192}
+    assert describe(info, True)[0].endswith("block 4 (flag) · draft vocab 8192")
+    assert "draft vocab" not in describe(dict(info, draft_vocab=0), True)[0]

@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
     p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-controller row")
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
+    p.add_argument("--vocab-compare", action="store_true",
+                   help="also run every block size with the full draft head (the drafter must ship a "
+                        "reduced draft vocabulary)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
@@ -123,6 +126,11 @@ def run(args) -> int:
     if pair.drafter is not None:
         kind = "dflash"
         methods += [Method(kind, B) for B in sizes]
+        if args.vocab_compare:
+            if pair.drafter.vocab is None:
+                raise BadRequest("--vocab-compare: the drafter drafts over the full head already "
+                                 "(no draft_vocab.json, or --draft-vocab full)")
+            methods += [Method(kind, B, full_vocab=True) for B in sizes]
         tuned = load_result(tune_key(pair))
         adaptive_max = max(sizes + [pair.drafter.args.block_size])
         if not args.no_adaptive:

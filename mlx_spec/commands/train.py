@@ -69,6 +69,9 @@ def add_arguments(p) -> None:
     t.add_argument("--checkpoint-minutes", type=float, default=None, help="also checkpoint after this many minutes")
     t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the real tau eval (0 = off)")
     t.add_argument("--eval-max-tokens", type=int, default=96)
+    t.add_argument("--eval-file", default=None,
+                   help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
+                        "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name")
     t.add_argument("--export", default=None, help="after each checkpoint, write a float16 copy here")
 
     e = sub.add_parser("export", help="float16 copy of a run's checkpoint, and/or the data's token ids")
@@ -85,6 +88,8 @@ def add_arguments(p) -> None:
     v.add_argument("--blocks", default="2,4,8,16", help="block sizes, e.g. 2,4,8,16")
     v.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
     v.add_argument("--limit", type=int, default=None, help="only the first N prompts (interleaved by kind)")
+    v.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                   help="auto: the drafter's reduced draft vocabulary when it ships one; full: the whole head")
     v.add_argument("--json", action="store_true")
 
 
@@ -173,7 +178,8 @@ def _eval(args) -> int:
     if not blocks or min(blocks) < 2 or args.max_tokens < 1:
         raise BadRequest("--blocks must be >= 2 and --max-tokens >= 1")
     prompts = interleave(load_prompts(args.prompts))[: args.limit]
-    pair = load_pair(args.target, args.drafter)
+    pair = load_pair(args.target, args.drafter, draft_vocab=args.draft_vocab)
+    vocab = pair.drafter.vocab.size if pair.drafter.vocab is not None else 0
     rows = []
     for B in blocks:
         ev = evaluate_tau(pair.target, pair.drafter, pair.tokenizer, prompts, B, args.max_tokens)
@@ -181,10 +187,11 @@ def _eval(args) -> int:
         _log(f"block {B}: tau {ev['tau']:.2f} by kind {ev['tau_by_kind']} ({ev['seconds']} s)")
     if args.json:
         print(json.dumps({"drafter": args.drafter, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                          "rows": rows}))
+                          "draft_vocab": vocab or "full", "rows": rows}))
         return 0
     kinds = sorted({k for r in rows for k in r["tau_by_kind"]})
-    print(f"held-out tau, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, real speculative decoding")
+    print(f"held-out tau, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, real speculative decoding, "
+          f"draft vocabulary {vocab or 'full'}")
     print("block  tau   " + "  ".join(f"{k:>6}" for k in kinds) + "  acceptance by position")
     for r in rows:
         print(f"{r['block']:>5}  {r['tau']:.2f}  " + "  ".join(f"{r['tau_by_kind'].get(k, 0):6.2f}" for k in kinds)

@@ -200,7 +200,8 @@ def speculation(engine: dict | None) -> dict | None:
     on = engine["method"] != "plain"
     return {"enabled": on, "method": engine["method"], "target": engine["target"],
             "drafter": engine["drafter"], "block_size": engine["block_size"],
-            "block_size_source": engine["block_size_source"]}
+            "block_size_source": engine["block_size_source"],
+            "draft_vocab": engine.get("draft_vocab") or None}
 
 
 def usage(done: Done) -> dict:

@@ -8,7 +8,8 @@ numbers. The same seed and Python version give the same list.
 Two mixes: ``builtin_prompts`` (the "narrow" mix the shipped drafter's first data used; it repeats
 itself: 1500 prompts hold ~1140 distinct texts) and ``wide_prompts`` (the default for new data:
 distinct texts only, drawn from much larger pools: class methods as well as functions, task x
-template x constraint combinations, more prose templates, the Python language-reference topics),
+template x constraint combinations, usage examples of stdlib functions and methods, more prose
+templates and topics, the Python language-reference topics),
 optionally excluding texts already used (another data set, held-out prompts).
 """
 
@@ -117,6 +118,37 @@ LANGUAGE_TEMPLATES = (
     "What does the Python reference manual mean by '{topic}'? Explain briefly.",
 )
 
+MORE_CODE_TASKS = (
+    "counts how many times each word appears in a text", "returns the intersection of two lists",
+    "checks whether a year is a leap year", "converts a string to title case without using str.title",
+    "finds the longest word in a sentence", "computes the area of a circle given its radius",
+    "returns the n largest items of a list", "removes all whitespace from a string",
+    "checks whether a list is sorted", "computes the power set of a set",
+    "converts a dictionary into a list of key-value tuples sorted by value", "reverses a linked list",
+    "implements insertion sort", "implements quicksort", "implements merge sort",
+    "computes the Levenshtein distance between two strings", "checks whether a number is a perfect square",
+    "returns the common keys of two dictionaries", "converts a snake_case string to camelCase",
+    "parses a date string like 2024-01-31 into a datetime", "computes the standard deviation of a list",
+    "generates the first n prime numbers", "counts the lines, words and characters in a string",
+    "finds the first non-repeating character in a string", "checks whether a string contains only digits",
+    "merges two dictionaries, summing values of shared keys", "returns the cumulative sum of a list",
+    "finds the pair of numbers in a list that adds up to a target", "compresses a string with run-length encoding",
+    "implements a least-recently-used cache class",
+)
+
+USAGE_TEMPLATES = (
+    "Show how to use `{mod}.{name}` in a short Python example.",
+    "Write a small Python script that calls `{mod}.{name}` and explain what it prints.",
+)
+
+MORE_TOPICS = (
+    "glaciers", "the solar system", "comets", "tornadoes", "hurricanes", "clouds", "snowflakes",
+    "the human brain", "bones", "muscles", "blood", "bacteria", "viruses", "antibiotics", "nutrition",
+    "the French Revolution", "the Industrial Revolution", "ancient Egypt", "the Silk Road",
+    "the Renaissance", "money", "banks", "interest rates", "trade", "cryptocurrency", "operating systems",
+    "compilers", "web browsers", "open source software", "cloud computing",
+)
+
 NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Sara", "Omar", "Mia", "Leo", "Nina", "Raj")
 ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "cards", "coins", "shells")
 
@@ -145,10 +177,10 @@ def _described(label: str, obj) -> tuple[str, str] | None:
     return (f"{label}{sig}", doc) if len(doc) >= 12 and len(sig) <= 80 else None
 
 
-def stdlib_functions() -> list[tuple[str, str, str]]:
+def stdlib_functions(modules=STDLIB_MODULES) -> list[tuple[str, str, str]]:
     """(module, "name(signature)", first docstring line) of public stdlib functions."""
     out = []
-    for name, mod in _modules(STDLIB_MODULES):
+    for name, mod in _modules(modules):
         for attr, obj in sorted(vars(mod).items()):
             if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
                 continue
@@ -234,8 +266,11 @@ def _pools() -> dict[str, list[str]]:
     code = [f"Write a Python function `{sig}` that does the following: {doc}" for _, sig, doc in stdlib_functions()]
     code += [f"Implement the method `{sig}` of a Python class. It should do the following: {doc}"
              for _, sig, doc in stdlib_methods()]
-    code += [tpl.format(task=task) + extra for task in CODE_TASKS for tpl in CODE_TEMPLATES for extra in CODE_CONSTRAINTS]
-    prose = [tpl.format(topic=t) for t in TOPICS for tpl in PROSE_TEMPLATES + MORE_PROSE_TEMPLATES]
+    code += [tpl.format(task=task) + extra for task in CODE_TASKS + MORE_CODE_TASKS for tpl in CODE_TEMPLATES
+             for extra in CODE_CONSTRAINTS]
+    code += [tpl.format(mod=mod, name=sig.split("(")[0]) for mod, sig, _ in
+             stdlib_functions(STDLIB_MODULES + EXTRA_MODULES) + stdlib_methods() for tpl in USAGE_TEMPLATES]
+    prose = [tpl.format(topic=t) for t in TOPICS + MORE_TOPICS for tpl in PROSE_TEMPLATES + MORE_PROSE_TEMPLATES]
     prose += [tpl.format(mod=m, doc=d) for m, d in stdlib_modules() for tpl in MODULE_TEMPLATES]
     prose += [tpl.format(topic=t.replace("-", " ")) for t in language_topics for tpl in LANGUAGE_TEMPLATES]
     return {"code": list(dict.fromkeys(code)), "prose": list(dict.fromkeys(prose))}

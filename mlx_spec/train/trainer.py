@@ -78,6 +78,8 @@ class TrainConfig:
     checkpoint_minutes: float | None = None
     eval_prompts: int = 4
     eval_max_tokens: int = 96
+    eval_file: str | None = None
+    """JSONL of held-out prompts (default: the first data dir's eval_prompts.jsonl)."""
     export: str | None = None
 
     @classmethod
@@ -418,13 +420,17 @@ def train_step(drafter: Drafter, opt: optim.Optimizer, batch: dict, cfg: TrainCo
 # ---- checkpoints -------------------------------------------------------------------------
 
 
-def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimizer, state: dict) -> Path:
-    """Atomically replace ``run/ckpt`` with weights, optimizer state and trainer state."""
-    from ..loading import save_drafter
+def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimizer, state: dict,
+                    vocab: np.ndarray | None = None) -> Path:
+    """Atomically replace ``run/ckpt`` with weights, optimizer state and trainer state (and the
+    reduced draft vocabulary ``vocab``, if any, as ``draft_vocab.json``)."""
+    from ..loading import save_drafter, write_draft_vocab
 
     tmp = run / "ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(drafter, tmp, config)
+    if vocab is not None:
+        write_draft_vocab(tmp, vocab, f"the {len(vocab)} most frequent ids of the training data")
     # .npz, not .safetensors: the checkpoint dir must stay loadable by load_drafter.
     mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(opt.state)))
     (tmp / "state.json").write_text(json.dumps(state))
@@ -451,13 +457,15 @@ def load_checkpoint(run: Path, drafter: Drafter, opt: optim.Optimizer) -> dict:
 
 def export_checkpoint(run: str | Path, out: str | Path, card: str | None = None) -> dict:
     """float16 copy of ``run/ckpt`` in the official layout (+ README.md model card if given)."""
-    from ..loading import load_drafter, save_drafter
+    from ..loading import DRAFT_VOCAB_FILE, load_drafter, save_drafter
 
     run, out = Path(run), Path(out)
     drafter, config = load_drafter(run / "ckpt", dtype=mx.float32)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(drafter, tmp, config, dtype=mx.float16)
+    if drafter.shipped_vocab is not None:
+        shutil.copy(run / "ckpt" / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
     if card is None and (out / "README.md").exists():
         card = (out / "README.md").read_text()
     if card:
@@ -473,14 +481,25 @@ def export_checkpoint(run: str | Path, out: str | Path, card: str | None = None)
 # ---- evaluation --------------------------------------------------------------------------
 
 
-def eval_prompts(data_dir: Path, n: int) -> list:
-    """The first ``n`` held-out prompts written by ``train data`` (interleaved by kind)."""
+def eval_prompts(source: Path, n: int) -> list:
+    """The first ``n`` held-out prompts (interleaved by kind) of a JSONL file, or of the
+    ``eval_prompts.jsonl`` that ``train data`` wrote into a data directory."""
     from ..prompts import interleave, load_prompts
 
-    path = data_dir / "eval_prompts.jsonl"
+    path = source / "eval_prompts.jsonl" if source.is_dir() else source
     if n <= 0 or not path.exists():
         return []
     return interleave(load_prompts(path))[:n]
+
+
+def drop_trained(prompts: list, data: Dataset, tokenizer) -> tuple[list, list]:
+    """(held-out prompts, prompts that are also training prompts). Compared by the exact token
+    ids of the chat-formatted prompt, so a "held-out" tau never measures memory."""
+    seen = {np.asarray(t[:p], np.int32).tobytes() for t, p in zip(data.tokens, data.prompt_lens)}
+    keep, dropped = [], []
+    for p in prompts:
+        (dropped if np.asarray(p.encode(tokenizer), np.int32).tobytes() in seen else keep).append(p)
+    return keep, dropped
 
 
 def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size: int,
@@ -535,7 +554,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if cfg.resume and (run / "ckpt" / "config.json").exists():
         config = json.loads((run / "ckpt" / "config.json").read_text())
         saved = json.loads((run / "train_config.json").read_text())
-        keep = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "export", "resume", "data"}
+        keep = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "eval_file", "export",
+                "resume", "data"}
         diff = {k for k, v in asdict(cfg).items() if k not in keep and saved.get(k) != v}
         if diff:
             raise BadRequest(f"--resume with different settings than the run: {sorted(diff)}")
@@ -568,7 +588,13 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     head_w = head_weight(target) if cfg.draft_vocab else None
     if cfg.draft_vocab:
         say(f"train: training softmax over {len(base)} frequent ids + labels + {cfg.vocab_negatives} negatives")
-    prompts = eval_prompts(data_dir, cfg.eval_prompts)
+        # the same ids serve as the checkpoint's reduced draft vocabulary at inference (opt-out:
+        # --draft-vocab full): draft_vocab.json beside the checkpoint, which stays official
+    prompts, trained = drop_trained(eval_prompts(Path(cfg.eval_file) if cfg.eval_file else data_dir,
+                                                 cfg.eval_prompts), data, tokenizer)
+    if trained:
+        say(f"train: {len(trained)} eval prompts are also training prompts; not used for tau: "
+            + ", ".join(p.id for p in trained))
     eval_target = Target(model, taps)
     t_last_ckpt = time.perf_counter()
     acc = {"loss": 0.0, "ce": 0.0, "sel": 0.0, "w": 0.0, "hits": 0.0, "n": 0, "t": 0.0}
@@ -610,7 +636,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 say(f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
                     f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
             state["rng"] = rng.bit_generator.state
-            save_checkpoint(run, drafter, config, opt, state)
+            save_checkpoint(run, drafter, config, opt, state, base)
             write_curves(run, state)
             if cfg.export:
                 export_checkpoint(run, cfg.export)

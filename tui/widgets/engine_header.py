@@ -18,6 +18,8 @@ def describe(info: dict | None, speculate: bool) -> tuple[str, str]:
                 f"{info['block_size_source']}"), "PLAIN"
     line = (f"{info['method']} · target {info['target']} · drafter {info['drafter']} · "
             f"block {info['block_size']} ({info['block_size_source']})")
+    if info.get("draft_vocab"):
+        line += f" · draft vocab {info['draft_vocab']}"
     return line, ("SPECULATION ON" if speculate else "SPECULATION OFF · plain A/B")
 
 
