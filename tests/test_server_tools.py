@@ -293,3 +293,24 @@ async def test_no_tool_format_keeps_text():
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == CALL
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
         assert not any("tool_calls" in e["choices"][0]["delta"] for e in events)
+
+
+def test_tool_choice_none_auto_and_refused(engine, client):
+    # "none": the model is shown no tools (the prompt has none) and nothing is parsed
+    say(engine, MSG, "Let me check." + CALL)
+    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="none",
+                                       temperature=0)
+    assert r.choices[0].message.content == "Let me check." + CALL and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    say(engine, MSG, "Let me check." + CALL, WEATHER)
+    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="auto",
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "sometimes"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice=choice,
+                                           temperature=0)
+        assert e.value.body["param"] == "tool_choice"
+    # the server keeps serving
+    assert client.chat.completions.create(model="target", messages=MSG, tools=WEATHER,
+                                          temperature=0).choices[0].finish_reason == "tool_calls"

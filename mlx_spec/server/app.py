@@ -132,12 +132,12 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
         created_at = schemas.now()
         # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
         # tool-call format; otherwise the model's text is returned as it is.
-        fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.tools else None
+        fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.active_tools else None
         try:
             if not body.stream:
                 done = await collect(handle)
                 watcher.cancel()
-                content, calls = tools.split(fmt, done.text, body.tools) if fmt else (None, None)
+                content, calls = tools.split(fmt, done.text, body.active_tools) if fmt else (None, None)
                 return schemas.completion(kind, rid, created_at, served, done, content=content, tool_calls=calls)
             # Wait briefly for the first event so early failures get a real HTTP status.
             first = await handle.next_event(keepalive_s)
@@ -148,7 +148,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handle.cancel()
             handles.discard(handle)
             raise
-        tool_stream = tools.ToolCallStream(fmt, body.tools) if fmt else None
+        tool_stream = tools.ToolCallStream(fmt, body.active_tools) if fmt else None
         events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage, tool_stream)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

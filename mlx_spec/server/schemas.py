@@ -99,11 +99,28 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     logprobs: bool | None = None
     response_format: dict | None = None
 
+    @property
+    def active_tools(self) -> list[dict] | None:
+        """The tools the model is shown and whose calls are parsed: none with tool_choice "none"."""
+        return None if self.tool_choice == "none" else (self.tools or None)
+
+    def _check_tool_choice(self) -> None:
+        c = self.tool_choice
+        if c is None or c in ("auto", "none"):
+            return
+        if c == "required" or isinstance(c, dict):
+            raise InvalidField("tool_choice 'required' or a named function is not supported: the reply is "
+                               "the target's own unconstrained text, so a call cannot be forced; send "
+                               "'auto' (the model decides) or 'none'", "tool_choice")
+        raise InvalidField(f"tool_choice must be 'auto' or 'none' (got {c!r})", "tool_choice")
+
     def to_engine(self, context_length: int | None) -> Request:
         self._check_common()
+        self._check_tool_choice()
         if self.logprobs:
             raise InvalidField("logprobs are not supported", "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -111,7 +128,7 @@ class ChatCompletionRequest(_Generation):
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = [_template_message(m, i) for i, m in enumerate(self.messages)]
         return self.engine_request(max_tokens, context_length, messages=messages,
-                                   tools=self.tools or None)
+                                   tools=self.active_tools)
 
 
 class CompletionRequest(_Generation):
