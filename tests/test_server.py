@@ -190,7 +190,7 @@ def test_models_health_and_tools(engine, client, model, url):
     assert card.id == model and card.model_extra["context_length"] == 4096
     spec = card.model_extra["speculation"]
     assert spec == {"enabled": True, "method": "dflash2", "target": model, "drafter": engine.info.drafter,
-                    "block_size": 4, "block_size_source": "flag"}
+                    "block_size": 4, "block_size_source": "flag", "draft_vocab": None}
     h = httpx.get(f"{url}/health")
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["speculation"] == spec
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
