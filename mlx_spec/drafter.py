@@ -400,6 +400,11 @@ class Drafter(nn.Module):
         self._embed, self._head, self.vocab = embed, head, vocab
         return self
 
+    @property
+    def vocab_size_drafted(self) -> int:
+        """Ids the draft head scores: the reduced draft vocabulary's size, 0 for the full head."""
+        return self.vocab.size if self.vocab is not None else 0
+
     def set_vocab(self, vocab: DraftVocab | None) -> DraftVocab | None:
         """Draft over ``vocab`` (None: the full head) from now on; returns the previous one."""
         prev, self.vocab = self.vocab, vocab

@@ -81,7 +81,7 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
                     "position %d is untrained", block_size, ckpt, ckpt - 1)
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
     top = max(block_size, ckpt, 16) if adaptive else 0
-    vocab = pair.drafter.vocab.size if pair.drafter.vocab is not None else 0
+    vocab = pair.drafter.vocab_size_drafted
     return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", top, vocab)
 
 

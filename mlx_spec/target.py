@@ -101,11 +101,17 @@ class Target:
         self.restore = restore
         self._tape: _Tape | None = None
 
+    @property
+    def head_module(self) -> nn.Module:
+        """The module holding the output head's weight: the tied embedding or ``lm_head``."""
+        if getattr(self.args, "tie_word_embeddings", False):
+            return self.inner.embed_tokens
+        return getattr(self.model, "language_model", self.model).lm_head
+
     def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
         """The output head restricted to the rows ``ids``: (..., H) -> (..., len(ids)) logits,
         equal to ``head(h)[..., ids]`` (float or quantized head, tied or not) at K/V the cost."""
-        lm = getattr(self.model, "language_model", self.model)
-        m = self.inner.embed_tokens if getattr(self.args, "tie_word_embeddings", False) else lm.lm_head
+        m = self.head_module
         bias = m["bias"][ids] if "bias" in m else None
         if isinstance(m, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
             w, scales = m["weight"][ids], m["scales"][ids]

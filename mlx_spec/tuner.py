@@ -117,7 +117,7 @@ def tune_key(pair) -> dict:
     return {"machine": machine_info(),
             "target": {"id": pair.target_id, "hash": fingerprint(pair.target_id), "quant": quantization(pair.model)},
             "drafter": {"id": pair.drafter_id, "hash": fingerprint(pair.drafter_id), "quant": quantization(pair.drafter),
-                        "draft_vocab": pair.drafter.vocab.size if pair.drafter.vocab is not None else "full"}}
+                        "draft_vocab": pair.drafter.vocab_size_drafted or "full"}}
 
 
 def key_hash(key: dict) -> str:

@@ -179,7 +179,7 @@ def _eval(args) -> int:
         raise BadRequest("--blocks must be >= 2 and --max-tokens >= 1")
     prompts = interleave(load_prompts(args.prompts))[: args.limit]
     pair = load_pair(args.target, args.drafter, draft_vocab=args.draft_vocab)
-    vocab = pair.drafter.vocab.size if pair.drafter.vocab is not None else 0
+    vocab = pair.drafter.vocab_size_drafted
     rows = []
     for B in blocks:
         ev = evaluate_tau(pair.target, pair.drafter, pair.tokenizer, prompts, B, args.max_tokens)

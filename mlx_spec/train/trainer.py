@@ -350,10 +350,7 @@ def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
 
 def head_weight(target) -> mx.array:
     """(V, H) weight of the target's output head (tied embedding or lm_head)."""
-    if getattr(target.args, "tie_word_embeddings", False):
-        return target.embed.weight
-    lm = getattr(target.model, "language_model", target.model)
-    return lm.lm_head.weight
+    return target.head_module.weight
 
 
 def base_vocab(data: Dataset, k: int) -> np.ndarray:
