@@ -1,15 +1,44 @@
-"""Online block-size controller (``--adaptive``): the block size that pays, chosen every cycle.
+"""The per-cycle drafting policy: before every cycle, a plain step, a DFlash draft of length L, or
+a lookup draft of length L, whichever commits the most tokens per millisecond.
 
-Pass an ``AdaptiveController`` as ``spec_steps(controller=...)``. It needs the cost curve
-(``bench.Costs``: the tuner stores one) and, optionally, a prior acceptance by position (the
-tuner's probe). ``choose_block`` is the pure rule it applies each cycle.
+One ``DraftPolicy`` per sequence (a reply). ``spec_steps(policy=...)`` asks it, before each
+cycle, ``choose(Context)`` -> ``Decision(source, length)``; at greedy, after a DFlash pass while
+the lookup also had a proposal, ``pick`` may switch to the lookup (the drafter's pass is then
+paid, its proposal unused); after the cycle, ``observe(step)``. Everything it knows:
+
+- acceptance by position, per source, from this reply's own cycles (decayed counts), started
+  from a prior as pseudo-cycles: the tuner's measured acceptance for DFlash, a guess by match
+  length for the lookup (short < 3, medium < 8, long >= 8 matched tokens);
+- the pass-cost curve (``costs.Costs``: the tuner's stored one, or ``estimate_costs`` from the
+  models' sizes when there is none), rescaled online by the draft and verify times the loop
+  measures at its synchronisation points (so a long context or a busy machine is seen);
+- the per-cycle host overhead, measured the same way.
+
+Rates: plain ``1 / (Tt(1) + o)``; DFlash ``E(L) / (Td(L) + Tt(L) + o)``; lookup
+``E(L) / (Tt(L) + o)`` with ``E(L) = 1 + sum_{k < L-1} P(first k+1 drafts accepted)``. A
+source whose last drafts were all rejected outright, a streak its own estimate made unlikely
+(chance below ``fail_odds``; at least ``fail_limit`` drafts), is benched at once (before its
+decayed estimate catches up); while no unbenched draft beats plain the policy takes plain
+steps, and every ``probe_every`` plain steps it tries one short draft (at most ``probe_block``
+rows) from the source with the best estimate; the spacing doubles after each probe up to
+``max_probe_every`` and resets once drafting pays again. So a reply whose drafts keep failing
+costs at most one short draft every N plain steps. The lookup's guesses are also scored on the
+cycles it did not draft (its proposal against the tokens the target committed), so it is
+benched and recovered without paying for probes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from .costs import Costs
+
+PLAIN, DFLASH, LOOKUP = "plain", "dflash", "lookup"
+SOURCES = (DFLASH, LOOKUP)
+MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
+# A lookup's prior conditional acceptance per position, by matched suffix length (tokens).
+LOOKUP_PRIOR = ((3, 0.3), (8, 0.6), (None, 0.85))
 
 
 def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> float:
@@ -17,112 +46,338 @@ def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> floa
     return 1.0 + sum(acceptance_by_position[: block - 1])
 
 
-class AdaptiveController:
-    """Chooses each cycle's block size (``spec_steps(controller=...)``).
+@dataclass(frozen=True, slots=True)
+class Decision:
+    source: str  # "plain" | "dflash" | "lookup"
+    length: int  # verify rows including the anchor (1: a plain step)
+    probe: bool = False  # a probe after a run of plain steps
 
-    Expected committed tokens per cycle at block L are ``1 + sum(p[:L-1])`` with p[k] the running
-    (decayed) share of cycles whose first k+1 drafts were all accepted, started from ``prior``
-    (the tuner's probe) as ``prior_weight`` pseudo-cycles that decay like real ones. The cycle
-    cost is the stored curve Td(L) + Tt(L) plus the measured per-cycle overhead. The rate of plain decoding is one token
-    per Tt(1) + overhead; while no block beats it the controller returns 1 (a plain step) and
-    re-tries the best block every ``probe_every`` cycles (doubling after a failed probe), so it
-    recovers when drafting starts to pay again.
-    """
 
-    def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), *, decay: float = 0.9,
-                 prior_weight: float = 3.0, probe_every: int = 8, max_probe_every: int = 64):
-        self.costs, self.max_block = costs.smoothed(), max(1, max_block)
-        n = self.max_block - 1
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What the loop knows before a cycle."""
+
+    lookup: tuple[int, ...] = ()  # the lookup's proposal (may be longer than it will draft)
+    match: int = 0  # how many tokens of the sequence's tail matched where it was found
+    room: int = 1 << 30  # tokens the reply may still commit
+    greedy: bool = True
+
+
+class Acceptance:
+    """P(first k+1 drafts accepted) per position k, from decayed counts and a prior."""
+
+    def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9):
         p = [min(1.0, max(0.0, float(x))) for x in prior[:n]]
         while len(p) < n:  # extrapolate geometrically (a neutral guess without a prior)
             r = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else (p[-1] if p else 0.5)
             p.append((p[-1] if p else 1.0) * min(r, 0.95))
         self.prior = p
-        # The prior enters as pseudo-counts, which decay like real ones: it fades as cycles come.
-        self.hits, self.reached = [prior_weight * x for x in p], [prior_weight] * n
+        self.hits, self.reached = [weight * x for x in p], [weight] * n
         self.decay = decay
-        self.overhead_ms = 0.0
-        self.base_probe = self.probe_every = probe_every
-        self.max_probe = max_probe_every
-        self.plain_run = 0
-        self.trace: list[int] = []
 
-    def acceptance(self) -> list[float]:
-        """P(first k+1 drafts accepted) per k: the decayed counts where there is evidence, else an
-        extrapolation of the previous position's conditional acceptance (so a block longer than
-        the ones tried lately is judged by how well the shorter ones did)."""
+    def update(self, reached: int, hits: int) -> None:
+        """One cycle: positions < ``reached`` were judged, the first ``hits`` of them accepted.
+        Every position forgets a little; the judged ones learn."""
+        d = self.decay
+        for k in range(len(self.reached)):
+            self.reached[k] = d * self.reached[k] + (k < reached)
+            self.hits[k] = d * self.hits[k] + (k < hits)
+
+    def curve(self) -> list[float]:
+        """The decayed counts where there is evidence, else an extrapolation of the previous
+        position's conditional acceptance (a block longer than those tried lately is judged by
+        how well the shorter ones did); never growing with k."""
         out, last, cond = [], 1.0, self.prior[0] if self.prior else 0.5
         for hits, n in zip(self.hits, self.reached):
             w = n / (n + 1.0)
             p = w * (hits / n if n > 0 else 0.0) + (1 - w) * last * cond
-            p = min(p, last)  # cannot grow with k
+            p = min(p, last)
             cond = p / last if last > 0 else 0.0
             last = p
             out.append(p)
         return out
 
-    def rate(self, L: int, acc: Sequence[float] | None = None) -> float:
-        acc = self.acceptance() if acc is None else acc
-        cost = self.costs.draft(L) + self.costs.verify(L) + self.overhead_ms
-        return expected_tokens(acc, L) / cost if L > 1 else 1.0 / (self.costs.verify(1) + self.overhead_ms)
 
-    def best(self) -> int:
-        acc = self.acceptance()
-        return max(range(2, self.max_block + 1), key=lambda L: self.rate(L, acc), default=1)
+def _ema(old: float | None, new: float, alpha: float = 0.3) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
 
-    def _observe(self, step) -> None:
+
+class DraftPolicy:
+    """Chooses each cycle's source and length for one sequence (see the module docstring).
+
+    Args:
+        costs: the pass-cost curve (smoothed here); its absolute level is rescaled online.
+        max_block: the longest DFlash block (verify rows); ``pinned`` fixes the DFlash block.
+        prior: the DFlash acceptance by position the tuner measured (may be empty).
+        sources: the draft sources allowed ("dflash", "lookup").
+        measured: True when ``costs`` were measured on this machine (the tuner's), False for an
+            estimate: then the first measured cycle sets the scale outright.
+    """
+
+    def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), *,
+                 sources: Sequence[str] = SOURCES, pinned: int | None = None, max_lookup: int = MAX_LOOKUP,
+                 measured: bool = True, decay: float = 0.9, prior_weight: float = 3.0,
+                 probe_every: int = 8, max_probe_every: int = 64, probe_block: int = 3, fail_limit: int = 3,
+                 fail_odds: float = 0.002):
+        bad = set(sources) - set(SOURCES)
+        if bad:
+            raise ValueError(f"unknown draft sources {sorted(bad)} (known: {', '.join(SOURCES)})")
+        if pinned is not None and pinned < 2:
+            raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
+        self.costs = costs.smoothed()
+        self.sources = tuple(sources)
+        self.max_block = max(1, pinned or max_block)
+        self.pinned = pinned
+        self.max_lookup = max(0, max_lookup)
+        self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay)
+        self.lookups = [Acceptance(self.max_lookup, [c ** (k + 1) for k in range(self.max_lookup)],
+                                   weight=prior_weight, decay=decay) for _, c in LOOKUP_PRIOR]
+        self.scale = {"verify": 1.0 if measured else None, "draft": 1.0 if measured else None}
+        self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
+        self.base_probe = self.probe_every = probe_every
+        self.max_probe, self.probe_block = max_probe_every, max(2, probe_block)
+        self.plain_run = 0
+        self.fail_limit, self.fail_odds = fail_limit, fail_odds
+        # DFLASH or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
+        self.fails: dict[object, tuple[int, float]] = {}
+        self._ctx = Context()
+        self.trace: list[Decision] = []
+
+    # ---------------------------------------------------------------- costs
+
+    def verify_ms(self, L: int) -> float:
+        return self.costs.verify(L) * (self.scale["verify"] or 1.0)
+
+    def draft_ms(self, L: int) -> float:
+        return self.costs.draft(L) * (self.scale["draft"] or self.scale["verify"] or 1.0)
+
+    def cycle_ms(self, source: str, L: int) -> float:
+        ms = self.verify_ms(L) + self.overhead[source]
+        return ms + self.draft_ms(L) if source == DFLASH else ms
+
+    # ---------------------------------------------------------------- rates
+
+    @staticmethod
+    def bucket(match: int) -> int:
+        return next(i for i, (top, _) in enumerate(LOOKUP_PRIOR) if top is None or match < top)
+
+    def _best(self, source: str, acc: Sequence[float], lengths) -> tuple[int, float]:
+        best, rate = 1, 0.0
+        for L in lengths:
+            r = expected_tokens(acc, L) / self.cycle_ms(source, L)
+            if r > rate:
+                best, rate = L, r
+        return best, rate
+
+    def options(self, ctx: Context, benched: bool = False) -> dict[str, tuple[int, float]]:
+        """{source: (best length, tokens per ms)} for this context; "plain" always present.
+        Benched sources (``fail_limit`` outright rejections in a row) only with ``benched``."""
+        room = max(1, ctx.room)
+        out = {PLAIN: (1, 1.0 / self.cycle_ms(PLAIN, 1))}
+        ok = lambda k: benched or not self.benched(k)  # noqa: E731
+        if DFLASH in self.sources and room > 1 and ok(DFLASH):
+            lengths = [min(self.pinned, room)] if self.pinned else range(2, min(self.max_block, room) + 1)
+            out[DFLASH] = self._best(DFLASH, self.dflash.curve(), lengths)
+        n = min(len(ctx.lookup), self.max_lookup, room - 1)
+        b = self.bucket(ctx.match)
+        if LOOKUP in self.sources and n > 0 and ok(b):
+            out[LOOKUP] = self._best(LOOKUP, self.lookups[b].curve(), range(2, n + 2))
+        return out
+
+    def benched(self, key) -> bool:
+        n, p0 = self.fails.get(key, (0, 0.0))
+        return n >= self.fail_limit and (1.0 - p0) ** n < self.fail_odds
+
+    def _judge(self, key, curve: Acceptance, accepted: bool) -> None:
+        if accepted:
+            self.fails.pop(key, None)
+        else:
+            n, p0 = self.fails.get(key, (0, None))
+            self.fails[key] = (n + 1, curve.curve()[0] if p0 is None else p0)
+
+    # ---------------------------------------------------------------- the interface
+
+    def choose(self, ctx: Context) -> Decision:
+        """Before a cycle: plain, or the source and length with the best expected rate."""
+        self._ctx = ctx
+        opts = self.options(ctx)
+        source = max(opts, key=lambda s: opts[s][1])
+        if source != PLAIN:
+            self.plain_run, self.probe_every = 0, self.base_probe
+            d = Decision(source, opts[source][0])
+        else:
+            self.plain_run += 1
+            d = Decision(PLAIN, 1)
+            drafts = {s: v for s, v in self.options(ctx, benched=True).items() if s != PLAIN}
+            if drafts and self.plain_run >= self.probe_every:  # probe: does drafting pay again?
+                self.plain_run = 0
+                self.probe_every = min(self.max_probe, self.probe_every * 2)
+                s = max(drafts, key=lambda k: drafts[k][1])
+                short = drafts[s][0] if s == DFLASH and self.pinned else min(drafts[s][0], self.probe_block)
+                d = Decision(s, short, probe=True)
+        self.trace.append(d)
+        return d
+
+    def pick(self, decision: Decision, drafts: Sequence[int], confidence: Sequence[float] | None,
+             ctx: Context | None = None) -> Decision:
+        """Greedy only, after a DFlash pass while the lookup had a proposal too: keep the
+        drafter's ``drafts`` or switch to the lookup, whichever promises more tokens per verify
+        millisecond (the draft pass is paid either way). The drafter's per-position chance is
+        the mean of its own top probability (``confidence``) and its running conditional
+        acceptance; where the two proposals agree, the better of both sources counts, and the
+        lookup's later positions are judged as a match longer by the agreement."""
+        ctx = self._ctx if ctx is None else ctx
+        n = min(len(ctx.lookup), self.max_lookup, max(1, ctx.room) - 1)
+        if decision.source != DFLASH or LOOKUP not in self.sources or n <= 0:
+            return decision
+        dcur = _conditional(self.dflash.curve())
+        conf = list(confidence) if confidence is not None else []
+        pd = [0.5 * (conf[k] + dcur[k]) if k < len(conf) else dcur[k] for k in range(len(drafts))]
+        agree = 0
+        while agree < min(len(drafts), n) and drafts[agree] == ctx.lookup[agree]:
+            agree += 1
+        # The drafter confirming the copy's first tokens is evidence the copy is on track: judge
+        # the rest as a match longer by that much.
+        lcur = _conditional(self.lookups[self.bucket(ctx.match + agree)].curve())
+        pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
+        ed = _expected(pd)
+        rate_d = ed / (self.verify_ms(len(drafts) + 1) + self.overhead[DFLASH])
+        best, rate_l = 1, 0.0
+        for L in range(2, n + 2):
+            r = _expected(pl[: L - 1]) / (self.verify_ms(L) + self.overhead[LOOKUP])
+            if r > rate_l:
+                best, rate_l = L, r
+        if rate_l > rate_d:
+            d = Decision(LOOKUP, best, decision.probe)
+            if self.trace and self.trace[-1] is decision:
+                self.trace[-1] = d
+            return d
+        return decision
+
+    def observe(self, step) -> None:
+        """After a cycle (a ``decode.Step``): learn acceptance and costs. The prefill is ignored."""
         if step.prefill:
             return
         L = step.drafted + 1
-        model = self.costs.draft(L) + self.costs.verify(L)
-        self.overhead_ms = 0.8 * self.overhead_ms + 0.2 * max(0.0, step.elapsed_ms - model)
-        if not step.drafted:
-            return  # a plain step says nothing about the drafter
-        for k in range(len(self.reached)):  # every position forgets; the drafted ones learn
-            self.reached[k] = self.decay * self.reached[k] + (k < step.drafted)
-            self.hits[k] = self.decay * self.hits[k] + (k < step.accepted)
+        source = step.source or (DFLASH if step.drafted else PLAIN)
+        if step.verify_ms > 0:
+            self.scale["verify"] = _ema(self.scale["verify"], step.verify_ms / max(self.costs.verify(L), 1e-6))
+        if source == DFLASH and step.draft_ms > 0:
+            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self.costs.draft(L), 1e-6))
+        if source in self.overhead:
+            passes = (step.verify_ms + step.draft_ms if step.verify_ms > 0
+                      else self.cycle_ms(source, L) - self.overhead[source])  # no timings: the model's
+            rest = step.elapsed_ms - passes
+            self.overhead[source] = _ema(self.overhead[source], max(0.0, rest), 0.2)
+        if source == DFLASH:
+            self._judge(DFLASH, self.dflash, step.accepted > 0)
+            self.dflash.update(step.drafted, step.accepted)
+        look, b = self._ctx.lookup, self.bucket(self._ctx.match)
+        if source == LOOKUP:
+            self._judge(b, self.lookups[b], step.accepted > 0)
+            self.lookups[b].update(step.drafted, step.accepted)
+        elif look and step.tokens:  # what the lookup would have got, as far as the tokens tell
+            a = 0
+            while a < min(len(look), len(step.tokens)) and look[a] == step.tokens[a]:
+                a += 1
+            if a or a < len(step.tokens):  # (else: nothing committed to judge its first guess by)
+                self._judge(b, self.lookups[b], a > 0)
+            self.lookups[b].update(min(a + 1, len(look), len(step.tokens)), a)
+        self._ctx = Context()
 
-    def __call__(self, prev) -> int:
-        if prev is not None:
-            self._observe(prev)
-        best = self.best()
-        if best > 1 and self.rate(best) > self.rate(1):
-            self.plain_run, self.probe_every = 0, self.base_probe
-            choice = best
-        else:
-            self.plain_run += 1
-            choice = 1
-            if best > 1 and self.plain_run >= self.probe_every:  # probe: does drafting pay again?
-                self.plain_run = 0
-                self.probe_every = min(self.max_probe, self.probe_every * 2)
-                choice = best
-        self.trace.append(choice)
-        return choice
+
+def _conditional(curve: Sequence[float]) -> list[float]:
+    out, last = [], 1.0
+    for p in curve:
+        out.append(p / last if last > 0 else 0.0)
+        last = p
+    return out
+
+
+def _expected(cond: Sequence[float]) -> float:
+    """1 + sum_k prod_{j <= k} cond[j]: committed tokens for per-position conditional chances."""
+    total, run = 1.0, 1.0
+    for c in cond:
+        run *= c
+        total += run
+    return total
+
+
+# ---------------------------------------------------------------- construction
+
+def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
+    """A cheap cost curve when the tuner has stored none (no timing at all): relative units,
+    verify rows 6 % of a plain step each (what a CPU's memory-bound forward shows; flatter on
+    GPUs, which the online rescaling sees), a draft pass the drafter's share of the weights
+    read. The policy rescales both from the first measured cycles."""
+    from mlx.utils import tree_flatten
+
+    def params(m) -> int:
+        return sum(v.size for _, v in tree_flatten(m.parameters()))
+
+    target = max(1, params(pair.model))
+    drafter = params(pair.drafter) if pair.drafter is not None else 0
+    args = getattr(pair.target, "args", None)
+    head = (pair.drafter.vocab_size_drafted or getattr(args, "vocab_size", 0)) * getattr(args, "hidden_size", 0) \
+        if pair.drafter is not None else 0
+    ratio = min(1.0, (drafter + head) / target)
+    tt = {B: 1.0 + 0.06 * (B - 1) for B in sizes}
+    td = {B: ratio * (1.0 + 0.03 * (B - 1)) for B in sizes if B > 1}
+    return Costs(1.0, td, tt, 0)
+
+
+class Policies:
+    """A fresh ``DraftPolicy`` per sequence, all from one cost curve and prior: the tuner's
+    stored result (``tuner.TuneResult``) or ``estimate_costs``. ``block_size`` pins the DFlash
+    block; ``sources`` limits the draft sources."""
+
+    def __init__(self, pair, result=None, *, block_size: int | None = None, max_block: int | None = None,
+                 sources: Sequence[str] = SOURCES, **kw):
+        if pair.drafter is None:
+            sources = tuple(s for s in sources if s != DFLASH)
+        if max_block is None:
+            tried = [c.block for c in result.candidates] if result is not None else []
+            ckpt = pair.drafter.args.block_size if pair.drafter is not None else 2
+            max_block = max(tried + [ckpt])
+        self.costs = result.costs if result is not None and result.costs is not None else estimate_costs(pair)
+        self.measured = result is not None and result.costs is not None
+        self.prior = tuple(result.acceptance_by_position) if result is not None else ()
+        self.max_block, self.pinned, self.sources, self.kw = max_block, block_size, tuple(sources), kw
+
+    def __call__(self) -> DraftPolicy:
+        return DraftPolicy(self.costs, self.max_block, self.prior, sources=self.sources, pinned=self.pinned,
+                           measured=self.measured, **self.kw)
 
 
 class Controllers:
-    """A fresh ``AdaptiveController`` per generation (``--adaptive``), all from one cost curve:
-    the tuner's stored one, else measured once here (on the engine thread)."""
+    """A fresh DFlash-only ``AdaptiveController`` per generation (the older ``--adaptive`` path)."""
 
     def __init__(self, pair, result=None, max_block: int | None = None):
-        first = controller_for(pair, result, max_block)
-        self.costs, self.max_block, self.prior = first.costs, first.max_block, first.prior
+        self.policies = Policies(pair, result, max_block=max_block, sources=(DFLASH,))
 
-    def __call__(self) -> AdaptiveController:
-        return AdaptiveController(self.costs, self.max_block, self.prior)
+    def __call__(self) -> "AdaptiveController":
+        p = self.policies
+        return AdaptiveController(p.costs, p.max_block, p.prior, measured=p.measured)
+
+
+class AdaptiveController:
+    """A DFlash-only policy behind the older callable interface: ``controller(prev_step) -> L``
+    (``spec_steps(controller=...)``; L = 1 is a plain step)."""
+
+    def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), **kw):
+        self.policy = DraftPolicy(costs, max_block, prior, sources=(DFLASH,), **kw)
+        self.costs, self.max_block, self.prior = self.policy.costs, self.policy.max_block, self.policy.dflash.prior
+        self.trace: list[int] = []
+
+    def __call__(self, prev) -> int:
+        if prev is not None:
+            self.policy.observe(prev)
+        L = self.policy.choose(Context()).length
+        self.trace.append(L)
+        return L
 
 
 def controller_for(pair, result=None, max_block: int | None = None, context: Sequence[int] | None = None):
-    """A fresh controller for one generation: the tuner's stored cost curve and acceptance prior
-    (``result``, a ``tuner.TuneResult``), or pass costs measured now when there is none."""
-    if max_block is None:
-        tried = [c.block for c in result.candidates] if result is not None else []
-        max_block = max(tried + [pair.drafter.args.block_size])
-    costs = result.costs if result is not None else None
-    if costs is None:
-        from .costs import measure_costs
-
-        sizes = sorted({2, 3, 4, 6, 8, 12, 16, max_block} - {s for s in (12, 16) if s > max_block})
-        costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context or list(range(10, 74)), reps=2)
-    prior = result.acceptance_by_position if result is not None else ()
-    return AdaptiveController(costs, max_block, prior)
+    """A DFlash-only ``AdaptiveController`` from the tuner's stored result, else the estimate."""
+    p = Policies(pair, result, max_block=max_block, sources=(DFLASH,))
+    return AdaptiveController(p.costs, p.max_block, p.prior, measured=p.measured)

@@ -2,16 +2,21 @@
 
 - ``costs.measure_costs`` / ``CostMeter``: the model passes alone (T1 plain decode step, Td(B)
   draft pass, Tt(B) B-token verify pass), interleaved over rounds, warm-up discarded, medians.
-- ``Runner``: one generation of any method (plain mlx-lm, DFlash at a block size, adaptive,
-  prompt lookup, mlx-lm AR draft, the official ``dflash`` package), timed by wall clock.
+- ``Runner``: one generation of any method (mlx-lm's own ``stream_generate``, our plain path,
+  DFlash at a block size, the per-cycle policy over DFlash, lookup or both, fixed prompt lookup,
+  mlx-lm AR draft, the official ``dflash`` package), timed by wall clock, at its BLAS thread
+  count (mlx-lm at OpenBLAS's own default, ours at the engine's).
 - ``bench``: methods side by side in one process, alternating order, repeated; ``summarize``
-  turns the runs into rows (medians, spread, speedup vs plain, tau, the eta ceiling, efficiency,
-  and the engaged-mechanism check).
+  turns the runs into rows (medians, spread, speedup vs our plain path and vs mlx-lm's plain
+  decoding, per kind and the worst single prompt, tau, the eta ceiling, efficiency, and the
+  engaged-mechanism check); ``prompt_report`` gives per-prompt figures and ``copy_share``, the
+  share of a reply that repeats its prompt (the ceiling for lookup drafting).
 
 Definitions (DESIGN.md): decode tok/s = tokens after the first step / time after the first
 step; end to end = all tokens / all time (prefill included); speedup = median over repeats of
-(method tok/s / plain tok/s) of the same repeat; ceiling = tau * T1 / (Td + Tt(B)), in general
-committed tokens * T1 / sum over cycles of (Td(L) + Tt(L)); efficiency = speedup / ceiling.
+(method tok/s / baseline tok/s) of the same repeat (two baselines: our plain path and mlx-lm's);
+ceiling = tau * T1 / (Td + Tt(B)), in general committed tokens * T1 / sum over cycles of
+(Td(L) + Tt(L)); efficiency = speedup / ceiling.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, Sequence
 
 from .costs import Costs, CostMeter, Progress, ceiling, efficiency, measure_costs  # noqa: F401 (re-exported)
 from .decode import Step, plain_steps, spec_steps
+from .progress import Bar as ProgressBar  # noqa: F401 (one progress bar: label, bar, ETA, note)
 from .stats import Stats
 
 
@@ -42,23 +48,49 @@ def spread(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- one generation
 
+def copy_share(prompt: Sequence[int], reply: Sequence[int], n: int = 4) -> float:
+    """Share of ``reply``'s tokens covered by n-grams (``n`` tokens or longer spans) that also
+    occur in ``prompt``: how much of the reply repeats the prompt, the ceiling that lookup
+    drafting from the prompt can reach."""
+    if not reply:
+        return 0.0
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(reply)
+    for i in range(len(reply) - n + 1):
+        if tuple(reply[i:i + n]) in grams:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / len(reply)
+
+
+COPY_SUBSET = 0.5  # replies with copy_share >= this count as "repeat their prompt"
+
+# kind -> the per-cycle policy's draft sources (adaptive.Policies); "hybrid" is the default engine
+POLICY_SOURCES = {"adaptive": ("dflash",), "lookup-policy": ("lookup",), "hybrid": ("dflash", "lookup")}
+
+
 @dataclass(frozen=True, slots=True)
 class Method:
-    kind: str  # plain | dflash | adaptive | lookup | ar-draft | peer
+    kind: str  # mlx-lm | plain | dflash | adaptive | lookup-policy | hybrid | lookup | ar-draft | peer
     block_size: int = 1  # tokens per verify incl. the anchor (lookup/ar-draft: drafts + 1)
     full_vocab: bool = False  # dflash with the whole head though the drafter ships a draft vocabulary
 
     @property
     def label(self) -> str:
+        if self.kind == "mlx-lm":
+            return "mlx-lm plain"
         if self.kind == "plain":
-            return "plain (mlx-lm)"
+            return "plain (ours)"
         if self.kind == "adaptive":
-            return f"adaptive <={self.block_size}"
+            return "dflash per-cycle"
+        if self.kind == "lookup-policy":
+            return "lookup per-cycle"
+        if self.kind == "hybrid":
+            return "hybrid (default)"
         return f"{self.kind} B={self.block_size}" + (" full-vocab" if self.full_vocab else "")
 
     @property
     def speculative(self) -> bool:
-        return self.kind != "plain"
+        return self.kind not in ("plain", "mlx-lm")
 
 
 @dataclass
@@ -79,21 +111,46 @@ class Runner:
     """Runs any method on one loaded pair. Everything here must run on the pair's thread."""
 
     def __init__(self, pair, *, ar_model=None, costs: Costs | None = None,
-                 controller_factory: Callable[[], Callable] | None = None, stop_at_eos: bool = True):
+                 controller_factory: Callable[[], Callable] | None = None, stop_at_eos: bool = True,
+                 tuned=None, threads: int | None = None, blas=None):
+        """``threads``: BLAS threads for our methods (None: leave the count as it is); the
+        mlx-lm row always runs at OpenBLAS's own default (or the user's OPENBLAS_NUM_THREADS).
+        ``tuned``: the tuner's stored result (the per-cycle policy's prior)."""
         self.pair, self.ar_model, self.costs = pair, ar_model, costs
         self.controller_factory = controller_factory
+        self.stop_at_eos = stop_at_eos
         self.eos = tuple(pair.tokenizer.eos_token_ids) if stop_at_eos else ()
+        self.tuned, self.threads, self.blas = tuned, threads, blas
         self._peer = None
+        self._policies: dict = {}
+
+    def _policy(self, method: Method):
+        """A fresh per-cycle policy over ``method``'s draft sources (adaptive.Policies)."""
+        from . import adaptive
+
+        if not hasattr(adaptive, "Policies"):
+            if method.kind == "adaptive" and self.controller_factory is not None:
+                return None  # the older block-size controller stands in until the policy lands
+            raise NotImplementedError(f"{method.label}: this build has no per-cycle policy (adaptive.Policies)")
+        if method not in self._policies:  # as the engine builds them: the tuner's curve and prior
+            self._policies[method] = adaptive.Policies(self.pair, self.tuned, sources=POLICY_SOURCES[method.kind])
+        return self._policies[method]()
 
     def steps(self, method: Method, ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
         p, B = self.pair, method.block_size
+        if method.kind == "mlx-lm":
+            return mlx_lm_steps(p.model, p.tokenizer, ids, max_tokens=max_tokens, stop_at_eos=self.stop_at_eos)
         if method.kind == "plain":
             return plain_steps(p.model, ids, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind == "dflash":
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
-        if method.kind == "adaptive":
+        if method.kind in POLICY_SOURCES:
+            policy = self._policy(method)
+            if policy is None:
+                return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
+                                  eos_ids=self.eos, controller=self.controller_factory())
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
-                              eos_ids=self.eos, controller=self.controller_factory())
+                              eos_ids=self.eos, policy=policy)
         if method.kind == "lookup":
             from .lookup import lookup_steps
 
@@ -112,6 +169,10 @@ class Runner:
         raise ValueError(f"unknown method {method.kind}")
 
     def run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
+        if self.blas is not None and self.blas.settable:
+            from .blas import set_threads
+
+            set_threads(self.blas, self.blas.pinned if method.kind == "mlx-lm" else self.threads)
         if not method.full_vocab:
             return self._run(method, ids, max_tokens)
         prev = self.pair.drafter.set_vocab(None)
@@ -136,15 +197,38 @@ class Runner:
         return Run(tokens, total, first_s or total, first_tokens, stats, blocks)
 
 
+def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_at_eos: bool = True) -> Iterator[Step]:
+    """mlx-lm's own ``stream_generate`` (greedy), one Step per token it yields: what a user would
+    run instead of us. Its final response repeats the last token (EOS or the max_tokens-th)."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if not stop_at_eos:
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.eos_token_ids = []
+    t = time.perf_counter()
+    first = True
+    for r in stream_generate(model, tokenizer, mx.array(list(ids), mx.int32), max_tokens=max_tokens,
+                             sampler=make_sampler(0.0)):
+        now = time.perf_counter()
+        ms = (now - t) * 1e3
+        yield Step((int(r.token),), elapsed_ms=ms, verify_ms=ms, prefill=first,
+                   prompt_tokens=len(ids) if first else 0, finish_reason=r.finish_reason)
+        first, t = False, now
+
+
 def model_ms(method: Method, blocks: dict[int, int], costs: Costs) -> float:
     """The two passes' time over a run's cycles by the cost curve (nan where unknown)."""
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
     total = 0.0
     for L, n in blocks.items():
-        if method.kind == "plain":
+        if method.kind in ("plain", "mlx-lm"):
             c = costs.t1_ms
-        elif method.kind == "lookup":
+        elif method.kind in ("lookup", "lookup-policy"):
             c = costs.verify(L)
         elif method.kind == "ar-draft":
             c = (L - 1) * costs.t1_draft_ms + costs.verify(L) if costs.t1_draft_ms else math.nan
@@ -215,9 +299,15 @@ class Row:
     decode_tps: float | None = None
     e2e_tps: float | None = None
     spread: float | None = None  # of decode tok/s over repeats
-    speedup: float | None = None  # decode, vs plain
+    speedup: float | None = None  # decode, vs our plain path
     e2e_speedup: float | None = None
     speedup_by_kind: dict = field(default_factory=dict)
+    worst: tuple | None = None  # (prompt id, decode speedup vs our plain): the worst single prompt
+    speedup_mlx: float | None = None  # the same four against mlx-lm's plain decoding
+    e2e_speedup_mlx: float | None = None
+    speedup_by_kind_mlx: dict = field(default_factory=dict)
+    worst_mlx: tuple | None = None
+    sources: dict = field(default_factory=dict)  # draft source -> {cycles, drafted, accepted}
     tau: float | None = None
     acceptance: float | None = None
     acceptance_by_position: list = field(default_factory=list)
@@ -234,23 +324,35 @@ class Row:
     tokens: int = 0
 
 
+def _add_counts(a, b):
+    """Nested counters added up: numbers, and dicts of them (block histograms, per-source counts)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a or {}, b or {}
+        return {k: _add_counts(a.get(k), b.get(k)) for k in {**a, **b}}
+    return (a or 0) + (b or 0)
+
+
 def merge_stats(parts: Sequence[Stats]) -> Stats:
     """The cycle counters of several runs added up (timings are not merged)."""
     out = Stats()
+    have = {f.name for f in fields(Stats)}
+    counters = [n for n in ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens", "plain_cycles",
+                            "committed_in_drafted", "block_sizes", "sources") if n in have]
     for p in parts:
-        for name in ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens"):
-            setattr(out, name, getattr(out, name) + getattr(p, name))
+        for name in counters:
+            setattr(out, name, _add_counts(getattr(out, name), getattr(p, name)))
         n = max(len(out.reached), len(p.reached))
         out.reached = [a + b for a, b in zip(out.reached + [0] * n, p.reached + [0] * n)][:n]
         out.hits = [a + b for a, b in zip(out.hits + [0] * n, p.hits + [0] * n)][:n]
     return out
 
 
-def _per_repeat(samples: list[Sample], kinds: set[str] | None = None) -> dict[int, tuple[float, float]]:
-    """repeat -> (decode tok/s, end-to-end tok/s) over the prompts (of the given kinds)."""
+def _per_repeat(samples: list[Sample], kinds: set[str] | None = None,
+                prompts: set[str] | None = None) -> dict[int, tuple[float, float]]:
+    """repeat -> (decode tok/s, end-to-end tok/s) over the prompts (of the given kinds / ids)."""
     acc: dict[int, list[float]] = {}
     for s in samples:
-        if kinds is not None and s.kind not in kinds:
+        if (kinds is not None and s.kind not in kinds) or (prompts is not None and s.prompt_id not in prompts):
             continue
         a = acc.setdefault(s.repeat, [0, 0.0, 0, 0.0])
         a[0] += len(s.run.tokens) - s.run.first_tokens
@@ -283,9 +385,14 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
     methods = list(methods or dict.fromkeys(s.method for s in samples))
     plain = [s for s in samples if s.method.kind == "plain"]
     plain_tokens = {(s.repeat, s.prompt_id): s.run.tokens for s in plain}
-    base = _per_repeat(plain)
     kinds = sorted({s.kind for s in samples})
-    base_kind = {k: _per_repeat(plain, {k}) for k in kinds}
+    pids = list(dict.fromkeys(s.prompt_id for s in samples))
+    bases = {}  # suffix -> (all, by kind, by prompt) per-repeat rates of the baseline
+    for suffix, kind in (("", "plain"), ("_mlx", "mlx-lm")):
+        b = [s for s in samples if s.method.kind == kind]
+        if b:
+            bases[suffix] = (_per_repeat(b), {k: _per_repeat(b, {k}) for k in kinds},
+                             {p: _per_repeat(b, prompts={p}) for p in pids})
     rows = []
     for m in methods:
         if m in failed:
@@ -311,13 +418,22 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
         row.decode_tps = _r(_median(dec), 2)
         row.e2e_tps = _r(_median([v[1] for v in per.values()]), 2)
         row.spread = _r(spread(dec)) if dec else None
-        if base:
-            row.speedup = _median_ratio(per, base, 0)
-            row.e2e_speedup = _median_ratio(per, base, 1)
+        if getattr(st, "sources", None):
+            row.sources = st.source_stats() if hasattr(st, "source_stats") else {k: dict(v) for k, v in st.sources.items()}
+        mine_kind = {k: _per_repeat(mine, {k}) for k in kinds}
+        mine_prompt = {p: _per_repeat(mine, prompts={p}) for p in pids}
+        for suffix, (base, base_kind, base_prompt) in bases.items():
+            setattr(row, "speedup" + suffix, _median_ratio(per, base, 0))
+            setattr(row, "e2e_speedup" + suffix, _median_ratio(per, base, 1))
+            by_kind = getattr(row, "speedup_by_kind" + suffix)
             for k in kinds:
-                x = _median_ratio(_per_repeat(mine, {k}), base_kind[k], 0)
+                x = _median_ratio(mine_kind[k], base_kind[k], 0)
                 if x is not None:
-                    row.speedup_by_kind[k] = x
+                    by_kind[k] = x
+            per_prompt = [(p, _median_ratio(mine_prompt[p], base_prompt[p], 0)) for p in pids]
+            per_prompt = [(p, x) for p, x in per_prompt if x is not None]
+            if per_prompt:
+                setattr(row, "worst" + suffix, min(per_prompt, key=lambda px: px[1]))
         if costs is not None:
             row.t1_ms = _r(costs.t1_ms, 2)
             if m.kind in ("dflash", "peer"):
@@ -337,29 +453,53 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
     return rows
 
 
-class ProgressBar:
-    """A one-line progress bar on a terminal stream; off a terminal, one line when it starts."""
+@dataclass
+class PromptRow:
+    """One prompt: how much of its reply repeats it, and per method tau and speedups."""
+    prompt_id: str
+    kind: str
+    prompt_tokens: int
+    reply_tokens: int
+    copy_share: float  # of our plain reply (greedy: every method's reply, near-ties aside)
+    tau: dict = field(default_factory=dict)  # method label -> mean acceptance length
+    speedup: dict = field(default_factory=dict)  # method label -> decode speedup vs our plain
+    speedup_mlx: dict = field(default_factory=dict)  # ... vs mlx-lm's plain decoding
 
-    def __init__(self, stream, label: str = "", width: int = 28):
-        self.stream, self.label, self.width = stream, label, width
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.t0 = time.perf_counter()
-        self.started = False
 
-    def __call__(self, done: int, total: int, note: str = "") -> None:
-        if not self.tty:
-            if not self.started and self.label:
-                self.stream.write(f"{self.label} ...\n")
-                self.stream.flush()
-            self.started = True
-            return
-        f = done / total if total else 1.0
-        bar = "#" * int(f * self.width) + "." * (self.width - int(f * self.width))
-        el = time.perf_counter() - self.t0
-        self.stream.write(f"\r\x1b[2K{self.label} [{bar}] {100 * f:3.0f}% {el:5.0f}s {note[:60]}")
-        self.stream.flush()
+def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[int]]],
+                  eos: Sequence[int] = ()) -> list[PromptRow]:
+    """Per prompt: the reply's ``copy_share`` of the prompt, and every method's tau and speedups."""
+    eos = set(eos)
+    out = []
+    base = {k: {p: _per_repeat([s for s in samples if s.method.kind == k], prompts={p}) for p, _, _ in prompts}
+            for k in ("plain", "mlx-lm")}
+    for pid, kind, ids in prompts:
+        mine = [s for s in samples if s.prompt_id == pid]
+        ref = next((s for s in mine if s.method.kind == "plain"), None) or next(iter(mine), None)
+        if ref is None:
+            continue
+        reply = [t for t in ref.run.tokens if t not in eos]
+        row = PromptRow(pid, kind, len(ids), len(reply), round(copy_share(ids, reply), 3))
+        for m in dict.fromkeys(s.method for s in mine):
+            runs = [s for s in mine if s.method == m]
+            if m.speculative:
+                st = merge_stats([s.run.stats for s in runs])
+                row.tau[m.label] = _r(st.mean_acceptance_length)
+            rates = _per_repeat(runs)
+            for k, target in (("plain", row.speedup), ("mlx-lm", row.speedup_mlx)):
+                x = _median_ratio(rates, base[k][pid], 0) if base[k][pid] else None
+                if x is not None:
+                    target[m.label] = x
+        out.append(row)
+    return out
 
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\r\x1b[2K")
-            self.stream.flush()
+
+def subset_speedups(samples: list[Sample], prompt_ids: set[str]) -> dict[str, tuple[float | None, float | None]]:
+    """method label -> (decode speedup vs our plain, vs mlx-lm) over just these prompts."""
+    keep = [s for s in samples if s.prompt_id in prompt_ids]
+    base = {k: _per_repeat([s for s in keep if s.method.kind == k]) for k in ("plain", "mlx-lm")}
+    out = {}
+    for m in dict.fromkeys(s.method for s in keep):
+        rates = _per_repeat([s for s in keep if s.method == m])
+        out[m.label] = tuple(_median_ratio(rates, base[k], 0) if base[k] else None for k in ("plain", "mlx-lm"))
+    return out

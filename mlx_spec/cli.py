@@ -25,16 +25,30 @@ COMMANDS = {
 }
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a pair."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the text already names it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
+    """Flags shared by every command that loads a pair. ``tuning=False`` (the tune command
+    itself) leaves out the flags that skip or budget first-launch tuning."""
     from .loading import DEFAULT_DRAFTER
     from .default_target import DEFAULT_TARGET_ID
 
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="a known pair by name (`mlx_spec models` lists them): fills --target and --drafter")
     p.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model: path, HF repo id, or the default id")
     p.add_argument("--drafter", default=None,
                    help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target (no speculation)")
-    p.add_argument("--block-size", type=int, default=None, help="block size incl. the anchor (skips tuning)")
+    if tuning:
+        p.add_argument("--block-size", type=int, default=None, help="block size incl. the anchor (skips tuning)")
     bits = ("4", "8", "none")
     p.add_argument("--target-bits", choices=bits, default=None,
                    help="quantize the target at load (default: as the checkpoint is; float32 on CPU)")
@@ -46,12 +60,55 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(draft_vocab.json; a cheaper draft head, same output); full: the whole head")
     p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
-    p.add_argument("--no-tune", action="store_true",
-                   help="no first-launch tuning: use the checkpoint's block size unless --block-size")
-    p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
+    if tuning:
+        p.add_argument("--no-tune", action="store_true",
+                       help="no first-launch tuning: use the checkpoint's block size unless --block-size")
+        p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
     p.add_argument("--adaptive", action="store_true",
                    help="choose the block size every cycle (online controller over the tuned cost curve; "
                         "falls back to plain steps while drafting does not pay; docs/tuner.md)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="thinking models: turn reasoning on or off through the chat template's switch "
+                        "(enable_thinking) (default: the catalog entry's, else the template's own)")
+
+
+def apply_model_name(args: argparse.Namespace) -> None:
+    """``--model NAME``: fill --target and --drafter (and --think's default) from the catalog, before
+    anything reads the flags. An unknown name, a name given with a different --target/--drafter,
+    or an architecture this build cannot run is refused here, before any download."""
+    name = getattr(args, "model", None)
+    if not name:
+        return
+    from . import catalog
+    from .default_target import DEFAULT_TARGET_ID
+    from .errors import BadRequest
+
+    entry = catalog.get(name)
+    catalog.check_supported(entry)
+    if args.target not in (DEFAULT_TARGET_ID, entry.target):
+        raise BadRequest(f"--model {name} is target {entry.target}; drop --target {args.target} (or --model)")
+    if getattr(args, "drafter", None) not in (None, entry.drafter):
+        raise BadRequest(f"--model {name} comes with drafter {entry.drafter}; drop --drafter {args.drafter} "
+                         "(or pass --target and --drafter without --model)")
+    args.target, args.drafter = entry.target, entry.drafter
+    if getattr(args, "think", None) is None and entry.think_switch == "enable_thinking":
+        args.think = entry.thinks
+
+
+def think_kwargs(args: argparse.Namespace) -> dict | None:
+    """The chat-template variables for --think / --no-think (None: the template's default)."""
+    think = getattr(args, "think", None)
+    return None if think is None else {"enable_thinking": bool(think)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, what: str = "the reply") -> None:
+    """--max-tokens and the sampling flags of generate and chat."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens in {what}")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probabilities sum to P (1 = all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
 
 
 DEFAULT_PREFIX_CACHE_MB = 256
@@ -64,17 +121,37 @@ def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PR
                         f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
 
 
-def prefix_cache_bytes(args) -> int:
+def load_config(args: argparse.Namespace):
+    """The command's model flags as a ``config.LoadConfig``: the one place flags become the
+    loading configuration (it checks its values, so bad flags fail before anything loads).
+    Flags a command does not have take LoadConfig's defaults."""
+    from .config import DEFAULT_CONTEXT, LoadConfig
     from .errors import BadRequest
 
-    mb = getattr(args, "prefix_cache_mb", 0) or 0
+    def flag(name, default=None):
+        return getattr(args, name, default)
+
+    mb = flag("prefix_cache_mb", 0) or 0
     if mb < 0:
         raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {mb:g})")
-    return int(mb * 2**20)
+    gb = flag("budget_gb")
+    if gb is not None and not gb > 0:
+        raise BadRequest(f"--budget-gb must be > 0 (got {gb:g})")
+    return LoadConfig(
+        target=args.target, drafter=flag("drafter"), no_draft=bool(flag("no_draft", False)),
+        block_size=flag("block_size"), target_bits=flag("target_bits"), drafter_bits=flag("drafter_bits"),
+        group_size=flag("group_size"), draft_vocab=flag("draft_vocab") or "auto",
+        context=flag("context") or DEFAULT_CONTEXT, prompt_tokens=flag("prompt_tokens"),
+        budget=int(gb * 2**30) if gb else None, force=bool(flag("force", False)),
+        tune=not flag("no_tune", False), tune_budget_s=flag("tune_budget"),
+        adaptive=bool(flag("adaptive", False)), prefix_cache=int(mb * 2**20), ranks=flag("ranks") or 1)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="mlx_spec", description="Lossless speculative decoding on MLX")
+    parser.add_argument("--version", action="version", version=f"mlx_spec {__version__}")
     parser.add_argument("--verbose", action="store_true", help="log details (BLAS, plan, loading)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv
@@ -82,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     modules = {}
     for name, help_ in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         if name == wanted:
             try:
                 modules[name] = importlib.import_module(f"mlx_spec.commands.{name}")
@@ -101,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        apply_model_name(args)
         return modules[args.command].run(args) or 0
     except MlxSpecError as e:
         print(f"mlx_spec {args.command}: error: {e}", file=sys.stderr)

@@ -1,9 +1,18 @@
 """The decode loops, as generators of ``Step``s (token level; text lives in text.py).
 
-``spec_steps``: prefill (chunked) -> first token from the target -> cycles of
-draft ``[anchor, MASK x (L-1)]`` -> one target verify pass over ``[anchor, d1..d(L-1)]`` ->
-accept the longest matching prefix plus the target's bonus -> roll the target cache back ->
-hand the accepted rows' features to the drafter's context cache.
+``spec_steps``: prefill (chunked) -> first token from the target -> cycles of: choose the
+cycle's source and length (a ``adaptive.DraftPolicy``, or a fixed DFlash block) -> draft
+(DFlash: ``[anchor, MASK x (L-1)]`` through the drafter; lookup: the continuation of the best
+earlier match of the sequence's tail in everything the target has seen, ``lookup.SuffixIndex``;
+plain: nothing) -> one target verify pass over ``[anchor, d1..d(L-1)]`` -> accept the longest
+matching prefix plus the target's bonus (greedy), or rejection-sample against the proposal
+(T > 0; a lookup draft is a point-mass proposal) -> roll the target cache back -> queue the
+accepted rows' features for the drafter's context cache (pushed at its next pass, whatever the
+source of this cycle).
+
+Timings are taken where each pass really finishes: ``draft_ms`` ends when the draft tokens are
+on the host, ``verify_ms`` when the target's choice is; the host's own work in between is
+``elapsed_ms`` minus those.
 
 Both loops can start from a ``Prefill`` (caches already holding a prefix of the prompt, from the
 prefix cache) and hand their final caches to ``on_exit`` when they end or are closed, so the next
@@ -22,7 +31,8 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .drafter import Drafter
+from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
+from .drafter import Drafter, Proposal
 from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
 from .target import Target
@@ -36,14 +46,15 @@ class Step:
     drafted: int = 0  # draft tokens proposed this cycle (block_size - 1)
     accepted: int = 0  # of those, accepted (tokens = accepted + 1 bonus, before truncation)
     block_size: int = 1
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    draft_ms: float = 0.0  # the drafter's pass, until its tokens are on the host (0 for lookup/plain)
+    verify_ms: float = 0.0  # the target's pass, until its choice is on the host
     rollback_ms: float = 0.0  # target cache rollback (hybrid targets: GDN state rebuild)
     elapsed_ms: float = 0.0  # wall time of the whole step, host work included
     prefill: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill step)
     finish_reason: str | None = None  # "stop" (EOS) | "length" | None
+    source: str = ""  # "plain" | "dflash" | "lookup" for a cycle of spec_steps ("" otherwise)
 
 
 log = logging.getLogger(__name__)
@@ -107,14 +118,20 @@ def spec_steps(
     sampling: SamplingConfig = SamplingConfig(),
     prefill_step: int = 2048,
     controller: Callable[[Step | None], int] | None = None,
+    policy=None,
+    lookup_ngram: int = 4,
     prefill: Prefill | None = None,
     on_exit: Callable[[Prefill], None] | None = None,
 ) -> Iterator[Step]:
-    """Speculative decoding with a DFlash drafter. Lossless: the output is the target's.
+    """Speculative decoding with a DFlash drafter and lookup drafts. Lossless: the output is the
+    target's (greedy: token for token; T > 0: in distribution).
 
-    ``controller`` (optional) is called before every cycle with the previous Step (the prefill
-    Step first) and returns that cycle's block size L; L = 1 is a plain target step. Without
-    it every cycle uses ``block_size``.
+    ``policy`` (an ``adaptive.DraftPolicy``, one per sequence) chooses every cycle's source
+    (plain / dflash / lookup) and length; at greedy, after a DFlash pass while the lookup had a
+    proposal too, it may switch to the lookup (``pick``); it ``observe``s every Step. Without a
+    policy, ``controller`` (optional, older interface) is called before every cycle with the
+    previous Step and returns the DFlash block L (1 = a plain step); without either, every
+    cycle drafts ``block_size`` with the drafter.
 
     ``prefill``: caches (target and drafter) already holding a proper prefix of ``prompt``; they
     are advanced in place. ``on_exit`` receives the final caches and the ids they hold when the
@@ -135,12 +152,22 @@ def spec_steps(
     greedy = sampling.greedy
     key = mx.random.key(sampling.seed if sampling.seed is not None else time.time_ns() % 2**31)
     pending: list[mx.array] = []  # features of committed rows not yet in the drafter's cache
+    index = None
+    if policy is not None and LOOKUP in policy.sources:
+        from .lookup import SuffixIndex  # lookup.py's baseline loops import this module
+
+        index = SuffixIndex(prompt, lookup_ngram)  # once; then extended by the committed tokens
 
     def sink(features):
         if pending:  # push the previous chunk; the last one waits for the first draft call
             drafter.add_context(pending.pop(), dcache)
             mx.eval([c.state for c in dcache])  # so that chunk's features can be freed now
         pending.append(features)
+
+    def take_pending() -> mx.array | None:
+        features = (mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]) if pending else None
+        pending.clear()
+        return features
 
     def final() -> Prefill:
         for f in pending:
@@ -162,53 +189,80 @@ def spec_steps(
             yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
                        prompt_tokens=len(prompt), cached_tokens=done, finish_reason=reason)
             n = len(toks)
+            if index is not None:
+                index.extend(toks)
             prev = Step(tuple(toks), prefill=True)
             while reason is None:
                 tc = time.perf_counter()
-                L = controller(prev) if controller is not None else block_size
-                L = max(1, min(L, max_tokens - n))
+                room = max_tokens - n
+                ctx = None
+                if policy is not None:
+                    policy.observe(prev)
+                    look, match = index.propose(min(policy.max_lookup, room - 1)) if index is not None else ([], 0)
+                    ctx = Context(tuple(look), match, room, greedy)
+                    dec = policy.choose(ctx)
+                elif controller is not None:
+                    dec = Decision(DFLASH, controller(prev))
+                else:
+                    dec = Decision(DFLASH, block_size)
+                L = max(1, min(dec.length, room))
+                source = dec.source if L > 1 else PLAIN
                 kd = ka = None
                 if not greedy:  # greedy never evaluates keys: splitting would grow a lazy chain
                     key, kd, ka = mx.random.split(key, 3)
                 consistent = False
-                if L > 1:
-                    features = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
-                    pending.clear()
-                    proposal = drafter.propose(anchor, features, dcache, L, sampling, kd)
-                    drafts = proposal.tokens
-                    # Start drafting now and build the verify graph while it runs: one host sync per cycle.
-                    mx.async_eval(drafts if proposal.q is None else (drafts, proposal.q))
-                    verify_in = mx.concatenate([anchor.reshape(1), drafts.astype(mx.int32)])[None]
-                else:  # a plain step; the features wait for the next draft call
-                    proposal, drafts = None, None
-                    verify_in = anchor.reshape(1, 1)
-                out = target(verify_in, cache, record=True)
-                choice = mx.argmax(out.logits[0], axis=-1) if greedy else out.logits
-                mx.async_eval(choice, out.hidden)
-                draft_list = drafts.tolist() if drafts is not None else []  # waits for the draft only
+                proposal, drafts = None, []
+                tq = time.perf_counter()
+                ran_drafter = source == DFLASH  # (its pass is booked even if pick() drops its draft)
+                if source == DFLASH:
+                    conf = greedy and ctx is not None and bool(ctx.lookup)  # pick() may use the lookup
+                    kw = {"confidence": True} if conf else {}
+                    proposal = drafter.propose(anchor, take_pending(), dcache, L, sampling, kd, **kw)
+                    mx.eval([x for x in proposal if x is not None])  # the draft pass ends here
+                    drafts = proposal.tokens.tolist()
+                    if conf:
+                        dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx)
+                        if dec.source == LOOKUP:
+                            source, proposal = LOOKUP, None
+                elif source == LOOKUP and len(pending) >= 32:  # a long run without the drafter
+                    drafter.add_context(take_pending(), dcache)
+                if source == LOOKUP:
+                    drafts = list(ctx.lookup[: min(dec.length, room) - 1])
+                    L = len(drafts) + 1
+                    if not greedy:
+                        proposal = Proposal(mx.array(drafts, mx.int32), None)  # q = point mass
                 td = time.perf_counter()
+                out = target(mx.array([[anchor_id] + drafts], mx.int32), cache, record=True)
                 if greedy:
-                    a, bonus = accept_greedy(draft_list, choice.tolist())
+                    choice = mx.argmax(out.logits[0], axis=-1)
+                    mx.async_eval(choice, out.hidden)
+                    a, bonus = accept_greedy(drafts, choice.tolist())  # the verify pass ends here
                 else:
+                    mx.async_eval(out.logits, out.hidden)
                     a, bonus = accept_sampled(out.logits[0], proposal, sampling, ka)
                 tv = time.perf_counter()
                 target.rollback(cache, L, a + 1)
                 tr = time.perf_counter()
                 pending.append(out.hidden[:, : a + 1])
                 fed.append(anchor_id)
-                fed.extend(draft_list[:a])
-                committed, reason = _finish(draft_list[:a] + [bonus], n, max_tokens, eos)
+                fed.extend(drafts[:a])
+                committed, reason = _finish(drafts[:a] + [bonus], n, max_tokens, eos)
                 n += len(committed)
+                if index is not None:
+                    index.extend(committed)
                 anchor, anchor_id = mx.array(bonus, mx.int32), bonus
                 if n % 256 < len(committed):
                     mx.clear_cache()
                 prev = Step(
                     tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-                    draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3, rollback_ms=(tr - tv) * 1e3,
-                    elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
+                    draft_ms=(td - tq) * 1e3 if ran_drafter else 0.0, verify_ms=(tv - td) * 1e3,
+                    rollback_ms=(tr - tv) * 1e3, elapsed_ms=(time.perf_counter() - tc) * 1e3,
+                    finish_reason=reason, source=source,
                 )
                 consistent = True
                 yield prev
+            if policy is not None:
+                policy.observe(prev)
         except GeneratorExit:
             if consistent:
                 _hand_over(on_exit, final)

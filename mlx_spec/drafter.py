@@ -3,7 +3,9 @@
 The drafter reads fused target features (outputs of ``target_layer_ids``) as attention context
 and denoises a block ``[anchor, MASK x (L-1)]`` in one pass. It owns no embedding or LM head:
 those are the target's, shared and frozen (``bind``). DFlash 2 adds a two-tap grouped dynamic
-convolution around each sublayer and a candidate selector (path walk over the top-K lattice).
+convolution around each sublayer (``DFlash2DecoderLayer``, chosen when the drafter is built) and
+a candidate selector (path walk over the top-K lattice). The trainer runs the same code:
+``Drafter.block_hidden`` (many blocks at once), ``Drafter.logits`` and ``CandidateSelector.scores``.
 See docs/dflash.md for the maths, the checkpoint layout and our decisions.
 """
 
@@ -191,7 +193,8 @@ class Attention(nn.Module):
             hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
         )
 
-    def _kv(self, x: mx.array, offset: int):
+    def kv(self, x: mx.array, offset):
+        """Keys (RoPE at ``offset``: an int, or one start per row) and values of rows ``x``."""
         B, S, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, S, self.n_kv, -1).transpose(0, 2, 1, 3)
@@ -199,15 +202,16 @@ class Attention(nn.Module):
 
     def context_kv(self, c: mx.array, cache: ContextCache):
         """Push context rows' K/V (from fused target features ``c``) into the cache."""
-        k, v = self._kv(c, cache.offset)
+        k, v = self.kv(c, cache.offset)
         return cache.update_and_fetch(k, v)
 
-    def __call__(self, x, ctx_k, ctx_v, start: int, mask):
-        # x: (B, L, H) block; ctx_k/v: (B, n_kv, S, hd); start: absolute position of the anchor.
+    def __call__(self, x, ctx_k, ctx_v, start, mask):
+        # x: (B, L, H) block; ctx_k/v: (B, n_kv, S, hd); start: absolute position of the anchor
+        # (an int, or an (B,) array of per-row starts when training).
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        kb, vb = self._kv(x, start)
+        kb, vb = self.kv(x, start)
         k = mx.concatenate([ctx_k, kb], axis=2) if ctx_k is not None else kb
         v = mx.concatenate([ctx_v, vb], axis=2) if ctx_v is not None else vb
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -260,6 +264,8 @@ class TwoTapConv(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """A DFlash (v1) layer: pre-norm attention over [context; block], then a SwiGLU MLP."""
+
     def __init__(self, args: DrafterArgs, i: int):
         super().__init__()
         H = args.hidden_size
@@ -269,23 +275,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(H, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        if args.is_v2:
-            g, T = args.conv_group_size, args.conv_kernel_size
-            self.attention_conv = TwoTapConv(H, T, g)
-            self.mlp_conv = TwoTapConv(H, T, g)
 
-    def __call__(self, x, ctx_k, ctx_v, start: int, mask):
-        v2 = "attention_conv" in self
-        u = self.input_layernorm(x)
-        if v2:
-            u, d_out = self.attention_conv.prepare(u)
-        a = self.self_attn(u, ctx_k, ctx_v, start, mask)
-        x = x + (self.attention_conv.finish(a, d_out) if v2 else a)
-        u = self.post_attention_layernorm(x)
-        if v2:
-            u, d_out = self.mlp_conv.prepare(u)
-        m = self.mlp(u)
-        return x + (self.mlp_conv.finish(m, d_out) if v2 else m)
+    def __call__(self, x, ctx_k, ctx_v, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlash2DecoderLayer(DecoderLayer):
+    """A DFlash 2 layer: the same sublayers, each wrapped in a two-tap convolution."""
+
+    def __init__(self, args: DrafterArgs, i: int):
+        super().__init__(args, i)
+        H, g, T = args.hidden_size, args.conv_group_size, args.conv_kernel_size
+        self.attention_conv = TwoTapConv(H, T, g)
+        self.mlp_conv = TwoTapConv(H, T, g)
+
+    def __call__(self, x, ctx_k, ctx_v, start, mask):
+        u, d_out = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(u, ctx_k, ctx_v, start, mask), d_out)
+        u, d_out = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(u), d_out)
 
 
 class CandidateSelector(nn.Module):
@@ -298,6 +307,21 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(vocab, rank)
         self.successor_codebook = nn.Embedding(vocab, rank)
 
+    def candidates(self, unary: mx.array) -> mx.array:
+        """Indices (..., K) of the top-K entries of ``unary`` (in no particular order)."""
+        K = min(self.top_k, unary.shape[-1])
+        return mx.argpartition(-unary, K - 1, axis=-1)[..., :K]
+
+    def scores(self, h: mx.array, u: mx.array, pred: mx.array, cand: mx.array) -> mx.array:
+        """Transition scores: unary ``u`` (..., K) of candidates ``cand`` (..., K) (target ids)
+        plus the bilinear term between each predecessor in ``pred`` (..., K_prev) and each
+        candidate, given final hidden ``h`` (..., H). Returns (..., K_prev, K), float32.
+        Inference scores the whole lattice; training one gold predecessor per position."""
+        g = self.hidden_projection(h).astype(mx.float32)  # (..., r)
+        a = self.predecessor_codebook(pred).astype(mx.float32) * g[..., None, :]  # (..., K_prev, r)
+        b = self.successor_codebook(cand).astype(mx.float32)  # (..., K, r)
+        return u.astype(mx.float32)[..., None, :] + a @ b.swapaxes(-1, -2)
+
     def lattice(self, h: mx.array, unary: mx.array, anchor: mx.array, ids: mx.array | None = None):
         """Candidates and edge scores for one block (batch 1).
 
@@ -306,18 +330,14 @@ class CandidateSelector(nn.Module):
         scores (P, K_prev, K): for p=0 only row 0 is meaningful (predecessor = anchor).
         Everything in float32.
         """
-        K = min(self.top_k, unary.shape[-1])
         unary = unary.astype(mx.float32)
-        cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K]  # (P, K)
+        cand = self.candidates(unary)  # (P, K)
+        K = cand.shape[-1]
         u = mx.take_along_axis(unary, cand, axis=-1)  # (P, K)
         if ids is not None:
             cand = ids[cand]
-        g = self.hidden_projection(h).astype(mx.float32)  # (P, r)
-        succ = self.successor_codebook(cand).astype(mx.float32)  # (P, K, r)
         preds = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, K)), cand[:-1]], 0)
-        pred = self.predecessor_codebook(preds).astype(mx.float32)  # (P, K, r)
-        scores = u[:, None, :] + (pred * g[:, None, :]) @ succ.transpose(0, 2, 1)  # (P, K, K)
-        return cand, scores
+        return cand, self.scores(h, u, preds, cand)  # (P, K), (P, K, K)
 
     def walk_greedy(self, cand: mx.array, scores: mx.array) -> mx.array:
         j = mx.argmax(scores[0, 0])
@@ -371,6 +391,7 @@ class DraftVocab:
 class Proposal(NamedTuple):
     tokens: mx.array  # (L-1,) drafted ids
     q: mx.array | None  # (L-1, V) proposal probabilities (None when greedy)
+    confidence: mx.array | None = None  # (L-1,) the drafter's top probability per position (greedy, on request)
 
 
 class Drafter(nn.Module):
@@ -382,7 +403,8 @@ class Drafter(nn.Module):
         H = args.hidden_size
         self.fc = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        layer = DFlash2DecoderLayer if args.is_v2 else DecoderLayer  # chosen once, here
+        self.layers = [layer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.is_v2:
             self.candidate_selector = CandidateSelector(
@@ -422,10 +444,27 @@ class Drafter(nn.Module):
             out[k] = v
         return out
 
+    def fuse(self, features: mx.array) -> mx.array:
+        """Fused context rows (B, S, H) from target features (B, S, n*H_t)."""
+        return self.hidden_norm(self.fc(features))
+
+    def embed_block(self, block: mx.array) -> mx.array:
+        """Input rows (B, L, H) of a block of token ids (the target's embedding, scaled)."""
+        return self._embed(block) * self.args.input_embedding_scale
+
     def add_context(self, features: mx.array, cache: list[ContextCache]):
         """Fuse target features (B, S, n*H_t) and push their K/V into every layer's cache."""
-        c = self.hidden_norm(self.fc(features))
+        c = self.fuse(features)
         return [layer.self_attn.context_kv(c, lc) for layer, lc in zip(self.layers, cache)]
+
+    def run_block(self, block: mx.array, kvs, start, masks) -> mx.array:
+        """The layer stack over a block: ``kvs`` are each layer's context (K, V) (None, None for
+        none), ``start`` the anchor's absolute position (int, or (B,) per row), ``masks`` each
+        layer's attention mask. Returns final-normed hidden states (B, L, H)."""
+        x = self.embed_block(block)
+        for layer, (ck, cv), mask in zip(self.layers, kvs, masks):
+            x = layer(x, ck, cv, start, mask)
+        return self.norm(x)
 
     def hidden(self, block: mx.array, features: mx.array | None, cache: list[ContextCache]):
         """Final-normed hidden states (B, L, H) of a block; ``features`` are new context rows."""
@@ -433,21 +472,38 @@ class Drafter(nn.Module):
             kvs = self.add_context(features, cache)
         else:
             kvs = [lc.state for lc in cache]
-        start = cache[0].offset
-        x = self._embed(block) * self.args.input_embedding_scale
-        L = block.shape[1]
-        for layer, lc, (ck, cv) in zip(self.layers, cache, kvs):
-            n_ctx = 0 if ck is None else ck.shape[2]
-            mask = block_mask(n_ctx, start, L, layer.causal, layer.window)
-            x = layer(x, ck, cv, start, mask)
-        return self.norm(x)
+        start, L = cache[0].offset, block.shape[1]
+        masks = [block_mask(0 if ck is None else ck.shape[2], start, L, layer.causal, layer.window)
+                 for layer, (ck, _) in zip(self.layers, kvs)]
+        return self.run_block(block, kvs, start, masks)
 
-    def logits(self, h: mx.array, full: bool = False) -> mx.array:
-        """Draft logits over the draft vocabulary (all V, or ``vocab.ids``; ``full`` forces V)."""
-        head = self._head if full or self.vocab is None else self.vocab.head
-        out = head(h) * self.args.output_multiplier
+    def block_hidden(self, blocks: mx.array, features: mx.array, starts: mx.array, rows: mx.array,
+                     mask: mx.array) -> mx.array:
+        """Many blocks at once, each against its own sequence's context (the training form of
+        ``hidden``): ``features`` (Bs, S, F) are whole sequences (RoPE at positions 0..S-1),
+        block n (``blocks[n]``, anchor at ``starts[n]``) reads sequence ``rows[n]`` through
+        ``mask`` (N, 1, L, S + L), which must hide every context row at or after its anchor.
+        Returns (N, L, H); row n equals ``hidden(blocks[n:n+1], features[rows[n], :starts[n]],
+        make_cache())`` (tested)."""
+        c = self.fuse(features)
+        kvs = []
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(c, 0)  # (Bs, n_kv, S, hd)
+            kvs.append((ck[rows], cv[rows]))
+        return self.run_block(blocks, kvs, starts, [mask] * len(self.layers))
+
+    def softcap(self, out: mx.array) -> mx.array:
+        """Raw head outputs -> draft logits: the output multiplier, then the softcap if any."""
+        out = out * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
         return cap * mx.tanh(out / cap) if cap else out
+
+    def logits(self, h: mx.array, full: bool = False, head: Callable | None = None) -> mx.array:
+        """Draft logits over the draft vocabulary (all V, or ``vocab.ids``; ``full`` forces V;
+        ``head`` replaces the head, e.g. rows of it when training over part of the vocabulary)."""
+        if head is None:
+            head = self._head if full or self.vocab is None else self.vocab.head
+        return self.softcap(head(h))
 
     def propose(
         self,
@@ -457,11 +513,13 @@ class Drafter(nn.Module):
         block_size: int,
         sampling: SamplingConfig | float = 0.0,
         key: mx.array | None = None,
+        confidence: bool = False,
     ) -> Proposal:
         """Draft ``block_size - 1`` tokens after ``anchor`` (a () or (1,) int array).
 
         ``sampling`` is the request's SamplingConfig (a float is a bare temperature). At T > 0
         the proposal carries q, the exact distribution each draft was drawn from (see sample).
+        ``confidence`` (greedy): also return the drafter's top probability at each position.
         """
         cfg = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(float(sampling))
         mask_id = self.args.mask_token_id
@@ -472,11 +530,15 @@ class Drafter(nn.Module):
         unary = self.logits(h)  # (L-1, V), or (L-1, K) over a reduced draft vocabulary
         if cfg.greedy:
             ids = self.vocab.ids if self.vocab is not None else None
+            conf = None
+            if confidence:
+                u = unary.astype(mx.float32)
+                conf = mx.exp(u.max(axis=-1) - mx.logsumexp(u, axis=-1))
             if "candidate_selector" in self:
                 sel = self.candidate_selector
-                return Proposal(sel.walk_greedy(*sel.lattice(h, unary, anchor.reshape(()), ids)), None)
+                return Proposal(sel.walk_greedy(*sel.lattice(h, unary, anchor.reshape(()), ids)), None, conf)
             best = mx.argmax(unary, axis=-1)
-            return Proposal(best if ids is None else ids[best], None)
+            return Proposal(best if ids is None else ids[best], None, conf)
         return Proposal(*self.sample(h, unary, anchor, cfg, key))
 
     def sample(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
@@ -524,6 +586,8 @@ __all__ = [
     "Proposal",
     "DraftVocab",
     "TwoTapConv",
+    "DecoderLayer",
+    "DFlash2DecoderLayer",
     "CandidateSelector",
     "build_target_layer_ids",
     "block_mask",

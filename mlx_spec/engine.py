@@ -8,16 +8,17 @@ MLX streams are thread-local (mlx >= 0.31.2), so the TUI and the server never to
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import BadRequest, MlxSpecError
+from .errors import MlxSpecError
+from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
+from .stats import StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
 
@@ -27,29 +28,11 @@ class EngineBusy(MlxSpecError):
 
 
 @dataclass(frozen=True)
-class Request:
-    prompt: str | None = None
-    messages: list[dict] | None = None  # chat; goes through the chat template
-    prompt_ids: tuple[int, ...] | None = None
-    max_tokens: int | None = 256  # None: until the context is full (needs a context length)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    tools: list | None = None
-    speculate: bool = True  # False: plain decoding for an A/B (only changes a pair with a drafter)
-    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-
-
-_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
 class Started:
     request_id: str
     prompt_tokens: int
-    engine: dict
+    engine: EngineInfo
+    reasoning: bool = False  # the prompt opened a reasoning block: the output starts inside it
 
 
 @dataclass(frozen=True)
@@ -59,7 +42,7 @@ class Delta:
     tokens: tuple[int, ...]
     drafted: int
     accepted: int
-    stats: dict  # running Stats.as_dict()
+    stats: StatsSnapshot  # the request's running stats
 
 
 @dataclass(frozen=True)
@@ -69,9 +52,10 @@ class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    engine: dict
-    stats: dict
+    engine: EngineInfo
+    stats: StatsSnapshot
     timings: dict  # llama.cpp-style counters (see README)
+    stop_sequence: str | None = None  # the stop string that ended the text (finish_reason "stop")
 
 
 @dataclass(frozen=True)
@@ -155,34 +139,66 @@ def timings(stats, block_size: int) -> dict:
 
 
 class Engine:
-    """Owns a pair on its own thread. ``loader`` runs on that thread and returns
-    ``(pair, info)`` where info is a ``generation.EngineInfo``.
+    """Owns a loaded session on its own thread: a queue in, frozen events out.
 
-    ``prefix_cache``: bytes of K/V (target + drafter context) kept between requests so a
-    conversation's next turn, or a request sharing a system prompt, prefills only its new tokens
-    (0 = off). The memory plan counts this budget (``--prefix-cache-mb``)."""
+    ``loader`` runs on that thread and returns a ``session.Session`` (pair, ``EngineInfo``,
+    context length, tool-call and reasoning formats). ``prefix_cache``: bytes of K/V (target +
+    drafter context) kept between requests so a conversation's next turn, or a request sharing a
+    system prompt, prefills only its new tokens (0 = off; the memory plan counts it).
 
-    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, context_length: int | None = None,
-                 prefix_cache: int = 0):
+    What a request runs (validation, prompt, steps) is ``generation``'s; the engine only orders
+    the work, fans events out and keeps the counters (``snapshot``)."""
+
+    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0):
         self._loader = loader
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
         self.error: str | None = None
-        self.info = None  # EngineInfo once ready
-        self.tool_format = None  # server.tools.ToolFormat once ready, if the tokenizer has one
-        self.context_length = context_length
+        self._session = None  # session.Session once ready
+        self._info: EngineInfo | None = None  # replaced by use_info (re-tuning)
         self._ready = threading.Event()
-        self._pair = None
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
         self._controllers = (None, None)  # (EngineInfo, generation.controllers(...)) for --adaptive
-        self.counters = {"requests": 0, "errors": 0, "tokens": 0, "prompt_tokens": 0, "drafted": 0,
-                         "accepted": 0, "cycles": 0, "cancelled": 0, "cached_tokens": 0,
-                         "prefix_cache_bytes": 0}
-        self.accepted_by_position: list[int] = []
-        self.drafted_by_position: list[int] = []
+        self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                          "prefix_cache_bytes": 0}
+        self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
+        self._running = None  # the running request's stats.Stats (updated on the engine thread)
+        self._leader = None  # distributed.Leader when the session's target is sharded over a group
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
+
+    # -- what is loaded (read-only outside the engine thread) -------------------------------------
+    @property
+    def info(self) -> EngineInfo | None:
+        """What runs: the session's ``EngineInfo`` (after a re-tune, the new one); None while loading."""
+        return self._info
+
+    @property
+    def context_length(self) -> int | None:
+        return self._session.context_length if self._session is not None else None
+
+    @property
+    def tool_format(self):
+        """``text.ToolFormat`` of the loaded tokenizer, or None."""
+        return self._session.tool_format if self._session is not None else None
+
+    @property
+    def think_format(self):
+        """``thinking.ThinkFormat`` of the loaded tokenizer, or None."""
+        return self._session.think_format if self._session is not None else None
+
+    @property
+    def group(self) -> dict | None:
+        """The distributed group's state (size, rank, backend, healthy, error), None on one process."""
+        return self._leader.health() if self._leader is not None else None
+
+    def use_info(self, info: EngineInfo) -> None:
+        """Switch what the next request runs (a re-tune). Call it from a job on the engine thread
+        (``call``), so it lands between requests."""
+        if threading.current_thread() is not self._thread:
+            raise MlxSpecError("Engine.use_info must run on the engine thread (inside Engine.call)")
+        self._info = info
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -220,6 +236,8 @@ class Engine:
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         if self.state not in (LOADING, READY):
             raise MlxSpecError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""))
+        if self._leader is not None:
+            self._leader.ensure_healthy()  # GroupFailed: a rank died or hangs
         handle = Handle(request, loop)
         try:
             self._jobs.put_nowait(("gen", handle))
@@ -240,21 +258,27 @@ class Engine:
     def _main(self) -> None:
         try:
             from .prefix import PrefixCache
-            from .server.tools import tool_format  # plain Python: markers + parser function
 
             self._prefix = PrefixCache(self._prefix_budget)
-            self._pair, self.info = self._loader()
-            self.tool_format = tool_format(getattr(self._pair, "tokenizer", None))
-            if self.context_length is None:
-                self.context_length = model_context_length(getattr(self._pair, "model", None))
+            session = self._loader()
+            if getattr(session, "group", None) is not None:
+                from .distributed import Leader
+
+                if session.group.rank() != 0:
+                    raise MlxSpecError("an engine runs on rank 0 only; other ranks follow "
+                                       "(distributed.follow_session)")
+                self._leader = Leader(session.group)
+            self._session, self._info = session, session.info
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
             self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             if job is None:
+                if self._leader is not None:
+                    self._leader.shutdown()  # the other ranks exit
                 self._release()
                 return
             kind, payload = job
@@ -267,16 +291,28 @@ class Engine:
             if kind == "call":
                 fn, fut = payload
                 try:
-                    fut.set_result(fn(self._pair))
+                    fut.set_result(fn(self._session.pair))
                 except BaseException as e:
                     fut.set_exception(e)
             else:
                 self._generate(payload)
 
+    def _next_job(self):
+        """The next job; in a group, heartbeats to the other ranks while waiting for it."""
+        if self._leader is None:
+            return self._jobs.get()
+        from .distributed import HEARTBEAT_S
+
+        while True:
+            try:
+                return self._jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                self._leader.heartbeat()
+
     def _release(self) -> None:
         """Free the pair and this thread's MLX streams before the thread ends: MLX aborts the
         process at exit when a thread-local stream outlives its thread (ml-explore/mlx#3126)."""
-        self._pair = None
+        self._session = None
         if self._prefix is not None:
             self._prefix.clear()
         import mlx.core as mx
@@ -287,102 +323,95 @@ class Engine:
             clear()
 
     def _generate(self, handle: Handle) -> None:
-        from .generation import GenConfig, Result, controllers, engine_info, generate
-        from .sampling import SamplingConfig
-        from .text import encode_prompt
+        from .generation import Result, controllers, for_request, generate, prepare
 
-        req, pair = handle.request, self._pair
+        req = handle.request
         rid = req.id
-        with self._lock:
-            self.counters["requests"] += 1
+        self._add("requests")
         try:
             if handle.cancelled.is_set():
                 raise _Cancelled()
-            info = self.info
-            if not req.speculate and info.method != "plain":
-                info = engine_info(_plain_view(pair))
-            if req.prompt_ids is not None:
-                ids = list(req.prompt_ids)
-                vocab = getattr(getattr(pair.model, "args", None), "vocab_size", None)
-                if vocab and any(not 0 <= t < vocab for t in ids):
-                    raise BadRequest(f"prompt token ids must be in [0, {vocab})")
-            else:
-                try:
-                    ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools)
-                except Exception as e:  # e.g. the chat template rejects these messages
-                    raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
-            if not ids:
-                raise BadRequest("empty prompt")
-            max_tokens = req.max_tokens
-            if max_tokens is None:  # OpenAI semantics: until the context is full
-                max_tokens = (self.context_length or len(ids) + 256) - len(ids)
-            if self.context_length and len(ids) + max(max_tokens, 1) > self.context_length:
-                from .errors import ContextTooLong
-
-                raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
-                                     f"exceeds the context length {self.context_length}")
-            try:
-                cfg = GenConfig(max_tokens=max_tokens, stop=tuple(req.stop),
-                                sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
-            except ValueError as e:
-                raise BadRequest(str(e)) from None
-            handle._put(Started(rid, len(ids), info.as_dict()))
+            pair, info = for_request(self._session.pair, self._info, req.speculate)
+            ids, cfg = prepare(pair, req, self.context_length)
+            handle._put(Started(rid, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
             result = Result()
             finish = None
             if self._controllers[0] is not info:  # built once per engine (re-tuning changes info)
                 self._controllers = (info, controllers(pair, info))
             make = self._controllers[1]
-            chunks = generate(_plain_view(pair) if info.method == "plain" else pair, info, ids, cfg, result,
-                              prefix=self._prefix, controller=make() if make else None)
-            for chunk in chunks:
-                s = chunk.step
-                handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.as_dict()))
-                self._count(s)
-                if handle.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-            chunks.close()  # hands the caches to the prefix cache now, not at garbage collection
+            with self._lock:
+                self._running = result.stats
+            lead = self._leader
+            if lead is not None:  # a rank stuck in a collective: fail this request from the watchdog
+                unwatch = lead.on_failure(lambda why: handle._put(Failed(rid, why, "GroupFailed"))
+                                          if threading.current_thread() is not self._thread else None)
+            chunks = generate(pair, info, ids, cfg, result, prefix=self._prefix if lead is None else None,
+                              controller=make() if make else None, lead=lead)
+            try:
+                for chunk in chunks:
+                    s = chunk.step
+                    handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.snapshot()))
+                    if handle.cancelled.is_set():
+                        finish = "cancelled"
+                        break
+                chunks.close()  # hands the caches to the prefix cache now, not at garbage collection
+            finally:
+                if lead is not None:
+                    unwatch()
+                    lead.finish()
             finish = finish or result.finish_reason or "length"
-            if finish == "cancelled":
-                with self._lock:
-                    self.counters["cancelled"] += 1
             st = result.stats
-            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info.as_dict(),
-                             st.as_dict(), timings(st, info.block_size)))
-            with self._lock:
-                self.counters["prompt_tokens"] += len(ids)
-                self.counters["cached_tokens"] += st.cached_tokens
-                self.counters["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix else 0
+            self._finish(st, len(ids), cancelled=finish == "cancelled")
+            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info, st.snapshot(),
+                             timings(st, info.block_size), result.stop_sequence))
         except _Cancelled:
-            with self._lock:
-                self.counters["cancelled"] += 1
-            handle._put(Done(rid, "", "cancelled", 0, 0, self.info.as_dict(), {}, {}))
+            self._add("cancelled")
+            handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
         except Exception as e:
-            with self._lock:
-                self.counters["errors"] += 1
+            self._finish(None, 0)
+            self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
 
-    def _count(self, step) -> None:
+    def _opens_reasoning(self, pair, ids) -> bool:
+        if self.think_format is None:
+            return False
+        from .thinking import prompt_opens_reasoning
+
+        return prompt_opens_reasoning(self.think_format, pair.tokenizer.decode(list(ids[-8:])))
+
+    def _add(self, name: str, n: int = 1) -> None:
         with self._lock:
-            c = self.counters
-            c["tokens"] += len(step.tokens)
-            if not step.prefill:
-                c["cycles"] += 1 if step.drafted else 0
-                c["drafted"] += step.drafted
-                c["accepted"] += step.accepted
-                while len(self.accepted_by_position) < step.drafted:
-                    self.accepted_by_position.append(0)
-                    self.drafted_by_position.append(0)
-                for k in range(step.drafted):
-                    self.drafted_by_position[k] += 1
-                for k in range(step.accepted):
-                    self.accepted_by_position[k] += 1
+            self._requests[name] += n
+
+    def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
+        """Fold a finished request's stats into the engine's totals."""
+        from .bench import merge_stats
+
+        with self._lock:
+            self._running = None
+            if stats is not None:
+                self._done_stats = merge_stats([s for s in (self._done_stats, stats) if s is not None])
+                self._requests["prompt_tokens"] += prompt_tokens
+                self._requests["cached_tokens"] += stats.cached_tokens
+                self._requests["cancelled"] += int(cancelled)
+            self._requests["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix else 0
 
     def snapshot(self) -> dict:
-        """Counters for /metrics and the UI (plain values)."""
+        """Counters for /metrics and the UI (plain values): request counts, and cycle counters
+        from the requests' ``Stats`` (finished ones plus the one running now)."""
+        from .bench import merge_stats
+
         with self._lock:
-            return {**self.counters, "accepted_by_position": list(self.accepted_by_position),
-                    "drafted_by_position": list(self.drafted_by_position), "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+            parts = [s for s in (self._done_stats, self._running) if s is not None]
+            st = merge_stats(parts) if parts else None
+            c = dict(self._requests)
+        cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
+                  "drafted_by_position": []}
+        if st is not None:
+            cycles = {"tokens": st.tokens, "drafted": st.drafted, "accepted": st.accepted,
+                      "cycles": st.reached[0] if st.reached else 0,  # cycles that drafted >= 1 token
+                      "accepted_by_position": list(st.hits), "drafted_by_position": list(st.reached)}
+        return {**c, **cycles, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
 
 
 def _wait_native_exit(native_id: int | None, timeout: float) -> None:
@@ -398,19 +427,5 @@ def _wait_native_exit(native_id: int | None, timeout: float) -> None:
         time.sleep(0.002)
 
 
-def model_context_length(model) -> int | None:
-    """The target's trained context (``max_position_embeddings``), if its config says."""
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
 class _Cancelled(Exception):
     pass
-
-
-def _plain_view(pair):
-    """The same loaded pair seen without its drafter (plain decoding for an A/B)."""
-    from dataclasses import replace
-
-    return replace(pair, drafter=None, target=None, drafter_id=None)

@@ -31,5 +31,15 @@ class BadRequest(MlxSpecError):
     """Invalid user input (CLI flag, request field)."""
 
 
+class InvalidPrompt(BadRequest):
+    """The prompt itself is invalid: token ids outside the vocabulary, nothing to encode."""
+
+    param = "prompt"
+
+
 class Cancelled(MlxSpecError):
     """A generation was cancelled by its client."""
+
+
+class HubError(MlxSpecError):
+    """A model hub could not give a repo's files: missing repo or file, server error, offline."""

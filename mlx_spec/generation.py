@@ -6,17 +6,19 @@ thread that loaded the pair (MLX streams are thread-local).
 
 from __future__ import annotations
 
+import itertools
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
 
 from .decode import Step, plain_steps, spec_steps
-from .errors import BadRequest
+from .distributed import SINGLE, GroupInfo
+from .errors import BadRequest, ContextTooLong
 from .loading import Pair
 from .prefix import PrefixCache
 from .sampling import SamplingConfig
 from .stats import Stats
-from .text import Chunk, stream_text
+from .text import Chunk, encode_prompt, stream_text
 
 log = logging.getLogger(__name__)
 
@@ -33,44 +35,115 @@ class GenConfig:
             raise BadRequest(f"max_tokens must be >= 1 (got {self.max_tokens})")
 
 
+@dataclass(frozen=True)
+class Request:
+    """One generation as the engine takes it (the server and the TUI build these)."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None  # chat; goes through the chat template
+    prompt_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = 256  # None: until the context is full (needs a context length)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: list | None = None
+    speculate: bool = True  # False: plain decoding for an A/B (only changes a pair with a drafter)
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    template_kwargs: dict | None = None  # extra chat-template variables, e.g. {"enable_thinking": False}
+
+
+_ids = itertools.count(1)
+
+
+def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[int], GenConfig]:
+    """Validate a request against the loaded pair and encode its prompt: (prompt ids, config).
+    Raises BadRequest / ContextTooLong with the reason."""
+    if req.prompt_ids is not None:
+        ids = list(req.prompt_ids)
+        vocab = getattr(getattr(pair.model, "args", None), "vocab_size", None)
+        if vocab and any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab})")
+    else:
+        try:
+            ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools,
+                                template_kwargs=req.template_kwargs)
+        except Exception as e:  # e.g. the chat template rejects these messages
+            raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
+    if not ids:
+        raise BadRequest("empty prompt")
+    max_tokens = req.max_tokens
+    if max_tokens is None:  # OpenAI semantics: until the context is full
+        max_tokens = (context_length or len(ids) + 256) - len(ids)
+    if context_length and len(ids) + max(max_tokens, 1) > context_length:
+        raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                             f"exceeds the context length {context_length}")
+    try:
+        cfg = GenConfig(max_tokens=max_tokens, stop=tuple(req.stop),
+                        sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return ids, cfg
+
+
+SPECULATIVE, PLAIN, TUNED_OFF = "speculative", "plain", "tuned-off"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """What really runs; shown by every command and in every server response."""
+    """What really runs; shown by every command and in every server response.
+
+    ``mode`` is decided by ``engine_info`` alone: "speculative" (a drafter drafts), "plain" (no
+    drafter: --no-draft, or a plain A/B request) or "tuned-off" (a drafter is loaded but the tuner
+    found plain decoding faster on this machine). Front ends read ``mode``, never the source text.
+    """
 
     method: str  # "dflash2" | "dflash" | "plain"
     target: str
     drafter: str | None
     block_size: int  # 1 for plain decoding
     block_size_source: str  # "flag" | "checkpoint" | "tuned <date>" | "plain (--no-draft)" ...
+    mode: str = SPECULATIVE  # see the class docstring
     adaptive_max: int = 0  # > 0: --adaptive, the block size is chosen each cycle in 1..adaptive_max
     draft_vocab: int = 0  # > 0: drafts come from a reduced vocabulary of this many ids (0: full head)
+    group: GroupInfo = SINGLE  # the processes the target is sharded over (distributed.py)
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode == SPECULATIVE
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        if self.method == "plain":
-            why = "--no-draft" if self.drafter is None else self.block_size_source
-            return f"engine: plain decoding of {self.target} ({why}; no speculation)"
+        if self.mode != SPECULATIVE:
+            why = "--no-draft" if self.mode == PLAIN else self.block_size_source
+            return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
         block = (f"adaptive block size <= {self.adaptive_max} (online controller; fixed would be "
                  f"{self.block_size}, {self.block_size_source})" if self.adaptive_max else
                  f"block size {self.block_size} ({self.block_size_source})")
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-                f"{self.drafter}, {block}{vocab}")
+                f"{self.drafter}, {block}{vocab}{self._group()}")
+
+    def _group(self) -> str:
+        return "" if self.group.size == 1 else f", {self.group.describe()}"
 
 
 def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None,
-                adaptive: bool = False) -> EngineInfo:
-    """Resolve the block size: explicit flag, else the given source (tuner), else checkpoint.
+                adaptive: bool = False, *, off: bool = False) -> EngineInfo:
+    """The one place that decides what runs (``EngineInfo.mode``).
 
-    ``adaptive``: the online controller picks each cycle's block in 1..max(block size, the
-    checkpoint's, the tuner's candidates); the fixed choice stays in ``block_size``."""
+    No drafter: plain. ``off``: the tuner chose plain decoding for this pair (``source`` says
+    why). Else speculative at ``block_size`` (None: the checkpoint's). ``adaptive``: the online
+    controller picks each cycle's block in 1..max(block size, the checkpoint's, 16); the fixed
+    choice stays in ``block_size``."""
     if pair.drafter is None:
-        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)")
+        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
+    if off:
+        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
     ckpt = pair.drafter.args.block_size
-    if block_size == 1 and (source or "").startswith("tuned"):  # the tuner chose "off"
-        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source)
     if block_size is None:
         block_size, source = ckpt, "checkpoint"
     if block_size < 2:
@@ -82,13 +155,29 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
     top = max(block_size, ckpt, 16) if adaptive else 0
     vocab = pair.drafter.vocab_size_drafted
-    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", top, vocab)
+    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", SPECULATIVE,
+                      top, vocab)
+
+
+def plain_view(pair: Pair) -> Pair:
+    """The same loaded pair seen without its drafter (plain decoding for an A/B)."""
+    return replace(pair, drafter=None, target=None, drafter_id=None)
+
+
+def for_request(pair: Pair, info: EngineInfo, speculate: bool = True) -> tuple[Pair, EngineInfo]:
+    """The pair and engine a request runs: ``speculate=False`` (an A/B) and a tuned-off engine
+    both decode the target plainly, without touching the drafter."""
+    if info.speculative and speculate:
+        return pair, info
+    if info.speculative:  # an A/B request: plain decoding of the same target
+        return plain_view(pair), replace(engine_info(plain_view(pair)), group=info.group)
+    return plain_view(pair), info
 
 
 def controllers(pair: Pair, info: EngineInfo):
     """For ``--adaptive``: a factory of fresh controllers (one per generation) from the tuner's
     stored cost curve for this pair, else costs measured once now; None when not adaptive."""
-    if not info.adaptive_max or info.method == "plain":
+    if not info.adaptive_max or not info.speculative:
         return None
     from .adaptive import Controllers
     from .tuner import load_result, tune_key
@@ -97,12 +186,20 @@ def controllers(pair: Pair, info: EngineInfo):
 
 
 def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-                prefix: PrefixCache | None = None, controller=None) -> Iterator[Step]:
+                prefix: PrefixCache | None = None, controller=None, lead=None) -> Iterator[Step]:
     """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
     and keep the final caches there for the next request. ``controller``: a fresh
-    ``adaptive.AdaptiveController`` for this generation (``--adaptive``)."""
+    ``adaptive.AdaptiveController`` for this generation (``--adaptive``). ``lead``: rank 0's
+    ``distributed.Leader`` when the target is sharded over a group: the other ranks run the same
+    steps (no prefix cache there; the seed, the controller's choices and every step are shared)."""
+    if lead is not None:
+        cfg = lead.seeded(cfg)
+        if controller is not None:
+            controller = lead.controller(controller, info.block_size)
+        steps = token_steps(pair, info, prompt, cfg, None, controller)
+        return lead.lead(steps, prompt, cfg, info, controlled=controller is not None)
     eos = tuple(pair.tokenizer.eos_token_ids)
-    plain = info.method == "plain"
+    plain = not info.speculative
     reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
     if plain:
         return plain_steps(pair.model, prompt, max_tokens=cfg.max_tokens, eos_ids=eos,
@@ -118,12 +215,14 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
              result: Result | None = None, prefix: PrefixCache | None = None,
-             controller=None) -> Iterator[Chunk]:
-    """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come."""
+             controller=None, lead=None) -> Iterator[Chunk]:
+    """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come.
+    ``lead``: see ``token_steps``."""
     result = Result() if result is None else result
 
     def counted(steps):
@@ -132,12 +231,13 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller)), pair.tokenizer,
+    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller, lead)), pair.tokenizer,
                              cfg.stop, eos):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)
         if chunk.finish_reason:
             result.finish_reason = chunk.finish_reason
+            result.stop_sequence = chunk.stop_sequence
         yield chunk
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,8 +95,12 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
     # mx.load reads block types it does not know (Q4_K, ...) as garbage, so check types first
 
-    reader = GGUFReader(path)
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    try:
+        reader = GGUFReader(path)
+        types = {t.name: t.tensor_type.name for t in reader.tensors}
+    except (ValueError, TypeError, IndexError, KeyError, OSError) as e:  # gguf-py's errors for bad bytes
+        raise CheckpointError(f"{path}: not a readable GGUF file, or cut short ({type(e).__name__}: {e}); "
+                              "download or copy it again") from None
     bad = sorted(
         {f"{name}: {kind}" for name, kind in types.items() if kind not in SUPPORTED_TENSOR_TYPES}
     )
@@ -106,7 +110,10 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
             f"{path.name}: tensor types {kinds} are not supported (supported: "
             f"{', '.join(SUPPORTED_TENSOR_TYPES)}); e.g. {bad[0]}. Use a Q4_0/Q4_1/Q8_0/F16 GGUF."
         )
-    tensors, raw_meta = mx.load(str(path), return_metadata=True)
+    try:
+        tensors, raw_meta = mx.load(str(path), return_metadata=True)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: unreadable GGUF data ({e}); download or copy it again") from None
     metadata = {k: _value(v) for k, v in raw_meta.items()}
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -260,7 +267,11 @@ def make_tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def convert_gguf(
-    gguf_path: str | Path, out_dir: str | Path, *, dtype: Literal["float32", "keep"] = "float32"
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: Literal["float32", "keep"] = "float32",
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> Path:
     """Convert a llama GGUF (F32/F16/BF16/Q4_0/Q4_1/Q8_0 tensors) into an mlx-lm model folder.
 
@@ -269,6 +280,8 @@ def convert_gguf(
         out_dir: folder to write (created; existing files of the same names are replaced).
         dtype: "float32" dequantizes every tensor to float32; "keep" keeps quantized tensors
             quantized (group size 32, bits per layer) and float tensors as stored.
+        progress: called as ``progress(done, total, tensor name)`` as each tensor is converted,
+            then once more when the file is written.
 
     Returns:
         `out_dir` as a Path, loadable with `mlx_lm.load`.
@@ -294,7 +307,14 @@ def convert_gguf(
         quant.update({k: {**quant, "bits": b} for k, b in bits.items() if b != common})
         config["quantization"] = config["quantization_config"] = quant
     out_dir.mkdir(parents=True, exist_ok=True)
+    total = len(weights) + 1  # + writing the file
+    for i, (name, w) in enumerate(weights.items()):
+        if progress is not None:  # one tensor at a time, so a bar can follow
+            mx.eval(w)
+            progress(i + 1, total, name)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if progress is not None:
+        progress(total, total, "model.safetensors written")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(

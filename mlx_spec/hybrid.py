@@ -73,7 +73,11 @@ def _project(attn: nn.Module, x: mx.array):
 
 
 def gdn_forward(attn: nn.Module, x: mx.array, mask, cache: ArraysCache, records: list) -> mx.array:
-    """``GatedDeltaNet.__call__`` of mlx-lm 0.32 (with a cache), appending a ``GDNRecord``."""
+    """``GatedDeltaNet.__call__`` of mlx-lm 0.32 (with a cache), appending a ``GDNRecord``.
+
+    On a target sharded with mlx-lm's ``shard`` the layer holds this rank's heads (projections,
+    conv channels, ``A_log``/``dt_bias``), so the record, the state and its rollback are this
+    rank's slice; the output is all-reduced as in mlx-lm."""
     B, S, _ = x.shape
     if cache.lengths is not None:
         raise UnsupportedModel("GDN rollback does not support ArraysCache.lengths (batched prefill)")
@@ -101,8 +105,9 @@ def gdn_forward(attn: nn.Module, x: mx.array, mask, cache: ArraysCache, records:
                                     use_kernel=not attn.training)
     cache[1] = state
     cache.advance(S)
-    out = attn.norm(out, z)
-    return attn.out_proj(out.reshape(B, S, -1))
+    out = attn.out_proj(attn.norm(out, z).reshape(B, S, -1))
+    group = getattr(attn, "sharding_group", None)  # sharded over a group: this rank's heads only
+    return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
 def gdn_block(layer: nn.Module, h: mx.array, mask, cache: ArraysCache, records: list) -> mx.array:

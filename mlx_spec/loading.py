@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from . import quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
 from .errors import CheckpointError, IncompatiblePair, MlxSpecError
+from .integrity import check_model_dir
 from .target import Target
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -36,12 +37,11 @@ def resolve(path_or_id: str, what: str) -> Path:
         return bundled
     if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
         raise MlxSpecError(f"{what} '{path_or_id}' not found (not a directory, not a repo id)")
-    from huggingface_hub import snapshot_download
+    from . import hub
 
-    try:
-        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
-    except Exception as e:  # network, auth, missing repo: say which
-        raise MlxSpecError(f"could not fetch {what} '{path_or_id}' from the Hugging Face hub: {e}") from e
+    # a complete earlier download is used offline; else huggingface-hub fetches (resumable, with
+    # its progress bars) after the memory plan has been checked from metadata (memory.model_source)
+    return hub.download(path_or_id)
 
 
 def default_dtype():
@@ -123,6 +123,8 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
     before its weights are materialized; an already quantized checkpoint loads as it is.
     """
     path = resolve(str(path_or_id), "drafter")
+    if path.is_dir():
+        check_model_dir(path, "drafter", str(path_or_id))
     config = _read_config(path)
     arch = (config.get("architectures") or [None])[0]
     if arch not in (DFLASH1, DFLASH2):
@@ -220,11 +222,14 @@ class Pair:
     drafter_config: dict | None
 
 
-def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64):
+def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64,
+                      shard=None):
     """mlx-lm model + tokenizer; ``path_or_id`` may be the default target's id.
 
     Loaded lazily, cast to ``dtype`` (default: float32 on CPU) and quantized to ``bits`` before
-    any weight is materialized; an already quantized checkpoint loads as it is.
+    any weight is materialized; an already quantized checkpoint loads as it is. ``shard(model)``
+    (distributed.shard_target over a group) splits it before materializing, so a rank only ever
+    holds its shard.
     """
     from mlx_lm import load
 
@@ -234,9 +239,19 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
         path = default_target.ensure_default_target().path
     else:
         path = resolve(path_or_id, "target")
-    model, tokenizer = load(str(path), lazy=True)
+        if not path.is_dir():
+            raise CheckpointError(f"target '{path_or_id}' is a file, not a model folder (config.json, "
+                                  "*.safetensors, tokenizer); a GGUF file converts with `mlx_spec convert`")
+        check_model_dir(path, "target", path_or_id)
+    try:
+        model, tokenizer = load(str(path), lazy=True)
+    except MlxSpecError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # a file mlx-lm cannot read
+        raise CheckpointError(f"target {path}: could not load it ({type(e).__name__}: {e})") from None
     dtype = default_dtype() if dtype is None else dtype
-    quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}")
+    quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}",
+                     before_materialize=shard)
     return model, tokenizer
 
 
@@ -246,14 +261,14 @@ def _is_quantized(model) -> bool:
 
 def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
               target_bits: int | None = None, drafter_bits: int | None = None,
-              group_size: int = 64, draft_vocab: str = "auto") -> Pair:
+              group_size: int = 64, draft_vocab: str = "auto", shard=None) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
-    (``draft_vocab.json``), "full" always over the whole head."""
+    (``draft_vocab.json``), "full" always over the whole head. ``shard``: see ``load_target_model``."""
     if draft_vocab not in ("auto", "full"):
         raise MlxSpecError(f"draft vocabulary must be 'auto' or 'full', not {draft_vocab!r}")
-    model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size)
+    model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size, shard=shard)
     if no_draft:
         return Pair(model, tokenizer, None, None, target_id, None, None)
     if drafter_id is None:

@@ -21,6 +21,71 @@ from .decode import Step, _finish
 from .sampling import accept_greedy
 
 
+class SuffixIndex:
+    """An n-gram index over a growing token sequence, for lookup drafts inside ``spec_steps``.
+
+    For every n in 1..``ngram_max`` it maps each n-gram to the (up to ``keep``) latest positions
+    that follow it, updated incrementally as tokens are appended (``extend``: O(ngram_max) per
+    token, no rescans). ``propose(k)`` finds the earlier occurrences of the sequence's last n
+    tokens (n large first) and, among them, the one whose match extends furthest back (up to
+    ``max_match`` tokens), and returns ``k`` tokens that followed it (where they run past the
+    end, the copy continues periodically: a repeating tail keeps repeating) and that match length.
+    """
+
+    def __init__(self, ids: Sequence[int] = (), ngram_max: int = 4, *, keep: int = 4, max_match: int = 64):
+        if ngram_max < 1:
+            raise ValueError(f"ngram_max must be >= 1 (got {ngram_max})")
+        self.ngram_max, self.keep, self.max_match = ngram_max, keep, max_match
+        self.ids: list[int] = []
+        self._at: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(ngram_max + 1)]
+        self.extend(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def extend(self, ids: Sequence[int]) -> None:
+        h, keep = self.ids, self.keep
+        for t in ids:
+            h.append(int(t))
+            p = len(h) - 1  # the new token follows the n-grams ending at p - 1
+            for n in range(1, min(self.ngram_max, p) + 1):
+                key = tuple(h[p - n:p])
+                where = self._at[n].get(key)
+                if where is None:
+                    self._at[n][key] = [p]
+                else:
+                    where.append(p)
+                    if len(where) > keep:
+                        del where[0]
+
+    def _match(self, j: int) -> int:
+        """How many tokens before position j equal the sequence's last tokens."""
+        h, end, m = self.ids, len(self.ids), 0
+        while m < self.max_match and j - 1 - m >= 0 and h[j - 1 - m] == h[end - 1 - m]:
+            m += 1
+        return m
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """(up to ``k`` tokens that followed the best earlier match of the tail, its length)."""
+        h = self.ids
+        if k <= 0 or len(h) < 2:
+            return [], 0
+        for n in range(min(self.ngram_max, len(h) - 1), 0, -1):
+            where = self._at[n].get(tuple(h[-n:]))
+            if where:
+                best_j, best_m = where[-1], -1
+                for j in reversed(where):
+                    m = self._match(j)
+                    if m > best_m:
+                        best_j, best_m = j, m
+                out = h[best_j:best_j + k]
+                period = len(h) - best_j  # past the end, the copy continues itself
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out, best_m
+        return [], 0
+
+
 def find_draft(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
     """Up to ``k`` tokens following the latest earlier match of the last n tokens (n large first)."""
     size = len(history)

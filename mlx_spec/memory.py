@@ -128,6 +128,13 @@ class PlanInputs:
     prefix_cache: int = 0
     cache_limit: int | None = CPU_CACHE_LIMIT  # MLX allocator cache limit; None: unbounded
     labels: dict = field(default_factory=dict)  # descriptions for the weight rows
+    ranks: int = 1  # > 1: the plan of one rank of a group the target is sharded over (distributed.py)
+    replicated_weights: int = 0  # target bytes every rank holds whole (embedding, head, norms)
+
+
+def kv_bytes(d: ModelDims | DrafterDims, act_bytes: int) -> int:
+    """Keys + values of one position in one attention layer."""
+    return 2 * d.kv_heads * d.head_dim * act_bytes
 
 
 def _round_up(n: int, step: int) -> int:
@@ -142,17 +149,22 @@ def _act(d, tokens: int, ab: int) -> int:
 def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) -> list[Item]:
     """The plan's rows for ``context`` positions, verify blocks of ``block`` and a prompt of
     ``prompt`` positions (default: the whole context arrives as one prompt, the worst case)."""
-    t, d, ab = p.target, p.drafter, p.act_bytes
+    t, d, ab = per_rank(p.target, p.ranks), p.drafter, p.act_bytes
     prompt = context if prompt is None else min(prompt, context)
     B = block if d is not None else 1
-    rows = [Item("target weights", p.target_weights, p.labels.get("target", ""))]
+    if p.ranks > 1:
+        w = p.replicated_weights + (p.target_weights - p.replicated_weights) // p.ranks
+        rows = [Item("target weights", w, f"this rank's 1/{p.ranks} shard + {_gib(p.replicated_weights)} "
+                     "replicated (embedding, head, norms); " + p.labels.get("target", ""))]
+    else:
+        rows = [Item("target weights", p.target_weights, p.labels.get("target", ""))]
     if d is not None:
         rows.append(Item("drafter weights", p.drafter_weights,
                          p.labels.get("drafter", "") + "embedding and head shared: counted in the target"))
         if p.draft_head:
             rows.append(Item("draft head rows", p.draft_head, p.labels.get("draft_head", "")))
     # Target KV: keys + values per attention layer, allocated in 256-position steps.
-    kv_tok = 2 * t.kv_heads * t.head_dim * ab
+    kv_tok = kv_bytes(t, ab)
     n_full, n_swa, n_lin = (t.kinds.count(k) for k in ("full", "sliding", "linear"))
     alloc = _round_up(context + B, KV_STEP)
     swa = min(alloc, (t.window or alloc) + B)
@@ -167,7 +179,7 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
     if d is not None:
         kept = sum(context if w is None else min(context, w - 1) for w in d.windows)
         kinds = ", ".join(sorted({"full" if w is None else f"window {w}" for w in d.windows}))
-        rows.append(Item("drafter context cache", 2 * d.kv_heads * d.head_dim * ab * kept, f"{d.layers} layers, {kinds}"))
+        rows.append(Item("drafter context cache", kv_bytes(d, ab) * kept, f"{d.layers} layers, {kinds}"))
         rows.append(Item("target features for the drafter", d.taps * d.target_hidden * ab * prompt,
                          f"{d.taps} taps x {d.target_hidden} x {prompt} prompt positions (held until the first draft)"))
     C = min(prompt, p.prefill_step)
@@ -182,6 +194,32 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
     return rows
 
 
+def per_rank(t: ModelDims, ranks: int) -> ModelDims:
+    """One rank's share of a target split tensor-parallel over ``ranks`` (mlx-lm's ``shard``):
+    attention and linear-attention heads, MLP width; hidden size and vocabulary stay whole."""
+    if ranks <= 1:
+        return t
+    from dataclasses import replace
+
+    return replace(t, heads=max(1, t.heads // ranks), kv_heads=max(1, t.kv_heads // ranks),
+                   intermediate=t.intermediate // ranks, conv_dim=t.conv_dim // ranks,
+                   linear_qk=t.linear_qk // ranks, linear_v=t.linear_v // ranks, ssm_state=t.ssm_state // ranks)
+
+
+def ranks_needed(p: PlanInputs, *, context: int, block_size: int, budget: int, prompt: int | None = None,
+                 limit: int = 16) -> int | None:
+    """The fewest machines of ``budget`` bytes each that hold the pair at ``context`` with the
+    target sharded over them (the head count must split evenly); None if more than ``limit``."""
+    from dataclasses import replace
+
+    for n in range(1, limit + 1):
+        if n > 1 and (p.target.heads % n or p.target.intermediate % n):
+            continue
+        if sum(i.bytes for i in items(replace(p, ranks=n), context, block_size, prompt)) <= budget:
+            return n
+    return None
+
+
 def _attn_scores(p: PlanInputs, heads: int, head_dim: int, q: int, s: int) -> int:
     """The (heads, q, s) score matrix an unfused attention materializes."""
     fused = p.metal and head_dim in FUSED_SDPA_HEAD_DIMS
@@ -190,7 +228,7 @@ def _attn_scores(p: PlanInputs, heads: int, head_dim: int, q: int, s: int) -> in
 
 def _phases(p: PlanInputs, context: int, B: int, prompt: int, C: int) -> tuple[int, int]:
     """Transient bytes of the worst prefill chunk (C rows over the prompt) and of one verify."""
-    t, d, ab = p.target, p.drafter, p.act_bytes
+    t, d, ab = per_rank(p.target, p.ranks), p.drafter, p.act_bytes
     prefill = _act(t, C, ab) + _attn_scores(p, t.heads, t.head_dim, C, prompt) + 4 * t.vocab
     verify = _act(t, B, ab) + _attn_scores(p, t.heads, t.head_dim, B, context) + 2 * B * t.vocab * 4
     if d is not None:  # the drafter's first pass fuses every prompt position; then its own block
@@ -337,6 +375,47 @@ def live(plan: MemoryPlan | None = None) -> dict:
             "plan": plan.as_dict() if plan else None}
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedSizes:
+    """Bytes of a loaded pair: weights as they sit in memory, K/V per context token."""
+
+    target: int
+    drafter: int
+    target_kv_per_token: int  # every full / sliding attention layer (recurrent state excluded)
+    drafter_kv_per_token: int
+
+
+def loaded_sizes(pair) -> LoadedSizes:
+    """Weights and K/V per token of a loaded ``loading.Pair``, by the plan's own arithmetic (the
+    K/V element size is the weights' float size, as the plan's activation bytes). Call it on the
+    engine thread."""
+    from dataclasses import asdict, is_dataclass
+
+    from mlx.utils import tree_flatten
+
+    def nbytes(module) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+    params = tree_flatten(pair.model.parameters())
+    floats = [v.dtype.size for _, v in params if v.dtype in _float_dtypes()]
+    ab = floats[0] if floats else 4
+    args = getattr(pair.model, "args", None)
+    config = asdict(args) if is_dataclass(args) else dict(vars(args)) if args is not None else {}
+    t = target_dims(config)
+    target_kv = kv_bytes(t, ab) * (t.kinds.count("full") + t.kinds.count("sliding"))
+    drafter_kv = drafter = 0
+    if pair.drafter is not None:
+        d = drafter_dims(pair.drafter_config)
+        drafter, drafter_kv = nbytes(pair.drafter), kv_bytes(d, ab) * d.layers
+    return LoadedSizes(nbytes(pair.model), drafter, target_kv, drafter_kv)
+
+
+def _float_dtypes():
+    import mlx.core as mx
+
+    return (mx.float32, mx.float16, mx.bfloat16)
+
+
 # -- glue: a plan for a pair on disk -----------------------------------------------------------------
 
 
@@ -353,6 +432,24 @@ def _read_json(path) -> dict:
     import json
 
     return json.loads((path / "config.json").read_text())
+
+
+def model_source(ref: str, what: str):
+    """(config, tensors, folder) of a target or drafter for the plan, without loading or
+    downloading weights: from its files when it is on disk (a path, a bundled model, the default
+    target, a hub repo downloaded before), else from the hub's metadata (hub.fetch_meta: config,
+    small files and safetensors headers only; the folder then holds just the small files)."""
+    from . import default_target, hub
+    from .loading import resolve
+    from .quantize import safetensors_tensors
+
+    if ref != default_target.DEFAULT_TARGET_ID and hub.is_repo_id(ref):
+        local = hub.local_snapshot(ref)
+        if local is None:
+            meta = hub.fetch_meta(ref)
+            return meta.config, list(meta.tensors), meta.path
+    path = _target_path(ref) if what == "target" else resolve(str(ref), what)
+    return _read_json(path), safetensors_tensors(path), path
 
 
 def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, metal: bool,
@@ -387,63 +484,76 @@ def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, meta
         hb = q.loaded_nbytes(head, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
         dh = hb * draft_vocab // max(1, vocab)
         labels["draft_head"] = f"{draft_vocab} of {vocab} head rows (reduced draft vocabulary)"
+    whole = [t for t in ttensors if any(k in t.name for k in ("embed_tokens.", "lm_head.", "norm."))]
+    rep = q.loaded_nbytes(whole, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
     return PlanInputs(target_dims(tcfg), tw, d, dw, draft_head=dh, act_bytes=ab, metal=metal,
-                      prefix_cache=prefix_cache, cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels)
+                      prefix_cache=prefix_cache, cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels,
+                      replicated_weights=rep)
 
 
 def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, block_size: int | None = None,
              prompt: int | None = None, prefix_cache: int = 0, budget: tuple[int, str] | None = None,
-             metal: bool | None = None, draft_vocab: str = "auto") -> MemoryPlan:
-    """The plan of a pair on disk, from its configs and safetensors headers (nothing loads).
+             metal: bool | None = None, draft_vocab: str = "auto", ranks: int = 1,
+             sources: tuple | None = None) -> MemoryPlan:
+    """The plan of a pair, from its configs and safetensors headers (nothing loads; a hub repo
+    not downloaded yet is planned from the hub's metadata, see ``model_source``). ``sources``:
+    the ``model_source`` of the target and drafter when the caller has them already.
 
-    ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``.
+    ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``; ``ranks``
+    > 1: one rank's plan with the target sharded over that many machines (notes say how many
+    machines of this budget the pair needs at this context).
     """
     import mlx.core as mx
 
-    from .loading import resolve
-    from .quantize import safetensors_tensors
-
     metal = mx.metal.is_available() if metal is None else metal
-    tpath = _target_path(target_id)
-    dpath = resolve(str(drafter_id), "drafter") if drafter_id is not None else None
-    dcfg = _read_json(dpath) if dpath else None
+    tcfg, ttensors, _ = sources[0] if sources else model_source(target_id, "target")
+    dcfg, dtensors, dpath = (sources[1] if sources else model_source(str(drafter_id), "drafter")) \
+        if drafter_id is not None else (None, (), None)
     ids = None
     if dpath and draft_vocab == "auto":
         from .drafter import DrafterArgs
         from .loading import read_draft_vocab
 
         ids = read_draft_vocab(dpath, DrafterArgs.from_config(dcfg).vocab_size)
-    inputs = inputs_for(_read_json(tpath), safetensors_tensors(tpath), dcfg,
-                        safetensors_tensors(dpath) if dpath else (), quant, metal=metal,
+    inputs = inputs_for(tcfg, ttensors, dcfg, dtensors, quant, metal=metal,
                         prefix_cache=prefix_cache, draft_vocab=0 if ids is None else len(ids))
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
+    need = ranks_needed(inputs, context=context, block_size=block, budget=budget[0], prompt=prompt)
+    if ranks > 1:
+        from dataclasses import replace
+
+        inputs = replace(inputs, ranks=ranks)
+        notes += (f"per rank of {ranks} (target sharded with mlx-lm's shard; drafter, embedding and head "
+                  "replicated)",)
+    if ranks > 1 or need != 1:
+        notes += (f"machines of this budget needed at context {context}, target sharded over them: "
+                  + (str(need) if need else "more than 16") + " (docs/distributed.md)",)
     if inputs.target.max_position and context > inputs.target.max_position:
         notes += (f"context {context} exceeds the target's max_position_embeddings {inputs.target.max_position}",)
     return make_plan(inputs, context=context, block_size=block, budget=budget[0], budget_source=budget[1],
                      prompt=prompt, notes=notes)
 
 
-def quant_from_args(args, drafter_id: str | None, target_config: dict | None):
-    """The QuantChoice for a command's --target-bits / --drafter-bits / --group-size flags."""
+def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
+    """The ``QuantChoice`` for a ``config.LoadConfig``'s target bits, drafter bits and group size."""
     import mlx.core as mx
 
     from . import quantize as q
 
-    return q.choose(getattr(args, "target_bits", None), getattr(args, "drafter_bits", None),
-                    getattr(args, "group_size", None), metal=mx.metal.is_available(),
+    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=mx.metal.is_available(),
                     checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
 
 
-def plan_from_args(args, drafter_id: str | None):
-    """(QuantChoice, MemoryPlan) for a command's model flags (see ``cli.add_model_args``)."""
-    quant = quant_from_args(args, drafter_id, _read_json(_target_path(args.target)))
-    gb = getattr(args, "budget_gb", None)
-    plan = plan_for(args.target, drafter_id, quant, context=getattr(args, "context", None) or 4096,
-                    block_size=getattr(args, "block_size", None), prompt=getattr(args, "prompt_tokens", None),
-                    prefix_cache=int((getattr(args, "prefix_cache_mb", None) or 0) * MiB),
-                    budget=(int(gb * GiB), "--budget-gb") if gb else None,
-                    draft_vocab=getattr(args, "draft_vocab", None) or "auto")
+def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None):
+    """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
+    ``block_size`` (None: the drafter checkpoint's)."""
+    sources = (model_source(cfg.target, "target"),
+               model_source(str(drafter_id), "drafter") if drafter_id is not None else None)
+    quant = quant_for(cfg, drafter_id, sources[0][0])
+    plan = plan_for(cfg.target, drafter_id, quant, sources=sources, context=cfg.context, block_size=block_size,
+                    prompt=cfg.prompt_tokens, prefix_cache=cfg.prefix_cache,
+                    budget=(cfg.budget, "--budget-gb") if cfg.budget else None, draft_vocab=cfg.draft_vocab,
+                    ranks=cfg.ranks)
     return quant, plan
-

@@ -1,8 +1,12 @@
-"""The fixed built-in prompt set (code, math, prose) shared by bench, tune and verify.
+"""The fixed built-in prompt set (code, math, prose, agent) shared by bench, tune and verify.
 
 Fixed text, never generated, so numbers measured on different days compare. The prompts are
 chat requests that make a small instruct model write a few hundred tokens. They are kept apart
 from the training prompts (mlx_spec/train/prompts.py) so a drafter is not benched on its own data.
+The agent kind is what coding agents ask: a conversation that hands the model a file or a
+function and asks for it back with one change (rename, docstrings, a method, type hints, a JSON
+field), so most of the reply repeats the prompt. The tuner races on the chat kinds only
+(``CHAT_KINDS``): agent prompts are long and their prefill would dominate its short runs.
 A user's set (for bench, verify and ``train data``) comes from a JSONL file: one JSON string per
 line, or an object with ``prompt`` (or ``text``, or ``messages``) and optionally ``kind`` (else
 taken from an id like ``code-12``, else "user"), ``id`` and ``chat`` (default true: apply the
@@ -17,13 +21,15 @@ from pathlib import Path
 
 from .errors import BadRequest
 
-KINDS = ("code", "math", "prose")
+CHAT_KINDS = ("code", "math", "prose")
+KINDS = CHAT_KINDS + ("agent",)
+WORKLOADS = {"all": KINDS, "chat": CHAT_KINDS, "agent": ("agent",)}
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
     id: str
-    kind: str  # code | math | prose | user
+    kind: str  # code | math | prose | agent | user
     text: str = ""
     messages: tuple | None = None  # chat messages (dicts); overrides text
     chat: bool = True  # apply the chat template
@@ -56,6 +62,103 @@ BUILTIN = (
     Prompt("prose-3", "prose", "Write a friendly email inviting your neighbours to a community "
            "garden clean-up on Saturday morning."),
 )
+
+
+_SCORES = '''def load_scores(path):
+    scores = {}
+    with open(path) as f:
+        for line in f:
+            name, value = line.strip().split(",")
+            scores[name] = int(value)
+    return scores
+
+
+def best_player(scores):
+    top = None
+    for name, value in scores.items():
+        if top is None or value > scores[top]:
+            top = name
+    return top
+'''
+_INVENTORY = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+'''
+_TEMPS = '''def celsius_to_fahrenheit(c):
+    return c * 9 / 5 + 32
+
+
+def fahrenheit_to_celsius(f):
+    return (f - 32) * 5 / 9
+
+
+def describe(temp_c):
+    if temp_c < 0:
+        return "freezing"
+    if temp_c < 20:
+        return "mild"
+    return "warm"
+'''
+_DURATION = '''def parse_duration(text):
+    units = {"s": 1, "m": 60, "h": 3600}
+    total = 0
+    number = ""
+    for ch in text:
+        if ch.isdigit():
+            number += ch
+        elif ch in units:
+            total += int(number) * units[ch]
+            number = ""
+    return total
+'''
+_PACKAGE = '''{
+  "name": "garden-tools",
+  "version": "1.4.2",
+  "description": "Small helpers for planning a vegetable garden",
+  "license": "MIT",
+  "dependencies": {
+    "requests": "2.31",
+    "pyyaml": "6.0"
+  }
+}
+'''
+
+
+def _edit(pid: str, file: str, ask: str, lang: str = "python") -> Prompt:
+    """A two-turn agent edit: the file handed over, acknowledged, then the change asked for."""
+    return Prompt(pid, "agent", messages=(
+        {"role": "user", "content": f"Here is my file:\n```{lang}\n{file}```"},
+        {"role": "assistant", "content": "Thanks, I have read the file. What would you like me to change?"},
+        {"role": "user", "content": ask}))
+
+
+def _one(pid: str, ask: str, file: str, lang: str = "python") -> Prompt:
+    """A one-turn agent edit: the change asked for with the file below it."""
+    return Prompt(pid, "agent", messages=({"role": "user", "content": f"{ask}\n```{lang}\n{file}```"},))
+
+
+AGENT = (
+    _edit("agent-1", _SCORES, "Add a one-line docstring to each function. Reply with the complete file."),
+    _edit("agent-2", _INVENTORY, "Add a method `count(self, name)` that returns how many of an item "
+          "there are. Reply with the whole class."),
+    _one("agent-3", "Add a method `total(self)` returning the sum of all counts to this class. Reply with "
+         "the whole class.", _INVENTORY),
+    _one("agent-4", "Rename the function describe to classify in this file. Repeat the whole file with "
+         "only that change.", _TEMPS),
+    _one("agent-5", "Add type hints to this function. Output the whole function with the hints and "
+         "nothing else.", _DURATION),
+    _one("agent-6", "Change the version to 1.5.0 and add \"click\": \"8.1\" to the dependencies. Reply "
+         "with the complete JSON.", _PACKAGE, "json"),
+)
+BUILTIN = BUILTIN + AGENT
 
 
 def builtin_prompts(kinds: tuple[str, ...] | None = None, per_kind: int | None = None) -> list[Prompt]:

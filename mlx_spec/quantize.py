@@ -213,9 +213,11 @@ def materialize(module) -> None:
         mx.eval(v)
 
 
-def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str = "model") -> None:
+def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str = "model",
+            before_materialize=None) -> None:
     """Cast floats to ``dtype`` (None: keep), quantize to ``bits`` unless already quantized,
-    then materialize. Cast first: on CPU quantizing from float32 gives float32 scales."""
+    then materialize. Cast first: on CPU quantizing from float32 gives float32 scales.
+    ``before_materialize(module)`` (e.g. sharding over a group) runs on the still lazy weights."""
     if dtype is not None:
         module.set_dtype(dtype)
     if bits:
@@ -224,6 +226,8 @@ def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str 
         else:
             n = quantize_module(module, bits, group_size)
             log.info("%s: quantized %d layers to %d bits (group %d)", what, n, bits, group_size)
+    if before_materialize is not None:
+        before_materialize(module)
     materialize(module)
 
 

@@ -148,18 +148,28 @@ def speculative_sample(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array
     return a, sample_probs(row, k_s)
 
 
+def point_mass(tokens: mx.array, vocab: int) -> mx.array:
+    """(P,) tokens -> (P, V) one-hot rows: the proposal distribution of a deterministic draft
+    (a lookup draft), for which rejection sampling accepts d with probability p(d) and draws
+    the correction from p with d removed."""
+    return (tokens.astype(mx.int32)[:, None] == mx.arange(vocab)).astype(mx.float32)
+
+
 def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
                    residual: bool = True) -> tuple[int, int]:
-    """One block. logits (L, V) target verify logits; proposal.tokens (L-1,), proposal.q
-    (L-1, V) or None when there are no drafts. Returns (accepted, token after them)."""
+    """One block. logits (L, V) target verify logits; proposal.tokens (L-1,) and proposal.q
+    (L-1, V), the distribution the drafts were drawn from; ``q`` None means a deterministic
+    proposal (q = point mass on the tokens, e.g. a lookup draft). ``proposal`` None or empty:
+    no drafts. Returns (accepted, token after them)."""
     p = target_probs(logits, cfg)[None]  # (1, L, V)
     if proposal is None or proposal.tokens.size == 0:
         p = p[:, -1:]
         a, tok = speculative_sample(p, p[:, :0], mx.zeros((1, 0), mx.int32), key, residual)
     else:
-        a, tok = speculative_sample(p, proposal.q[None], proposal.tokens[None], key, residual)
+        q = proposal.q if proposal.q is not None else point_mass(proposal.tokens, p.shape[-1])
+        a, tok = speculative_sample(p, q[None], proposal.tokens[None], key, residual)
     return int(a.item()), int(tok.item())
 
 
 __all__ = ["SamplingConfig", "accept_greedy", "filtered_logprobs", "target_probs", "sample_probs",
-           "sample_target", "sample_proposal", "speculative_sample", "accept_sampled"]
+           "sample_target", "sample_proposal", "speculative_sample", "accept_sampled", "point_mass"]

@@ -1,6 +1,10 @@
 """Counters a user sees, defined once (DESIGN.md):
 
-- tau (mean acceptance length) = committed tokens per draft cycle, bonus included;
+- tau (mean acceptance length) = committed tokens per drafted cycle, bonus included (plain
+  steps the drafting policy took are not draft cycles; a run without drafts has tau 1);
+- cycles = plain cycles + drafted cycles; per draft source ("dflash", "lookup") its cycles,
+  drafted and accepted tokens; the block-size histogram counts cycles by verify rows L
+  (1 = a plain step);
 - acceptance rate = accepted / drafted draft tokens;
 - acceptance by position k = share of cycles that drafted position k where it was accepted;
 - decode tok/s = tokens committed after the first / wall time of those steps.
@@ -8,7 +12,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
 
 from .decode import Step
 
@@ -24,6 +30,12 @@ class Stats:
     committed_in_cycles: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    rollback_ms: float = 0.0
+    plain_cycles: int = 0  # cycles without drafts (cycles - plain_cycles = drafted cycles)
+    committed_in_drafted: int = 0  # tokens committed by drafted cycles
+    block_sizes: dict[int, int] = field(default_factory=dict)  # cycles by verify rows L
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)  # per draft source
+    trace: list[tuple[str, int, int]] = field(default_factory=list)  # (source, L, accepted) per cycle
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     first_token_ms: float = 0.0
@@ -45,7 +57,20 @@ class Stats:
         self.decode_ms += step.elapsed_ms
         self.draft_ms += step.draft_ms
         self.verify_ms += step.verify_ms
+        self.rollback_ms += step.rollback_ms
         self.cycles += 1
+        L = step.drafted + 1
+        self.block_sizes[L] = self.block_sizes.get(L, 0) + 1
+        source = step.source or ("dflash" if step.drafted else "plain")
+        self.trace.append((source, L, step.accepted))
+        if not step.drafted:
+            self.plain_cycles += 1
+        else:
+            self.committed_in_drafted += len(step.tokens)
+            c = self.sources.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0})
+            c["cycles"] += 1
+            c["drafted"] += step.drafted
+            c["accepted"] += step.accepted
         self.committed_in_cycles += len(step.tokens)
         self.tau_trace.append(len(step.tokens))
         self.drafted += step.drafted
@@ -59,8 +84,26 @@ class Stats:
                 self.hits[k] += 1
 
     @property
+    def drafted_cycles(self) -> int:
+        return self.cycles - self.plain_cycles
+
+    @property
     def mean_acceptance_length(self) -> float:
+        if self.drafted_cycles:
+            return self.committed_in_drafted / self.drafted_cycles
         return self.committed_in_cycles / self.cycles if self.cycles else 0.0
+
+    def source_stats(self) -> dict[str, dict]:
+        """Per draft source: cycles, drafted, accepted, acceptance rate and tau."""
+        return {name: {**c, "acceptance_rate": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else 0.0,
+                       "mean_acceptance_length": round((c["accepted"] + c["cycles"]) / c["cycles"], 4)}
+                for name, c in sorted(self.sources.items())}
+
+    def trace_text(self, limit: int | None = None) -> str:
+        """The cycles in short form: ``d4:2`` = DFlash, 4 rows, 2 accepted; ``l9:8`` lookup; ``p``
+        a plain step (the last ``limit`` cycles)."""
+        items = self.trace if limit is None else self.trace[-limit:]
+        return " ".join("p" if s == "plain" else f"{s[0]}{L}:{a}" for s, L, a in items)
 
     @property
     def acceptance_rate(self) -> float:
@@ -86,8 +129,14 @@ class Stats:
         total = self.prefill_ms + self.decode_ms
         return self.tokens / (total / 1e3) if total else 0.0
 
-    def as_dict(self) -> dict:
-        return {
+    def snapshot(self, trace: bool = False) -> "StatsSnapshot":
+        """The figures of ``as_dict(trace)`` as a frozen value (what engine events carry)."""
+        return StatsSnapshot(**{k: _freeze(v) for k, v in self.as_dict(trace).items()})
+
+    def as_dict(self, trace: bool = False) -> dict:
+        """The user-facing counters; ``trace`` adds ``cycle_trace``: [source, L, accepted] for
+        every cycle (left out of running updates: it grows with the reply)."""
+        out = {
             "cached_tokens": self.cached_tokens,
             "cycles": self.cycles,
             "drafted": self.drafted,
@@ -95,11 +144,66 @@ class Stats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "plain_cycles": self.plain_cycles,
+            "drafted_cycles": self.drafted_cycles,
+            "block_sizes": {str(L): n for L, n in sorted(self.block_sizes.items())},
+            "sources": self.source_stats(),
             "draft_ms": round(self.draft_ms, 2),
             "verify_ms": round(self.verify_ms, 2),
+            "rollback_ms": round(self.rollback_ms, 2),
             "prefill_ms": round(self.prefill_ms, 2),
             "decode_ms": round(self.decode_ms, 2),
             "prefill_tps": round(self.prefill_tps, 2),
             "decode_tps": round(self.decode_tps, 2),
             "end_to_end_tps": round(self.end_to_end_tps, 2),
         }
+        if trace:
+            out["cycle_trace"] = [list(t) for t in self.trace]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """A frozen copy of ``Stats.as_dict()``: one field per key (add a field with a new key), lists
+    as tuples, dicts as read-only mappings. ``as_dict()`` gives the same JSON back."""
+
+    cached_tokens: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    mean_acceptance_length: float = 0.0
+    acceptance_rate: float = 0.0
+    acceptance_by_position: tuple[float, ...] = ()
+    plain_cycles: int = 0
+    drafted_cycles: int = 0
+    block_sizes: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    sources: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    rollback_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    end_to_end_tps: float = 0.0
+    cycle_trace: tuple | None = None  # only in a snapshot(trace=True)
+
+    def as_dict(self) -> dict:
+        return {f.name: _thaw(getattr(self, f.name)) for f in fields(self)
+                if not (f.name == "cycle_trace" and self.cycle_trace is None)}
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return MappingProxyType({k: _freeze(x) for k, x in v.items()})
+    return v
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    if isinstance(v, MappingProxyType):
+        return {k: _thaw(x) for k, x in v.items()}
+    return v

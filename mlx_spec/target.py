@@ -93,10 +93,9 @@ class Target:
             raise UnsupportedModel(f"target '{self.model_type}': " + "; ".join(problems))
         self.gdn = {i for i, layer in enumerate(self.layers) if hybrid.is_gdn(layer)}
         if self.gdn:
-            if getattr(self.inner, "pipeline_size", 1) > 1 or any(
-                getattr(self.layers[i].linear_attn, "sharding_group", None) is not None for i in self.gdn
-            ):
-                raise UnsupportedModel("pipelined or sharded hybrid targets are not supported")
+            if getattr(self.inner, "pipeline_size", 1) > 1:
+                raise UnsupportedModel("pipelined hybrid targets are not supported (tensor-parallel "
+                                       "sharding with mlx-lm's shard() is)")
             hybrid.check_mirror(self.layers[min(self.gdn)], self.model_type)
         self.restore = restore
         self._tape: _Tape | None = None

@@ -7,7 +7,7 @@ text that could still become a stop string is held back until it cannot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .decode import Step
 
@@ -17,15 +17,38 @@ class Chunk:
     text: str  # new text since the previous chunk
     step: Step
     finish_reason: str | None = None  # "stop" | "length" | None
+    stop_sequence: str | None = None  # the stop string that cut the text, if one did
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How the model writes a tool call (read once from the tokenizer at load time)."""
+
+    start: str  # e.g. "<tool_call>"
+    end: str  # e.g. "</tool_call>"; "" means a call runs to the end of the output (Mistral)
+    parser: Callable[[str, Any], Any]  # parse(text between the markers, tools) -> dict | list[dict]
+
+
+def tool_format(tokenizer) -> ToolFormat | None:
+    """The tokenizer's tool-call format (mlx-lm's ``TokenizerWrapper``: a start marker, an end
+    marker and a parser), or None if it has none (then calls stay text)."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    start, parser = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_parser", None)
+    if not start or parser is None:
+        return None
+    return ToolFormat(start, getattr(tokenizer, "tool_call_end", None) or "", parser)
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  chat: bool = False, tools: list | None = None) -> list[int]:
-    """Token ids for a raw prompt or a conversation (through the tokenizer's chat template)."""
+                  chat: bool = False, tools: list | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """Token ids for a raw prompt or a conversation (through the tokenizer's chat template).
+    ``template_kwargs`` are extra template variables, e.g. ``{"enable_thinking": False}``."""
     if messages is None and chat:
         messages = [{"role": "user", "content": prompt or ""}]
     if messages is not None:
-        kw = {"tools": tools} if tools else {}
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
         return list(ids)
     ids = tokenizer.encode(prompt or "")
@@ -55,8 +78,8 @@ def stream_text(steps: Iterable[Step], tokenizer, stop: Sequence[str] = (),
                 hits = [(text.find(s, start), s) for s in stop]
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
-                    cut = min(i for i, _ in hits)
-                    yield Chunk(text[emitted:cut], step, "stop")
+                    cut, hit = min(hits)
+                    yield Chunk(text[emitted:cut], step, "stop", hit)
                     return
             end = len(text) if step.finish_reason else max(emitted, len(text) - hold)
             yield Chunk(text[emitted:end], step, step.finish_reason)

@@ -9,9 +9,10 @@ import mlx_spec
 from mlx_spec.engine import Engine, Request
 from mlx_spec.generation import engine_info
 from mlx_spec.loading import load_pair
+from mlx_spec.session import Session
 def loader():
     p = load_pair('smollm2-135m-instruct', 'models/smollm2-135m-dflash2')
-    return p, engine_info(p, 4, "flag")
+    return Session.of(p, engine_info(p, 4, "flag"))
 system = "You are a careful Python tutor. " * 40
 turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Write a function that reverses a string."}]
 for budget in (256 << 20, 0):

@@ -97,7 +97,7 @@ class ScriptedDrafter:
     def add_context(self, features, cache):
         cache[0].offset += features.shape[1]
 
-    def propose(self, anchor, features, cache, block_size, temperature=0.0, key=None):
+    def propose(self, anchor, features, cache, block_size, temperature=0.0, key=None, confidence=False):
         if features is not None:
             cache[0].offset += features.shape[1]
         start = cache[0].offset  # absolute position of the anchor
@@ -107,7 +107,8 @@ class ScriptedDrafter:
             if self.right is not None and k > self.right:
                 tok = (tok + 1) % self.vocab
             out.append(tok)
-        return Proposal(mx.array(out, mx.int32), None)
+        conf = mx.full((len(out),), 0.9) if confidence else None
+        return Proposal(mx.array(out, mx.int32), None, conf)
 
 
 CHAT_TEMPLATE = (
@@ -116,23 +117,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_tokenizer(path, vocab_size: int = VOCAB) -> None:
-    """A character-level tokenizer (printable ASCII + newline + specials) with a ChatML template."""
+def save_tiny_tokenizer(path, vocab_size: int = VOCAB, extra_specials=(), template: str = CHAT_TEMPLATE) -> None:
+    """A character-level tokenizer (printable ASCII + newline + specials) with a ChatML template.
+    ``extra_specials`` (e.g. "<think>", "</think>") take ids right after the characters."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
+    vocab = {t: i for i, t in enumerate(specials + chars + list(extra_specials))}
     for i in range(len(vocab), vocab_size):
         vocab[f"<extra_{i}>"] = i
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tk.add_special_tokens(specials)
+    tk.add_special_tokens(specials + list(extra_specials))
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<unk>",
                                  bos_token=None, pad_token="<|endoftext|>")
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = template
     hf.save_pretrained(str(path))
 
 
@@ -154,15 +156,17 @@ def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
     return root / "target", root / "drafter"
 
 
-def tiny_engine_loader(root, block_size: int = 4):
-    """An Engine loader for a tiny pair saved under ``root`` (runs on the engine thread)."""
+def tiny_engine_loader(root, block_size: int = 4, context: int | None = None):
+    """An Engine loader for a tiny pair saved under ``root`` (runs on the engine thread):
+    a ``session.Session`` whose context is ``context`` capped at the target's trained one."""
     from mlx_spec.generation import engine_info
     from mlx_spec.loading import load_pair
+    from mlx_spec.session import Session
 
     t, d = save_tiny_pair(root)
 
     def loader():
         pair = load_pair(str(t), str(d))
-        return pair, engine_info(pair, block_size, "flag")
+        return Session.of(pair, engine_info(pair, block_size, "flag"), context=context)
 
     return loader

@@ -6,11 +6,11 @@ import math
 import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
-from mlx_spec.bench import (Costs, Method, ProgressBar, Run, Sample, ceiling, efficiency, engaged,
-                            merge_stats, summarize)
+from mlx_spec.bench import (Costs, Method, ProgressBar, Run, Sample, ceiling, copy_share, efficiency, engaged,
+                            merge_stats, prompt_report, subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.lookup import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
-from mlx_spec.prompts import BUILTIN, KINDS, builtin_prompts, interleave, load_prompts
+from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
 from mlx_spec.stats import Stats
 from mlx_spec.target import Target
 
@@ -71,7 +71,7 @@ def test_summarize_speedup_ceiling_and_failed_rows():
         samples.append(Sample(spec, r, "p", "code", _run(ss, 0.15)))
         samples.append(Sample(dead, r, "p", "code", _run(_steps([(7, 0)] * 24), 0.2)))
     rows = {r.label: r for r in summarize(samples, costs)}
-    p, s, d = rows["plain (mlx-lm)"], rows["dflash B=4"], rows["dflash B=8"]
+    p, s, d = rows["plain (ours)"], rows["dflash B=4"], rows["dflash B=8"]
     assert p.status == "ok" and p.speedup == 1.0 and p.tau is None
     assert s.status == "ok" and s.tau == 3.0 and s.acceptance == pytest.approx(2 / 3, abs=1e-3)
     assert s.acceptance_by_position == [1.0, 1.0, 0.0]
@@ -81,6 +81,42 @@ def test_summarize_speedup_ceiling_and_failed_rows():
     assert d.status.startswith("failed: mechanism did not engage")
     assert d.decode_tps is None and d.speedup is None and d.ceiling is None  # never a speed
     assert merge_stats([x.run.stats for x in samples if x.method == spec]).cycles == 24
+
+
+def test_copy_share_counts_reply_tokens_in_spans_of_the_prompt():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert copy_share(prompt, [1, 2, 3, 4, 5]) == 1.0
+    assert copy_share(prompt, [9, 9, 2, 3, 4, 5, 9, 9]) == pytest.approx(0.5)  # one 4-gram span
+    assert copy_share(prompt, [1, 2, 3, 9, 5, 6, 7]) == 0.0  # spans shorter than 4 do not count
+    assert copy_share(prompt, [5, 6, 7, 8, 1, 2, 3, 4]) == 1.0 and copy_share(prompt, []) == 0.0
+    assert copy_share(prompt, [1, 2, 3, 4, 5, 6], n=6) == 1.0 and copy_share(prompt, [1, 2, 3, 4, 5], n=6) == 0.0
+
+
+def test_two_baselines_per_kind_and_the_worst_prompt():
+    """Every speedup against our plain path and against mlx-lm's; the worst single prompt."""
+    mlx, plain, spec = Method("mlx-lm"), Method("plain"), Method("dflash", 4)
+    assert not mlx.speculative and mlx.label == "mlx-lm plain" and plain.label == "plain (ours)"
+    samples = []
+    for r in range(3):
+        for pid, kind, spec_s in (("c1", "code", 0.05), ("c2", "code", 0.1), ("p1", "prose", 0.2)):
+            # plain: 24 tokens at 0.1 s; mlx-lm: at 0.08 s; dflash: 8 cycles (tau 3) at spec_s
+            samples.append(Sample(plain, r, pid, kind, _run(_steps([(0, 0)] * 24), 0.1)))
+            samples.append(Sample(mlx, r, pid, kind, _run(_steps([(0, 0)] * 24), 0.08)))
+            samples.append(Sample(spec, r, pid, kind, _run(_steps([(3, 2)] * 8), spec_s)))
+    rows = {r.label: r for r in summarize(samples)}
+    m, p, s = rows["mlx-lm plain"], rows["plain (ours)"], rows["dflash B=4"]
+    assert p.speedup == 1.0 and p.speedup_mlx == pytest.approx(0.8) and m.speedup == pytest.approx(1.25)
+    assert s.speedup_by_kind == {"code": pytest.approx(24 * 0.1 / (8 * 0.075)), "prose": pytest.approx(1.5)}
+    assert s.speedup_by_kind_mlx["prose"] == pytest.approx(1.2)
+    assert s.worst == ("p1", pytest.approx(1.5)) and s.worst_mlx == ("p1", pytest.approx(1.2))
+    assert m.worst_mlx == (m.worst_mlx[0], 1.0)
+    prompts = [("c1", "code", [0, 1, 2, 3, 4, 5]), ("c2", "code", [7]), ("p1", "prose", [9])]
+    pr = {x.prompt_id: x for x in prompt_report(samples, prompts)}
+    assert pr["c1"].copy_share == pytest.approx(6 / 25)  # tokens 0..5 of the reply repeat the prompt
+    assert pr["c2"].copy_share == 0.0 and pr["p1"].tau["dflash B=4"] == 3.0
+    assert pr["c1"].speedup["dflash B=4"] == pytest.approx(6.0) and pr["p1"].speedup_mlx["dflash B=4"] == pytest.approx(1.2)
+    sub = subset_speedups(samples, {"c1"})
+    assert sub["dflash B=4"] == (pytest.approx(6.0), pytest.approx(4.8))
 
 
 def test_find_draft():
@@ -132,8 +168,12 @@ def test_spec_steps_controller_sets_each_cycle(tiny):
 
 
 def test_prompts_builtin_and_jsonl(tmp_path):
-    assert {p.kind for p in BUILTIN} == set(KINDS) and len(builtin_prompts(per_kind=1)) == 3
-    assert [p.kind for p in interleave(builtin_prompts())][:3] == ["code", "math", "prose"]
+    assert {p.kind for p in BUILTIN} == set(KINDS) and len(builtin_prompts(per_kind=1)) == len(KINDS)
+    assert [p.kind for p in interleave(builtin_prompts())][:4] == ["code", "math", "prose", "agent"]
+    assert {p.kind for p in builtin_prompts(WORKLOADS["chat"])} == {"code", "math", "prose"}
+    agent = builtin_prompts(WORKLOADS["agent"])
+    assert len(agent) >= 5 and all(p.messages for p in agent)
+    assert any(len(p.messages) == 3 and p.messages[1]["role"] == "assistant" for p in agent)  # multi-turn edits
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
                  '{"id": "math-7", "prompt": "1+1?"}\n')
@@ -160,7 +200,7 @@ def test_progress_bar_off_a_tty_says_one_line():
     bar(1, 2, "half")
     bar(2, 2, "done")
     bar.close()
-    assert buf.getvalue() == "tuning ...\n"
+    assert buf.getvalue() == "tuning ...\ntuning: done (0:00)\n"
 
 
 def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
@@ -177,17 +217,24 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
-    assert labels == ["plain (mlx-lm)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4", "adaptive <=8"]
+    policy = ["lookup per-cycle", "hybrid (default)"] if hasattr(__import__("mlx_spec.adaptive").adaptive, "Policies") else []
+    assert labels == ["mlx-lm plain", "plain (ours)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4",
+                      "dflash per-cycle", *policy]
     assert out["blas"] and out["costs"]["t1_ms"] > 0 and out["kinds"] == ["code", "prose"]
     for r in out["rows"]:
         if r["status"] != "ok":  # a random tiny drafter may accept nothing: then no speed at all
             assert r["status"].startswith("failed: mechanism did not engage") and r["decode_tps"] is None
         else:
             assert r["decode_tps"] > 0 and r["speedup"] > 0
-    ar = out["rows"][2]
+    ar = out["rows"][3]
     assert ar["status"] == "ok" and ar["acceptance"] == 1.0  # the target as its own draft
     assert all(r["diverged"] == 0 for r in out["rows"])  # greedy: every method is the target's output
     assert rc == (1 if out["failed"] else 0)
+    mlx, ours = out["rows"][0], out["rows"][1]  # mlx-lm's stream_generate: the same tokens as our plain path
+    assert mlx["status"] == "ok" and mlx["tau"] is None and mlx["speedup_mlx"] == 1.0 and ours["speedup"] == 1.0
+    assert all(r["speedup_mlx"] > 0 and r["worst"] and r["worst_mlx"] for r in out["rows"] if r["status"] == "ok")
+    assert [p["prompt_id"] for p in out["per_prompt"]] == out["prompts"]
+    assert all(0.0 <= p["copy_share"] <= 1.0 for p in out["per_prompt"]) and "ours" in out["blas_threads"]
 
 
 def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
@@ -207,7 +254,7 @@ def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
     main(base + ["--vocab-compare"])
     out = json.loads(capsys.readouterr().out)
     rows = {r["label"]: r for r in out["rows"]}
-    assert list(rows) == ["plain (mlx-lm)", "dflash B=4", "dflash B=4 full-vocab"]
+    assert list(rows) == ["mlx-lm plain", "plain (ours)", "dflash B=4", "dflash B=4 full-vocab"]
     assert all(r["diverged"] == 0 for r in out["rows"])
     full = rows["dflash B=4 full-vocab"]
     assert full["td_ms"] is None and full["ceiling"] is None

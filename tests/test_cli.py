@@ -33,7 +33,8 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
                              "--max-tokens", "24", "--block-size", str(B), "--json"])
         assert out["text"] == ref_text
         assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
-                                 "block_size_source": "flag", "target": str(t), "adaptive_max": 0, "draft_vocab": 0}
+                                 "block_size_source": "flag", "target": str(t), "adaptive_max": 0, "draft_vocab": 0,
+                                 "mode": "speculative"}
         s = out["stats"]
         assert s["cycles"] > 0 and s["drafted"] > 0
         for k in ("cycles", "drafted", "accepted", "mean_acceptance_length", "acceptance_rate",
@@ -85,7 +86,7 @@ def test_no_silent_fallback(pair_dirs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a DFlash drafter" in err
     assert main(["generate", "--target", str(t), "--drafter", str(d), "--prompt", "x", "--block-size", "1"]) == 1
-    assert "block size must be >= 2" in capsys.readouterr().err
+    assert "--block-size must be >= 2" in capsys.readouterr().err
 
 
 def test_console_script_streams(pair_dirs):

@@ -1,6 +1,5 @@
 """The memory plan: arithmetic on synthetic configs, weights from headers, refusal, accuracy."""
 
-import argparse
 
 import mlx_spec  # noqa: F401  (before mlx: loads the optimized BLAS when this file runs alone)
 import mlx.core as mx
@@ -143,22 +142,23 @@ def test_plan_from_files_equals_loaded_bytes(pair_dir, bits):
     assert [plan.items[0].bytes, plan.items[1].bytes] == nbytes
 
 
-def _args(tdir, ddir, **kw):
-    base = dict(target=str(tdir), drafter=str(ddir), no_draft=False, block_size=None, target_bits=None,
-                drafter_bits=None, group_size=None, context=2048, force=False)
-    return argparse.Namespace(**{**base, **kw})
+def _cfg(tdir, ddir, **kw):
+    from mlx_spec.config import LoadConfig
+
+    return LoadConfig(**{**dict(target=str(tdir), drafter=str(ddir), context=2048, tune=False), **kw})
 
 
-def test_open_pair_refuses_over_budget_and_force_loads(pair_dir, monkeypatch):
-    from mlx_spec.pair import open_pair
+def test_open_session_refuses_over_budget_and_force_loads(pair_dir, monkeypatch):
+    from mlx_spec.session import open_session
 
     monkeypatch.setattr(memory, "device_budget", lambda: (1 << 20, "tiny test budget"))
     lines = []
     with pytest.raises(PlanError) as e:
-        open_pair(_args(*pair_dir), log=lines.append)
+        open_session(_cfg(*pair_dir), log=lines.append)
     assert "biggest items: verify / prefill scratch" in str(e.value) and lines[0].startswith("memory plan:")
-    pair = open_pair(_args(*pair_dir, force=True), log=lines.append)
-    assert pair.drafter is not None and any("--force" in m for m in lines)
+    session = open_session(_cfg(*pair_dir, force=True), log=lines.append)
+    assert session.pair.drafter is not None and any("--force" in m for m in lines)
+    assert session.info.mode == "speculative" and session.info.block_size_source == "checkpoint (--no-tune)"
 
 
 def test_cli_generate_refuses_with_nonzero_exit(pair_dir, monkeypatch, capsys):

@@ -201,16 +201,16 @@ def test_engine_reuses_a_conversation_and_reports_it(tmp_path):
         warm.wait_ready(60)
         cold.wait_ready(60)
         d1 = chat(warm, turn1)
-        assert d1.stats["cached_tokens"] == 0 and d1.timings["cache_n"] == 0
+        assert d1.stats.cached_tokens == 0 and d1.timings["cache_n"] == 0
         turn2 = turn1 + [{"role": "assistant", "content": d1.text}, {"role": "user", "content": "more"}]
         d2, ref = chat(warm, turn2), chat(cold, turn2)
         assert d2.text == ref.text
-        assert d2.stats["cached_tokens"] > 0 and ref.stats["cached_tokens"] == 0
-        assert d2.timings["cache_n"] == d2.stats["cached_tokens"]
-        assert d2.timings["prompt_n"] == d2.prompt_tokens - d2.stats["cached_tokens"]
+        assert d2.stats.cached_tokens > 0 and ref.stats.cached_tokens == 0
+        assert d2.timings["cache_n"] == d2.stats.cached_tokens
+        assert d2.timings["prompt_n"] == d2.prompt_tokens - d2.stats.cached_tokens
         snap = warm.snapshot()
-        assert snap["cached_tokens"] == d2.stats["cached_tokens"] and snap["prefix_cache_bytes"] > 0
+        assert snap["cached_tokens"] == d2.stats.cached_tokens and snap["prefix_cache_bytes"] > 0
         assert cold.snapshot()["prefix_cache_bytes"] == 0
         # Plain decoding on the same engine (A/B toggle) can reuse the target's part too.
         d3 = warm.submit(Request(messages=turn2, max_tokens=12, speculate=False)).result()
-        assert d3.text == ref.text and d3.stats["cached_tokens"] > 0
+        assert d3.text == ref.text and d3.stats.cached_tokens > 0

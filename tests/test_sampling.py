@@ -21,6 +21,7 @@ from mlx_spec.sampling import (
     accept_greedy,
     accept_sampled,
     filtered_logprobs,
+    point_mass,
     sample_probs,
     speculative_sample,
     target_probs,
@@ -215,6 +216,55 @@ def test_speculative_sampling_matches_plain(small_vocab, kind, n_drafts, cfg):
     assert (spec[exact == 0] == 0).all()  # nothing outside the target's top-p/top-k support
     assert two_sample_pvalue(spec, plain) > 0.01
     assert gof_pvalue(spec, exact) > 0.001  # against the exact law too (8 configurations)
+
+
+def _two_tokens_mixed(tables, drafters, kind, cfg, key):
+    """Blocks of two drafts from two sources, chosen per block by a rule that does not look at
+    any draw (as the drafting policy chooses before a cycle): every third block a lookup draft
+    (a deterministic proposal, q = point mass; a different copy per block), else the drafter's
+    sampled draft with its q."""
+    p0, p1, p2 = (target_probs(t, cfg) for t in tables)
+    k1, k2, k3 = mx.random.split(key, 3)
+    drafter, h, unary = drafters[kind]
+    dd, dq = drafter.sample(h[:2], unary[:2], mx.array(ANCHOR), cfg, k1, n=N)
+    i = mx.arange(N)
+    looked = mx.stack([(i * 7) % V, (i * 3 + 1) % V], axis=1).astype(dd.dtype)  # the copies
+    use = (i % 3 == 0)[:, None]
+    drafts = mx.where(use, looked, dd)
+    q = mx.where(use[..., None], point_mass(looked.reshape(-1), V).reshape(N, 2, V), dq)
+    d1 = drafts[:, 0]
+    rows = mx.stack([mx.broadcast_to(p0, (N, V)), p1[d1], p2[d1, drafts[:, 1]]], axis=1)
+    a, tok = speculative_sample(rows, q, drafts, k2)
+    after = sample_probs(p1[tok], k3)
+    y1 = mx.where(a == 0, tok, d1)
+    y2 = mx.where(a == 0, after, mx.where(a == 1, tok, drafts[:, 1]))
+    return y1, y2
+
+
+@pytest.mark.parametrize("kind", ["dflash1", "dflash2"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["T1", "T0.8-p0.9-k6"])
+def test_lookup_and_drafter_proposals_mixed_match_plain(small_vocab, kind, cfg):
+    tables, drafters = small_vocab
+    seed = 300 + (kind == "dflash2") + 10 * CONFIGS.index(cfg)
+    spec = _counts(*_two_tokens_mixed(tables, drafters, kind, cfg, mx.random.key(seed)))
+    plain = _counts(*_two_tokens(tables, drafters, kind, cfg, 2, mx.random.key(seed + 7), speculate=False))
+    exact = _exact(tables, cfg)
+    assert (spec[exact == 0] == 0).all()
+    assert two_sample_pvalue(spec, plain) > 0.01
+    assert gof_pvalue(spec, exact) > 0.001
+
+
+def test_accept_sampled_takes_a_point_mass_proposal():
+    """q None at T > 0 is a deterministic proposal: accepted with probability p(d)."""
+    logits = mx.log(mx.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    cfg = SamplingConfig(1.0)
+    got = [accept_sampled(logits, Proposal(mx.array([2], mx.int32), None), cfg, mx.random.key(s))
+           for s in range(3000)]
+    acc = np.array([a for a, _ in got])
+    assert abs(acc.mean() - 0.2) < 0.03
+    rejected = np.array([t for a, t in got if a == 0])
+    assert (rejected != 2).all()  # the correction never re-proposes the rejected token
+    assert abs((rejected == 0).mean() - 0.5 / 0.8) < 0.04
 
 
 @pytest.mark.parametrize("kind", ["dflash1", "dflash2"])

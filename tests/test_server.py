@@ -16,6 +16,7 @@ from helpers import save_tiny_pair
 from mlx_spec.engine import Engine
 from mlx_spec.generation import GenConfig, engine_info, run
 from mlx_spec.loading import load_pair
+from mlx_spec.session import Session
 from mlx_spec.server.app import create_app
 from mlx_spec.text import encode_prompt
 
@@ -54,7 +55,7 @@ def engine(pair_dirs):
 
     def loader():
         pair = load_pair(str(t), str(d))
-        return pair, engine_info(pair, 4, "flag")
+        return Session.of(pair, engine_info(pair, 4, "flag"))
 
     e = Engine(loader, max_queue=4, prefix_cache=16 << 20).start()  # as `serve` runs by default
     e.wait_ready(60)

@@ -11,12 +11,15 @@ from test_server import serve_in_thread
 
 from mlx_spec.engine import Delta, Done, Engine, Handle, Started
 from mlx_spec.server.app import create_app
+from mlx_spec.generation import EngineInfo
+from mlx_spec.session import Session
+from mlx_spec.stats import StatsSnapshot
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"))
-    e = Engine(loader, max_queue=4, context_length=512).start()
+    loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"), context=512)
+    e = Engine(loader, max_queue=4).start()
     e.wait_ready(60)
     yield e
     e.close()
@@ -38,12 +41,12 @@ CASES = [
     ("empty body", "POST", CHAT, b"", 400, None),
     ("array body", "POST", CHAT, b"[1, 2]", 400, None),
     ("deep nesting", "POST", CHAT, b"[" * 100_000, 400, None),
-    ("NaN temperature", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None),
+    ("NaN temperature", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
     ("missing messages", "POST", CHAT, {"max_tokens": 3}, 400, "messages"),
     ("empty messages", "POST", CHAT, {"messages": []}, 400, "messages"),
     ("messages not a list", "POST", CHAT, {"messages": "hi"}, 400, "messages"),
-    ("message not an object", "POST", CHAT, {"messages": ["hi"]}, 400, "messages.0"),
-    ("bad role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("message not an object", "POST", CHAT, {"messages": ["hi"]}, 400, "messages[0]"),
+    ("bad role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("content is a number", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
     ("image content", "POST", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
@@ -75,29 +78,105 @@ CASES = [
     ("empty prompt", "POST", TEXT, {"prompt": ""}, 400, "prompt"),
     ("two prompts", "POST", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
     ("negative token id", "POST", TEXT, {"prompt": [1, -2]}, 400, "prompt"),
-    ("token id beyond vocab", "POST", TEXT, {"prompt": [1, 99999], "max_tokens": 2}, 400, None),
+    ("token id beyond vocab", "POST", TEXT, {"prompt": [1, 99999], "max_tokens": 2}, 400, "prompt"),
     ("echo", "POST", TEXT, {"prompt": "a", "echo": True}, 400, "echo"),
     ("body too large", "POST", CHAT, b'{"messages": "' + b"a" * (2 << 20) + b'"}', 413, None),
     ("GET on a POST route", "GET", CHAT, None, 405, None),
     ("unknown route", "POST", "/v1/nothing", {"a": 1}, 404, None),
+    # messages without content, by role
+    ("user message without content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("user content null", "POST", CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("system content null", "POST", CHAT, {"messages": [{"role": "system", "content": None}, *MSG]}, 400,
+     "messages[0].content"),
+    ("tool message without content", "POST", CHAT, {"messages": [*MSG, {"role": "tool", "tool_call_id": "1"}]},
+     400, "messages[1].content"),
+    ("message without role", "POST", CHAT, {"messages": [*MSG, {"content": "x"}]}, 400, "messages[1].role"),
+    ("content is an object", "POST", CHAT, {"messages": [{"role": "user", "content": {"a": 1}}]}, 400,
+     "messages[0].content"),
+    ("text part not a string", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, 400, "messages[0].content"),
+    ("text part without type", "POST", CHAT, {"messages": [{"role": "user", "content": [{"text": "a"}]}]}, 400,
+     "messages[0].content"),
+    # bodies that are not JSON objects, or not JSON at all
+    ("text/plain body", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}]}', 415, None),
+    ("form body", "POST", CHAT, b"messages=hi", 415, None),
+    ("string body", "POST", CHAT, b'"hi"', 400, None),
+    ("null body", "POST", CHAT, b"null", 400, None),
+    ("trailing garbage", "POST", CHAT, b'{"messages": []} x', 400, None),
+    ("lone high surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("lone low surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', 400, None),
+    ("Infinity top_p", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400,
+     "top_p"),
+    ("-Infinity temperature", "POST", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}', 400, "temperature"),
+    # out-of-range and mistyped sampling fields
+    ("temperature above 2", "POST", CHAT, {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
+    ("top_p above 1", "POST", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    ("top_k negative", "POST", CHAT, {"messages": MSG, "top_k": -1}, 400, "top_k"),
+    ("top_k float", "POST", CHAT, {"messages": MSG, "top_k": 1.5}, 400, "top_k"),
+    ("stop list with a number", "POST", CHAT, {"messages": MSG, "stop": ["a", 1]}, 400, "stop"),
+    ("stream_options not an object", "POST", CHAT, {"messages": MSG, "stream": True, "stream_options": 1}, 400,
+     "stream_options"),
+    ("frequency penalty", "POST", CHAT, {"messages": MSG, "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("logit_bias", "POST", CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("response_format json", "POST", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("tool_choice required", "POST", CHAT, {"messages": MSG, "tools": [], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("speculate not bool", "POST", CHAT, {"messages": MSG, "speculate": "no"}, 400, "speculate"),
+    # /v1/completions
+    ("prompt a number", "POST", TEXT, {"prompt": 5}, 400, "prompt"),
+    ("prompt list of floats", "POST", TEXT, {"prompt": [1.5, 2.5]}, 400, "prompt"),
+    ("prompt list of lists", "POST", TEXT, {"prompt": [[1, 2]]}, 400, "prompt"),
+    ("empty token list", "POST", TEXT, {"prompt": []}, 400, "prompt"),
+    ("best_of 2", "POST", TEXT, {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    ("suffix", "POST", TEXT, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
+    ("completion logprobs", "POST", TEXT, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("unknown model, completions", "POST", TEXT, {"model": "davinci", "prompt": "a"}, 404, "model"),
+    ("NaN seed", "POST", TEXT, b'{"prompt": "a", "seed": NaN}', 400, "seed"),
+    ("text/plain completions", "POST", TEXT, b'{"prompt": "a"}', 415, None),
+    ("DELETE a model", "DELETE", "/v1/models/x", None, 405, None),
 ]
+
+# Extra checks for some cases: the code, and words the message must (not) contain.
+EXPECT = {
+    "token id beyond vocab": {"code": "invalid_value"},
+    "negative token id": {"code": "invalid_value"},
+    "NaN temperature": {"code": "invalid_value", "says": "finite", "not": "less than"},
+    "Infinity top_p": {"says": "finite"},
+    "-Infinity temperature": {"says": "finite", "not": "greater than"},
+    "lone high surrogate": {"says": "surrogate \\ud800", "not": "end of hex escape"},
+    "lone low surrogate": {"says": "surrogate \\udc00"},
+    "user message without content": {"code": "invalid_value", "says": "no content"},
+    "user content null": {"code": "invalid_value", "says": "content is null"},
+    "text/plain body": {"code": "unsupported_media_type", "says": "text/plain"},
+    "form body": {"code": "unsupported_media_type"},
+}
+HEADERS = {"text/plain body": "text/plain", "form body": "application/x-www-form-urlencoded",
+           "text/plain completions": "text/plain; charset=utf-8"}
 
 
 def test_bad_input_battery(engine, url):
-    assert len(CASES) >= 20
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
     ok_before = engine.snapshot()["requests"]
     with httpx.Client(base_url=url, timeout=30) as c:
         for name, method, path, body, status, param in CASES:
             kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-            r = c.request(method, path, headers={"Content-Type": "application/json"}, **kw)
+            r = c.request(method, path, headers={"Content-Type": HEADERS.get(name, "application/json")}, **kw)
             assert r.status_code == status, (name, r.status_code, r.text[:300])
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], name
             assert err["type"] == "invalid_request_error", name
             if param is not None:
                 assert err["param"] == param, (name, err)
-            if name.startswith(("prompt", "long chat")):
+            if name.startswith(("prompt longer", "prompt +", "long chat")):
                 assert err["code"] == "context_length_exceeded", (name, err)
+            want = EXPECT.get(name, {})
+            if "code" in want:
+                assert err["code"] == want["code"], (name, err)
+            assert want.get("says", "") in err["message"], (name, err)
+            assert not want.get("not") or want["not"] not in err["message"], (name, err)
+            assert c.get("/health").status_code == 200, name  # healthy after each
         # still serving, and the bad requests never became generations that ran
         r = c.post(CHAT, json={"messages": MSG, "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -118,12 +197,8 @@ def test_chunked_body_too_large(url):
 # -- engines that are loading, failed, or slow (no MLX needed) --------------------------------
 
 
-class _Info:
-    def as_dict(self):
-        return {"method": "dflash2", "target": "fake", "drafter": "fake-drafter", "block_size": 4,
-                "block_size_source": "flag"}
-
-    target = "fake"
+def _Info():
+    return EngineInfo("dflash2", "fake", "fake-drafter", 4, "flag")
 
 
 class SlowEngine:
@@ -138,11 +213,11 @@ class SlowEngine:
         h = Handle(req, loop)
 
         def script():
-            h._put(Started(req.id, 3, self.info.as_dict()))
+            h._put(Started(req.id, 3, self.info))
             if h.cancelled.wait(self.prefill_s):
                 return
-            h._put(Delta(req.id, "hi", (1, 2), 0, 0, {}))
-            h._put(Done(req.id, "hi", "stop", 3, 2, self.info.as_dict(), {}, {"draft_n": 0}))
+            h._put(Delta(req.id, "hi", (1, 2), 0, 0, StatsSnapshot()))
+            h._put(Done(req.id, "hi", "stop", 3, 2, self.info, StatsSnapshot(), {"draft_n": 0}))
 
         threading.Thread(target=script, daemon=True).start()
         return h
@@ -169,16 +244,16 @@ async def test_loading_then_ready_and_failed_engines():
 
     def loader():
         gate.wait(30)
-        return object(), _Info()
+        return Session(object(), _Info())
 
     e = Engine(loader).start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(e)), base_url="http://t") as c:
             h = await c.get("/health")
             assert h.status_code == 503 and h.json()["status"] == "loading" and "Retry-After" in h.headers
-            assert h.json()["error"]["code"] == "model_loading"
+            assert h.json()["error"]["code"] == "model_not_ready" and h.json()["error"]["type"] == "server_error"
             r = await c.post(CHAT, json={"messages": MSG})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+            assert r.status_code == 503 and r.json()["error"] == h.json()["error"]  # one loading body
             assert (await c.get("/v1/models")).status_code == 503
             gate.set()
             await asyncio.to_thread(e.wait_ready, 10)
@@ -201,3 +276,35 @@ async def test_loading_then_ready_and_failed_engines():
         r = await c.post(CHAT, json={"messages": MSG})
         assert r.status_code == 503 and json.loads(r.text)["error"]["type"] == "server_error"
     f.close()
+
+
+def test_openai_client_sees_the_same_errors(url):
+    """The official client gets 400s with the OpenAI error body for the inputs above."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+    calls = [
+        (lambda: client.chat.completions.create(model="x", messages=[{"role": "user", "content": None}]), None),
+        (lambda: client.chat.completions.create(messages=[{"role": "user"}], model=None), "messages[0].content"),
+        (lambda: client.chat.completions.create(messages=MSG, model=None, temperature=float("nan")), "temperature"),
+        (lambda: client.chat.completions.create(messages=[{"role": "user", "content": "\ud800"}], model=None), None),
+        (lambda: client.completions.create(model=None, prompt=[1, 99999], max_tokens=2), "prompt"),
+        (lambda: client.completions.create(model=None, prompt=[1, -2], max_tokens=2), "prompt"),
+    ]
+    for i, (call, param) in enumerate(calls):
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
+            call()
+        err = e.value.body
+        assert set(err) >= {"message", "type", "param", "code"}, (i, err)
+        if param is not None:
+            assert err["param"] == param and err["code"] == "invalid_value", (i, err)
+    r = client.chat.completions.create(model=None, messages=MSG, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_docs_describe_the_loading_body():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `GET /health`"))
+    assert "model_not_ready" in row and "server_error" in row and "model_loading" not in doc

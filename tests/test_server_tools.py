@@ -16,8 +16,10 @@ from mlx_lm.tool_parsers import json_tools, mistral
 from test_server import serve_in_thread
 
 from mlx_spec.engine import Delta, Done, Engine, Handle, Started
-from mlx_spec.generation import engine_info
+from mlx_spec.generation import EngineInfo, engine_info
+from mlx_spec.stats import StatsSnapshot
 from mlx_spec.loading import load_pair
+from mlx_spec.session import Session
 from mlx_spec.server import tools
 from mlx_spec.server.app import create_app
 from mlx_spec.server.tools import ToolCallStream, ToolFormat
@@ -175,7 +177,7 @@ def engine(tmp_path_factory):
     def loader():
         pair = load_pair(str(t), None, no_draft=True)
         pair = replace(pair, model=ScriptedModel(pair.model, pair.tokenizer.eos_token_id))
-        return pair, engine_info(pair)
+        return Session.of(pair, engine_info(pair))
 
     e = Engine(loader, max_queue=4).start()
     e.wait_ready(60)
@@ -259,12 +261,8 @@ def test_stream_tool_call_over_http(engine, client):
 # -- a tokenizer without a tool-call format: today's behaviour (text) --------------------------
 
 
-class _Info:
-    target = "fake"
-
-    def as_dict(self):
-        return {"method": "plain", "target": "fake", "drafter": None, "block_size": 1,
-                "block_size_source": "plain (--no-draft)"}
+def _Info():
+    return EngineInfo("plain", "fake", None, 1, "plain (--no-draft)", "plain")
 
 
 class TextOnlyEngine:
@@ -274,10 +272,10 @@ class TextOnlyEngine:
 
     def submit(self, req, loop=None):
         h = Handle(req, loop)
-        h._put(Started(req.id, 3, self.info.as_dict()))
+        h._put(Started(req.id, 3, self.info))
         for piece in (CALL[:7], CALL[7:]):
-            h._put(Delta(req.id, piece, (1,), 0, 0, {}))
-        h._put(Done(req.id, CALL, "stop", 3, 2, self.info.as_dict(), {}, {"draft_n": 0}))
+            h._put(Delta(req.id, piece, (1,), 0, 0, StatsSnapshot()))
+        h._put(Done(req.id, CALL, "stop", 3, 2, self.info, StatsSnapshot(), {"draft_n": 0}))
         return h
 
 

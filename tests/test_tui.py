@@ -65,7 +65,7 @@ async def test_main_screen_snapshot(tmp_path):
                      "▏ tok/s      40.0  this reply", "▏ speedup    4.00×",
                      "vs plain 10.0 tok/s", "(tuner 2026-01-01)", "▏  1 ████████████ 100%",
                      "▏ Working set", "4.00 / 16.0 GiB 25%", " you", " hi", " assistant",
-                     "dflash2 · 15 tok · 40.0 tok/s · τ 3.75 · acceptance 39% · block 8 · stop",
+                     "dflash2 · 15 tok · 40.0 tok/s (4.00×) · τ 3.75 · accept 39% · block 8 · stop",
                      "f2 Spec on/off", "f3 Lossless check", "f4 Export", "f5 Re-tune"):
         assert expected in text, expected
 
@@ -88,7 +88,7 @@ async def test_escape_cancels_and_keeps_partial_reply(tmp_path):
 
 class FailingBackend(FakeBackend):
     def stream(self, messages, settings):
-        yield Started("r", 3, self.info_dict)
+        yield Started("r", 3, self.engine)
         yield Failed("r", "prompt (9000 tokens) exceeds the context length 8192", "ContextTooLong")
 
 
@@ -144,6 +144,17 @@ async def test_export_and_palette(tmp_path):
         assert messages[-1] == {"role": "user", "content": "export me"}
 
 
+async def test_first_launch_tuning_can_be_skipped_with_a_key(tmp_path):
+    app = make_app(tmp_path, tuner=sample_tune(), tune_on_start=True, step_delay=2.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, TunerScreen))
+        assert "s: skip" in screen_text(app)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: app.chat.ready)
+        assert app.screen is app.chat and app.skip_tuning.is_set()
+        assert app.backend.stored is None  # nothing stored: tuned at the next launch
+
+
 async def test_first_launch_tuning_retune_and_unavailable_state(tmp_path):
     app = make_app(tmp_path, tuner=sample_tune(), tune_on_start=True)
     async with app.run_test(size=SIZE) as pilot:
@@ -166,14 +177,14 @@ async def test_first_launch_tuning_retune_and_unavailable_state(tmp_path):
         assert header.startswith(" PLAIN ") and "drafter fake-drafter unused: tuned 2026-01-01: off" in header
         await reply(pilot, "plain now")
         assert app.screen.query_one(SpecPanel).view.mode == "tuned-off"
-    app = make_app(tmp_path)  # no tuner in this install
+    app = make_app(tmp_path)  # a backend without a tuner
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.chat.ready)
         assert app.screen is app.chat  # nothing to run on launch
         await pilot.press("f5")
         await wait_for(pilot, lambda: isinstance(app.screen, TunerScreen))
         await pilot.pause()
-        assert "Tuner not available: the tuner (mlx_spec/tuner.py) is not in this install" in \
+        assert "Tuner not available: this scripted backend has no tuner" in \
             screen_text(app).replace("\n", " ")
 
 
@@ -222,7 +233,10 @@ async def test_load_failure_exits_non_zero(tmp_path):
 def test_engine_line_names_a_reduced_draft_vocabulary():
     from tui.widgets.engine_header import describe
 
-    info = {"method": "dflash2", "target": "t", "drafter": "d", "block_size": 4, "block_size_source": "flag",
-            "adaptive_max": 0, "draft_vocab": 8192}
+    from dataclasses import replace
+
+    from mlx_spec.generation import EngineInfo
+
+    info = EngineInfo("dflash2", "t", "d", 4, "flag", draft_vocab=8192)
     assert describe(info, True)[0].endswith("block 4 (flag) · draft vocab 8192")
-    assert "draft vocab" not in describe(dict(info, draft_vocab=0), True)[0]
+    assert "draft vocab" not in describe(replace(info, draft_vocab=0), True)[0]

@@ -10,6 +10,7 @@ from tui_helpers import reply, screen_text, wait_for
 
 from mlx_spec.generation import engine_info
 from mlx_spec.loading import load_pair
+from mlx_spec.session import Session
 from tui.app import SpecChatApp
 from tui.backend import LocalBackend, Settings
 from tui.widgets.memory_panel import MemoryPanel
@@ -28,7 +29,7 @@ def local_backend(paths, no_draft: bool = False) -> LocalBackend:
 
     def loader(progress):
         pair = load_pair(str(target), None if no_draft else str(drafter), no_draft=no_draft)
-        return pair, engine_info(pair, None if no_draft else 4, None if no_draft else "flag")
+        return Session.of(pair, engine_info(pair, None if no_draft else 4, None if no_draft else "flag"))
 
     return LocalBackend(loader)
 
@@ -64,7 +65,7 @@ def test_local_backend_cancel_and_plain(tiny_pair):
     backend = local_backend(tiny_pair, no_draft=True)
     try:
         info = backend.start()
-        assert info["method"] == "plain" and backend.tuner_unavailable().startswith("no drafter")
+        assert info.mode == "plain" and backend.tuner_unavailable().startswith("no drafter")
         assert backend.check_unavailable().startswith("no drafter")
         events = []
         t = time.monotonic()

@@ -162,10 +162,11 @@ def test_classify_synthetic_rows():
 def test_engine_call(dirs):
     from mlx_spec.engine import Engine
     from mlx_spec.generation import engine_info
+    from mlx_spec.session import Session
 
     def loader():
         p = load_pair(str(dirs[0]), str(dirs[1]))
-        return p, engine_info(p, 4, "flag")
+        return Session.of(p, engine_info(p, 4, "flag"))
 
     with Engine(loader) as e:
         e.wait_ready(60)

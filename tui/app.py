@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -32,6 +33,7 @@ class SpecChatApp(App):
         self.system = system
         self.export_dir = Path(export_dir).resolve()
         self.error: str | None = None
+        self.skip_tuning = threading.Event()  # set by the tuner screen's skip key (first launch)
 
     @property
     def chat(self) -> ChatScreen:
@@ -45,7 +47,7 @@ class SpecChatApp(App):
     @work(thread=True, exclusive=True, group="load")
     def _load_engine(self) -> None:
         try:
-            info = self.backend.start(lambda f, m: self.post_message(TuneProgress(f, m)))
+            info = self.backend.start(self._tuning_progress)
             stored = None if self.backend.tuner_unavailable() else self.backend.stored_tune()
         except Exception as e:  # shown and turned into a non-zero exit: never a degraded mode
             msg = str(e) if isinstance(e, MlxSpecError) else f"{type(e).__name__}: {e}"
@@ -53,9 +55,19 @@ class SpecChatApp(App):
             return
         self.post_message(EngineReady(info, stored))
 
+    def _tuning_progress(self, fraction: float, text: str) -> None:
+        """First-launch tuning progress (engine thread); stops the tuner once the user skipped it."""
+        if self.skip_tuning.is_set():
+            from mlx_spec.tuner import TuneSkipped
+
+            raise TuneSkipped("tuning skipped from the TUI")
+        self.post_message(TuneProgress(fraction, text))
+
     @on(TuneProgress)
     def _on_first_launch_tuning(self, m: TuneProgress) -> None:
         """The loader is tuning (no stored result for this machine and pair): show it."""
+        if self.skip_tuning.is_set():
+            return
         if not isinstance(self.screen, TunerScreen):
             self.push_screen(TunerScreen(run=False))
         self.screen.progress(m.fraction, m.text)

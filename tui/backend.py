@@ -3,18 +3,19 @@
 ``LocalBackend`` wraps ``mlx_spec.engine.Engine``: the engine thread does all MLX work, the UI's
 worker threads only iterate a ``Handle``. ``FakeBackend`` (tui/fake_backend.py) plays scripted
 events without MLX, for the UI tests. The events are the engine's own ``Started``, ``Delta``,
-``Done`` and ``Failed`` dataclasses (importing ``mlx_spec.engine`` does not import MLX).
+``Done`` and ``Failed`` dataclasses, carrying frozen ``EngineInfo`` and ``StatsSnapshot`` values
+(importing ``mlx_spec.engine`` does not import MLX).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.generation import EngineInfo
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,10 @@ class CheckResult:
 
 
 class Backend(Protocol):
-    def start(self, progress: Progress | None = None) -> dict: ...
+    def start(self, progress: Progress | None = None) -> EngineInfo: ...
     """Block until loaded (``progress`` hears first-launch tuning); raise on failure."""
     @property
-    def info(self) -> dict | None: ...  # EngineInfo.as_dict()
+    def info(self) -> EngineInfo | None: ...  # None while loading
     def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]: ...
     def cancel(self) -> None: ...
     def memory(self) -> Memory | None: ...
@@ -112,62 +113,17 @@ def request_for(messages: list[dict], settings: Settings) -> Request:
                    seed=settings.seed, speculate=settings.speculate)
 
 
-def compare_tokens(spec: list[int], plain: list[int]) -> CheckResult:
-    """Greedy speculative output must equal plain output token for token."""
-    for i, (a, b) in enumerate(zip(spec, plain)):
-        if a != b:
-            return CheckResult(False, "mismatch", i, f"first difference at token {i}: "
-                               f"speculative {a}, plain {b}")
-    if len(spec) != len(plain):
-        return CheckResult(False, "mismatch", min(len(spec), len(plain)),
-                           f"lengths differ: speculative {len(spec)}, plain {len(plain)} tokens")
-    return CheckResult(True, "identical", len(spec), f"{len(spec)} tokens, speculative == plain")
-
-
 # -- MLX-side probes: each runs on the engine thread via Engine.call ---------------------------
-def _static_sizes(pair) -> dict:
-    """Weight bytes and KV bytes per token of the loaded pair."""
-    from mlx.utils import tree_flatten
+def _static_sizes(pair):
+    from mlx_spec.memory import loaded_sizes
 
-    def nbytes(module) -> int:
-        return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-    def kv_per_token(args, width: int) -> int:
-        layers = getattr(args, "num_hidden_layers", 0)
-        heads = getattr(args, "num_attention_heads", 1) or 1
-        kvh = getattr(args, "num_key_value_heads", None) or heads
-        hd = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
-        return 2 * layers * kvh * hd * width
-
-    model = pair.model
-    width = next(v.dtype.size for _, v in tree_flatten(model.parameters()))
-    out = {"target": nbytes(model), "drafter": 0, "target_kv": 0, "drafter_kv": 0}
-    if getattr(model, "args", None) is not None:
-        out["target_kv"] = kv_per_token(model.args, width)
-    if pair.drafter is not None:
-        out["drafter"] = nbytes(pair.drafter)
-        out["drafter_kv"] = kv_per_token(pair.drafter.args, width)
-    return out
+    return loaded_sizes(pair)
 
 
 def _live_memory(pair) -> dict:
-    """mlx_spec.memory.live() where it exists, else the MLX counters and psutil directly."""
-    try:
-        from mlx_spec.memory import live
-    except ImportError:
-        live = None
-    if live is not None:
-        return live()
-    import mlx.core as mx
-    import psutil
+    from mlx_spec.memory import live
 
-    budget = mx.device_info().get("max_recommended_working_set_size")
-    source = "Metal recommended working set"
-    if not budget:
-        budget, source = psutil.virtual_memory().total, "physical memory"
-    swap = psutil.swap_memory()
-    return {"used": mx.get_active_memory() + mx.get_cache_memory(), "peak": mx.get_peak_memory(),
-            "budget": budget, "budget_source": source, "swap_used": swap.used, "swap_total": swap.total}
+    return live()
 
 
 def _reset_peak(pair) -> None:
@@ -176,21 +132,18 @@ def _reset_peak(pair) -> None:
     mx.reset_peak_memory()
 
 
-def read_memory(engine: Engine, sizes: dict, context_tokens: int, timeout: float = 5.0) -> Memory:
-    """The one place the UI's memory numbers come from (read on the engine thread)."""
+def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0) -> Memory:
+    """The one place the UI's memory numbers come from: ``mlx_spec.memory`` (``live`` read on the
+    engine thread; ``sizes`` is its ``LoadedSizes`` of the pair)."""
     import psutil
 
     m = engine.call(_live_memory).result(timeout)
-    kv = (sizes["target_kv"] + sizes["drafter_kv"]) * context_tokens
+    kv = (sizes.target_kv_per_token + sizes.drafter_kv_per_token) * context_tokens
     return Memory(used=m["used"], peak=m["peak"], budget=m["budget"], budget_source=m["budget_source"],
-                  target=sizes["target"], drafter=sizes["drafter"], kv=kv,
+                  target=sizes.target, drafter=sizes.drafter, kv=kv,
                   prefix=engine.snapshot()["prefix_cache_bytes"],
                   context_tokens=context_tokens, swap_used=m["swap_used"], swap_total=m["swap_total"],
                   rss=psutil.Process().memory_info().rss)
-
-
-def _module_missing(name: str) -> bool:
-    return importlib.util.find_spec(name) is None
 
 
 # -- the tuner (mlx_spec/tuner.py) and the losslessness check (mlx_spec/verify.py) -------------
@@ -213,16 +166,17 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
     """An engine-thread job: tune, store, and switch the engine to the new block size."""
 
     def job(pair) -> TuneView:
-        from mlx_spec import tuner
-        from mlx_spec.generation import engine_info
+        from dataclasses import replace
+
+        from mlx_spec import session, tuner
 
         key = tuner.tune_key(pair)
         result = replace(tuner.tune(pair, budget_s=budget_s,
                                     progress=lambda d, t, m: progress(d / t if t else 0.0, m)), key=key)
         tuner.save_result(result)
         # Between requests, on the engine thread: the next turn runs the tuned engine.
-        engine.info = engine_info(pair, result.block_size, result.source,
-                                  adaptive=bool(engine.info and engine.info.adaptive_max))
+        engine.use_info(session.info_for(pair, session.from_tuning(result),
+                                         adaptive=bool(engine.info and engine.info.adaptive_max)))
         progress(1.0, "done")
         return tune_view(result)
 
@@ -237,7 +191,7 @@ def _verify_last(engine: Engine, messages: list[dict], max_tokens: int):
         from mlx_spec.verify import IDENTICAL, check
 
         info = engine.info
-        block = info.block_size if info.method != "plain" else pair.drafter.args.block_size
+        block = info.block_size if info.speculative else pair.drafter.args.block_size
         ids = encode_prompt(pair.tokenizer, messages=messages)
         r = check(pair, [ids], (block,), max_tokens).results[0]
         if r.verdict == IDENTICAL:
@@ -253,8 +207,8 @@ def _verify_last(engine: Engine, messages: list[dict], max_tokens: int):
 
 
 class LocalBackend:
-    """The engine in this process. ``loader(progress)`` runs on the engine thread and returns
-    ``(pair, EngineInfo)``; ``progress`` hears first-launch tuning."""
+    """The engine in this process. ``loader(progress)`` runs on the engine thread and returns a
+    ``session.Session``; ``progress`` hears first-launch tuning."""
 
     CHECK_TOKENS = 64  # the losslessness check replays at most this many tokens (both ways)
 
@@ -265,29 +219,22 @@ class LocalBackend:
         self.engine = Engine(lambda: self._loader(lambda f, m: self._progress(f, m)), prefix_cache=prefix_cache)
         self.tune_budget_s = tune_budget_s
         self._handle = None
-        self._sizes: dict | None = None
+        self._sizes = None  # memory.LoadedSizes once loaded
         self._context = 0  # tokens of the last turn (prompt + reply), for the KV estimate
 
     @classmethod
-    def from_args(cls, args) -> "LocalBackend":
-        """Load what ``mlx_spec chat`` asked for (the same flags and defaults as generate)."""
+    def from_config(cls, cfg) -> "LocalBackend":
+        """Load what a ``config.LoadConfig`` names, as generate and serve do (``session.open_session``)."""
 
         def loader(progress: Progress):
-            from mlx_spec.generation import engine_info
-            from mlx_spec.pair import open_pair, resolve_block_size
+            from mlx_spec.session import open_session
 
-            pair = open_pair(args, log=log.info)
             # First launch tunes here, as generate and serve do; progress goes to the UI.
-            tune_progress = (lambda d, t, m: progress(d / t if t else 0.0, m))
-            block, source = resolve_block_size(pair, args, progress=tune_progress)
-            return pair, engine_info(pair, block, source, adaptive=getattr(args, "adaptive", False))
+            return open_session(cfg, lambda d, t, m: progress(d / t if t else 0.0, m), log=log.info)
 
-        from mlx_spec.cli import prefix_cache_bytes
+        return cls(loader, tune_budget_s=cfg.tune_budget_s, prefix_cache=cfg.prefix_cache)
 
-        return cls(loader, tune_budget_s=getattr(args, "tune_budget", None),
-                   prefix_cache=prefix_cache_bytes(args))
-
-    def start(self, progress: Progress | None = None) -> dict:
+    def start(self, progress: Progress | None = None) -> EngineInfo:
         if progress is not None:
             self._progress = progress
         self.engine.start()
@@ -296,8 +243,8 @@ class LocalBackend:
         return self.info
 
     @property
-    def info(self) -> dict | None:
-        return self.engine.info.as_dict() if self.engine.info is not None else None
+    def info(self) -> EngineInfo | None:
+        return self.engine.info
 
     def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]:
         self.engine.call(_reset_peak)  # ordered before the request: peak = this reply's
@@ -322,13 +269,11 @@ class LocalBackend:
         return read_memory(self.engine, self._sizes, self._context)
 
     def _has_drafter(self) -> bool:
-        return bool(self.info and self.info.get("drafter"))
+        return self.info is not None and self.info.drafter is not None
 
     def tuner_unavailable(self) -> str | None:
         if not self._has_drafter():
             return "no drafter loaded (--no-draft): there is no block size to tune"
-        if _module_missing("mlx_spec.tuner"):
-            return "the tuner (mlx_spec/tuner.py) is not in this install"
         return None
 
     def stored_tune(self) -> TuneView | None:
@@ -351,27 +296,12 @@ class LocalBackend:
         return None
 
     def check(self, messages: list[dict], settings: Settings) -> CheckResult:
-        """Greedy speculative vs greedy plain decoding of the conversation so far
-        (``mlx_spec.verify``; without it, an A/B through the engine that compares token ids)."""
+        """Greedy speculative vs greedy plain decoding of the conversation so far (``mlx_spec.verify``)."""
         reason = self.check_unavailable()
         if reason:
             raise MlxSpecError(reason)
         n = min(settings.max_tokens, self.CHECK_TOKENS)
-        if not _module_missing("mlx_spec.verify"):
-            return self.engine.call(_verify_last(self.engine, messages, n)).result()
-        if self.info["method"] == "plain":
-            raise MlxSpecError("speculation is off (tuner) and mlx_spec.verify is missing: nothing to compare")
-        toks = []
-        for speculate in (True, False):
-            s = replace(settings, max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, speculate=speculate)
-            got: list[int] = []
-            for ev in self.engine.submit(request_for(messages, s)):
-                if isinstance(ev, Delta):
-                    got.extend(ev.tokens)
-                elif isinstance(ev, Failed):
-                    raise MlxSpecError(f"{ev.kind}: {ev.error}")
-            toks.append(got)
-        return compare_tokens(*toks)
+        return self.engine.call(_verify_last(self.engine, messages, n)).result()
 
     def close(self) -> None:
         self.cancel()

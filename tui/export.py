@@ -12,13 +12,14 @@ class Turn:
     meta: str = ""  # engine + stats line for assistant turns
 
 
-def to_markdown(turns: list[Turn], info: dict | None, when: str) -> str:
+def to_markdown(turns: list[Turn], info, when: str) -> str:
+    """``info``: the engine's ``generation.EngineInfo`` (None: not loaded)."""
     lines = ["# mlx_spec chat", "", f"_exported {when}_", ""]
-    if info:
-        lines += [f"- engine: {info['method']}", f"- target: {info['target']}"]
-        if info.get("drafter"):
-            lines += [f"- drafter: {info['drafter']}",
-                      f"- block size: {info['block_size']} ({info['block_size_source']})"]
+    if info is not None:
+        lines += [f"- engine: {info.method}", f"- target: {info.target}"]
+        if info.drafter:
+            lines += [f"- drafter: {info.drafter}",
+                      f"- block size: {info.block_size} ({info.block_size_source})"]
         lines.append("")
     titles = {"user": "You", "assistant": "Assistant", "note": "Note"}
     for t in turns:

@@ -4,34 +4,34 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from mlx_spec.engine import Delta, Done, Started
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.generation import PLAIN, SPECULATIVE, TUNED_OFF, EngineInfo
+from mlx_spec.stats import StatsSnapshot
 
 from .backend import CheckResult, Event, Memory, Progress, Settings, TuneRow, TuneView
 
 GiB = 1 << 30
 
-SPEC_INFO = {"method": "dflash2", "target": "fake-target", "drafter": "fake-drafter",
-             "block_size": 8, "block_size_source": "checkpoint"}
+SPEC_INFO = EngineInfo("dflash2", "fake-target", "fake-drafter", 8, "checkpoint")
 
 
-def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float, cached: int = 0) -> dict:
-    """A running Stats.as_dict() for scripted cycles (the real one lives in mlx_spec.stats)."""
+def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float, cached: int = 0) -> StatsSnapshot:
+    """Running stats for scripted cycles (the real ones come from mlx_spec.stats)."""
     cycles = len(accepts)
     drafted = cycles * (block - 1)
     reached = [cycles] * (block - 1)
     hits = [sum(1 for a in accepts if a > k) for k in range(block - 1)]
     tps = (tokens - 1) / elapsed_s if elapsed_s > 0 and tokens > 1 else 0.0
-    return {
-        "cycles": cycles, "drafted": drafted, "accepted": sum(accepts),
-        "mean_acceptance_length": round((sum(accepts) + cycles) / cycles, 4) if cycles else 0.0,
-        "acceptance_rate": round(sum(accepts) / drafted, 4) if drafted else 0.0,
-        "acceptance_by_position": [round(h / r, 4) for h, r in zip(hits, reached)] if cycles else [],
-        "decode_tps": round(tps, 2), "end_to_end_tps": round(tps, 2), "cached_tokens": cached,
-    }
+    return StatsSnapshot(
+        cycles=cycles, drafted=drafted, accepted=sum(accepts),
+        mean_acceptance_length=round((sum(accepts) + cycles) / cycles, 4) if cycles else 0.0,
+        acceptance_rate=round(sum(accepts) / drafted, 4) if drafted else 0.0,
+        acceptance_by_position=tuple(round(h / r, 4) for h, r in zip(hits, reached)) if cycles else (),
+        decode_tps=round(tps, 2), end_to_end_tps=round(tps, 2), cached_tokens=cached)
 
 
 @dataclass
@@ -45,12 +45,12 @@ class FakeBackend:
 
     replies: list[str] = field(default_factory=lambda: ["Hello **there**, how can I help?"])
     pattern: tuple[int, ...] = (3, 1, 5, 2)
-    info_dict: dict = field(default_factory=lambda: dict(SPEC_INFO))
+    engine: EngineInfo = SPEC_INFO
     step_delay: float = 0.0
     tps: float = 40.0  # reported decode tok/s (scripted, independent of the delay)
     hold_after: int | None = None
     load_error: str | None = None
-    tuner: TuneView | None = None  # None: the tuner is "not available"
+    tuner: TuneView | None = None  # None: this scripted backend has no tuner
     stored: TuneView | None = None
     tune_on_start: bool = False  # first launch: report tuning progress while "loading"
     memory_fraction: float = 0.25
@@ -62,17 +62,22 @@ class FakeBackend:
         self._ready = False
         self._turn = 0
 
-    def start(self, progress: Progress | None = None) -> dict:
+    def start(self, progress: Progress | None = None) -> EngineInfo:
         if self.load_error:
             raise MlxSpecError(self.load_error)
         if self.tune_on_start and self.tuner:
-            self.retune(progress or (lambda f, m: None))
+            from mlx_spec.tuner import TuneSkipped
+
+            try:
+                self.retune(progress or (lambda f, m: None))
+            except TuneSkipped:  # as the real loader: the checkpoint's block, nothing stored
+                pass
         self._ready = True
         return self.info
 
     @property
-    def info(self) -> dict | None:
-        return self.info_dict if self._ready else None
+    def info(self) -> EngineInfo | None:
+        return self.engine if self._ready else None
 
     def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]:
         self.requests.append(([dict(m) for m in messages], settings))
@@ -80,10 +85,11 @@ class FakeBackend:
         self._release.clear()
         text = self.replies[min(self._turn, len(self.replies) - 1)]
         self._turn += 1
-        spec = settings.speculate and self.info_dict["method"] != "plain"
-        info = self.info_dict if spec else {**self.info_dict, "method": "plain", "block_size": 1,
-                                            "block_size_source": "plain (A/B)"}
-        block = info["block_size"]
+        spec = settings.speculate and self.engine.speculative
+        info = self.engine if spec or not self.engine.speculative else replace(
+            self.engine, method="plain", drafter=None, block_size=1, block_size_source="plain (--no-draft)",
+            mode=PLAIN)  # an A/B request, as generation.for_request makes it
+        block = info.block_size
         rid = f"fake-{self._turn}"
         yield Started(rid, sum(len(m["content"].split()) for m in messages), info)
         words = [w + " " for w in text.split(" ")]
@@ -129,9 +135,9 @@ class FakeBackend:
                       swap_total=2 * GiB, rss=used)
 
     def tuner_unavailable(self) -> str | None:
-        if not self.info_dict.get("drafter"):
+        if not self.engine.drafter:
             return "no drafter loaded (--no-draft): there is no block size to tune"
-        return None if self.tuner else "the tuner (mlx_spec/tuner.py) is not in this install"
+        return None if self.tuner else "this scripted backend has no tuner"
 
     def stored_tune(self) -> TuneView | None:
         return self.stored
@@ -146,15 +152,15 @@ class FakeBackend:
         progress(1.0, "done")
         self.stored = self.tuner
         if self.tuner.best > 1:
-            self.info_dict = {**self.info_dict, "method": "dflash2", "block_size": self.tuner.best,
-                              "block_size_source": self.tuner.source}
+            self.engine = replace(self.engine, method="dflash2", block_size=self.tuner.best,
+                                  block_size_source=self.tuner.source, mode=SPECULATIVE)
         else:
-            self.info_dict = {**self.info_dict, "method": "plain", "block_size": 1,
-                              "block_size_source": self.tuner.source}
+            self.engine = replace(self.engine, method="plain", block_size=1,
+                                  block_size_source=self.tuner.source, mode=TUNED_OFF)
         return self.tuner
 
     def check_unavailable(self) -> str | None:
-        return None if self.info_dict.get("drafter") else "no drafter loaded (--no-draft)"
+        return None if self.engine.drafter else "no drafter loaded (--no-draft)"
 
     def check(self, messages: list[dict], settings: Settings) -> CheckResult:
         self.requests.append(([dict(m) for m in messages], settings))

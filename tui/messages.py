@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from mlx_spec.generation import EngineInfo
+
 from .backend import CheckResult, Event, Memory, TuneView
 
 
 @dataclass
 class EngineReady(Message):
-    info: dict
+    info: EngineInfo
     stored_tune: TuneView | None
 
 

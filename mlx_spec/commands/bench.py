@@ -1,8 +1,11 @@
 """`mlx_spec bench`: plain vs speculative methods side by side, in one process, greedy.
 
-Rows: plain decoding (mlx-lm ``generate_step``, the baseline), prompt lookup, mlx-lm's AR draft
-(``--ar-draft``), DFlash at each ``--block-sizes``, the adaptive controller, and optionally the
-official ``dflash`` package (``--peer``). See docs/bench.md for every column.
+Rows: mlx-lm's own plain decoding (``stream_generate``, OpenBLAS at its default threads: what a
+user runs instead of us), our plain path, prompt lookup at a fixed block, mlx-lm's AR draft
+(``--ar-draft``), DFlash at each ``--block-sizes``, the per-cycle policy over DFlash only, lookup
+only and both (the default engine), and optionally the official ``dflash`` package (``--peer``).
+Every speedup is shown against our plain path and against mlx-lm's; per prompt kind and the worst
+single prompt; for agent prompts also how much of the reply repeats the prompt. See docs/bench.md.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--block-sizes", default="2,4,8", help="DFlash block sizes to bench (default 2,4,8)")
     p.add_argument("--prompts", default=None, help="JSONL file of prompts (default: the built-in set)")
-    p.add_argument("--kinds", default=None, help="built-in kinds to use, e.g. code,prose (default: all)")
+    p.add_argument("--workload", choices=("all", "chat", "agent"), default="all",
+                   help="built-in set: chat (code, math, prose), agent (multi-turn file edits) or all (default)")
+    p.add_argument("--kinds", default=None, help="built-in kinds to use, e.g. code,agent (default: the workload's)")
     p.add_argument("--per-kind", type=int, default=None, help="built-in prompts per kind (default: all)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens generated per prompt and method")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median; >= 3 recommended)")
     p.add_argument("--ar-draft", default=None,
                    help="small AR draft model for mlx-lm speculative decoding: a path, or skip:N for the "
                         "target's own first N layers (self-speculation)")
     p.add_argument("--ar-draft-tokens", type=int, default=3, help="draft tokens per round for --ar-draft")
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
-    p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-controller row")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="skip the per-cycle rows (dflash per-cycle, lookup per-cycle, hybrid default engine)")
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm plain row (the second baseline)")
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
     p.add_argument("--vocab-compare", action="store_true",
                    help="also run every block size with the full draft head (the drafter must ship a "
@@ -55,27 +62,52 @@ def _fmt(x, spec=".2f", none="-"):
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _grid(head: list[str], lines: list[list[str]]) -> list[str]:
+    """Columns padded to width; a line of two cells is a label and a note spanning the rest."""
+    widths = [max([len(head[i])] + [len(ln[i]) for ln in lines if len(ln) > 2]) for i in range(len(head))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    for ln in lines:
+        out.append(ln[0].ljust(widths[0]) + "  " + ln[1] if len(ln) == 2 else
+                   "  ".join(c.ljust(w) for c, w in zip(ln, widths)))
+    return out
+
+
+def _worst(w) -> str:
+    return "-" if not w else f"{_fmt(w[1])} {w[0]}"
+
+
 def table(rows, kinds) -> str:
-    head = ["method", "dec tok/s", "e2e tok/s", "spread", "speedup", "e2e x", *[f"{k} x" for k in kinds],
-            "tau", "accept", "T1 ms", "Td ms", "Tt ms", "ceiling", "eff"]
+    head = ["method", "dec tok/s", "e2e tok/s", "spread", "tau", "accept", "mean L", "T1 ms", "Td ms",
+            "Tt ms", "ceiling", "eff"]
     lines = []
     for r in rows:
         if r.status != "ok":
             lines.append([r.label, "FAILED — " + r.status.removeprefix("failed: ")])
             continue
-        lines.append([r.label, _fmt(r.decode_tps), _fmt(r.e2e_tps), _fmt(r.spread, ".0%"), _fmt(r.speedup),
-                      _fmt(r.e2e_speedup), *[_fmt(r.speedup_by_kind.get(k)) for k in kinds], _fmt(r.tau),
-                      _fmt(r.acceptance, ".0%"), _fmt(r.t1_ms, ".1f"), _fmt(r.td_ms, ".1f"),
+        lines.append([r.label, _fmt(r.decode_tps), _fmt(r.e2e_tps), _fmt(r.spread, ".0%"), _fmt(r.tau),
+                      _fmt(r.acceptance, ".0%"), _fmt(r.mean_block), _fmt(r.t1_ms, ".1f"), _fmt(r.td_ms, ".1f"),
                       _fmt(r.tt_ms, ".1f"), _fmt(r.ceiling), _fmt(r.efficiency, ".0%")])
-    widths = [max(len(head[i]), *(len(ln[i]) for ln in lines if len(ln) > 2)) for i in range(len(head))]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    for ln in lines:
-        out.append(ln[0].ljust(widths[0]) + "  " + ln[1] if len(ln) == 2 else
-                   "  ".join(c.ljust(w) for c, w in zip(ln, widths)))
-    spec = [r for r in rows if r.acceptance_by_position and r.status == "ok"]
+    out = _grid(head, lines)
+    ok = [r for r in rows if r.status == "ok"]
+    for suffix, title in (("", "plain (ours)"), ("_mlx", "mlx-lm plain")):
+        if not any(getattr(r, "speedup" + suffix) is not None for r in ok):
+            continue
+        out.append(f"\nspeedup vs {title} (decode tok/s; median over repeats; worst = lowest single prompt):")
+        head = ["method", "all", "e2e", *kinds, "worst prompt"]
+        out += _grid(head, [[r.label, _fmt(getattr(r, "speedup" + suffix)), _fmt(getattr(r, "e2e_speedup" + suffix)),
+                             *[_fmt(getattr(r, "speedup_by_kind" + suffix).get(k)) for k in kinds],
+                             _worst(getattr(r, "worst" + suffix))] for r in ok])
+    spec = [r for r in ok if r.acceptance_by_position]
     if spec:
         out.append("\nacceptance by draft position (share of cycles reaching it):")
         out += [f"  {r.label:18s} " + " ".join(_fmt(x, ".2f") for x in r.acceptance_by_position) for r in spec]
+    src = [r for r in ok if r.sources]
+    if src:
+        out.append("\ndraft sources (drafted cycles, accepted/drafted tokens, tau):")
+        out += [f"  {r.label:18s} " + ", ".join(
+            f"{k} {v.get('cycles', 0)} ({v.get('accepted', 0)}/{v.get('drafted', 0)}, "
+            f"tau {_fmt(v.get('mean_acceptance_length'))})" for k, v in r.sources.items())
+            for r in src]
     div = [r for r in rows if r.diverged]
     if div:
         out.append("\nnot token-identical to plain (greedy near-ties in the target): "
@@ -83,25 +115,53 @@ def table(rows, kinds) -> str:
     return "\n".join(out)
 
 
+def copy_table(prompt_rows, rows, subset) -> str:
+    """Agent prompts: the share of each reply that repeats its prompt, next to every drafting
+    method's tau and speedups (vs our plain / vs mlx-lm), and the speedups over the replies that
+    do repeat their prompt."""
+    from ..bench import COPY_SUBSET
+
+    labels = [r.label for r in rows if r.status == "ok" and r.tau is not None]
+    head = ["prompt", "prompt tok", "reply tok", "copy share", *[f"{m} tau x/x-mlx" for m in labels]]
+    lines = [[p.prompt_id, str(p.prompt_tokens), str(p.reply_tokens), _fmt(p.copy_share, ".0%"),
+              *[f"{_fmt(p.tau.get(m))} {_fmt(p.speedup.get(m))}/{_fmt(p.speedup_mlx.get(m))}" for m in labels]]
+             for p in prompt_rows]
+    out = ["agent prompts: copy share = reply tokens covered by spans of >= 4 tokens that occur in the prompt "
+           "(the ceiling for drafting by lookup); per method: tau, speedup vs our plain / vs mlx-lm plain"]
+    out += _grid(head, lines)
+    ids = [p.prompt_id for p in prompt_rows if p.copy_share >= COPY_SUBSET]
+    if subset:
+        out.append(f"\nreplies that repeat their prompt (copy share >= {COPY_SUBSET:.0%}: {', '.join(ids)}): "
+                   + "; ".join(f"{m} x{_fmt(a)} / x{_fmt(b)} mlx-lm" for m, (a, b) in subset.items()
+                               if m in labels))
+    else:
+        out.append(f"\nno reply repeats its prompt (copy share >= {COPY_SUBSET:.0%})")
+    return "\n".join(out)
+
+
 def run(args) -> int:
     import mlx_spec
 
-    from ..bench import CostMeter, Method, ProgressBar, Runner, bench, summarize
+    from .. import adaptive
+    from ..bench import (COPY_SUBSET, CostMeter, Method, ProgressBar, Runner, bench, prompt_report, subset_speedups,
+                         summarize)
+    from ..blas import default_threads
     from ..errors import BadRequest
-    from ..pair import open_pair
-    from ..prompts import builtin_prompts, interleave, load_prompts
-    from ..tuner import load_result, machine_info, tune_key
+    from ..cli import load_config
+    from ..session import open_session
+    from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
+    from ..tuner import apply_threads, load_result, machine_info, tune_key
 
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")
     sizes = _ints(args.block_sizes)
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
-    pair = open_pair(args, log=lambda m: print(m, file=err))
+    pair = open_session(load_config(args), log=lambda m: print(m, file=err), tuning="none").pair
     if args.prompts:
         prompts = load_prompts(args.prompts)
     else:
-        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
+        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else WORKLOADS[args.workload]
         prompts = interleave(builtin_prompts(kinds, args.per_kind))
     encoded = [(p.id, p.kind, p.encode(pair.tokenizer)) for p in prompts]
 
@@ -117,7 +177,7 @@ def run(args) -> int:
         from ..loading import load_target_model
 
         ar_model, _ = load_target_model(args.ar_draft)
-    methods = [Method("plain")]
+    methods = ([] if args.no_mlx_lm else [Method("mlx-lm")]) + [Method("plain")]
     if args.lookup_block >= 2:
         methods.append(Method("lookup", args.lookup_block))
     if ar_model is not None:
@@ -135,6 +195,11 @@ def run(args) -> int:
         adaptive_max = max(sizes + [pair.drafter.args.block_size])
         if not args.no_adaptive:
             methods.append(Method("adaptive", adaptive_max))
+            if hasattr(adaptive, "Policies"):  # the per-cycle policy with lookup drafting
+                methods += [Method("lookup-policy", adaptive_max), Method("hybrid", adaptive_max)]
+            else:
+                print("bench: this build has no per-cycle policy with lookup drafting (adaptive.Policies): "
+                      "no 'lookup per-cycle' / 'hybrid (default)' rows", file=err)
         if args.peer:
             methods += [Method("peer", B) for B in sizes]
     cost_sizes = sorted({*sizes, args.lookup_block if args.lookup_block >= 2 else 2,
@@ -153,14 +218,23 @@ def run(args) -> int:
         # the bench's own cost curve (same machine state as the rows), the tuner's prior if stored
         return AdaptiveController(costs, adaptive_max, tuned.acceptance_by_position if tuned else ())
 
+    # Our rows at the engine's thread count (the tuner's stored choice, else all cores); the
+    # mlx-lm row at OpenBLAS's own default. Either way a user's OPENBLAS_NUM_THREADS wins.
+    ours = apply_threads(tuned)
     runner = Runner(pair, ar_model=ar_model, costs=costs, controller_factory=controller,
-                    stop_at_eos=not args.ignore_eos)
+                    stop_at_eos=not args.ignore_eos, tuned=tuned, threads=ours, blas=mlx_spec.BLAS)
+    threads = {"ours": ours, "mlx-lm": mlx_spec.BLAS.pinned or (default_threads() if ours else None)}
     samples, failed = bench(runner, methods, encoded, repeats=args.repeats, max_tokens=args.max_tokens,
                             progress=bar, meter=meter)
     bar.close()
     costs = meter.costs()  # medians over all rounds, interleaved with the runs
     rows = summarize(samples, costs, failed, methods)
+    apply_threads(tuned)
     kinds = list(dict.fromkeys(k for _, k, _ in encoded))
+    per_prompt = prompt_report(samples, encoded, pair.tokenizer.eos_token_ids)
+    agent = [p for p in per_prompt if p.kind == "agent"]
+    copying = {p.prompt_id for p in agent if p.copy_share >= COPY_SUBSET}
+    subset = subset_speedups(samples, copying) if copying else {}
     fixed = [r for r in rows if r.kind == "dflash" and r.status == "ok" and r.decode_tps]
     best_fixed = max(fixed, key=lambda r: r.e2e_speedup or 0).label if fixed else None
     report = {
@@ -170,8 +244,11 @@ def run(args) -> int:
         "max_tokens": args.max_tokens, "repeats": args.repeats, "stop_at_eos": not args.ignore_eos,
         "costs": costs.as_dict(), "rows": [asdict(r) for r in rows], "best_fixed": best_fixed,
         "tuned": None if tuned is None else {"best": "off" if tuned.best == 1 else tuned.best,
-                                             "source": tuned.source},
-        "failed": [r.label for r in rows if r.status != "ok"],
+                                             "threads": tuned.threads, "source": tuned.source},
+        "failed": [r.label for r in rows if r.status != "ok"], "blas_threads": threads,
+        "per_prompt": [asdict(p) for p in per_prompt], "copy_subset": {
+            "min_share": COPY_SUBSET, "prompts": sorted(copying),
+            "speedup": {m: {"plain": a, "mlx-lm": b} for m, (a, b) in subset.items()}},
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -182,8 +259,12 @@ def run(args) -> int:
               + (f" | AR draft {args.ar_draft}" if args.ar_draft else "")
               + f" | {len(encoded)} prompts ({', '.join(kinds)}) "
               f"x {args.repeats} repeats, {args.max_tokens} max tokens, greedy | context for pass costs "
-              f"{costs.context} tokens")
+              f"{costs.context} tokens | BLAS threads: ours {threads['ours'] or '-'}, "
+              f"mlx-lm {threads['mlx-lm'] or '-'}")
         print(table(rows, kinds))
+        if agent:
+            print()
+            print(copy_table(agent, rows, subset))
         if best_fixed:
             by = {r.label: r for r in rows}
             ad = next((r for r in rows if r.kind == "adaptive"), None)

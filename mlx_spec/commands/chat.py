@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import add_model_args, add_prefix_cache_arg, prefix_cache_bytes
+from ..cli import add_model_args, add_prefix_cache_arg, add_sampling_args, load_config
 
 
 def add_arguments(p) -> None:
     add_model_args(p)
     add_prefix_cache_arg(p)
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_args(p, max_tokens=512, what="each reply")
     p.add_argument("--system", default=None, help="system prompt for the conversation")
     p.add_argument("--export-dir", default=".", help="where F4 writes the chat as markdown (default: .)")
 
@@ -22,8 +18,10 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..errors import BadRequest
     from ..sampling import SamplingConfig
+    from ..session import check
 
-    prefix_cache_bytes(args)  # validates the flag before anything loads
+    cfg = load_config(args)
+    check(cfg)  # flags and names are checked before the UI starts or anything loads
     if args.max_tokens < 1:
         raise BadRequest(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     try:
@@ -35,7 +33,7 @@ def run(args) -> int:
 
     settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed)
-    backend = LocalBackend.from_args(args)
+    backend = LocalBackend.from_config(cfg)
     app = SpecChatApp(backend, settings, system=args.system, export_dir=args.export_dir)
     try:
         app.run()

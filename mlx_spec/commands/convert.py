@@ -17,10 +17,12 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..errors import BadRequest
     from ..gguf import convert_gguf
+    from ..progress import Bar
 
     if not args.gguf.is_file():
         raise BadRequest(f"{args.gguf}: no such file")
     t = time.perf_counter()
-    out = convert_gguf(args.gguf, args.out, dtype=args.dtype)
+    with Bar(sys.stderr, f"Converting {args.gguf.name} ({args.dtype})") as bar:
+        out = convert_gguf(args.gguf, args.out, dtype=args.dtype, progress=bar)
     print(f"converted {args.gguf} -> {out} ({args.dtype}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return 0

@@ -5,29 +5,31 @@ from __future__ import annotations
 import json
 import sys
 
-from ..cli import add_model_args
+from ..cli import add_model_args, add_sampling_args
 
 
 def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    add_sampling_args(p, max_tokens=256, what="the generated text")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end, no streaming")
 
 
 def run(args) -> int:
+    from ..cli import load_config, think_kwargs
     from ..errors import BadRequest
-    from ..generation import GenConfig, Result, controllers, engine_info, generate
-    from ..pair import open_pair, resolve_block_size
+    from ..generation import GenConfig, Result, controllers, generate
     from ..sampling import SamplingConfig
+    from ..session import open_session
     from ..text import encode_prompt
 
+    from .. import distributed
+
+    load = load_config(args)  # every flag is checked before anything is read or loaded
+    if distributed.follower_process():  # under mlx.launch: rank 0 prints, the others follow it
+        return distributed.run_follower(load, lambda m: print(m, file=sys.stderr))
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         cfg = GenConfig(max_tokens=args.max_tokens, stop=tuple(args.stop),
@@ -35,22 +37,27 @@ def run(args) -> int:
     except ValueError as e:
         raise BadRequest(str(e)) from None
     out = sys.stderr if args.json else sys.stdout
-    pair = open_pair(args, log=lambda m: print(m, file=sys.stderr))
-    block, source = resolve_block_size(pair, args)
-    info = engine_info(pair, block, source, adaptive=args.adaptive)
-    ids = encode_prompt(pair.tokenizer, prompt, chat=args.chat)
+    session = open_session(load, log=lambda m: print(m, file=sys.stderr))
+    pair, info = session.pair, session.info
+    ids = encode_prompt(pair.tokenizer, prompt, chat=args.chat, template_kwargs=think_kwargs(args))
     result = Result()
     make = controllers(pair, info)
-    for chunk in generate(pair, info, ids, cfg, result, controller=make() if make else None):
-        if not args.json:
-            out.write(chunk.text)
-            out.flush()
+    lead = distributed.Leader(session.group) if session.group is not None else None
+    try:
+        for chunk in generate(pair, info, ids, cfg, result, controller=make() if make else None, lead=lead):
+            if not args.json:
+                out.write(chunk.text)
+                out.flush()
+    finally:
+        if lead is not None:
+            lead.shutdown()  # the other ranks exit
     s = result.stats
     if args.json:
         print(json.dumps({
             "text": result.text, "tokens": len(result.tokens), "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason,
             "engine": {k: v for k, v in info.as_dict().items() if k != "target"} | {"target": info.target},
+            "group": info.group.as_dict(),
             "stats": s.as_dict(),
         }))
     else:

@@ -14,21 +14,36 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=0, help="budget for reused prompt caches, MiB")
     p.add_argument("--budget-gb", type=float, default=None,
                    help="plan against this budget (GiB) instead of this machine's")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="plan one machine of a group of N the target is sharded over (mlx.launch; "
+                        "docs/distributed.md); the notes say how many machines of this budget the pair needs")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run(args) -> int:
     """Print the plan; exit 1 when it does not fit the budget."""
-    from .. import memory
-    from ..pair import drafter_for
+    from ..cli import load_config
+    from ..errors import MlxSpecError
+    from ..session import plan_session
 
-    drafter = drafter_for(args.target, args.drafter, args.no_draft)
-    quant, plan = memory.plan_from_args(args, drafter)
+    planned = plan_session(load_config(args), enforce=False)
+    plan, drafter, block = planned.plan, planned.drafter, planned.block
+    if plan is None:
+        raise MlxSpecError(f"no memory plan for target {args.target}: {planned.plan_error}")
+    engine = None
+    if drafter is not None:  # the block size loading would run, and where it comes from
+        engine = {"block_size": None if block is None or block.off else block.block_size,
+                  "block_size_source": block.source if block else "known after loading (a hub drafter)",
+                  "plain": bool(block and block.off)}
     if args.json:
-        print(json.dumps({"target": args.target, "drafter": drafter, "quantization": quant.as_dict(),
-                          **plan.as_dict()}, indent=2))
+        print(json.dumps({"target": args.target, "drafter": drafter, "quantization": planned.quant.as_dict(),
+                          "engine": engine, **plan.as_dict()}, indent=2))
     else:
         print(f"target {args.target}" + (f", drafter {drafter}" if drafter else " (no drafter)"))
+        if engine is not None:
+            print("engine: " + (f"plain decoding ({engine['block_size_source']}); planned at the "
+                                f"checkpoint's block {plan.block_size}" if engine["plain"] else
+                                f"block size {plan.block_size} ({engine['block_size_source']})"))
         print(plan.table())
         if not plan.fits:
             print(f"\ndoes not fit: lower --context (max {plan.max_context}) or quantize (--target-bits 4)")

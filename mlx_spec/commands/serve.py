@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from ..cli import add_model_args, add_prefix_cache_arg, prefix_cache_bytes
+from ..cli import add_model_args, add_prefix_cache_arg, load_config
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
@@ -36,6 +36,14 @@ def add_arguments(p) -> None:
                         "memory plan must fit (capped at the target's trained context)")
     p.add_argument("--detach", action="store_true",
                    help="run in the background (see `mlx_spec status`, `mlx_spec stop`)")
+    g = p.add_argument_group("defaults for requests that omit a field (as mlx_lm.server and llama-server)")
+    g.add_argument("--temp", "--temperature", dest="default_temperature", type=float, default=None, metavar="T",
+                   help="sampling temperature (default: 1, the APIs' own default)")
+    g.add_argument("--top-p", dest="default_top_p", type=float, default=None, metavar="P", help="nucleus sampling (default: 1)")
+    g.add_argument("--top-k", dest="default_top_k", type=int, default=None, metavar="K", help="top-k sampling (default: 0 = off)")
+    g.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=None, metavar="N",
+                   help="completion tokens for an OpenAI request without max_tokens (default: up to the "
+                        "context); Anthropic requests always carry their own")
     p.set_defaults(serve_parser=p)  # --detach rebuilds the child's flags from it
 
 
@@ -44,13 +52,39 @@ def run(args) -> int:
         raise BadRequest(f"--port must be in 0..65535 (got {args.port})")
     if args.max_queue < 1:
         raise BadRequest(f"--max-queue must be >= 1 (got {args.max_queue})")
-    if getattr(args, "context", None) is not None and args.context < 2:
-        raise BadRequest(f"--context must be >= 2 (got {args.context})")
-    prefix_cache_bytes(args)
+    request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
+    from ..session import check
+
+    cfg = load_config(args)
+    check(cfg)  # a missing target or drafter is refused before listening (or detaching)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
+    from .. import distributed
+
+    if distributed.launched():  # under mlx.launch: rank 0 serves, the others follow it
+        if args.detach:
+            raise BadRequest("--detach cannot run under mlx.launch: start mlx.launch itself in the background")
+        if distributed.follower_process():
+            return distributed.run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
         return _detach(args, api_key)
-    return _serve(args, api_key)
+    return _serve(args, cfg, api_key)
+
+
+def request_defaults(args):
+    """``schemas.RequestDefaults`` from --temp/--top-p/--top-k/--max-tokens/--think (checked)."""
+    from ..cli import think_kwargs
+    from ..server.schemas import RequestDefaults
+
+    t, p, k, n = (getattr(args, f"default_{x}", None) for x in ("temperature", "top_p", "top_k", "max_tokens"))
+    if t is not None and not 0 <= t <= 2:
+        raise BadRequest(f"--temp must be in [0, 2] (got {t:g})")
+    if p is not None and not 0 < p <= 1:
+        raise BadRequest(f"--top-p must be in (0, 1] (got {p:g})")
+    if k is not None and k < 0:
+        raise BadRequest(f"--top-k must be >= 0 (got {k})")
+    if n is not None and n < 1:
+        raise BadRequest(f"--max-tokens must be >= 1 (got {n})")
+    return RequestDefaults(t, p, k, n, think_kwargs(args))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -65,37 +99,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args, api_key: str | None) -> int:
+def _serve(args, cfg, api_key: str | None) -> int:
     import uvicorn
 
-    from ..engine import Engine, model_context_length
-    from ..generation import engine_info
-    from ..pair import open_pair, resolve_block_size
+    from ..engine import Engine
     from ..server.app import create_app
+    from ..session import open_session
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    def loader():
-        pair = open_pair(args, log=say)
-        block, source = resolve_block_size(pair, args)
-        info = engine_info(pair, block, source, adaptive=args.adaptive)
-        trained = model_context_length(pair.model)
-        wanted = getattr(args, "context", None)
-        if wanted and trained and wanted > trained:
-            say(f"context limited to the target's trained {trained} tokens (asked {wanted})")
-        limits = [x for x in (wanted, trained) if x]
-        engine.context_length = min(limits) if limits else None
-        return pair, info
+    def loader():  # on the engine thread: /health answers 503 meanwhile
+        return open_session(cfg, log=say)
 
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=prefix_cache_bytes(args))
+    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache)
     engine.start()
-    app = create_app(engine, api_key=api_key)
+    app = create_app(engine, api_key=api_key, defaults=request_defaults(args))
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
                             timeout_graceful_shutdown=3)
     server = _server_class()(config, on_exit=app.state.cancel_all)
@@ -158,7 +182,9 @@ def _flags(args) -> list[str]:
         if value is None or value == action.default:
             continue
         flag = max(action.option_strings, key=len)
-        if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):  # --think / --no-think
+            out.append(action.option_strings[0] if value else action.option_strings[1])
+        elif action.nargs == 0:
             out.append(flag)
         elif isinstance(value, list):
             for v in value:

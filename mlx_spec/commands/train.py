@@ -1,6 +1,7 @@
-"""`mlx_spec train data|drafter|export|eval`: build a training set from the target's own
-responses, train a DFlash 2 (or DFlash 1) drafter on it, export a float16 copy of a checkpoint,
-and measure a drafter's held-out tau by block size and prompt kind."""
+"""`mlx_spec train run|data|drafter|export|eval`: generate the target's responses and train a
+drafter on them in one process (run), or in two steps: build a training set from the target's own
+responses (data) and train a DFlash 2 (or DFlash 1) drafter on it (drafter); export a float16 copy
+of a checkpoint, and measure a drafter's held-out tau by block size and prompt kind."""
 
 from __future__ import annotations
 
@@ -8,11 +9,70 @@ import json
 import sys
 
 
+def _add_recipe(t) -> None:
+    """The drafter recipe flags shared by `train drafter` and `train run` (TrainConfig fields)."""
+    t.add_argument("--layers", type=int, default=2, help="drafter transformer layers")
+    t.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width")
+    t.add_argument("--block-size", type=int, default=8, help="training block size incl. the anchor")
+    t.add_argument("--no-conv", action="store_true", help="no two-tap convolutions")
+    t.add_argument("--no-selector", action="store_true", help="no candidate selector (with --no-conv: DFlash 1)")
+    t.add_argument("--selector-rank", type=int, default=64, help="rank of the candidate selector")
+    t.add_argument("--selector-top-k", type=int, default=8, help="candidates the selector reranks")
+    t.add_argument("--mask-token-id", type=int, default=None, help="default: a never-used special token")
+    t.add_argument("--loss", choices=["ce", "kl"], default="ce", help="ce: the target's tokens; kl: its top-K distribution")
+    t.add_argument("--attention", choices=["bidirectional", "causal"], default="bidirectional", help="attention inside a draft block")
+    t.add_argument("--corruption", choices=["full", "uniform"], default="full", help="full: every position after the anchor masked; uniform: a random share masked, the rest kept")
+    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 4 for block 8, 7 for 16)")
+    t.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector loss")
+    t.add_argument("--draft-vocab", type=int, default=0,
+                   help="train the softmax over the K most frequent data ids (+labels, +negatives); 0 = full vocab")
+    t.add_argument("--vocab-negatives", type=int, default=1024, help="random other ids per step with --draft-vocab")
+    t.add_argument("--seqs-per-step", type=int, default=4, help="sequences per optimizer step")
+    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+
+
+def _add_generation(p, batch_size: int) -> None:
+    """How the target's responses are generated (`train data` and `train run`)."""
+    p.add_argument("--max-tokens", type=int, default=256, help="response length cap")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="prompts generated together")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=8, help="target top-K log-probs kept per token (for --loss kl)")
+
+
 def add_arguments(p) -> None:
     from ..default_target import DEFAULT_TARGET_ID
 
-    sub = p.add_subparsers(dest="train_command", metavar="{data,drafter,export,eval}")
-    d = sub.add_parser("data", help="generate training data (target responses + features)")
+    sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,export,eval}")
+    r = sub.add_parser("run", formatter_class=p.formatter_class,
+                       help="generate the target's responses and train a drafter on them in one process "
+                            "(no stored features; bounded replay buffer; resumable)")
+    r.add_argument("--target", default=DEFAULT_TARGET_ID,
+                   help="target model: path, repo id, default id, or a catalog name (`mlx_spec models`)")
+    r.add_argument("--out", required=True, help="run directory (checkpoint, token ids, curves)")
+    r.add_argument("--prompts", default="broad",
+                   help="broad | wide | narrow (built-in mixes), a JSONL of prompts, or a directory of chat-data "
+                        "*.jsonl files ({\"messages\": [...]} per line; trailing assistant turns are dropped)")
+    r.add_argument("--tokens", type=int, default=None, help="budget: generated response tokens (whole run)")
+    r.add_argument("--minutes", type=float, default=None, help="budget: wall minutes (whole run, resumes included)")
+    r.add_argument("--init", default=None, help="warm start from a drafter directory (its architecture and weights)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    _add_generation(r, batch_size=16)
+    r.add_argument("--replay-mb", type=float, default=256.0,
+                   help="replay buffer of features (MiB, in memory and in the checkpoint); counted in the memory plan")
+    r.add_argument("--steps-per-batch", type=int, default=8, help="optimizer steps after each generated batch")
+    r.add_argument("--checkpoint-every", type=int, default=8, help="batches between checkpoints (each with a tau eval)")
+    r.add_argument("--num-prompts", type=int, default=20000, help="size of a built-in mix")
+    r.add_argument("--eval-per-kind", type=int, default=4, help="prompts of each kind held out of training")
+    r.add_argument("--eval-prompts", type=int, default=5, help="held-out prompts in each tau eval (0 = off)")
+    r.add_argument("--eval-max-tokens", type=int, default=64, help="tokens per prompt in the tau eval")
+    r.add_argument("--seed", type=int, default=0, help="random seed (prompts, init, anchors)")
+    _add_recipe(r)
+    r.set_defaults(anchors=16)
+    d = sub.add_parser("data", formatter_class=p.formatter_class, help="generate training data (target responses + features)")
     d.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model (path, repo id, default id)")
     d.add_argument("--out", required=True, help="data directory (resumable; reruns skip done prompts)")
     d.add_argument("--prompts", default=None, help="JSONL of prompts (default: built-in offline mix)")
@@ -23,17 +83,14 @@ def add_arguments(p) -> None:
     d.add_argument("--num-eval", type=int, default=16, help="built-in prompts held out for evaluation")
     d.add_argument("--taps", default=None,
                    help="comma-separated target layers to store (default: build_target_layer_ids(L, 5))")
-    d.add_argument("--max-tokens", type=int, default=256, help="response length cap")
-    d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--top-k", type=int, default=8, help="target top-K log-probs kept per token (for --loss kl)")
+    _add_generation(d, batch_size=32)
+    d.add_argument("--seed", type=int, default=0, help="random seed (prompt mix, sampling)")
     d.add_argument("--from-tokens", default=None,
                    help="rebuild features from a token-id .npz (from `train export --tokens`) instead of generating")
     d.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
 
-    t = sub.add_parser("drafter", help="train a DFlash 2 drafter on a data directory")
-    t.add_argument("--target", default=DEFAULT_TARGET_ID)
+    t = sub.add_parser("drafter", formatter_class=p.formatter_class, help="train a DFlash 2 drafter on a data directory")
+    t.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the data came from")
     t.add_argument("--data", required=True,
                    help="data directory from `train data`; several as a,b (same taps; may grow on --resume)")
     t.add_argument("--out", required=True, help="run directory (checkpoints, log, curve)")
@@ -41,48 +98,27 @@ def add_arguments(p) -> None:
     t.add_argument("--init", default=None, help="initialise weights from a drafter directory")
     t.add_argument("--init-target-layers", action="store_true",
                    help="warm start: copy the target's last layers and final norm where shapes match")
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--intermediate-size", type=int, default=1536)
-    t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--no-conv", action="store_true", help="no two-tap convolutions")
-    t.add_argument("--no-selector", action="store_true", help="no candidate selector (with --no-conv: DFlash 1)")
-    t.add_argument("--selector-rank", type=int, default=64)
-    t.add_argument("--selector-top-k", type=int, default=8)
-    t.add_argument("--mask-token-id", type=int, default=None, help="default: a never-used special token")
-    t.add_argument("--loss", choices=["ce", "kl"], default="ce")
-    t.add_argument("--attention", choices=["bidirectional", "causal"], default="bidirectional")
-    t.add_argument("--corruption", choices=["full", "uniform"], default="full")
-    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 4 for block 8, 7 for 16)")
-    t.add_argument("--selector-weight", type=float, default=1.0)
-    t.add_argument("--draft-vocab", type=int, default=0,
-                   help="train the softmax over the K most frequent data ids (+labels, +negatives); 0 = full vocab")
-    t.add_argument("--vocab-negatives", type=int, default=1024, help="random other ids per step with --draft-vocab")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--seqs-per-step", type=int, default=4)
-    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=0)
+    _add_recipe(t)
+    t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    t.add_argument("--seed", type=int, default=0, help="random seed (init, anchors, batches)")
     t.add_argument("--checkpoint-every", type=int, default=100, help="steps")
     t.add_argument("--checkpoint-minutes", type=float, default=None, help="also checkpoint after this many minutes")
     t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the real tau eval (0 = off)")
-    t.add_argument("--eval-max-tokens", type=int, default=96)
+    t.add_argument("--eval-max-tokens", type=int, default=96, help="tokens per prompt in the tau eval")
     t.add_argument("--eval-file", default=None,
                    help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
                         "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name")
     t.add_argument("--export", default=None, help="after each checkpoint, write a float16 copy here")
 
-    e = sub.add_parser("export", help="float16 copy of a run's checkpoint, and/or the data's token ids")
+    e = sub.add_parser("export", formatter_class=p.formatter_class, help="float16 copy of a run's checkpoint, and/or the data's token ids")
     e.add_argument("--run", default=None, help="run directory (its latest checkpoint)")
     e.add_argument("--out", default=None, help="drafter output directory")
     e.add_argument("--data", default=None, help="data directory, for --tokens")
     e.add_argument("--tokens", default=None, help="write the data's token ids to this .npz")
 
 
-    v = sub.add_parser("eval", help="held-out tau of a drafter by block size and prompt kind (real decoding)")
-    v.add_argument("--target", default=DEFAULT_TARGET_ID)
+    v = sub.add_parser("eval", formatter_class=p.formatter_class, help="held-out tau of a drafter by block size and prompt kind (real decoding)")
+    v.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model (path, repo id, default id)")
     v.add_argument("--drafter", required=True, help="drafter directory (or a run's ckpt/)")
     v.add_argument("--prompts", required=True, help="JSONL of held-out prompts (e.g. a data dir's eval_prompts.jsonl)")
     v.add_argument("--blocks", default="2,4,8,16", help="block sizes, e.g. 2,4,8,16")
@@ -90,7 +126,7 @@ def add_arguments(p) -> None:
     v.add_argument("--limit", type=int, default=None, help="only the first N prompts (interleaved by kind)")
     v.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="auto: the drafter's reduced draft vocabulary when it ships one; full: the whole head")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _log(msg: str) -> None:
@@ -199,10 +235,92 @@ def _eval(args) -> int:
     return 0
 
 
+def _bar(p) -> str:
+    """One progress line: budget share, generated tokens/s, steps/s, ETA, loss, latest tau."""
+    width = 24
+    fill = int(round(p.fraction * width))
+    eta = p.eta_s
+    eta_s = "?" if eta is None else (f"{int(eta // 3600)}h{int(eta % 3600 // 60):02d}m" if eta >= 3600
+                                     else f"{int(eta // 60)}m{int(eta % 60):02d}s")
+    loss = "-" if p.loss is None else f"{p.loss:.3f}"
+    tau = "-" if p.tau is None else f"{p.tau:.2f}"
+    return (f"[{'#' * fill}{'.' * (width - fill)}] {100 * p.fraction:5.1f}% {p.phase:<10} {p.tokens} tok "
+            f"{p.gen_tok_s:6.1f} tok/s  step {p.steps} {p.steps_s:5.2f}/s  loss {loss}  tau {tau}  "
+            f"replay {p.replay_bytes / 2**20:.0f} MiB  ETA {eta_s}" + (f"  ({p.message})" if p.message else ""))
+
+
+def _run(args) -> int:
+    import signal
+    import threading
+
+    from ..train.stream import StreamConfig, run_stream
+    from ..train.trainer import TrainConfig
+
+    recipe = TrainConfig.from_args(argparse_copy(args, data="", out=args.out))
+    cfg = StreamConfig(out=args.out, target=_catalog_target(args.target), prompts=args.prompts, tokens=args.tokens,
+                       minutes=args.minutes, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                       temperature=args.temperature, top_k=args.top_k, replay_mb=args.replay_mb,
+                       steps_per_batch=args.steps_per_batch, checkpoint_every=args.checkpoint_every,
+                       num_prompts=args.num_prompts, eval_per_kind=args.eval_per_kind,
+                       eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens, init=args.init,
+                       resume=args.resume, seed=args.seed, train=recipe)
+    stop = threading.Event()
+    tty = sys.stderr.isatty()
+
+    def on_sigint(signum, frame):
+        if stop.is_set():  # a second Ctrl+C: leave now (the last checkpoint stays)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        _log("\ntrain run: stopping after the current step (Ctrl+C again to leave without a checkpoint)")
+        stop.set()
+
+    last = [0.0]
+
+    def progress(p) -> None:
+        import time
+
+        now = time.monotonic()
+        if tty:
+            print("\r" + _bar(p), end="", file=sys.stderr, flush=True)
+        elif now - last[0] > 10 or p.phase in ("eval", "done", "stopped"):
+            _log(_bar(p))
+            last[0] = now
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        summary = run_stream(cfg, progress=progress, stop=stop, say=lambda m: _log(("\n" if tty else "") + m))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if tty:
+        print(file=sys.stderr)
+    print(json.dumps(summary))
+    return 130 if summary["stopped"] else 0
+
+
+def _catalog_target(name: str) -> str:
+    """A catalog name (`mlx_spec models`) stands for its target; paths and repo ids pass through."""
+    from pathlib import Path
+
+    from .. import catalog
+
+    if Path(name).expanduser().exists() or name.lower() not in {k.lower() for k in catalog.load()}:
+        return name
+    entry = catalog.get(name)
+    catalog.check_supported(entry)
+    return entry.target
+
+
+def argparse_copy(args, **changes):
+    """A copy of an argparse Namespace with some fields changed."""
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 def run(args) -> int:
     from ..errors import BadRequest
 
-    commands = {"data": _data, "drafter": _drafter, "export": _export, "eval": _eval}
+    commands = {"run": _run, "data": _data, "drafter": _drafter, "export": _export, "eval": _eval}
     if getattr(args, "train_command", None) not in commands:
-        raise BadRequest("choose a train command: data, drafter, export or eval (see `mlx_spec train -h`)")
+        raise BadRequest("choose a train command: run, data, drafter, export or eval (see `mlx_spec train -h`)")
     return commands[args.train_command](args)

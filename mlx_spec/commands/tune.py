@@ -9,7 +9,7 @@ from ..cli import add_model_args
 
 
 def add_arguments(p) -> None:
-    add_model_args(p)
+    add_model_args(p, tuning=False)  # tuning is the point here: no --no-tune / --block-size / --tune-budget
     p.add_argument("--budget", type=float, default=None, help="time budget in seconds (default 90)")
     p.add_argument("--candidates", default=None, help="block sizes to consider, e.g. 2,3,4,8 (default 2..max(ckpt,16))")
     p.add_argument("--tokens", type=int, default=24, help="tokens per timed run")
@@ -21,11 +21,12 @@ def _f(x, spec):
 
 
 def table(result) -> str:
-    lines = [f"{'block':>5}  {'measured':>8}  {'tok/s e2e':>9}  {'spread':>6}  {'speedup':>7}  {'tau':>5}  "
-             f"{'model':>6}  {'rounds':>6}  note"]
+    lines = [f"{'block':>5}  {'threads':>7}  {'measured':>8}  {'tok/s e2e':>9}  {'spread':>6}  {'speedup':>7}  "
+             f"{'tau':>5}  {'model':>6}  {'rounds':>6}  note"]
     for c in result.candidates:
-        mark = "*" if c.block == result.best else " "
-        lines.append(f"{mark}{c.label:>4}  {'yes' if c.measured else 'no':>8}  {_f(c.median_tps, '.2f'):>9}  "
+        mark = "*" if (c.block, c.threads) == (result.best, result.threads) else " "
+        lines.append(f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {'yes' if c.measured else 'no':>8}  "
+                     f"{_f(c.median_tps, '.2f'):>9}  "
                      f"{_f(c.spread, '.0%'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.tau, '.2f'):>5}  "
                      f"{_f(c.predicted, '.2f'):>6}  {c.rounds:>6}  {c.note}")
     return "\n".join(lines)
@@ -36,13 +37,14 @@ def run(args) -> int:
 
     from ..bench import ProgressBar
     from ..errors import BadRequest
-    from ..pair import open_pair
+    from ..cli import load_config
+    from ..session import open_session
     from ..tuner import DEFAULT_BUDGET_S, result_path, save_result, tune
 
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
-    pair = open_pair(args, log=lambda m: print(m, file=err))
-    if pair.drafter is None:
+    load = load_config(args)
+    if load.no_draft:
         raise BadRequest("nothing to tune with --no-draft: the block size is a drafter setting")
     cands = None
     if args.candidates:
@@ -52,7 +54,10 @@ def run(args) -> int:
             cands = []
         if not cands or min(cands) < 2:
             raise BadRequest(f"--candidates wants block sizes >= 2 (got '{args.candidates}')")
-    budget = args.budget or getattr(args, "tune_budget", None) or DEFAULT_BUDGET_S
+    if args.budget is not None and not args.budget > 0:
+        raise BadRequest(f"--budget must be a positive number of seconds (got {args.budget:g})")
+    budget = args.budget or DEFAULT_BUDGET_S
+    pair = open_session(load, log=lambda m: print(m, file=err), tuning="none").pair
     bar = ProgressBar(err, "tuning")
     result = tune(pair, budget_s=budget, progress=bar, tokens=args.tokens, candidates=cands)
     bar.close()
@@ -63,6 +68,7 @@ def run(args) -> int:
     print(f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
           f"{result.tokens_per_run} tokens per run | {result.elapsed_s:.0f} s of {budget:.0f} s")
     print(table(result))
-    best = "off (plain decoding)" if result.best == 1 else f"block size {result.best}"
+    best = ("off (plain decoding)" if result.best == 1 else f"block size {result.best}") \
+        + (f", {result.threads} BLAS threads" if result.threads else "")
     print(f"\nchoice: {best} — {result.source}\nstored: {path}")
     return 0

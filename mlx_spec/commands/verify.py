@@ -16,7 +16,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL prompts, one object per line with 'prompt' or 'messages' (default: built-in set)")
     p.add_argument("--block-sizes", default=None, metavar="B,B,...",
-                   help="block sizes to check, e.g. 2,4,8 (default: --block-size, else the drafter checkpoint's; never tunes)")
+                   help="block sizes to check, e.g. 2,4,8 (default: the block size the engine would run: "
+                        "--block-size, else the stored tuning result, else the checkpoint's; never tunes)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="near-tie tolerance in logits (default: derived from the logits' dtype and size)")
@@ -35,19 +36,31 @@ def _sizes(args) -> tuple[int, ...] | None:
 
 
 def run(args) -> int:
+    from ..cli import load_config
     from ..errors import BadRequest
-    from ..pair import open_pair
     from ..prompts import BUILTIN, load_prompts
+    from ..session import open_session
     from ..verify import check
 
-    if args.no_draft:
+    load = load_config(args)
+    if load.no_draft:
         raise BadRequest("verify compares speculative with plain decoding; it cannot run with --no-draft")
     sizes = _sizes(args)
+    if sizes is not None and (not sizes or min(sizes) < 2):
+        raise BadRequest(f"--block-sizes wants block sizes >= 2 (got {args.block_sizes!r})")
     prompts = load_prompts(args.prompts) if args.prompts else list(BUILTIN)
-    pair = open_pair(args, log=lambda m: print(m, file=sys.stderr))
-    if sizes is None and args.block_size is not None:
-        sizes = (args.block_size,)
-    n = len(prompts) * len(sizes or (pair.drafter.args.block_size,))
+    # The block size the engine would run (the flag, else the stored tuning result, else the
+    # checkpoint's); verify never tunes.
+    session = open_session(load, log=lambda m: print(m, file=sys.stderr), tuning="stored")
+    pair, info = session.pair, session.info
+    if sizes is None:
+        if info.speculative:
+            sizes, why = (info.block_size,), f"the engine's block size ({info.block_size_source})"
+        else:  # the tuner chose plain decoding: check the checkpoint's block, and say so
+            sizes = (pair.drafter.args.block_size,)
+            why = f"the checkpoint's block size (the engine runs plain decoding: {info.block_size_source})"
+        print(f"verify: block size {sizes[0]}: {why}", file=sys.stderr)
+    n = len(prompts) * len(sizes)
     print(f"verify: {n} runs, greedy, up to {args.max_tokens} tokens each", file=sys.stderr)
     report = check(pair, prompts, sizes, args.max_tokens, tol=args.tolerance,
                    progress=None if args.json else (lambda r: print(r.describe(), flush=True)))

@@ -18,17 +18,18 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import FAILED, READY, Done, Failed, Started
-from . import errors, schemas, tools
-from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized
+from . import anthropic, errors, output, schemas, tools
+from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 
 MAX_BODY_BYTES = 4 << 20
 KEEPALIVE_S = 5.0
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics") + anthropic.ROUTES
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               keepalive_s: float = KEEPALIVE_S) -> FastAPI:
-    """An OpenAI-compatible app over a started ``Engine`` (or anything with its interface)."""
+               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS) -> FastAPI:
+    """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
+    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits."""
     app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
     created = schemas.now()
     http_counts: dict[tuple[str, int], int] = {}
@@ -48,27 +49,35 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        if scheme.lower() != "bearer":  # Anthropic clients send the key as 'x-api-key'
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
 
     auth = [Depends(check_key)]
 
+    def api(request):  # the error shape of the API the request was for
+        return anthropic if anthropic.is_route(request.url.path) else errors
+
     @app.exception_handler(errors.MlxSpecError)
     async def on_error(request, exc):
-        return errors.to_response(exc)
+        return api(request).to_response(exc)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request, exc: HTTPException):
-        return errors.http_error(exc.status_code, str(exc.detail))
+        return api(request).http_error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def on_crash(request, exc):  # a bug: answer in OpenAI shape; uvicorn logs the traceback
-        return errors.to_response(exc)
+    async def on_crash(request, exc):  # a bug: answer in the API's shape; uvicorn logs the traceback
+        return api(request).to_response(exc)
+
+    def not_ready() -> NotReady:
+        failed = engine.state == FAILED
+        return NotReady(f"engine failed: {engine.error}" if failed else "model is loading")
 
     def ready_info():
         if engine.state != READY:
-            msg = "model is loading" if engine.state != FAILED else f"engine failed: {engine.error}"
-            raise NotReady(msg)
+            raise not_ready()
         return engine.info
 
     def model_id() -> str:
@@ -84,29 +93,25 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
     @app.get("/v1/health", include_in_schema=False)
     async def health():
         if engine.state == READY:
-            info = engine.info.as_dict()
+            info = engine.info
             return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
                     "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth}
-        if engine.state == FAILED:
-            content = errors.body(f"engine failed: {engine.error}", "unavailable_error", None, "model_failed")
-            content["status"] = "failed"
-        else:
-            content = errors.body("Loading model", "unavailable_error", None, "model_loading")
-            content["status"] = "loading"
+        _, content = errors.to_body(not_ready())  # the 503 a completion request gets now
+        content["status"] = "failed" if engine.state == FAILED else "loading"
         content["speculation"] = None
         return JSONResponse(content, status_code=503, headers={"Retry-After": str(errors.RETRY_AFTER_S)})
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
         info = ready_info()
-        card = schemas.model_card(info.target, created, engine.context_length, info.as_dict())
+        card = schemas.model_card(info.target, created, engine.context_length, info)
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{name:path}", dependencies=auth)
     async def model(name: str):
         info = ready_info()
         check_model(name)
-        return schemas.model_card(info.target, created, engine.context_length, info.as_dict())
+        return schemas.model_card(info.target, created, engine.context_length, info)
 
     @app.get("/metrics", dependencies=auth)
     async def metrics():
@@ -124,21 +129,33 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
     async def complete(request: HTTPRequest, model_cls, kind: str):
         body = schemas.parse(model_cls, await read_body(request, max_body_bytes))
         served = check_model(body.model)
-        req = body.to_engine(engine.context_length)
+        req = body.to_engine(engine.context_length, defaults)
         handle = engine.submit(req, loop=asyncio.get_running_loop())
         handles.add(handle)
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created_at = schemas.now()
         # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
-        # tool-call format; otherwise the model's text is returned as it is.
+        # tool-call format; reasoning is split off for a chat request to a model that writes
+        # it; otherwise the model's text is returned as it is.
         fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.active_tools else None
+        think = getattr(engine, "think_format", None) if kind == "chat" else None
+
+        def reply_stream(started: Started | None) -> output.OutputStream | None:
+            if fmt is None and think is None:
+                return None
+            return output.OutputStream(think, bool(started and started.reasoning), fmt, body.active_tools)
+
         try:
             if not body.stream:
-                done = await collect(handle)
+                started, done = await collect(handle)
                 watcher.cancel()
-                content, calls = tools.split(fmt, done.text, body.active_tools) if fmt else (None, None)
-                return schemas.completion(kind, rid, created_at, served, done, content=content, tool_calls=calls)
+                if fmt is None and think is None:
+                    return schemas.completion(kind, rid, created_at, served, done)
+                reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
+                                                         fmt, body.active_tools)
+                return schemas.completion(kind, rid, created_at, served, done, content=content,
+                                          tool_calls=calls, reasoning=reasoning)
             # Wait briefly for the first event so early failures get a real HTTP status.
             first = await handle.next_event(keepalive_s)
             if isinstance(first, Failed):
@@ -148,43 +165,51 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handle.cancel()
             handles.discard(handle)
             raise
-        tool_stream = tools.ToolCallStream(fmt, body.active_tools) if fmt else None
-        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage, tool_stream)
+        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage, reply_stream)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def collect(handle) -> Done:
+    async def collect(handle) -> tuple[Started | None, Done]:
+        started = None
         try:
             async for ev in handle:
+                if isinstance(ev, Started):
+                    started = ev
                 if isinstance(ev, Failed):
                     raise errors.from_failed(ev)
                 if isinstance(ev, Done):
                     if ev.finish_reason == "cancelled":
                         raise errors.Cancelled("generation cancelled (client gone or server stopping)")
-                    return ev
+                    return started, ev
         finally:
             handle.cancel()  # no-op once done; stops the engine if this task is cancelled
             handles.discard(handle)
         raise errors.MlxSpecError("engine ended the request without a result")
 
     async def sse(handle, first, watcher, kind, rid, created_at, model, include_usage,
-                  calls: tools.ToolCallStream | None) -> AsyncIterator[str]:
+                  reply_stream) -> AsyncIterator[str]:
         def data(obj) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         def chunk(**kw):
             return schemas.chunk(kind, rid, created_at, model, include_usage=include_usage, **kw)
 
-        def pieces(items):  # content text and tool calls, in the order the model wrote them
+        def pieces(items):  # reasoning, content text and tool calls, in the order the model wrote them
             for item in items:
-                yield data(chunk(text=item) if isinstance(item, str) else chunk(tool_calls=[item]))
+                if isinstance(item, dict):
+                    yield data(chunk(tool_calls=[item]))
+                elif item[0] == "reasoning":
+                    yield data(chunk(reasoning=item[1]))
+                else:
+                    yield data(chunk(text=item[1]))
 
-        ev = first
+        ev, out = first, None
         try:
             while True:
                 if ev is None:
                     yield ": keep-alive\n\n"
                 elif isinstance(ev, Started):
+                    out = reply_stream(ev)
                     if kind == "chat":
                         yield data(chunk(role=True))
                 elif isinstance(ev, Failed):
@@ -198,16 +223,16 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
                         break
                     extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine)}
                     finish = schemas.finish_reason(ev)
-                    if calls is not None:
-                        for piece in pieces(calls.finish()):
+                    if out is not None:
+                        for piece in pieces(out.finish()):
                             yield piece
-                        finish = tools.finish_reason(finish, calls.calls > 0)
+                        finish = tools.finish_reason(finish, out.called)
                     yield data(chunk(finish=finish, **extra))
                     if include_usage:
                         yield data({**chunk(), "choices": [], "usage": schemas.usage(ev), **extra})
                     break
-                elif ev.text and calls is not None:
-                    for piece in pieces(calls.feed(ev.text)):
+                elif ev.text and out is not None:
+                    for piece in pieces(out.feed(ev.text)):
                         yield piece
                 elif ev.text:
                     yield data(chunk(text=ev.text))
@@ -218,6 +243,9 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handles.discard(handle)
             watcher.cancel()
 
+    anthropic.register(app, engine, auth=auth, check_model=check_model, collect=collect, handles=handles,
+                       read_body=read_body, cancel_on_disconnect=cancel_on_disconnect, defaults=defaults,
+                       keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
     return app
 
 
@@ -249,7 +277,20 @@ class _Counter:
                 self.live["rejected"] += 1
 
 
+def check_json_content_type(request: HTTPRequest) -> None:
+    """A body must be JSON: ``application/json`` (or ``application/*+json``); no header is
+    taken as JSON. Anything else (``text/plain``, a form) is refused with 415."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(f"Content-Type '{declared}' is not supported: send the body as JSON "
+                                   "with 'Content-Type: application/json'")
+
+
 async def read_body(request: HTTPRequest, limit: int) -> bytes:
+    check_json_content_type(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")

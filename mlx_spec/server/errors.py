@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from ..engine import EngineBusy, Failed
-from ..errors import BadRequest, Cancelled, ContextTooLong, MlxSpecError
+from ..errors import BadRequest, Cancelled, ContextTooLong, InvalidPrompt, MlxSpecError
 
 RETRY_AFTER_S = 1
 
@@ -33,6 +33,10 @@ class PayloadTooLarge(BadRequest):
     """The request body exceeds the server's limit."""
 
 
+class UnsupportedMediaType(BadRequest):
+    """The body is not JSON (``Content-Type`` other than application/json)."""
+
+
 class Unauthorized(MlxSpecError):
     """Missing or wrong API key."""
 
@@ -45,6 +49,8 @@ TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     Unauthorized: (401, "authentication_error", "invalid_api_key"),
     ModelNotFound: (404, "invalid_request_error", "model_not_found"),
     PayloadTooLarge: (413, "invalid_request_error", "request_too_large"),
+    UnsupportedMediaType: (415, "invalid_request_error", "unsupported_media_type"),
+    InvalidPrompt: (400, "invalid_request_error", "invalid_value"),
     ContextTooLong: (400, "invalid_request_error", "context_length_exceeded"),
     InvalidField: (400, "invalid_request_error", "invalid_value"),
     BadRequest: (400, "invalid_request_error", None),
@@ -54,7 +60,8 @@ TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     MlxSpecError: (500, "server_error", None),
 }
 _BY_NAME = {cls.__name__: cls for cls in TABLE} | {"EngineFailed": NotReady}
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+              415: "unsupported_media_type"}
 
 
 def body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -11,13 +11,16 @@ Responses are plain dicts: the OpenAI shapes plus llama.cpp-style ``timings`` an
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import Done, Request
+from ..generation import EngineInfo
 from . import tools
 from .errors import InvalidField
 
@@ -25,8 +28,38 @@ from .errors import InvalidField
 MIN_TEMPERATURE = 1e-5  # below this sampling is the argmax anyway; greedy avoids inf in logits / T
 
 
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request that omits a field gets (``serve --temp/--top-p/--top-k/--max-tokens/--think``).
+    None: the API's own default (temperature 1, top_p 1, no top-k; OpenAI: no token limit but the
+    context)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    template_kwargs: dict | None = None  # e.g. {"enable_thinking": False} (serve --no-think)
+
+    def sampling(self, temperature, top_p, top_k) -> dict:
+        """The engine Request's sampling fields: the request's values, else these defaults."""
+        t = temperature if temperature is not None else (1.0 if self.temperature is None else self.temperature)
+        return {"temperature": 0.0 if t < MIN_TEMPERATURE else t,
+                "top_p": top_p if top_p is not None else (self.top_p or 1.0),
+                "top_k": top_k if top_k is not None else (self.top_k or 0)}
+
+    def template(self, request_kwargs: dict | None) -> dict | None:
+        """Chat-template variables: the server's, overridden by the request's."""
+        merged = {**(self.template_kwargs or {}), **(request_kwargs or {})}
+        return merged or None
+
+
+NO_DEFAULTS = RequestDefaults()
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # allow_inf_nan=False: a NaN / Infinity literal is refused as "not a finite number", not as
+    # out of range.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -72,17 +105,16 @@ class _Generation(_Body):
         if len(stops) > 16:
             raise InvalidField(f"at most 16 stop sequences (got {len(stops)})", "stop")
 
-    def engine_request(self, max_tokens: int | None, context_length: int | None, **prompt) -> Request:
+    def engine_request(self, max_tokens: int | None, context_length: int | None,
+                       defaults: RequestDefaults = NO_DEFAULTS, **prompt) -> Request:
+        max_tokens = max_tokens if max_tokens is not None else defaults.max_tokens
         if max_tokens is not None and context_length and max_tokens >= context_length:
             raise InvalidField(f"max_tokens ({max_tokens}) must be below the context length "
                                f"({context_length})", "max_tokens")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        temperature = 1.0 if self.temperature is None else self.temperature
         return Request(
             max_tokens=max_tokens,
-            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            **defaults.sampling(self.temperature, self.top_p, self.top_k),
             seed=None if self.seed is None else self.seed % (1 << 64),  # OpenAI seeds may be < 0
             stop=tuple(s for s in stops if s),
             speculate=self.speculate is not False,
@@ -102,6 +134,7 @@ class ChatCompletionRequest(_Generation):
     tool_choice: str | dict | None = None
     logprobs: bool | None = None
     response_format: dict | None = None
+    chat_template_kwargs: dict | None = None  # extension (vLLM, llama.cpp): e.g. {"enable_thinking": false}
 
     @property
     def active_tools(self) -> list[dict] | None:
@@ -118,7 +151,7 @@ class ChatCompletionRequest(_Generation):
                                "'auto' (the model decides) or 'none'", "tool_choice")
         raise InvalidField(f"tool_choice must be 'auto' or 'none' (got {c!r})", "tool_choice")
 
-    def to_engine(self, context_length: int | None) -> Request:
+    def to_engine(self, context_length: int | None, defaults: RequestDefaults = NO_DEFAULTS) -> Request:
         self._check_common()
         self._check_tool_choice()
         if self.logprobs:
@@ -127,8 +160,9 @@ class ChatCompletionRequest(_Generation):
             raise InvalidField("only response_format {'type': 'text'} is supported", "response_format")
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = [_template_message(m, i) for i, m in enumerate(self.messages)]
-        return self.engine_request(max_tokens, context_length, messages=messages,
-                                   tools=self.active_tools)
+        return self.engine_request(max_tokens, context_length, defaults, messages=messages,
+                                   tools=self.active_tools,
+                                   template_kwargs=defaults.template(self.chat_template_kwargs))
 
 
 class CompletionRequest(_Generation):
@@ -138,7 +172,7 @@ class CompletionRequest(_Generation):
     best_of: int | None = None
     logprobs: int | None = None
 
-    def to_engine(self, context_length: int | None) -> Request:
+    def to_engine(self, context_length: int | None, defaults: RequestDefaults = NO_DEFAULTS) -> Request:
         self._check_common()
         for name in ("echo", "suffix", "logprobs"):
             if getattr(self, name):
@@ -158,7 +192,7 @@ class CompletionRequest(_Generation):
             prompt = {"prompt": p}
         if prompt.get("prompt") == "" or prompt.get("prompt_ids") == ():
             raise InvalidField("prompt is empty", "prompt")
-        return self.engine_request(self.max_tokens, context_length, **prompt)
+        return self.engine_request(self.max_tokens, context_length, defaults, **prompt)
 
 
 def _template_message(m: ChatMessage, i: int) -> dict:
@@ -172,8 +206,15 @@ def _template_message(m: ChatMessage, i: int) -> dict:
                                f"messages[{i}].content")
         d["content"] = "".join(part.text or "" for part in m.content)
     elif m.content is None:
+        if m.role in NEEDS_CONTENT:  # only an assistant turn (e.g. one that called tools) may omit it
+            missing = "content is null" if "content" in m.model_fields_set else "no content"
+            raise InvalidField(f"messages[{i}]: a {m.role} message needs content ({missing}); send a "
+                               "string or a list of text parts", f"messages[{i}].content")
         d["content"] = ""
     return d
+
+
+NEEDS_CONTENT = ("system", "developer", "user", "tool")
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -185,7 +226,7 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
     except ValidationError as e:
         errs = e.errors(include_url=False)
         if errs[0]["type"] == "json_invalid":
-            raise InvalidField(f"malformed JSON: {errs[0]['msg']}") from None
+            raise InvalidField(f"malformed JSON: {_json_problem(body, errs[0]['msg'])}") from None
         path, tag = _split_loc(errs[0]["loc"])
         if not path:
             raise InvalidField(f"request body must be a JSON object ({errs[0]['msg']})") from None
@@ -199,8 +240,32 @@ def _split_loc(loc) -> tuple[str, str | None]:
     pydantic tried (a type name, not a field: fields are snake_case)."""
     for i, p in enumerate(loc):
         if isinstance(p, str) and ("[" in p or p[:1].isupper() or p in ("str", "int", "float", "bool")):
-            return ".".join(map(str, loc[:i])), p
-    return ".".join(map(str, loc)), None
+            return _path(loc[:i]), p
+    return _path(loc), None
+
+
+def _path(loc) -> str:
+    """("messages", 0, "role") -> "messages[0].role", OpenAI's spelling of a field path."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}" if out else str(p)
+    return out
+
+
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"  # high, no low after
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")  # low, no high before
+
+
+def _json_problem(body: bytes, msg: str) -> str:
+    """The JSON parser's message, except a lone UTF-16 surrogate escape, named as such (the
+    parser reports it as the end of a hex escape)."""
+    if "escape" in msg or "surrogate" in msg:
+        if found := _LONE_SURROGATE.search(body):
+            return (f"a string holds the lone UTF-16 surrogate {found.group().decode()} (a high "
+                    "surrogate \\ud800-\\udbff must be followed by a low one \\udc00-\\udfff): "
+                    "not valid Unicode")
+    return msg
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -210,21 +275,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def speculation(engine: dict | None) -> dict | None:
+def speculation(engine: EngineInfo | None) -> dict | None:
     """Which engine ran: the same block in /v1/models, /health and every response."""
-    if not engine:
+    if engine is None:
         return None
-    on = engine["method"] != "plain"
-    return {"enabled": on, "method": engine["method"], "target": engine["target"],
-            "drafter": engine["drafter"], "block_size": engine["block_size"],
-            "block_size_source": engine["block_size_source"],
-            "draft_vocab": engine.get("draft_vocab") or None}
+    return {"enabled": engine.speculative, "method": engine.method, "target": engine.target,
+            "drafter": engine.drafter, "block_size": engine.block_size,
+            "block_size_source": engine.block_size_source, "draft_vocab": engine.draft_vocab or None}
 
 
 def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": int((done.stats or {}).get("cached_tokens", 0))}}
+            "prompt_tokens_details": {"cached_tokens": int(done.stats.cached_tokens)}}
 
 
 def finish_reason(done: Done) -> str:
@@ -232,15 +295,19 @@ def finish_reason(done: Done) -> str:
 
 
 def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
-               content: str | None = None, tool_calls: list[dict] | None = None) -> dict:
+               content: str | None = None, tool_calls: list[dict] | None = None,
+               reasoning: str | None = None) -> dict:
     """A whole (non-stream) response. ``kind`` is "chat" or "text". With ``tool_calls`` (parsed
-    by server.tools), ``content`` is the text outside them (null when empty)."""
+    by server.tools), ``content`` is the text outside them (null when empty); ``content`` given
+    alone replaces the text (reasoning split off into ``reasoning_content``)."""
     if kind == "chat":
-        message = {"role": "assistant", "content": done.text}
+        message = {"role": "assistant", "content": done.text if content is None else content}
         finish = finish_reason(done)
         if tool_calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
             finish = tools.finish_reason(finish, called=True)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
@@ -252,12 +319,14 @@ def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
 
 def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
           role: bool = False, finish: str | None = None, include_usage: bool = False,
-          tool_calls: list[dict] | None = None, **extra) -> dict:
+          tool_calls: list[dict] | None = None, reasoning: str | None = None, **extra) -> dict:
     """One streamed chunk with one choice; ``extra`` keys (timings, ...) are added at the top."""
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -272,7 +341,7 @@ def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = N
     return out
 
 
-def model_card(model_id: str, created: int, context_length: int | None, engine: dict) -> dict:
+def model_card(model_id: str, created: int, context_length: int | None, engine: EngineInfo) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx_spec",
             "context_length": context_length, "speculation": speculation(engine)}
 

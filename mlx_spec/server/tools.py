@@ -2,7 +2,7 @@
 
 The tokenizer says how its model writes a call (mlx-lm's ``TokenizerWrapper``: a start marker,
 an end marker, and a parser ``parse(text, tools) -> {"name", "arguments"}`` or a list of them).
-The engine reads that once at load time into a ``ToolFormat``; this module is plain Python and
+The session reads that once at load time into a ``text.ToolFormat``; this module is plain Python and
 never touches MLX. Text between the markers is held back and handed to the parser; a call the
 parser cannot read goes back into the content exactly as the model wrote it.
 """
@@ -12,27 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from ..text import ToolFormat, tool_format  # noqa: F401  (the format is read in the text layer)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    start: str  # e.g. "<tool_call>"
-    end: str  # e.g. "</tool_call>"; "" means a call runs to the end of the output (Mistral)
-    parser: Callable[[str, Any], Any]  # parse(text between the markers, tools) -> dict | list[dict]
-
-
-def tool_format(tokenizer) -> ToolFormat | None:
-    """The tokenizer's tool-call format, or None if it has none (then calls stay text)."""
-    if not getattr(tokenizer, "has_tool_calling", False):
-        return None
-    start, parser = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_parser", None)
-    if not start or parser is None:
-        return None
-    return ToolFormat(start, getattr(tokenizer, "tool_call_end", None) or "", parser)
 
 
 def parse_call(fmt: ToolFormat, text: str, tools: list | None) -> list[dict] | None:

@@ -90,9 +90,13 @@ def generate_batch(
     eos_ids: Sequence[int],
     pad_id: int,
     key: mx.array | None = None,
-) -> list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]]:
+    stop: Callable[[], bool] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]] | None:
     """Generate responses for a batch of prompt ids; returns per prompt
-    (response tokens, features (P+R, F) float16, topk ids (R, K), topk logp (R, K))."""
+    (response tokens, features (P+R, F) float16, topk ids (R, K), topk logp (R, K)), or None
+    when ``stop()`` turned true between two tokens (the partial batch is dropped).
+    ``on_tokens(n)`` hears how many tokens each decoding step produced (for progress)."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     eos = set(eos_ids)
@@ -114,11 +118,15 @@ def generate_batch(
     tk_lp: list[list[np.ndarray]] = [[] for _ in range(B)]
     rows = list(range(B))  # live rows -> prompt index
     for step in range(cfg.max_tokens):
+        if stop is not None and stop():
+            return None
         key, sub = mx.random.split(key)
         tok = _pick(logits, cfg.temperature, sub)
         ti, tl = _topk(logits, cfg.top_k)
         mx.eval(tok, ti, tl)
         tok_l = tok.tolist()
+        if on_tokens is not None:
+            on_tokens(len(tok_l))
         ti_np, tl_np = np.array(ti), np.array(tl.astype(mx.float16))
         keep = []
         for j, b in enumerate(rows):
@@ -316,9 +324,11 @@ def summarize(out: str | Path) -> dict:
 
 
 def export_tokens(data_dir: str | Path, path: str | Path) -> dict:
-    """All sequences' token ids in one compressed .npz (small enough to commit)."""
+    """All sequences' token ids in one compressed .npz (small enough to commit). ``data_dir`` is
+    a `train data` directory (its shards) or a `train run` directory (its ``tokens/``)."""
     toks, lens, plens, ids = [], [], [], []
-    for f in sorted((Path(data_dir) / "shards").glob("[0-9]*[0-9].npz")):
+    sub = "tokens" if (Path(data_dir) / "tokens").is_dir() and not (Path(data_dir) / "shards").is_dir() else "shards"
+    for f in sorted((Path(data_dir) / sub).glob("[0-9]*[0-9].npz")):
         with np.load(f) as z:
             o = z["offsets"]
             for j in range(len(o) - 1):

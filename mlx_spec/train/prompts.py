@@ -199,11 +199,15 @@ def stdlib_modules() -> list[tuple[str, str]]:
     return out
 
 
+def _cast(rng: random.Random, kinds: int) -> tuple[str, str, str, int]:
+    """Two names, an item and a problem template index for a word problem."""
+    n1, n2 = rng.sample(NAMES, 2)
+    return n1, n2, rng.choice(ITEMS), rng.randrange(kinds)
+
+
 def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
-    n1, n2 = rng.sample(NAMES, 2)
-    item = rng.choice(ITEMS)
-    kind = rng.randrange(6)
+    n1, n2, item, kind = _cast(rng, 6)
     if kind == 0:
         return f"{n1} has {a} {item} and buys {b} more. Then {n1} gives {c} to {n2}. How many {item} does {n1} have now?"
     if kind == 1:
@@ -299,13 +303,185 @@ def wide_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25), exclude: set[str]
     return [Prompt(f"{kind}-w{i}", kind, text) for i, (kind, text) in enumerate(items)]
 
 
+# ---- the broad mix: chat prose, multi-step math, multi-turn follow-ups, coding-agent turns ----
+
+ADVICE = (
+    "is starting their first job next week", "wants to learn to cook on a small budget",
+    "has trouble sleeping before exams", "is moving to a new city alone", "wants to run a first 10 km race",
+    "keeps procrastinating on a big project", "is nervous about giving a talk at work",
+    "wants to save money for a trip", "is learning a second language as an adult",
+    "has a noisy neighbour", "wants to start a vegetable garden on a balcony",
+    "is choosing between two job offers", "wants to read more books this year",
+    "is teaching a child to ride a bike", "feels overwhelmed by email", "is adopting a first dog",
+)
+LETTERS = (
+    ("their landlord", "asking to fix a broken heater"), ("a teacher", "thanking them at the end of the year"),
+    ("a hiring manager", "applying for a junior developer position"), ("a friend", "apologising for missing a birthday"),
+    ("the city council", "asking for a pedestrian crossing near a school"), ("a customer", "explaining a delayed order"),
+    ("a colleague", "handing over a project before a holiday"), ("a grandparent", "describing a first term at university"),
+    ("a neighbour", "inviting them to a street party"), ("a team", "announcing a new meeting schedule"),
+    ("a shop", "asking for a refund for a faulty kettle"), ("a new employee", "welcoming them to the team"),
+)
+LETTER_TEMPLATES = ("Write a short letter to {who} {why}.", "Draft a polite email to {who} {why}.",
+                    "Write a friendly note to {who} {why}. Keep it under 150 words.")
+ADVICE_TEMPLATES = ("What advice would you give to someone who {s}?", "Give five practical tips for someone who {s}.",
+                    "My friend {s}. How can I help them?")
+EXPLAIN_TEMPLATES = ("Explain how {topic} works, step by step.", "Describe {topic} in three short paragraphs.",
+                     "Compare {topic} with something from everyday life, and explain the comparison.")
+SUMMARY_TEMPLATES = ("Summarize the following text in three sentences.\n\n{text}",
+                     "Read this and explain the main point in plain words.\n\n{text}",
+                     "Write a one-paragraph summary of this passage for a beginner.\n\n{text}")
+FOLLOW_UPS = ("Can you make that shorter?", "Now give an example.", "Explain that again for a ten-year-old.",
+              "What is the most important point there?", "Can you turn that into a bulleted list?",
+              "Thanks! What should I read next to learn more?")
+AGENT_SYSTEM = (
+    "You are a coding assistant working in a repository. When asked to change a file, reply with "
+    "the complete updated file in one fenced code block, changing only what the request needs, "
+    "then one sentence saying what you changed."
+)
+AGENT_EDITS = (
+    "Add a docstring to every function.", "Add type hints to the function signatures.",
+    "Rename the main function to use snake_case if it does not already, and update its callers.",
+    "Add input validation that raises ValueError on bad arguments.", "Add a short comment above each loop.",
+    "Replace string concatenation with f-strings where there is any.", "Add logging of the arguments at debug level.",
+    "Make the function return early on empty input.",
+)
+
+
+def _source_snippets(max_lines: int = 40) -> list[tuple[str, str]]:
+    """(module.name, source) of short public stdlib functions: files for coding-agent turns."""
+    out = []
+    for name, mod in _modules(STDLIB_MODULES):
+        for attr, obj in sorted(vars(mod).items()):
+            if attr.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
+                continue
+            try:
+                src = inspect.getsource(obj)
+            except (OSError, TypeError):
+                continue
+            if 4 <= src.count("\n") <= max_lines:
+                out.append((f"{name}.{attr}", src))
+    return out
+
+
+def _passages(max_chars: int = 900) -> list[str]:
+    """Short given texts to summarize: paragraphs of the Python reference topics and module docs."""
+    from pydoc_data.topics import topics as language_topics
+
+    out = []
+    docs = list(language_topics.values()) + [mod.__doc__ or "" for _, mod in _modules(STDLIB_MODULES + EXTRA_MODULES)]
+    for doc in docs:
+        for para in doc.split("\n\n"):
+            para = " ".join(para.split())
+            if 300 <= len(para) <= max_chars and not para.startswith((">>>", "*", "-")):
+                out.append(para)
+    return list(dict.fromkeys(out))
+
+
+def _multi_step_math(rng: random.Random) -> str:
+    """Multi-step arithmetic and word problems (2-4 operations)."""
+    a, b, c, d = rng.randint(3, 90), rng.randint(2, 40), rng.randint(2, 12), rng.randint(1, 30)
+    n1, n2, item, kind = _cast(rng, 8)
+    if kind == 0:
+        return f"Compute ({a} + {b}) x {c} - {d} step by step."
+    if kind == 1:
+        return f"What is {a * c} / {c} + {b} x {d}? Show each step."
+    if kind == 2:
+        return (f"{n1} buys {c} packs of {item} with {b} in each pack, gives {d} to {n2} and then buys {a} more. "
+                f"How many {item} does {n1} have? Explain step by step.")
+    if kind == 3:
+        return (f"A tank holds {a * 10} litres. It is filled at {c} litres per minute and leaks {min(d, c - 1)} "
+                f"litres per minute. How long does it take to fill from empty? Show your work.")
+    if kind == 4:
+        return (f"{n1} earns ${a + 20} a day and spends ${b} a day. How many days until {n1} has saved "
+                f"${(a + 20 - b if a + 20 > b else 1) * c}? Explain.")
+    if kind == 5:
+        return f"Solve for x: {c}x + {a} = {c * d + a}. Then check the answer by substituting it back."
+    if kind == 6:
+        return (f"A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter. "
+                f"What is the area of the square? Show each step.")
+    return (f"A class has {a + 10} students. {c * 5}% of them walk to school, {d}% cycle and the rest take the bus. "
+            f"How many take the bus? Explain step by step.")
+
+
+def _broad_pools(rng: random.Random) -> dict[str, list]:
+    """Text pools of the broad mix by kind; agent and chat items are message tuples."""
+    topics = TOPICS + MORE_TOPICS
+    pools = _pools()
+    prose = [tpl.format(topic=t) for t in topics for tpl in EXPLAIN_TEMPLATES]
+    prose += [tpl.format(s=sit) for sit in ADVICE for tpl in ADVICE_TEMPLATES]
+    prose += [tpl.format(who=w, why=y) for w, y in LETTERS for tpl in LETTER_TEMPLATES]
+    passages = _passages()
+    prose += [SUMMARY_TEMPLATES[i % len(SUMMARY_TEMPLATES)].format(text=t) for i, t in enumerate(passages)]
+    prose += pools["prose"]
+    chat = []
+    for i, t in enumerate(topics):
+        for j, tpl in enumerate(PROSE_TEMPLATES[:3]):
+            first = tpl.format(topic=t)
+            reply = f"Here is a short answer about {t}: it is a broad subject, so I will start with the basics."
+            follow = FOLLOW_UPS[(i + j) % len(FOLLOW_UPS)]
+            chat.append(({"role": "user", "content": first}, {"role": "assistant", "content": reply},
+                         {"role": "user", "content": follow}))
+    agent = []
+    for i, (name, src) in enumerate(_source_snippets()):
+        edit = AGENT_EDITS[i % len(AGENT_EDITS)]
+        agent.append(({"role": "system", "content": AGENT_SYSTEM},
+                      {"role": "user", "content": f"File `{name.split('.')[0]}_util.py`:\n```python\n{src}```\n\n{edit}"}))
+    return {"code": pools["code"], "prose": list(dict.fromkeys(prose)), "chat": chat, "agent": agent}
+
+
+BROAD_MIX = {"code": 0.3, "prose": 0.3, "math": 0.2, "chat": 0.1, "agent": 0.1}
+
+
+def broad_prompts(n: int, seed: int = 0, mix: dict[str, float] | None = None,
+                  exclude: set[str] = frozenset()) -> list[Prompt]:
+    """``n`` distinct prompts (none whose text is in ``exclude``) in the shares of ``mix``
+    (default ``BROAD_MIX``): code as in the wide mix; chat-style prose (explanations, advice,
+    letters, summaries of given text); multi-step arithmetic and word problems; multi-turn
+    follow-ups (``chat``); coding-agent turns (``agent``: a system prompt with edit
+    instructions and a file to re-emit with changes). Math fills what the pools cannot.
+    Deterministic for a seed; message prompts are compared by their JSON text."""
+    rng = random.Random(seed)
+    mix = mix or BROAD_MIX
+    pools = _broad_pools(rng)
+    out: list[tuple[str, object]] = []
+    seen = set(exclude)
+    for kind, share in mix.items():
+        if kind == "math":
+            continue
+        items = [x for x in pools.get(kind, []) if _key(x) not in seen]
+        rng.shuffle(items)
+        for x in items[: round(n * share)]:
+            seen.add(_key(x))
+            out.append((kind, x))
+    for _ in range(100 * n):
+        if len(out) >= n:
+            break
+        t = _multi_step_math(rng) if rng.random() < 0.7 else _math(rng)
+        if t not in seen:
+            seen.add(t)
+            out.append(("math", t))
+    rng.shuffle(out)
+    return [Prompt(f"{kind}-b{i}", kind, x) if isinstance(x, str)
+            else Prompt(f"{kind}-b{i}", kind, messages=tuple(x)) for i, (kind, x) in enumerate(out)]
+
+
+def _key(x) -> str:
+    return x if isinstance(x, str) else json.dumps(x, sort_keys=True)
+
+
+def prompt_key(p: Prompt) -> str:
+    """A prompt's identity by content (its text, or its messages as JSON)."""
+    return _key(p.text if p.messages is None else tuple(p.messages))
+
+
 def split_held_out(prompts: list[Prompt], n_train: int) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, held-out prompts): the ones after ``n_train`` are held out *by text*
     (the narrow mix repeats itself: a held-out prompt also trained on measures memory, not
     drafting), and a training text that repeats is kept once."""
     evals = prompts[n_train:]
-    held = {p.text for p in evals}
-    return list({p.text: p for p in prompts[:n_train] if p.text not in held}.values()), evals
+    held = {prompt_key(p) for p in evals}
+    return list({prompt_key(p): p for p in prompts[:n_train] if prompt_key(p) not in held}.values()), evals
 
 
-__all__ = ["Prompt", "builtin_prompts", "split_held_out", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]
+__all__ = ["Prompt", "builtin_prompts", "broad_prompts", "prompt_key", "split_held_out", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]

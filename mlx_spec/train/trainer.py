@@ -289,13 +289,9 @@ def block_attention_mask(anchors: np.ndarray, S: int, B: int, causal: bool) -> n
 
 def block_hidden(drafter: Drafter, features: mx.array, blocks: mx.array, anchors: mx.array,
                  seq: mx.array, mask: mx.array) -> mx.array:
-    """Final-normed hidden (N, B, H) of every block against its own sequence's context."""
-    c = drafter.hidden_norm(drafter.fc(features))  # (Bs, S, H)
-    x = drafter._embed(blocks) * drafter.args.input_embedding_scale  # (N, B, H)
-    for layer in drafter.layers:
-        ck, cv = layer.self_attn._kv(c, 0)  # (Bs, n_kv, S, hd), RoPE at absolute positions
-        x = layer(x, ck[seq], cv[seq], anchors, mask)
-    return drafter.norm(x)
+    """Final-normed hidden (N, B, H) of every block against its own sequence's context: the
+    drafter's own batched forward (``Drafter.block_hidden``), the one inference uses."""
+    return drafter.block_hidden(blocks, features, anchors, seq, mask)
 
 
 def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
@@ -307,12 +303,10 @@ def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
     w = batch["weights"].reshape(-1)[idx]  # (M,)
     sub = "head_w" in batch  # restricted training vocabulary (labels/top-K ids are remapped)
     labels = batch["labels_sub" if sub else "labels"].reshape(-1)[idx]
-    if sub:
-        logits = (h @ batch["head_w"].T) * drafter.args.output_multiplier  # (M, V')
-        cap = drafter.args.final_logit_softcapping
-        logits = cap * mx.tanh(logits / cap) if cap else logits
+    if sub:  # the head's rows of this step's vocabulary, through the drafter's own transform
+        logits = drafter.logits(h, head=lambda x: x @ batch["head_w"].T).astype(mx.float32)  # (M, V')
     else:
-        logits = drafter.logits(h).astype(mx.float32)  # (M, V)
+        logits = drafter.logits(h, full=True).astype(mx.float32)  # (M, V)
     lse = mx.logsumexp(logits, axis=-1)
     if cfg.loss == "kl":
         tk = batch["topk_sub" if sub else "topk_ids"]
@@ -327,19 +321,17 @@ def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
     sel_sum = mx.array(0.0)
     if "candidate_selector" in drafter and not cfg.no_selector and cfg.selector_weight > 0:
         sel = drafter.candidate_selector
-        K = sel.top_k
-        cand = mx.argpartition(-mx.stop_gradient(logits), K - 1, axis=-1)[:, :K]  # (M, K)
+        cand = sel.candidates(mx.stop_gradient(logits))  # (M, K)
+        K = cand.shape[-1]
         has = (cand == labels[:, None]).any(axis=-1)
         # Slot K-1 holds the K-th best: replace it by the gold token when gold is outside.
         last = mx.arange(K)[None] == K - 1
         cand = mx.where(last & ~has[:, None], labels[:, None], cand)
         gold = mx.argmax(cand == labels[:, None], axis=-1)
         u = mx.take_along_axis(logits, cand, axis=-1)  # (M, K)
-        g = sel.hidden_projection(h).astype(mx.float32)  # (M, r)
-        a = sel.predecessor_codebook(batch["prev"].reshape(-1)[idx]).astype(mx.float32)
+        prev = batch["prev"].reshape(-1)[idx][:, None]  # (M, 1): the gold predecessor
         cand_ids = batch["vocab"][cand] if sub else cand
-        b = sel.successor_codebook(cand_ids).astype(mx.float32)  # (M, K, r)
-        scores = u + ((a * g)[:, None, :] * b).sum(-1)
+        scores = sel.scores(h, u, prev, cand_ids)[:, 0]  # (M, K): the same formula as inference
         sel_per = mx.logsumexp(scores, axis=-1) - mx.take_along_axis(scores, gold[:, None], axis=-1)[:, 0]
         sel_sum = (w * sel_per).sum()
         total = total + cfg.selector_weight * sel_sum
@@ -418,9 +410,10 @@ def train_step(drafter: Drafter, opt: optim.Optimizer, batch: dict, cfg: TrainCo
 
 
 def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimizer, state: dict,
-                    vocab: np.ndarray | None = None) -> Path:
+                    vocab: np.ndarray | None = None, extra: Callable[[Path], None] | None = None) -> Path:
     """Atomically replace ``run/ckpt`` with weights, optimizer state and trainer state (and the
-    reduced draft vocabulary ``vocab``, if any, as ``draft_vocab.json``)."""
+    reduced draft vocabulary ``vocab``, if any, as ``draft_vocab.json``; ``extra(dir)`` writes
+    more files into the new checkpoint before it replaces the old one)."""
     from ..loading import save_drafter, write_draft_vocab
 
     tmp = run / "ckpt.tmp"
@@ -431,6 +424,8 @@ def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimi
     # .npz, not .safetensors: the checkpoint dir must stay loadable by load_drafter.
     mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(opt.state)))
     (tmp / "state.json").write_text(json.dumps(state))
+    if extra is not None:
+        extra(tmp)
     final = run / "ckpt"
     old = run / "ckpt.old"
     shutil.rmtree(old, ignore_errors=True)
@@ -634,14 +629,14 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                     f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
             state["rng"] = rng.bit_generator.state
             save_checkpoint(run, drafter, config, opt, state, base)
-            write_curves(run, state)
+            write_curves(run, state, cfg.block_size)
             if cfg.export:
                 export_checkpoint(run, cfg.export)
             t_last_ckpt = time.perf_counter()
     return {"step": state["step"], **last, "evals": state["evals"][-1:]}
 
 
-def write_curves(run: Path, state: dict) -> None:
+def write_curves(run: Path, state: dict, block_size: int) -> None:
     from .plot import line_chart_png
 
     (run / "metrics.json").write_text(json.dumps({"history": state["history"], "evals": state["evals"]}))
@@ -651,7 +646,7 @@ def write_curves(run: Path, state: dict) -> None:
                                           ("ce", [(x["step"], x["ce"]) for x in h])], title="loss")
     if state["evals"]:
         line_chart_png(run / "tau.png", [("tau", [(x["step"], x["tau"]) for x in state["evals"]])],
-                       title="tau (held-out, block %d)" % 8)
+                       title=f"tau (held-out, block {block_size})")
 
 
 __all__ = ["TrainConfig", "train", "loss_weights", "make_batch", "sample_anchors",

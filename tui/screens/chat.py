@@ -18,6 +18,8 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from mlx_spec.engine import Delta, Done, Failed, Started
+from mlx_spec.generation import TUNED_OFF, EngineInfo
+from mlx_spec.stats import StatsSnapshot
 
 from ..backend import TuneView
 from ..export import Turn, to_markdown
@@ -54,10 +56,11 @@ class ChatScreen(Screen):
         self.stored_tune: TuneView | None = None
         self.session_plain_tps: float | None = None
         self._reply: MessageView | None = None
-        self._reply_info: dict | None = None
+        self._reply_info: EngineInfo | None = None
+        self._reply_baseline: tuple[float | None, str] = (None, "")  # fixed when the reply starts
         self._pending = ""
         self._text = ""
-        self._stats: dict = {}
+        self._stats = StatsSnapshot()
         self._taus: list[int] = []
         self._tokens = 0
         self._dirty = False
@@ -90,7 +93,7 @@ class ChatScreen(Screen):
         self.turns = []
 
     # -- engine lifecycle ---------------------------------------------------------------------
-    def engine_ready(self, info: dict, stored: TuneView | None) -> None:
+    def engine_ready(self, info: EngineInfo, stored: TuneView | None) -> None:
         self.ready = True
         self.stored_tune = stored
         self.refresh_engine(info)
@@ -99,11 +102,18 @@ class ChatScreen(Screen):
         prompt.focus()
         self._poll_memory()
 
-    def refresh_engine(self, info: dict | None = None) -> None:
+    def refresh_engine(self, info: EngineInfo | None = None) -> None:
+        """The engine changed (loaded, re-tuned): the header shows it, and the panel leaves the
+        last reply (its figures stay in its own line) for the new engine, so both agree."""
         header = self.query_one(EngineHeader)
-        header.info = dict(info or self.backend.info or {}) or None
+        header.info = info or self.backend.info
         header.speculate = self.app.settings.speculate
+        if not self.generating:
+            self._clear_reply_figures()
         self.query_one(SpecPanel).view = self._spec_view()
+
+    def _clear_reply_figures(self) -> None:
+        self._reply_info, self._stats, self._taus, self._tokens = None, StatsSnapshot(), [], 0
 
     # -- sending and streaming ------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -124,7 +134,7 @@ class ChatScreen(Screen):
         self._reply = MessageView("assistant")
         await conv.mount(self._reply)
         conv.scroll_end(animate=False)
-        self._pending, self._text, self._stats, self._taus, self._tokens = "", "", {}, [], 0
+        self._pending, self._text, self._stats, self._taus, self._tokens = "", "", StatsSnapshot(), [], 0
         self._reply_info = None
         self.generating = True
         self._ticker.resume()
@@ -143,6 +153,7 @@ class ChatScreen(Screen):
         ev = m.event
         if isinstance(ev, Started):
             self._reply_info = ev.engine
+            self._reply_baseline = self.baseline()  # later re-tunes must not change this reply's speedup
             self._dirty = True
         elif isinstance(ev, Delta):
             self._pending += ev.text
@@ -174,7 +185,7 @@ class ChatScreen(Screen):
         self._pending = ""
         self.generating = False
         text = done.text or self._text
-        if done.stats:
+        if done.prompt_tokens:  # a request cancelled before it started has no stats
             self._stats = done.stats
         if done.finish_reason == "cancelled" and not text.strip():
             await self._drop_reply()
@@ -184,9 +195,9 @@ class ChatScreen(Screen):
         await self._reply.finish(text, meta)
         self.history.append({"role": "assistant", "content": text})
         self.turns.append(Turn("assistant", text, meta))
-        if (done.engine.get("method") == "plain" and self.app.settings.speculate is False
+        if (not done.engine.speculative and self.app.settings.speculate is False
                 and done.completion_tokens >= MIN_BASELINE_TOKENS):
-            self.session_plain_tps = self._stats.get("decode_tps") or None
+            self.session_plain_tps = self._stats.decode_tps or None
         self.query_one(SpecPanel).view = self._spec_view()
         self._poll_memory()
 
@@ -210,14 +221,17 @@ class ChatScreen(Screen):
         self.query_one(PromptInput).text = self._last_prompt
 
     def _meta(self, done: Done) -> str:
-        s = done.stats or {}
-        parts = [done.engine.get("method", "?"), f"{done.completion_tokens} tok",
-                 f"{s.get('decode_tps', 0):.1f} tok/s"]
-        if s.get("drafted"):
-            parts += [f"τ {s['mean_acceptance_length']:.2f}", f"acceptance {s['acceptance_rate']:.0%}",
-                      f"block {done.engine.get('block_size')}"]
-        if s.get("cached_tokens"):
-            parts.append(f"{s['cached_tokens']}/{done.prompt_tokens} prompt tok cached")
+        s = done.stats
+        speed = f"{s.decode_tps:.1f} tok/s"
+        base = self._reply_baseline[0]
+        if done.engine is not None and done.engine.speculative and base and s.decode_tps:
+            speed += f" ({s.decode_tps / base:.2f}×)"  # vs plain, fixed now: a re-tune moves the baseline
+        parts = [done.engine.method if done.engine else "?", f"{done.completion_tokens} tok", speed]
+        if s.drafted:
+            parts += [f"τ {s.mean_acceptance_length:.2f}", f"accept {s.acceptance_rate:.0%}",
+                      f"block {done.engine.block_size}"]
+        if s.cached_tokens:
+            parts.append(f"{s.cached_tokens}/{done.prompt_tokens} prompt tok cached")
         parts.append(done.finish_reason)
         return " · ".join(parts)
 
@@ -230,25 +244,25 @@ class ChatScreen(Screen):
         return None, ""
 
     def _spec_view(self) -> SpecView:
-        engine = self.backend.info or {}
+        engine = self.backend.info
         info = self._reply_info or engine
-        base, source = self.baseline()
-        if not info:
+        base, source = self._reply_baseline if self._reply_info else self.baseline()
+        if info is None:
             return SpecView()
-        if engine.get("method") == "plain":
-            mode = "plain" if engine.get("drafter") is None else "tuned-off"
-        elif info["method"] == "plain" or not (self._reply_info or self.app.settings.speculate):
+        if engine is not None and not engine.speculative:
+            mode = engine.mode  # "plain" (--no-draft) or "tuned-off"
+        elif not info.speculative or not (self._reply_info or self.app.settings.speculate):
             mode = "ab-plain"
         else:
             mode = "spec" if self._reply_info else "idle"
         s = self._stats
-        return SpecView(mode=mode, method=info["method"], block_size=info["block_size"],
-                        block_source=info["block_size_source"],
-                        tau=s.get("mean_acceptance_length", 0.0), acceptance=s.get("acceptance_rate", 0.0),
-                        by_position=tuple(s.get("acceptance_by_position", ())),
-                        tps=s.get("decode_tps", 0.0), tokens=self._tokens, baseline_tps=base,
+        return SpecView(mode=mode, method=info.method, block_size=info.block_size,
+                        block_source=info.block_size_source,
+                        tau=s.mean_acceptance_length, acceptance=s.acceptance_rate,
+                        by_position=tuple(s.acceptance_by_position),
+                        tps=s.decode_tps, tokens=self._tokens, baseline_tps=base,
                         baseline_source=source, taus=tuple(self._taus),
-                        cached_tokens=int(s.get("cached_tokens", 0)))
+                        cached_tokens=int(s.cached_tokens))
 
     # -- memory ---------------------------------------------------------------------------------
     def _poll_memory(self) -> None:
@@ -273,16 +287,16 @@ class ChatScreen(Screen):
             self.backend.cancel()
 
     def action_toggle_spec(self) -> None:
-        info = self.backend.info or {}
-        if info.get("method") in (None, "plain"):
-            why = ("no drafter loaded (--no-draft)" if not info.get("drafter") else
+        info = self.backend.info
+        if info is None or not info.speculative:
+            why = ("no drafter loaded (--no-draft)" if info is None or info.mode != TUNED_OFF else
                    "the tuner chose plain decoding for this machine (re-tune with F5, or restart "
                    "with --block-size N)")
             self.notify(f"{why}: speculation cannot be turned on", severity="warning")
             return
         self.app.settings = replace(self.app.settings, speculate=not self.app.settings.speculate)
         self.query_one(EngineHeader).speculate = self.app.settings.speculate
-        self._reply_info = None
+        self._clear_reply_figures()  # the last reply ran the other way: its numbers are not this mode's
         self.query_one(SpecPanel).view = self._spec_view()
         if self.app.settings.speculate:
             self.notify("speculation ON: next replies use the drafter")
@@ -346,5 +360,5 @@ class ChatScreen(Screen):
             return
         self._new_history()
         await self.query_one("#conversation").remove_children()
-        self._reply_info, self._stats, self._taus, self._tokens = None, {}, [], 0
+        self._clear_reply_figures()
         self.query_one(SpecPanel).view = self._spec_view()

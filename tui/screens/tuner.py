@@ -18,7 +18,8 @@ from ..messages import TuneFinished, TuneProgress
 
 
 class TunerScreen(Screen):
-    BINDINGS = [Binding("escape", "close", "Back to chat"), Binding("enter", "close", "Back to chat", show=False)]
+    BINDINGS = [Binding("escape", "close", "Back to chat"), Binding("enter", "close", "Back to chat", show=False),
+                Binding("s", "skip", "Skip tuning (checkpoint's block size; tuned next launch)")]
 
     def __init__(self, run: bool = True):
         super().__init__()
@@ -41,7 +42,8 @@ class TunerScreen(Screen):
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns("block size", "tok/s", "speedup", "τ", "note", "")
         if not self.start_tuning:
-            self._status("first launch for this machine and pair: tuning before the chat starts…")
+            self._status("first launch for this machine and pair: tuning before the chat starts… "
+                         "(s: skip; the checkpoint's block size until the next launch)")
             if self._shown:
                 self.progress(*self._shown)
             if self.result:
@@ -87,10 +89,10 @@ class TunerScreen(Screen):
 
     def progress(self, fraction: float, text: str) -> None:
         self._shown = (fraction, text)
-        if not self.is_mounted:
+        if not self.is_mounted or not self.query("#tuner-progress"):  # not composed yet, or leaving
             return
         self.query_one(ProgressBar).update(progress=fraction)
-        self._status(text)
+        self._status(text + ("  (s: skip tuning)" if self.running and not self.start_tuning else ""))
 
     def finished(self, view: TuneView) -> None:
         self.running = False
@@ -109,6 +111,17 @@ class TunerScreen(Screen):
         best = f"block size {view.best}" if view.best > 1 else "off: plain decoding is faster here"
         base = f"; plain decoding {view.baseline_tps:.1f} tok/s" if view.baseline_tps else ""
         self._status(f"Chosen: {best} ({view.source}){base}. Esc: back to the chat.")
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        return self.running and not self.start_tuning if action == "skip" else True
+
+    def action_skip(self) -> None:
+        """First launch only: the loader's next progress call stops the tuner; nothing is stored."""
+        if self.running and not self.start_tuning:
+            self.app.skip_tuning.set()
+            self.running = False
+            self._status("skipping the tuner: the chat starts with the checkpoint's block size…")
+            self.app.pop_screen()
 
     def action_close(self) -> None:
         if self.running:

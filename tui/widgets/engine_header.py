@@ -2,30 +2,61 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
 
+from mlx_spec.generation import PLAIN, TUNED_OFF, EngineInfo
 
-def describe(info: dict | None, speculate: bool) -> tuple[str, str]:
-    """(engine line, mode badge) for an EngineInfo dict."""
+
+def short(model: str | None) -> str | None:
+    """A local path by its folder name (the full path is in the logs); a repo id as it is."""
+    if model and model.startswith(("/", ".", "~")):
+        return Path(model).name or model
+    return model
+
+
+def describe(info: EngineInfo | None, speculate: bool) -> tuple[str, str]:
+    """(engine line, mode badge) for the loaded engine (its ``mode`` says what runs)."""
     if info is None:
         return "loading the engine…", "LOADING"
-    if info["method"] == "plain" and not info.get("drafter"):
-        return f"plain decoding · target {info['target']} (--no-draft: no drafter loaded)", "PLAIN"
-    if info["method"] == "plain":  # the tuner chose "off" for this machine
-        return (f"plain decoding · target {info['target']} · drafter {info['drafter']} unused: "
-                f"{info['block_size_source']}"), "PLAIN"
-    line = (f"{info['method']} · target {info['target']} · drafter {info['drafter']} · "
-            f"block {info['block_size']} ({info['block_size_source']})")
-    if info.get("draft_vocab"):
-        line += f" · draft vocab {info['draft_vocab']}"
+    target, drafter = short(info.target), short(info.drafter)
+    if info.mode == PLAIN:
+        return f"plain decoding · target {target} (--no-draft: no drafter loaded)", "PLAIN"
+    if info.mode == TUNED_OFF:  # the tuner chose "off" for this machine
+        return (f"plain decoding · target {target} · drafter {drafter} unused: "
+                f"{info.block_size_source}"), "PLAIN"
+    line = (f"{info.method} · target {target} · drafter {drafter} · "
+            f"block {info.block_size} ({info.block_size_source})")
+    if info.draft_vocab:
+        line += f" · draft vocab {info.draft_vocab}"
     return line, ("SPECULATION ON" if speculate else "SPECULATION OFF · plain A/B")
 
 
+TITLE = "mlx_spec chat"
+
+
+def fit(line: str, badge: str, width: int) -> Text:
+    """The header on one line of ``width`` columns: the whole line when it fits; else without
+    the title, then with shorter words, then without the target; an ellipsis only as a last
+    resort. The block size, its source and the draft vocabulary are the last to go."""
+    shorter = line.replace("draft vocab ", "vocab ").replace("plain decoding", "plain")
+    no_target = " · ".join(part for part in shorter.split(" · ") if not part.startswith("target "))
+    tries = [(TITLE, line), (None, line), (None, shorter), (None, no_target)]
+    for title, text in tries:
+        parts = [(f" {badge} ", "reverse bold"), "  "] + ([(title, "bold"), "  "] if title else []) + [text]
+        out = Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
+        if width <= 0 or out.cell_len <= width:
+            return out
+    out.truncate(width, overflow="ellipsis")
+    return out
+
+
 class EngineHeader(Static):
-    info: reactive[dict | None] = reactive(None)
-    """EngineInfo.as_dict() of the loaded engine (None while loading)."""
+    info: reactive[EngineInfo | None] = reactive(None)
+    """The loaded engine's EngineInfo (None while loading)."""
     speculate: reactive[bool] = reactive(True)
     """False while the user runs the plain-decoding side of an A/B."""
 
@@ -41,4 +72,4 @@ class EngineHeader(Static):
 
     def render(self) -> Text:
         line, badge = describe(self.info, self.speculate)
-        return Text.assemble((f" {badge} ", "reverse bold"), "  ", ("mlx_spec chat", "bold"), "  ", line)
+        return fit(line, badge, self.size.width)

@@ -36,7 +36,7 @@ def render_memory(m: Memory | None) -> Text:
     t.append(f"budget: {m.budget_source}\n", style="dim")
     for name, value, note in (("target", m.target, "weights"), ("drafter", m.drafter, "weights"),
                               ("KV", m.kv, f"est. {m.context_tokens} tok"),
-                              ("prefix", m.prefix, "kept for the next turn"),
+                              ("prefix", m.prefix, "kept across turns"),  # fits the 40-column sidebar
                               ("other", m.other, "scratch, cache")):
         t.append(f"{name:<8}", style="dim")
         t.append(f"{size(value):>9}")

@@ -40,12 +40,15 @@ def bar(frac: float, width: int = BAR) -> str:
     return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)
 
 
-def speedup_text(v: SpecView) -> str:
+def speedup_text(v: SpecView) -> tuple[str, str]:
+    """(value, note) of the speedup row; no figure before a reply of this mode has run."""
+    if not v.tokens:
+        return "–", ""
     if v.mode == "ab-plain":
-        return "1.00× (this is the plain side)"
+        return "1.00×", "the plain side"
     if not v.baseline_tps or not v.tps:
-        return "n/a"
-    return f"{v.tps / v.baseline_tps:.2f}×"
+        return "n/a", ""
+    return f"{v.tps / v.baseline_tps:.2f}×", ""
 
 
 def render_numbers(v: SpecView) -> Text:
@@ -71,7 +74,7 @@ def render_numbers(v: SpecView) -> Text:
     row("tok/s", f"{v.tps:.1f}" if v.tokens else "–", "this reply")
     if v.cached_tokens:
         row("reused", f"{v.cached_tokens} tok", "of the prompt, from the prefix cache")
-    row("speedup", speedup_text(v))
+    row("speedup", *speedup_text(v))
     if v.baseline_tps:
         t.append(f"  vs plain {v.baseline_tps:.1f} tok/s\n  ({v.baseline_source})\n", style="dim")
     if v.mode == "spec" and v.by_position:

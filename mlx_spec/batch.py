@@ -1,0 +1,709 @@
+"""Continuous batching with batched speculation: many sequences, one target pass per step.
+
+Sequences join (``BatchDecoder.add``) and leave (finished, or ``cancel``) between any two
+steps. Each ``step()`` runs, for every sequence in the batch:
+
+- one drafter proposal per drafting sequence (all built into one lazy graph, evaluated once);
+- ONE target forward over the rows of every sequence packed along the token axis: a decoding
+  sequence contributes ``[anchor, d1..d(L-1)]`` (L = 1 is a plain step), a joining sequence the
+  next chunk of its prompt (chunked prefill, interleaved with the others' decoding);
+- per sequence: its own acceptance (greedy or rejection sampling), its own rollback (attention
+  K/V trimmed, hybrid GDN state rebuilt from the pass's records), its own drafter context.
+
+Exactness: every sequence keeps its own ordinary mlx-lm caches (``KVCache`` / ``ArraysCache``)
+and its own ``ContextCache``. The linear layers (projections, MLP / MoE, head), which dominate
+the cost, run once over all packed rows; attention and the GDN recurrence run per sequence
+against that sequence's cache, so ragged acceptance rolls back exactly as a single sequence
+does (mlx-lm's ``BatchKVCache`` left-pads sequences into one tensor and trims all rows by the
+same amount: a ragged rollback would leave holes). A packed row sees exactly the computation it
+would alone; only float32 rounding of a matmul over a different row count can differ.
+
+The per-step controller (``BatchPolicy``) chooses, from the batch size, each sequence's running
+acceptance and a step-cost model fitted online (``t = a + b*rows + c*drafting``), which
+sequences draft this step and how long their blocks are: as the batch grows and compute binds,
+drafting must pay for its rows or stop (a sequence that stopped is probed now and then).
+
+The decoder yields ``decode.Step``s per sequence, so ``stats.Stats`` works per request as for a
+single stream. Everything runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from . import hybrid
+from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
+from .decode import Step, _finish, _hand_over, _start
+from .drafter import Proposal
+from .errors import MlxSpecError, UnsupportedModel
+from .lookup import SuffixIndex
+from .prefix import Prefill
+from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
+from .target import Target
+
+# --------------------------------------------------------------------------------------------
+# The packed target forward
+
+
+class Seg(NamedTuple):
+    """One sequence's rows in a packed forward."""
+
+    ids: mx.array  # (r,) int32
+    cache: list  # that sequence's target cache (advanced by r)
+    record: bool  # a verify pass: record GDN inputs for a later rollback
+    logits: str  # "all" | "last" | "none": which rows' logits to compute
+
+
+class SegOut(NamedTuple):
+    logits: mx.array | None  # (r, V), (1, V) or None
+    hidden: mx.array | None  # (1, r, n_taps * H) tapped features, or None
+    records: dict  # GDN layer index -> hybrid.GDNRecord (record=True on a hybrid target)
+
+
+def _same(a, b) -> bool:
+    return a.shape == b.shape and bool(mx.allclose(a, b, rtol=1e-5, atol=1e-5))
+
+
+def _mirrors_attention(attn: nn.Module, norm: nn.Module) -> bool:
+    """True when ``_attention`` (packed projections, per-sequence RoPE/cache/SDPA) computes what
+    this attention module computes; checked numerically on a small input over two calls.
+    ``norm``: the layer's input norm (for the width and dtype of the input)."""
+    need = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+    if not all(hasattr(attn, n) for n in need):
+        return False
+    w = norm.weight
+    x = mx.random.normal((1, 5, w.shape[0]), key=mx.random.key(0)).astype(w.dtype)
+    try:
+        real, mine = KVCache(), KVCache()
+        want = [attn(x[:, :3], "causal", real), attn(x[:, 3:], "causal", real)]
+        got = [_attention(attn, x[:, :3], [(0, 3)], [mine], ["causal"]),
+               _attention(attn, x[:, 3:], [(0, 2)], [mine], ["causal"])]
+        return all(_same(w, g) for w, g in zip(want, got))
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _attention(attn, x, bounds, caches, masks):
+    """The attention of a llama/qwen2/qwen3-style module over packed rows ``x`` (1, R, D):
+    Q/K/V and output projections once over all rows; RoPE, cache update and SDPA per sequence."""
+    qs, ks, vs = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    norm = "q_norm" in attn
+    outs = []
+    for (a, b), c, m in zip(bounds, caches, masks):
+        r = b - a
+        q = qs[:, a:b].reshape(1, r, attn.n_heads, -1)
+        k = ks[:, a:b].reshape(1, r, attn.n_kv_heads, -1)
+        v = vs[:, a:b].reshape(1, r, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=c.offset), attn.rope(k, offset=c.offset)
+        k, v = c.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=c, scale=attn.scale, mask=m)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(1, r, -1))
+    return attn.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
+
+
+def _layer_form_ok(layer, make_cache, i: int) -> bool:
+    """The decomposition the packed loop uses (``x + mixer(input_layernorm(x))`` then
+    ``h + mlp(post_attention_layernorm(h))``) equals the real layer on a small input."""
+    mixer = layer.linear_attn if getattr(layer, "is_linear", False) else getattr(layer, "self_attn", None)
+    if mixer is None or not all(hasattr(layer, n) for n in ("mlp", "input_layernorm", "post_attention_layernorm")):
+        return False
+    H = layer.input_layernorm.weight.shape[0]
+    x = mx.random.normal((1, 3, H), key=mx.random.key(1)).astype(layer.input_layernorm.weight.dtype)
+    c1, c2 = make_cache()[i], make_cache()[i]
+    mask = None if isinstance(c1, ArraysCache) else "causal"
+    try:
+        want = layer(x, mask, c1)
+        h = x + mixer(layer.input_layernorm(x), mask, c2)
+        got = h + layer.mlp(layer.post_attention_layernorm(h))
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return _same(want, got)
+
+
+class PackedTarget:
+    """One forward over the rows of many sequences, each against its own cache.
+
+    Linear layers and the head run once over all packed rows; attention runs per sequence (its
+    projections packed when the module matches the llama/qwen pattern, checked at build time;
+    otherwise the module itself per sequence); GDN layers run per sequence (recording for
+    rollback on verify rows).
+    """
+
+    def __init__(self, target: Target):
+        self.t = target
+        kinds = {}
+        for i, layer in enumerate(target.layers):
+            kinds.setdefault(i in target.gdn, i)
+        for i in kinds.values():
+            if not _layer_form_ok(target.layers[i], target.make_cache, i):
+                raise UnsupportedModel(
+                    f"batched decoding: the installed mlx-lm's {target.model_type} decoder layer does not "
+                    "have the residual / mixer / MLP shape the packed forward uses")
+        self.packed = {i for i, layer in enumerate(target.layers)
+                       if i not in target.gdn and _mirrors_attention(layer.self_attn, layer.input_layernorm)}
+
+    def __call__(self, segs: Sequence[Seg], taps: bool = True) -> list[SegOut]:
+        t = self.t
+        sizes = [int(s.ids.shape[0]) for s in segs]
+        bounds, a = [], 0
+        for n in sizes:
+            bounds.append((a, a + n))
+            a += n
+        ids = segs[0].ids if len(segs) == 1 else mx.concatenate([s.ids for s in segs])
+        h = t.embed(ids[None])
+        caches = [s.cache for s in segs]
+        # Masks from each sequence's cache before any layer advances it (as Target does).
+        if t.gdn:
+            fa = [create_attention_mask(h[:, a:b], c[t.inner.fa_idx]) for (a, b), c in zip(bounds, caches)]
+            ssm = [create_ssm_mask(h[:, a:b], c[t.inner.ssm_idx]) for (a, b), c in zip(bounds, caches)]
+        else:
+            fa, ssm = [create_attention_mask(h[:, a:b], c[0]) for (a, b), c in zip(bounds, caches)], None
+        records = [dict() for _ in segs]
+        want = set(t.taps) if taps else set()
+        feats = {}
+        for i, layer in enumerate(t.layers):
+            x = layer.input_layernorm(h)
+            if i in self.packed:
+                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa)
+            else:
+                outs = []
+                for k, ((a, b), s) in enumerate(zip(bounds, segs)):
+                    part = x if len(segs) == 1 else x[:, a:b]
+                    if i not in t.gdn:
+                        outs.append(layer.self_attn(part, fa[k], s.cache[i]))
+                    elif s.record:
+                        rec: list = []
+                        outs.append(hybrid.gdn_forward(layer.linear_attn, part, ssm[k], s.cache[i], rec))
+                        records[k][i] = rec[0]
+                    else:
+                        outs.append(layer.linear_attn(part, ssm[k], s.cache[i]))
+                r = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in want:
+                feats[i] = h
+        hidden = mx.concatenate([feats[j] for j in t.taps], axis=-1) if feats else None
+        rows: list[int] = []
+        spans = []
+        for (a, b), s in zip(bounds, segs):
+            start = len(rows)
+            if s.logits == "all":
+                rows.extend(range(a, b))
+            elif s.logits == "last":
+                rows.append(b - 1)
+            spans.append((start, len(rows)))
+        logits = None
+        if rows:
+            sel = h if len(rows) == h.shape[1] else h[:, mx.array(rows, mx.int32)]
+            logits = t.head(t.inner.norm(sel))[0]
+        out = []
+        for k, ((a, b), (r0, r1)) in enumerate(zip(bounds, spans)):
+            lg = logits[r0:r1] if r1 > r0 else None
+            hid = None if hidden is None else (hidden if len(segs) == 1 else hidden[:, a:b])
+            out.append(SegOut(lg, hid, records[k]))
+        return out
+
+    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int) -> None:
+        """Keep the first ``n_keep`` of the last ``n_verified`` rows of one sequence's cache
+        (attention trimmed; GDN state rebuilt from that sequence's records of the pass)."""
+        n = n_verified - n_keep
+        if n <= 0:
+            return
+        t = self.t
+        for i, c in enumerate(cache):
+            if i not in t.gdn:
+                c.trim(n)
+        if t.gdn:
+            gdn = sorted(t.gdn)
+            if any(i not in records for i in gdn):
+                raise MlxSpecError("rolling back a hybrid sequence needs its verify rows recorded")
+            t.restore([cache[i] for i in gdn], [records[i] for i in gdn],
+                      [t.layers[i].linear_attn for i in gdn], n_keep)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-step controller
+
+
+class Acceptance:
+    """A sequence's running acceptance by block position (decayed counts, as the adaptive
+    controller keeps them): ``expected(L)`` = committed tokens of an L-row step."""
+
+    def __init__(self, n: int, prior: Sequence[float] = (), decay: float = 0.9, weight: float = 2.0):
+        p = [min(1.0, max(0.0, float(x))) for x in prior[:n]]
+        while len(p) < n:
+            p.append((p[-1] if p else 1.0) * 0.6)
+        self.hits = [weight * x for x in p]
+        self.reached = [weight] * n
+        self.decay = decay
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        for k in range(len(self.reached)):
+            self.reached[k] = self.decay * self.reached[k] + (k < drafted)
+            self.hits[k] = self.decay * self.hits[k] + (k < accepted)
+
+    def expected(self, L: int) -> float:
+        out, last = 1.0, 1.0
+        for k in range(min(L - 1, len(self.reached))):
+            p = min(last, self.hits[k] / self.reached[k] if self.reached[k] > 0 else 0.0)
+            out += p
+            last = p
+        return out
+
+
+class BatchPolicy:
+    """Which sequences draft this step, and how long their blocks are.
+
+    Step cost is modelled as ``a + b*rows + c*drafting`` (rows: all packed rows, prefill rows
+    included; drafting: sequences that draft), fitted by ridge least squares to the last
+    ``window`` measured steps (prior ratios ``prior``, in units of a). Starting from a plain
+    step for everyone, a sequence drafts a block of L when that raises the step's expected
+    tokens per millisecond; its acceptance comes from ``Acceptance``. A sequence kept plain for
+    ``probe_every`` steps drafts once anyway (doubling after each failed probe), so a sequence
+    whose drafts start to pay is found again. A batch of one follows its own wish (the
+    single-stream controller decides, as in ``spec_steps``).
+    """
+
+    def __init__(self, prior: tuple[float, float, float] = (1.0, 0.04, 0.15), window: int = 64,
+                 probe_every: int = 8, max_probe_every: int = 64):
+        self.prior = prior
+        self.obs: deque = deque(maxlen=window)
+        self.theta = prior
+        self.probe_every, self.max_probe = probe_every, max_probe_every
+
+    def observe(self, rows: int, drafting: int, ms: float) -> None:
+        self.obs.append((rows, drafting, ms))
+        self.theta = self._fit()
+
+    def _fit(self):
+        import numpy as np
+
+        a0, b0, c0 = self.prior
+        X = np.array([[1.0, r, d] for r, d, _ in self.obs])
+        y = np.array([m for _, _, m in self.obs])
+        scale = float(y.mean() / (X @ np.array(self.prior)).mean())
+        p = np.array(self.prior) * scale
+        lam = 4.0 * np.diag([1.0, 25.0, 1.0])  # pseudo-observations pulling toward the prior
+        theta = np.linalg.solve(X.T @ X + lam, X.T @ y + lam @ p)
+        theta = np.maximum(theta, [1e-3 * p[0], 0.0, 0.0])
+        return tuple(float(v) for v in theta)
+
+    def cost(self, rows: int, drafting: int) -> float:
+        a, b, c = self.theta
+        return a + b * rows + c * drafting
+
+    def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
+               probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
+        """Each sequence's rows this step (1 = plain), at most its wish. ``passes[i]``: its
+        draft needs a drafter pass (a lookup draft costs rows only)."""
+        n = len(wants)
+        passes = [True] * n if passes is None else list(passes)
+        if n == 1 and not extra_rows:
+            return list(wants)
+        L = [1] * n
+        rows, drafting, tokens = n + extra_rows, 0, float(n)
+        cands = []
+        for i, w in enumerate(wants):
+            if w <= 1:
+                continue
+            c = self.theta[2] if passes[i] else 0.0
+            if plain_runs[i] >= probes[i]:  # probe: draft once at the wished size
+                L[i] = w
+                rows += w - 1
+                drafting += passes[i]
+                tokens += accs[i].expected(w) - 1
+                continue
+            best = max(range(2, w + 1), key=lambda k: (accs[i].expected(k) - 1) / (self.theta[1] * (k - 1) + c + 1e-9))
+            gain = accs[i].expected(best) - 1
+            cands.append((gain / (self.theta[1] * (best - 1) + c + 1e-9), i, best, gain))
+        cands.sort(reverse=True)
+        for _, i, k, gain in cands:
+            now = tokens / self.cost(rows, drafting)
+            then = (tokens + gain) / self.cost(rows + k - 1, drafting + passes[i])
+            if then > now:
+                L[i] = k
+                rows += k - 1
+                drafting += passes[i]
+                tokens += gain
+        return L
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder
+
+
+@dataclass(eq=False)
+class _Seq:
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    eos: frozenset
+    sampling: SamplingConfig
+    controller: Callable | None  # older interface: prev Step -> DFlash block
+    policy: object | None  # adaptive.DraftPolicy: source and length per cycle
+    index: SuffixIndex | None  # lookup drafts (when the policy allows them)
+    on_exit: Callable | None
+    speculate: bool
+    cache: list
+    dcache: list | None
+    done: int  # prompt tokens the caches hold (prefill progress)
+    cached: int  # of those, from the prefix cache
+    key: mx.array
+    acc: Acceptance
+    t_join: float
+    pending: list = field(default_factory=list)  # features of rows not yet in the drafter cache
+    anchor: mx.array | None = None  # None while prefilling
+    anchor_id: int = -1
+    fed: list = field(default_factory=list)  # ids the target cache holds (once decoding)
+    n: int = 0
+    prev: Step | None = None
+    plain_run: int = 0
+    probe_every: int = 8
+    ctx: Context | None = None  # this step's lookup context (policy sequences)
+
+    def final(self, drafter) -> Prefill | None:
+        """The caches and the ids they hold (flushing pending features into the drafter's)."""
+        if self.dcache is not None:
+            for f in self.pending:
+                drafter.add_context(f, self.dcache)
+        self.pending.clear()
+        ids = tuple(self.fed) if self.anchor is not None else tuple(self.prompt[: self.done])
+        return Prefill(ids, self.cache, self.dcache) if ids else None
+
+
+class BatchDecoder:
+    """A continuous batch of sequences over one target (and optionally one drafter).
+
+    Args:
+        target: the ``Target`` (taps are read only when there is a drafter).
+        drafter: a DFlash drafter, or None for batched plain decoding.
+        block_size: the block a sequence drafts when its own controller does not say.
+        max_batch: sequences admitted at once (``add`` refuses beyond it).
+        prefill_chunk: prompt rows per step while other sequences decode (a joining sequence's
+            prefill is spread over steps so the others keep going); ``prefill_step`` when the
+            batch has nothing else to do.
+        policy: the per-step ``BatchPolicy`` (a fresh default one if None).
+    """
+
+    def __init__(self, target: Target, drafter=None, *, block_size: int = 1, max_batch: int = 8,
+                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None,
+                 prior: Sequence[float] = ()):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        self.target, self.drafter = target, drafter
+        self.packed = PackedTarget(target)
+        self.block_size = block_size if drafter is not None else 1
+        self.max_batch = max_batch
+        self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
+        self.policy = policy or BatchPolicy()
+        self.prior = tuple(prior)
+        self._seqs: dict[int, _Seq] = {}
+        self._ids = itertools.count(1)
+        # observability (plain values; the engine copies them)
+        self.batch_sizes: dict[int, int] = {}
+        self.steps = {"plain": 0, "drafted": 0}
+        self._since_clear = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def add(self, prompt: Sequence[int], *, max_tokens: int, eos_ids: Sequence[int] = (),
+            sampling: SamplingConfig = SamplingConfig(), prefill: Prefill | None = None,
+            on_exit: Callable[[Prefill], None] | None = None, controller: Callable | None = None,
+            policy=None, lookup_ngram: int = 4, speculate: bool = True) -> int:
+        """Admit a sequence; it joins at the next ``step``. Returns its id.
+
+        ``policy`` (an ``adaptive.DraftPolicy``, one per sequence) or ``controller`` (prev Step ->
+        DFlash block) say what the sequence would draft alone; ``BatchPolicy`` then decides what
+        the batch can afford. Without either it wishes ``block_size`` DFlash drafts."""
+        if len(self._seqs) >= self.max_batch:
+            raise MlxSpecError(f"the batch is full ({self.max_batch} sequences)")
+        if not prompt:
+            raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
+        if self.drafter is None and policy is not None and DFLASH in policy.sources:
+            raise ValueError("a DFlash draft policy needs a drafter")
+        speculate = speculate and (self.drafter is not None or policy is not None)
+        done = _start(prefill, prompt)
+        if prefill is not None and speculate and prefill.drafter is None:
+            raise ValueError("a speculative sequence needs the drafter's context cache in its prefill")
+        cache = prefill.target if prefill else self.target.make_cache()
+        dcache = None
+        if speculate and self.drafter is not None:
+            dcache = prefill.drafter if prefill else self.drafter.make_cache()
+        index = None
+        if speculate and policy is not None and LOOKUP in policy.sources:
+            index = SuffixIndex(prompt, lookup_ngram)
+        seed = sampling.seed if sampling.seed is not None else time.time_ns() % 2**31
+        sid = next(self._ids)
+        self._seqs[sid] = _Seq(
+            sid, list(prompt), max_tokens, frozenset(eos_ids), sampling, controller, policy if speculate else None,
+            index, on_exit, speculate,
+            cache, dcache, done, done, mx.random.key(seed),
+            Acceptance(max(1, self.block_size - 1), self.prior), time.perf_counter(),
+            probe_every=self.policy.probe_every)
+        return sid
+
+    def cancel(self, sid: int) -> None:
+        """Drop a sequence now (between steps); its caches go to its ``on_exit``."""
+        s = self._seqs.pop(sid, None)
+        if s is not None:
+            _hand_over(s.on_exit, lambda: s.final(self.drafter))
+
+    def close(self) -> None:
+        for sid in list(self._seqs):
+            self.cancel(sid)
+
+    def step(self) -> list[tuple[int, Step]]:
+        """One batched step. Returns ``(sequence id, Step)`` for each sequence that committed
+        tokens (a sequence still prefilling commits none); finished sequences have left."""
+        if not self._seqs:
+            return []
+        with mx.stream(generation_stream):
+            return self._step()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _wish(self, s: _Seq) -> Decision:
+        """What the sequence would do alone this cycle (its own policy / controller)."""
+        room = s.max_tokens - s.n
+        s.ctx = None
+        if not s.speculate:
+            d = Decision(PLAIN, 1)
+        elif s.policy is not None:
+            look, match = s.index.propose(min(s.policy.max_lookup, room - 1)) if s.index is not None else ([], 0)
+            s.ctx = Context(tuple(look), match, room, s.sampling.greedy)
+            d = s.policy.choose(s.ctx)
+        elif s.controller is not None:
+            d = Decision(DFLASH, s.controller(s.prev))
+        else:
+            d = Decision(DFLASH, self.block_size)
+        L = max(1, min(d.length, room))
+        if d.source == LOOKUP:
+            L = min(L, len(s.ctx.lookup) + 1)
+        return Decision(d.source if L > 1 else PLAIN, L, d.probe)
+
+    def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
+        wish = [self._wish(s) for s in decoding]
+        blocks = self.policy.choose([d.length for d in wish], [s.acc for s in decoding],
+                                    [s.plain_run for s in decoding], [s.probe_every for s in decoding],
+                                    extra_rows, [d.source == DFLASH for d in wish])
+        return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
+
+    @staticmethod
+    def _take(s: _Seq) -> mx.array | None:
+        f = (mx.concatenate(s.pending, axis=1) if len(s.pending) > 1 else s.pending[0]) if s.pending else None
+        s.pending.clear()
+        return f
+
+    def _step(self) -> list[tuple[int, Step]]:
+        t0 = time.perf_counter()
+        decoding = [s for s in self._seqs.values() if s.anchor is not None]
+        prefilling = [s for s in self._seqs.values() if s.anchor is None]
+        budget = self.prefill_chunk if decoding else self.prefill_step
+        chunks = []
+        for s in prefilling:  # FIFO: the oldest joiner's prompt first
+            if budget <= 0:
+                break
+            n = min(budget, len(s.prompt) - s.done)
+            chunks.append((s, n))
+            budget -= n
+        extra = sum(n for _, n in chunks)
+        decisions = self._choose(decoding, extra)
+
+        # DFlash drafts: every drafting sequence's proposal in one lazy graph, evaluated together.
+        keys, props = {}, {}
+        for s, d in zip(decoding, decisions):
+            kd = ka = None
+            if not s.sampling.greedy:
+                s.key, kd, ka = mx.random.split(s.key, 3)
+            keys[s.id] = ka
+            if d.source == DFLASH:
+                conf = s.sampling.greedy and s.ctx is not None and bool(s.ctx.lookup)  # pick() may use it
+                props[s.id] = self.drafter.propose(s.anchor, self._take(s), s.dcache, d.length, s.sampling, kd,
+                                                   **({"confidence": True} if conf else {}))
+            elif d.source == LOOKUP and s.dcache is not None and len(s.pending) >= 32:
+                self.drafter.add_context(self._take(s), s.dcache)  # a long run without the drafter
+        ran = len(props)  # drafter passes this step
+        if props:
+            mx.eval([[x for x in p if x is not None] for p in props.values()])
+        td = time.perf_counter()
+        drafts: dict[int, list[int]] = {}
+        blocks = []
+        for k, (s, d) in enumerate(zip(decoding, decisions)):
+            p = props.get(s.id)
+            if p is not None:
+                drafts[s.id] = p.tokens.tolist()
+                if p.confidence is not None:  # greedy: keep the drafter's block or take the lookup's
+                    d = s.policy.pick(d, drafts[s.id], p.confidence.tolist(), s.ctx)
+                    if d.source == LOOKUP:
+                        props.pop(s.id)
+            if d.source == LOOKUP:
+                drafts[s.id] = list(s.ctx.lookup[: d.length - 1])
+                if not s.sampling.greedy:  # a point-mass proposal
+                    props[s.id] = Proposal(mx.array(drafts[s.id], mx.int32), None)
+            decisions[k] = d
+            blocks.append(len(drafts.get(s.id, ())) + 1)
+
+        segs = []
+        for s in decoding:
+            segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all"))
+        for s, n in chunks:
+            last = s.done + n == len(s.prompt)
+            segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
+                            "last" if last else "none"))
+        outs = self.packed(segs, taps=self.drafter is not None)
+        greedy_choice = [None] * len(decoding)
+        for k, s in enumerate(decoding):
+            if s.sampling.greedy:
+                greedy_choice[k] = mx.argmax(outs[k].logits, axis=-1)
+        mx.async_eval([c for c in greedy_choice if c is not None],
+                      [o.hidden for o in outs if o.hidden is not None])
+
+        results: list[tuple[int, Step]] = []
+        finished: list[_Seq] = []
+        verify_ms = 0.0
+        rollback_s = 0.0
+        for k, (s, L) in enumerate(zip(decoding, blocks)):
+            out = outs[k]
+            draft_list = drafts.get(s.id, [])
+            tv0 = time.perf_counter()
+            if s.sampling.greedy:
+                a, bonus = accept_greedy(draft_list, greedy_choice[k].tolist())
+            else:
+                a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id])
+            tr0 = time.perf_counter()
+            verify_ms = max(verify_ms, (tr0 - td) * 1e3)
+            self.packed.rollback(s.cache, out.records, L, a + 1)
+            rollback_s += time.perf_counter() - tr0
+            if s.dcache is not None:
+                s.pending.append(out.hidden[:, : a + 1])
+            s.fed.append(s.anchor_id)
+            s.fed.extend(draft_list[:a])
+            committed, reason = _finish(draft_list[:a] + [bonus], s.n, s.max_tokens, s.eos)
+            s.n += len(committed)
+            if s.index is not None:
+                s.index.extend(committed)
+            s.anchor, s.anchor_id = mx.array(bonus, mx.int32), bonus
+            s.acc.observe(L - 1, a)
+            if L > 1:
+                s.plain_run = 0
+                gained = a > 0
+                s.probe_every = self.policy.probe_every if gained else min(self.policy.max_probe, s.probe_every * 2)
+            else:
+                s.plain_run += 1
+            step = Step(tuple(committed), drafted=L - 1, accepted=a, block_size=L,
+                        draft_ms=(td - t0) * 1e3 if decisions[k].source == DFLASH else 0.0,
+                        finish_reason=reason, source=decisions[k].source)
+            results.append((s.id, step))
+            if reason is not None:
+                finished.append(s)
+        if self.target.gdn:
+            mx.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.target.gdn])
+        for k, (s, n) in enumerate(chunks, start=len(decoding)):
+            out = outs[k]
+            s.done += n
+            if s.dcache is not None:
+                if s.pending:  # the previous chunk: into the drafter's cache now (frees its features)
+                    self.drafter.add_context(s.pending.pop(), s.dcache)
+                s.pending.append(out.hidden)
+            if s.done < len(s.prompt):
+                continue
+            s.key, sub = mx.random.split(s.key)
+            anchor = sample_target(out.logits, s.sampling, sub)[0]
+            s.anchor_id = anchor.item()
+            s.anchor = anchor
+            s.fed = list(s.prompt)
+            toks, reason = _finish([s.anchor_id], 0, s.max_tokens, s.eos)
+            s.n = len(toks)
+            if s.index is not None:
+                s.index.extend(toks)
+            ms = (time.perf_counter() - s.t_join) * 1e3
+            step = Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(s.prompt),
+                        cached_tokens=s.cached, finish_reason=reason)
+            s.prev = Step(tuple(toks), prefill=True)
+            results.append((s.id, step))
+            if reason is not None:
+                finished.append(s)
+        if chunks:  # evaluate the prefill chunks' caches now (bounded graphs, as decode._prefill does)
+            mx.eval([c.state for s, _ in chunks for c in s.cache],
+                    [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
+        elapsed = (time.perf_counter() - t0) * 1e3
+        drafting = sum(1 for L in blocks if L > 1)
+        rows = sum(blocks) + extra
+        self.policy.observe(rows, ran, elapsed)
+        if decoding:
+            self.batch_sizes[len(decoding)] = self.batch_sizes.get(len(decoding), 0) + 1
+            self.steps["drafted" if drafting else "plain"] += 1
+        out_steps = []
+        for sid, st in results:
+            if not st.prefill:
+                st = Step(st.tokens, drafted=st.drafted, accepted=st.accepted, block_size=st.block_size,
+                          draft_ms=st.draft_ms, verify_ms=verify_ms, rollback_ms=rollback_s * 1e3,
+                          elapsed_ms=elapsed, finish_reason=st.finish_reason, source=st.source)
+                s = self._seqs[sid]
+                s.prev = st
+                if s.policy is not None:
+                    # A sequence's own policy learns acceptance; step costs under a batch are the
+                    # batch's (BatchPolicy's business), so it sees them only when it ran alone.
+                    s.policy.observe(st if len(decoding) == 1 and not chunks else
+                                     Step(st.tokens, drafted=st.drafted, accepted=st.accepted,
+                                          block_size=st.block_size, source=st.source))
+            out_steps.append((sid, st))
+        for s in finished:
+            self._seqs.pop(s.id, None)
+            _hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
+        self._since_clear += sum(len(st.tokens) for _, st in out_steps)
+        if self._since_clear >= 256:
+            self._since_clear = 0
+            mx.clear_cache()
+        return out_steps
+
+
+def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, int] | None = None,
+                  cancels: dict[int, int] | None = None):
+    """Run ``jobs`` (keyword arguments of ``BatchDecoder.add``) to completion on ``decoder``;
+    yields ``(job index, Step)``. ``joins``: job index -> step number at which it joins (default
+    0); ``cancels``: job index -> step number at which it is cancelled. For tests and bench."""
+    joins = joins or {}
+    cancels = cancels or {}
+    sid_of: dict[int, int] = {}
+    job_of: dict[int, int] = {}
+    t = 0
+    while True:
+        for j, kw in enumerate(jobs):
+            if j not in sid_of and joins.get(j, 0) <= t:
+                sid_of[j] = decoder.add(**kw)
+                job_of[sid_of[j]] = j
+        for j, at in cancels.items():
+            if j in sid_of and at == t:
+                decoder.cancel(sid_of[j])
+        if not len(decoder) and len(sid_of) == len(jobs):
+            return
+        for sid, st in decoder.step():
+            yield job_of[sid], st
+        t += 1
+
+
+__all__ = ["Seg", "SegOut", "PackedTarget", "Acceptance", "BatchPolicy", "BatchDecoder", "batched_steps"]

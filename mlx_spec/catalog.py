@@ -1,0 +1,95 @@
+"""Known pairs by name: the catalog of target + DFlash drafter pairs (``catalog.json``, data shipped
+in the package). ``--model NAME`` fills ``--target`` and ``--drafter`` from it.
+
+An entry records what its authors published (repos, license) and what we know without reading the
+checkpoints; fields we could not read from a checkpoint are listed in its ``approximate`` and shown
+as such. The checkpoint's own config.json is what loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from .errors import BadRequest, CheckpointError, UnsupportedModel
+
+FILE = "catalog.json"
+FIELDS = ("target", "drafter", "architecture", "dflash", "block_size", "thinks", "think_switch", "license",
+          "params_b")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    target: str  # HF repo id (or the embedded default target's id)
+    drafter: str  # HF repo id (or a bundled drafter under models/)
+    architecture: str  # the target's model_type
+    dflash: int  # 1 or 2
+    block_size: int  # the drafter's trained block size (incl. the anchor)
+    thinks: bool  # the model writes reasoning by default (as served: with the switch below)
+    think_switch: str | None  # the chat template's variable that turns thinking on/off
+    license: str  # the target's license
+    params_b: float  # total parameters, billions
+    active_params_b: float | None = None  # MoE: parameters active per token
+    approximate: tuple[str, ...] = ()  # fields not read from the checkpoints
+    bundled: bool = False  # ships with mlx_spec (no download)
+    source: str = ""
+    notes: str = ""
+
+    @property
+    def supported(self) -> bool:
+        from .target import SUPPORTED
+
+        return self.architecture in SUPPORTED
+
+    def weight_bytes(self, bits: int | None) -> int:
+        """Approximate bytes of the target's weights at ``bits`` (None: 16-bit), with one scale and
+        one bias per 64 weights when quantized. An estimate from ``params_b``, not a plan."""
+        per_weight = 16 if not bits else bits + 0.5
+        return int(self.params_b * 1e9 * per_weight / 8)
+
+    def describe_field(self, name: str) -> str:
+        value = getattr(self, name)
+        return f"~{value}" if name in self.approximate else str(value)
+
+
+def load() -> dict[str, Entry]:
+    """Every entry, by name. A malformed catalog is refused by name (it ships with the package)."""
+    try:
+        data = json.loads(resources.files("mlx_spec").joinpath(FILE).read_text())
+        pairs = data["pairs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"mlx_spec/{FILE} is missing or malformed: {type(e).__name__}: {e}") from None
+    out = {}
+    for name, d in pairs.items():
+        missing = [k for k in FIELDS if k not in d]
+        if missing:
+            raise CheckpointError(f"mlx_spec/{FILE}: entry '{name}' lacks {', '.join(missing)}")
+        known = {k: d[k] for k in Entry.__dataclass_fields__ if k in d and k != "name"}
+        known["approximate"] = tuple(d.get("approximate", ()))
+        out[name] = Entry(name=name, **known)
+    return out
+
+
+def get(name: str, entries: dict[str, Entry] | None = None) -> Entry:
+    """The entry called ``name`` (case-insensitive); an unknown name is refused with the closest."""
+    entries = load() if entries is None else entries
+    by_lower = {k.lower(): e for k, e in entries.items()}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    raise BadRequest(f"unknown model '{name}'{hint}. `mlx_spec models` lists the known pairs; "
+                     "or pass --target and --drafter")
+
+
+def check_supported(entry: Entry) -> None:
+    """Refuse an entry whose target architecture this build cannot run (before any download)."""
+    if not entry.supported:
+        from .target import SUPPORTED
+
+        raise UnsupportedModel(f"model '{entry.name}': target architecture '{entry.architecture}' "
+                               f"({entry.target}) is not supported for speculative decoding here "
+                               f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded")

@@ -1,0 +1,73 @@
+"""What loading a pair needs, as one frozen value.
+
+``LoadConfig`` is built once from the command line (``cli.load_config``) or by a library user;
+everything below the front ends (session, memory plan, tuner, engine) takes it, never an argparse
+namespace. It checks its own values on construction, so a bad flag is refused before anything
+loads. Sampling has its own frozen config: ``sampling.SamplingConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .default_target import DEFAULT_TARGET_ID
+from .errors import BadRequest
+
+BITS = ("4", "8", "none")
+DRAFT_VOCABS = ("auto", "full")
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """One pair to load and how. Field names follow the flags (``cli.add_model_args``)."""
+
+    target: str = DEFAULT_TARGET_ID  # a path, a Hugging Face repo id, or the default target's id
+    drafter: str | None = None  # None: the bundled drafter with the default target, else refused
+    no_draft: bool = False  # plain decoding of the target: the only way to get it
+    block_size: int | None = None  # --block-size: wins over tuning and the checkpoint
+    target_bits: str | None = None  # "4" | "8" | "none" | None (as the checkpoint is)
+    drafter_bits: str | None = None
+    group_size: int | None = None  # None: quantize's default (64)
+    draft_vocab: str = "auto"  # "auto": the drafter's reduced vocabulary when it ships one; "full"
+    context: int = DEFAULT_CONTEXT  # tokens the memory plan must fit (serve: the per-request limit)
+    prompt_tokens: int | None = None  # plan for a prompt of this many tokens (None: the whole context)
+    budget: int | None = None  # memory budget in bytes (None: this machine's)
+    force: bool = False  # start even when the memory plan exceeds the budget
+    tune: bool = True  # False (--no-tune): the checkpoint's block size unless block_size
+    tune_budget_s: float | None = None  # first-launch tuning time budget (None: the tuner's default)
+    adaptive: bool = False  # choose the block size every cycle (online controller)
+    prefix_cache: int = 0  # bytes of K/V kept between turns / requests (0 = off)
+    ranks: int = 1  # machines the target is sharded over (plan --ranks; under mlx.launch: the group's size)
+
+    def __post_init__(self):
+        if not self.target:
+            raise BadRequest("--target must name a model (a path, a repo id or the default target)")
+        if self.block_size is not None and self.block_size < 2:
+            raise BadRequest(f"--block-size must be >= 2 for speculative decoding (got {self.block_size}); "
+                             "use --no-draft for plain decoding")
+        for name in ("target_bits", "drafter_bits"):
+            value = getattr(self, name)
+            if value is not None and value not in BITS:
+                raise BadRequest(f"--{name.replace('_', '-')} must be one of {', '.join(BITS)} (got {value!r})")
+        if self.group_size is not None and self.group_size not in (32, 64, 128):
+            raise BadRequest(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
+        if self.draft_vocab not in DRAFT_VOCABS:
+            raise BadRequest(f"--draft-vocab must be 'auto' or 'full' (got {self.draft_vocab!r})")
+        if self.context < 2:
+            raise BadRequest(f"--context must be >= 2 (got {self.context})")
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise BadRequest(f"--prompt-tokens must be >= 1 (got {self.prompt_tokens})")
+        if self.budget is not None and self.budget <= 0:
+            raise BadRequest(f"the memory budget must be > 0 (got {self.budget} bytes)")
+        if self.tune_budget_s is not None and not self.tune_budget_s > 0:
+            raise BadRequest(f"--tune-budget must be > 0 seconds (got {self.tune_budget_s:g})")
+        if self.ranks < 1:
+            raise BadRequest(f"--ranks must be >= 1 (got {self.ranks})")
+        if self.prefix_cache < 0:
+            raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {self.prefix_cache / 2**20:g})")
+
+    @property
+    def speculative(self) -> bool:
+        """Whether a drafter is asked for (the tuner may still choose plain decoding)."""
+        return not self.no_draft

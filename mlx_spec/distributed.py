@@ -1,0 +1,545 @@
+"""Speculative decoding with the target sharded over MLX's distributed runtime (session layer).
+
+Launched by ``mlx.launch`` (``ring`` over TCP, or ``jaccl`` over RDMA), every process loads the
+same pair: the target is split tensor-parallel with mlx-lm's own ``Model.shard(group)`` (each
+decoder layer ends in an all-reduce, so the layer outputs the drafter taps are full width and the
+same on every rank), while the drafter, the embedding and the output head stay replicated. Every
+rank then runs the same decode loop: the same drafts, the same verify pass (its all-reduces are
+the only cross-rank traffic), the same acceptance decision and the same rollback (hybrid targets
+roll back the GDN state of their own heads).
+
+Rank 0 alone talks to the user (HTTP, terminal). The other ranks *follow*: rank 0 sends each
+request (prompt ids, sampling parameters, seed, max tokens, block size), then one "go on / stop"
+flag after every step (so a cancellation or a stop string ends every rank at the same step), and
+heartbeats while idle, all as small int/float arrays through ``mx.distributed.all_sum`` on the
+group (rank 0 contributes the values, the others zeros). No sockets of our own.
+
+Failure: a peer that exits makes the next collective raise on the others; a peer that hangs
+would block a collective forever, so both sides run a watchdog thread. A follower that hears
+nothing from rank 0 for ``timeout`` seconds exits; rank 0 marks the group unhealthy, fails the
+running request with ``GroupFailed`` and refuses new ones, while its server stays up to say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from .errors import MlxSpecError, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+# Environment variables mlx.launch sets on every process it starts (ring: MLX_HOSTFILE, jaccl:
+# MLX_IBV_DEVICES / MLX_JACCL_COORDINATOR). A process without MLX_RANK is never put in a group.
+LAUNCH_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR")
+TIMEOUT_ENV = "MLX_SPEC_GROUP_TIMEOUT"
+CHECK_ENV = "MLX_SPEC_GROUP_CHECK"
+DEFAULT_TIMEOUT_S = 120.0  # a step (a prefill chunk of a large target included) must finish in this
+HEARTBEAT_S = 2.0  # rank 0 -> followers while idle
+
+# Header: [command, n_ids, max_tokens, seed, top_k, block_size, method, adaptive_max,
+#          policy sources (bit 1 dflash, bit 2 lookup; 0: no policy), policy max_lookup]
+GEN, HEARTBEAT, SHUTDOWN = 1, 2, 3
+PLAIN, SPEC = 0, 1
+HEADER = 10
+SOURCE_CODES = ("plain", "dflash", "lookup")  # adaptive.PLAIN / DFLASH / LOOKUP
+
+
+class GroupFailed(MlxSpecError):
+    """A rank of the distributed group died, hung or disagreed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """How a pair runs: ``size`` processes, this one ``rank``; ``sharded``: the target is split."""
+
+    size: int = 1
+    rank: int = 0
+    backend: str = "none"
+    sharded: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.size == 1:
+            return "one process"
+        return f"target sharded over {self.size} processes ({self.backend})"
+
+
+SINGLE = GroupInfo()
+
+
+def launched(environ=os.environ) -> bool:
+    """True when this process was started by ``mlx.launch`` (so it belongs to a group)."""
+    return "MLX_RANK" in environ and any(environ.get(k) for k in LAUNCH_ENV)
+
+
+def follower_process(environ=os.environ) -> bool:
+    """Started by mlx.launch as a rank other than 0 (known before joining the group)."""
+    return launched(environ) and environ.get("MLX_RANK", "0") != "0"
+
+
+def run_follower(cfg, log: Callable[[str], None]) -> int:
+    """A front end's whole job on a rank other than 0: load this rank's shard of the pair, then
+    follow rank 0 until it shuts the group down (or is lost: the process then exits)."""
+    from .session import open_session
+
+    session = open_session(cfg, log=log)
+    n = follow_session(session)
+    log(f"rank {session.group.rank()}: rank 0 shut the group down after {n} requests")
+    return 0
+
+
+def backend_name(environ=os.environ) -> str:
+    if environ.get("MLX_HOSTFILE"):
+        return "ring"
+    if environ.get("MLX_IBV_DEVICES") or environ.get("MLX_JACCL_COORDINATOR"):
+        return "jaccl"
+    return "any"
+
+
+def init_group(backend: str | None = None, environ=os.environ):
+    """The MLX group of this process, or None when it was not started by ``mlx.launch``.
+    Single-process runs never call ``mx.distributed.init``."""
+    if not launched(environ):
+        return None
+    backend = backend or backend_name(environ)
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:  # no backend compiled in, peers unreachable: say which
+        raise GroupFailed(f"could not join the {backend} group (rank {environ.get('MLX_RANK')}, "
+                          f"hostfile {environ.get('MLX_HOSTFILE')}): {e}") from None
+    if group.size() < 2:
+        raise GroupFailed(f"mlx.launch started a {backend} group of size {group.size()}; "
+                          "a sharded target needs at least 2 processes")
+    return group
+
+
+def group_info(group, sharded: bool = True, backend: str | None = None) -> GroupInfo:
+    if group is None:
+        return SINGLE
+    return GroupInfo(group.size(), group.rank(), backend or backend_name(), sharded)
+
+
+def timeout_s(environ=os.environ) -> float:
+    raw = environ.get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        t = float(raw)
+    except ValueError:
+        raise MlxSpecError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if t <= 0:
+        raise MlxSpecError(f"{TIMEOUT_ENV} must be > 0 (got {raw})")
+    return t
+
+
+# -- sharding -----------------------------------------------------------------------------------
+
+
+def _args(model):
+    lm = getattr(model, "language_model", model)
+    return lm, lm.args
+
+
+def shard_problems(model, n: int) -> list[str]:
+    """Why mlx-lm's ``shard`` cannot split this target ``n`` ways (empty: it can)."""
+    mt = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    if not callable(getattr(model, "shard", None)):
+        return [f"mlx-lm's '{mt}' model defines no shard(), so it cannot be split over processes"]
+    if getattr(getattr(_args(model)[0], "model", None), "pipeline_size", 1) > 1:
+        return ["the target is already pipelined"]
+    _, a = _args(model)
+    out = []
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "linear_num_key_heads", "linear_num_value_heads"):
+        v = getattr(a, name, None)
+        if isinstance(v, int) and v % n and not (name == "num_key_value_heads" and mt and mt.startswith("qwen3_5")
+                                                 and n % v == 0):
+            out.append(f"{name}={v} is not divisible by {n} processes")
+    return out
+
+
+def shard_target(model, group) -> None:
+    """Split ``model`` in place over ``group`` with mlx-lm's ``shard`` (before its weights are
+    materialized, so each rank only ever holds its shard). The output head stays whole: the
+    replicated drafter drafts through it, and a whole head needs no gather in the verify pass."""
+    n = group.size()
+    problems = shard_problems(model, n)
+    if problems:
+        raise UnsupportedModel(f"target cannot be sharded over {n} processes: " + "; ".join(problems))
+    lm, _ = _args(model)
+    head = lm.get("lm_head") if hasattr(lm, "get") else getattr(lm, "lm_head", None)
+    model.shard(group)
+    if head is not None and getattr(lm, "lm_head", None) is not head:
+        lm.lm_head = head  # undo a vocabulary-sharded head (qwen3_5): keep one whole copy per rank
+        lm.sharding_group = None
+
+
+# -- the wire: small arrays through all_sum ----------------------------------------------------
+
+
+class Wire:
+    """Rank 0 -> every rank messages as all_sums (rank 0 adds the values, the others zeros).
+    A watchdog thread fails the group when a collective (or a step) outlasts ``timeout``."""
+
+    def __init__(self, group, timeout: float, on_timeout: Callable[[str], None]):
+        self.group = group
+        self.rank = group.rank()
+        self.timeout = timeout
+        self._on_timeout = on_timeout
+        self._since: float | None = None  # a collective or a step started and has not finished
+        self._what = ""
+        self._lock = threading.Lock()
+        self.failed: str | None = None
+        self.stats = {"messages": 0, "ms": 0.0}
+        threading.Thread(target=self._watch, name="mlx-spec-group-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        tick = min(0.25, self.timeout / 4)
+        while self.failed is None:
+            time.sleep(tick)
+            with self._lock:
+                since, what = self._since, self._what
+            if since is not None and time.monotonic() - since > self.timeout:
+                self.fail(f"no answer from the group within {self.timeout:g} s ({what}); "
+                          "a rank died or hangs")
+
+    def fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            self._on_timeout(why)
+
+    def busy(self, what: str) -> None:
+        with self._lock:
+            self._since, self._what = time.monotonic(), what
+
+    def idle(self) -> None:
+        with self._lock:
+            self._since = None
+
+    def exchange(self, ints: list[int] | None, n: int, floats: list[float] | None = None,
+                 nf: int = 0, what: str = "message") -> tuple[list[int], list[float]]:
+        """Rank 0 passes the values; the others pass None and get them."""
+        if self.failed is not None:
+            raise GroupFailed(self.failed)
+        t = time.perf_counter()
+        i = mx.array(ints if self.rank == 0 else [0] * n, mx.int32)
+        f = mx.array(floats if self.rank == 0 else [0.0] * nf, mx.float32) if nf else None
+        self.busy(what)
+        try:
+            i = mx.distributed.all_sum(i, group=self.group, stream=mx.cpu)
+            f = mx.distributed.all_sum(f, group=self.group, stream=mx.cpu) if nf else None
+            mx.eval(i, *([f] if nf else []))
+        except RuntimeError as e:  # a peer closed its connection
+            self.fail(f"lost a rank of the group ({what}): {e}")
+            raise GroupFailed(self.failed) from None
+        finally:
+            self.idle()
+        self.stats["messages"] += 1
+        self.stats["ms"] += (time.perf_counter() - t) * 1e3
+        return i.tolist(), (f.tolist() if nf else [])
+
+    def agree(self, tokens: tuple[int, ...], width: int) -> None:
+        """Debug check: every rank committed the same tokens (all_gather and compare)."""
+        row = list(tokens)[:width] + [-1] * (width - len(tokens)) + [len(tokens)]
+        g = mx.distributed.all_gather(mx.array(row, mx.int32)[None], group=self.group, stream=mx.cpu)
+        rows = g.tolist()
+        if any(r != rows[0] for r in rows):
+            self.fail(f"ranks disagree on the committed tokens: {rows}")
+            raise GroupFailed(self.failed)
+
+
+def _next(wire: Wire, it: Iterator):
+    """The next step (None at the end), watched: a collective error inside the model (a peer
+    lost mid-verify) fails the group instead of surfacing as a bare RuntimeError."""
+    wire.busy("step")
+    try:
+        return next(it)
+    except StopIteration:
+        return None
+    except RuntimeError as e:
+        if wire.failed is None and not any(k in str(e) for k in ("[ring]", "[jaccl]", "[mpi]", "peer")):
+            raise
+        wire.fail(f"lost a rank of the group during a step: {e}")
+        raise GroupFailed(wire.failed) from None
+    finally:
+        wire.idle()
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+
+
+def _header(ids, cfg, info, policy=None, controlled: bool = False) -> tuple[list[int], list[float]]:
+    s = cfg.sampling
+    seed = s.seed if s.seed is not None else 0
+    method = PLAIN if info.method == "plain" else SPEC
+    mask = 0 if policy is None else sum(1 << SOURCE_CODES.index(x) for x in policy.sources)
+    adaptive = max(info.adaptive_max, info.block_size) if controlled else 0
+    ints = [GEN, len(ids), cfg.max_tokens, seed, s.top_k, info.block_size, method, adaptive,
+            mask, 0 if policy is None else policy.max_lookup]
+    return ints, [s.temperature, s.top_p]
+
+
+class SharedPolicy:
+    """A draft policy (``adaptive.DraftPolicy``) whose choices rank 0 makes and every rank follows.
+
+    The policy learns from local timings, so two ranks running their own would choose different
+    sources or lengths and their collectives would no longer pair up. Rank 0 wraps its policy
+    (``inner``); the others pass None and the ``sources`` / ``max_lookup`` from the header. Each
+    ``choose`` / ``pick`` costs one three-int message."""
+
+    def __init__(self, wire: "Wire", inner=None, sources=(), max_lookup: int = 0):
+        self.wire, self.inner = wire, inner
+        self.sources = tuple(inner.sources) if inner is not None else tuple(sources)
+        self.max_lookup = inner.max_lookup if inner is not None else max_lookup
+
+    def __getattr__(self, name):  # anything else the loop reads comes from rank 0's policy
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def _share(self, decision):
+        from .adaptive import Decision
+
+        ints = None if decision is None else [SOURCE_CODES.index(decision.source), decision.length,
+                                              int(decision.probe)]
+        (src, length, probe), _ = self.wire.exchange(ints, 3, what="draft decision")
+        if decision is not None:
+            return decision
+        return Decision(SOURCE_CODES[src], length, bool(probe))
+
+    def observe(self, step) -> None:
+        if self.inner is not None:
+            self.inner.observe(step)
+
+    def choose(self, ctx):
+        return self._share(self.inner.choose(ctx) if self.inner is not None else None)
+
+    def pick(self, decision, drafts, confidence, ctx=None):
+        return self._share(self.inner.pick(decision, drafts, confidence, ctx) if self.inner is not None else None)
+
+
+class Leader:
+    """Rank 0's side: announces requests, paces every step, beats while idle, knows the health.
+
+    Use from the engine thread only (every message is an MLX collective)."""
+
+    def __init__(self, group, *, timeout: float | None = None, check: bool | None = None,
+                 backend: str | None = None):
+        self.info = group_info(group, True, backend)
+        self.timeout = timeout_s() if timeout is None else timeout
+        self.check = bool(os.environ.get(CHECK_ENV)) if check is None else check
+        self._listeners: list[Callable[[str], None]] = []
+        self.wire = Wire(group, self.timeout, self._failed)
+        self._last = time.monotonic()
+        self._active = None  # the running request's wrapped steps
+        self.closed = False
+
+    # health ---------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.wire.failed is None
+
+    def health(self) -> dict:
+        return {**self.info.as_dict(), "healthy": self.healthy, "error": self.wire.failed,
+                "timeout_s": self.timeout}
+
+    def on_failure(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``fn(why)`` (from the watchdog thread) if the group fails; returns an unsubscribe."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def _failed(self, why: str) -> None:
+        log.error("distributed group failed: %s", why)
+        for fn in list(self._listeners):
+            try:
+                fn(why)
+            except Exception:  # pragma: no cover - a listener must not stop the others
+                log.exception("group failure listener")
+
+    def ensure_healthy(self) -> None:
+        if not self.healthy:
+            raise GroupFailed(f"the distributed group is unhealthy: {self.wire.failed}")
+
+    # requests -------------------------------------------------------------------------------
+    def seeded(self, cfg):
+        """``cfg`` with a seed every rank will use (a fresh one if the request had none)."""
+        if cfg.sampling.seed is not None or cfg.sampling.greedy:
+            return cfg
+        return replace(cfg, sampling=replace(cfg.sampling, seed=time.time_ns() % 2**31))
+
+    def lead(self, steps: Iterator, ids, cfg, info, policy: SharedPolicy | None = None,
+             controlled: bool = False) -> Iterator:
+        """Wrap rank 0's steps: announce the request at the first pull, then after each step
+        tell the followers whether another step is wanted (1) or the run ends here (0).
+        ``policy``: the ``SharedPolicy`` the steps were made with (its sources go in the header);
+        ``controlled``: the steps take their block sizes from ``controller`` (sent every cycle).
+        A run still open when the next one (or a heartbeat) starts is closed first."""
+        self.finish()
+        self._active = self._lead(steps, ids, cfg, info, policy, controlled)
+        return self._active
+
+    def finish(self) -> None:
+        """Close the running request's steps (sending "stop" if they were not done)."""
+        gen, self._active = self._active, None
+        if gen is not None:
+            gen.close()
+
+    def _lead(self, steps, ids, cfg, info, policy, controlled) -> Iterator:
+        self.ensure_healthy()
+        ints, floats = _header(ids, cfg, info, policy, controlled)
+        self.wire.exchange(ints, HEADER, floats, 2, what="request header")
+        self.wire.exchange(list(ids), len(ids), what="prompt ids")
+        width = max(info.block_size, ints[7], 1)
+        it = iter(steps)
+        try:
+            while True:
+                step = _next(self.wire, it)
+                if step is None:
+                    return
+                if self.check:
+                    self.wire.agree(step.tokens, width)
+                try:
+                    yield step
+                except GeneratorExit:
+                    if self.healthy:
+                        self.wire.exchange([0], 1, what="stop")
+                    raise
+                self.wire.exchange([1], 1, what="step")
+        finally:
+            it.close()
+            self._last = time.monotonic()
+
+    def share(self, policy) -> SharedPolicy | None:
+        """Rank 0's draft policy, its choices sent to every rank (None stays None)."""
+        return None if policy is None else SharedPolicy(self.wire, policy)
+
+    def controller(self, inner: Callable | None, block_size: int) -> Callable:
+        """Rank 0's per-cycle block size (the adaptive controller's choice) sent to every rank."""
+        def choose(prev):
+            L = inner(prev) if inner is not None else block_size
+            return self.wire.exchange([int(L)], 1, what="block size")[0][0]
+        return choose
+
+    def heartbeat(self) -> None:
+        """Call while idle (at least every HEARTBEAT_S): followers exit without it, and a dead
+        follower shows up here even when no request runs."""
+        self.finish()
+        if self.healthy and not self.closed:
+            try:
+                self.wire.exchange([HEARTBEAT] + [0] * (HEADER - 1), HEADER, [0.0, 0.0], 2, what="heartbeat")
+            except GroupFailed:
+                pass
+            self._last = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= HEARTBEAT_S
+
+    def shutdown(self) -> None:
+        """Tell the followers to exit (best effort)."""
+        self.finish()
+        if self.healthy and not self.closed:
+            try:
+                self.wire.exchange([SHUTDOWN] + [0] * (HEADER - 1), HEADER, [0.0, 0.0], 2, what="shutdown")
+            except GroupFailed:
+                pass
+        self.closed = True
+
+
+# -- the other ranks ---------------------------------------------------------------------------
+
+
+def follow(group, run_steps: Callable, *, timeout: float | None = None, check: bool | None = None,
+           exit_fn: Callable[[int], None] = os._exit) -> int:
+    """A follower's main loop: run every request rank 0 announces, step for step, until it says
+    shut down. ``run_steps(ids, cfg, method, block_size, controller, policy)`` returns the step
+    generator (the same ``token_steps`` rank 0 runs; ``controller`` / ``policy`` are None or
+    receive rank 0's per-cycle choices). Returns the number of requests followed.
+
+    If rank 0 is silent for ``timeout`` seconds (it died or hangs), ``exit_fn(3)`` ends this
+    process: its collectives could otherwise block forever."""
+    from .generation import GenConfig
+    from .sampling import SamplingConfig
+
+    timeout = timeout_s() if timeout is None else timeout
+    check = bool(os.environ.get(CHECK_ENV)) if check is None else check
+
+    def lost(why: str) -> None:
+        print(f"mlx_spec rank {group.rank()}: {why}; exiting", file=sys.stderr, flush=True)
+        exit_fn(3)
+
+    wire = Wire(group, timeout, lost)
+    served = 0
+    while True:
+        wire.busy("waiting for rank 0")  # heartbeats arrive every HEARTBEAT_S while idle
+        try:
+            (cmd, n, max_tokens, seed, top_k, block, method, adaptive, mask, max_lookup), (temp, top_p) = \
+                wire.exchange(None, HEADER, None, 2, what="waiting for rank 0")
+        except GroupFailed as e:
+            lost(str(e))
+            return served
+        if cmd == HEARTBEAT:
+            continue
+        if cmd == SHUTDOWN:
+            wire.failed = "shut down"  # stops the watchdog
+            return served
+        ids, _ = wire.exchange(None, n, what="prompt ids")
+        cfg = GenConfig(max_tokens=max_tokens,
+                        sampling=SamplingConfig(temp, top_p, top_k, seed if temp > 0 else None))
+
+        def choose(prev):
+            return wire.exchange(None, 1, what="block size")[0][0]
+
+        policy = None
+        if mask:
+            policy = SharedPolicy(wire, None, [c for i, c in enumerate(SOURCE_CODES) if mask >> i & 1], max_lookup)
+        steps = run_steps(ids, cfg, "plain" if method == PLAIN else "spec", block,
+                          choose if adaptive else None, policy)
+        width = max(block, adaptive, 1)
+        try:
+            while True:
+                step = _next(wire, steps)
+                if step is None:
+                    break
+                if check:
+                    wire.agree(step.tokens, width)
+                (go,), _ = wire.exchange(None, 1, what="waiting for rank 0's next step")
+                if not go:
+                    break
+        except GroupFailed as e:
+            lost(str(e))
+            return served
+        finally:
+            steps.close()
+        served += 1
+
+
+def follow_session(session, *, timeout: float | None = None) -> int:
+    """A follower's life on a loaded ``session.Session``: run what rank 0 announces with the same
+    ``generation.token_steps`` rank 0 runs, until rank 0 shuts the group down."""
+    from .generation import for_request, token_steps
+
+    pair, info = session.pair, session.info
+
+    def run_steps(ids, cfg, method, block, controller, policy):
+        if method == "plain":
+            p, i = for_request(pair, info, speculate=False)
+        else:
+            p, i = pair, replace(info, block_size=block)
+        return token_steps(p, i, ids, cfg, controller=controller)
+
+    return follow(session.group, run_steps, timeout=timeout)
+
+
+__all__ = ["follow_session", "GroupInfo", "SINGLE", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
+           "shard_target", "shard_problems", "timeout_s", "Wire"]

@@ -1,0 +1,509 @@
+"""`train run`: generate the target's responses and train the drafter on them, in one process.
+
+Each round generates one batch of responses (``data.generate_batch``: the tapped features come
+for free from the generation passes), pushes the sequences into a bounded replay buffer
+(``replay.ReplayBuffer``), keeps their token ids under ``<out>/tokens/`` (small: a later run can
+rebuild features with ``train data --from-tokens``), then runs ``steps_per_batch`` optimizer steps
+on blocks sampled from the buffer. Features are never written out as a data set: memory and disk
+stay bounded by the buffer, whatever the budget. The learning rate follows the share of the
+budget spent (warm-up, then cosine to 10%).
+
+A checkpoint (``<out>/ckpt/``: weights, optimizer, trainer state, the buffer) is written every
+``checkpoint_every`` batches, at the end, and when ``stop`` is set (Ctrl+C); ``resume`` continues
+from it exactly: same buffer, same random state, same weights after the same steps (tested).
+Nothing here is tied to a backend: it runs wherever MLX runs (CPU, Metal, CUDA).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import BadRequest, CheckpointError, PlanError
+from ..prompts import Prompt, interleave
+from .data import DataConfig, generate_batch
+from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
+from .trainer import (
+    TrainConfig, base_vocab, build_drafter, calibrate_head_scale, drafter_config, evaluate_tau,
+    freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token, save_checkpoint,
+    scale_fc_init, step_vocab, to_mx, train_step, write_curves,
+)
+
+log = logging.getLogger(__name__)
+
+MIXES = ("broad", "wide", "narrow")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    out: str
+    target: str
+    prompts: str = "broad"
+    """A built-in mix (broad, wide, narrow), a JSONL file, or a directory of chat-data JSONL files."""
+    tokens: int | None = None
+    """Budget: generated response tokens (over the whole run, resumes included)."""
+    minutes: float | None = None
+    """Budget: wall minutes (over the whole run, resumes included)."""
+    batch_size: int = 16
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 8
+    replay_mb: float = 256.0
+    steps_per_batch: int = 8
+    checkpoint_every: int = 8
+    """Batches between checkpoints (each one also measures held-out tau)."""
+    num_prompts: int = 20000
+    """Size of a built-in mix (training part)."""
+    eval_per_kind: int = 4
+    """Prompts of each kind held out of the training prompts."""
+    eval_prompts: int = 5
+    eval_max_tokens: int = 64
+    init: str | None = None
+    """Warm start: a drafter directory (its architecture and weights)."""
+    resume: bool = False
+    seed: int = 0
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(data="", out=""))
+    """The recipe (layers, block size, loss, lr, anchors, ...); its data/out/steps are unused."""
+
+    @property
+    def budget_label(self) -> str:
+        parts = ([f"{self.tokens} tokens"] if self.tokens else []) + ([f"{self.minutes:g} min"] if self.minutes else [])
+        return " or ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamProgress:
+    """A snapshot for the progress bar (plain values)."""
+
+    phase: str  # generate | train | eval | checkpoint | done | stopped
+    tokens: int
+    budget_tokens: int | None
+    seconds: float
+    budget_seconds: float | None
+    gen_tok_s: float
+    steps: int
+    steps_s: float
+    loss: float | None
+    tau: float | None
+    replay_bytes: int
+    replay_seqs: int
+    message: str = ""
+
+    @property
+    def fraction(self) -> float:
+        f = [self.tokens / self.budget_tokens] if self.budget_tokens else []
+        f += [self.seconds / self.budget_seconds] if self.budget_seconds else []
+        return min(1.0, max(f, default=0.0))
+
+    @property
+    def eta_s(self) -> float | None:
+        f = self.fraction
+        return self.seconds * (1 - f) / f if f > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    what: str
+    bytes: int
+
+
+def memory_rows(cfg: StreamConfig, target_bytes: int, n_features: int, drafter_params: int) -> list[PlanRow]:
+    """The run's memory plan: the target's weights, the drafter with AdamW's two moments and its
+    gradients (float32), and the replay buffer at its cap."""
+    return [PlanRow("target weights", target_bytes),
+            PlanRow("drafter + gradients + AdamW state", 4 * 4 * drafter_params),
+            PlanRow(f"replay buffer (--replay-mb; {bytes_per_token(n_features, cfg.top_k)} B per token)",
+                    int(cfg.replay_mb * 2**20))]
+
+
+def check_plan(rows: list[PlanRow], budget: int, source: str) -> None:
+    total = sum(r.bytes for r in rows)
+    if total > budget:
+        detail = ", ".join(f"{r.what} {r.bytes / 2**30:.2f} GiB" for r in rows)
+        raise PlanError(f"train run needs {total / 2**30:.2f} GiB ({detail}) but {source} is "
+                        f"{budget / 2**30:.2f} GiB; lower --replay-mb")
+
+
+def lr_at(tcfg: TrainConfig, frac: float) -> float:
+    """Linear warm-up over the first ``warmup`` share of the budget, then cosine to 10%."""
+    frac = min(max(frac, 0.0), 1.0)
+    if tcfg.warmup > 0 and frac < tcfg.warmup:
+        return tcfg.lr * (0.01 + 0.99 * frac / tcfg.warmup)
+    t = (frac - tcfg.warmup) / max(1e-9, 1 - tcfg.warmup)
+    return tcfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---- prompts -----------------------------------------------------------------------------
+
+
+def _chat_dir_prompts(path: Path) -> list[Prompt]:
+    """``{"messages": [...]}`` lines of every *.jsonl in a directory; a conversation's trailing
+    assistant turns are dropped (the target writes the reply)."""
+    from ..prompts import load_prompts
+
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise BadRequest(f"{path}: no *.jsonl chat-data files")
+    out = []
+    for f in files:
+        for p in load_prompts(f):
+            msgs = list(p.messages or [])
+            while msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+                msgs.pop()
+            if p.messages is not None and not msgs:
+                continue
+            kind = p.kind if p.kind != "user" else "chat"
+            out.append(Prompt(f"{f.stem}:{p.id}", kind, p.text, tuple(msgs) if p.messages is not None else None, p.chat))
+    if not out:
+        raise BadRequest(f"{path}: no conversations with a user turn")
+    return out
+
+
+def held_out_by_kind(prompts: list[Prompt], per_kind: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts): the last ``per_kind`` prompts of each kind are held
+    out, and no training prompt has the content of a held-out one (or repeats another)."""
+    from .prompts import prompt_key
+
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    evals = [p for v in by_kind.values() for p in (v[-per_kind:] if per_kind else [])]
+    held = {prompt_key(p) for p in evals}
+    train = {}
+    for p in prompts:
+        k = prompt_key(p)
+        if k not in held and k not in train:
+            train[k] = p
+    return list(train.values()), interleave(evals)
+
+
+def stream_prompts(cfg: StreamConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts in order, held-out prompts) for a prompt source. Deterministic."""
+    from ..prompts import load_prompts
+    from .prompts import broad_prompts, builtin_prompts, wide_prompts
+
+    n = cfg.num_prompts + 8 * cfg.eval_per_kind
+    if cfg.prompts in MIXES:
+        make = {"broad": broad_prompts, "wide": wide_prompts, "narrow": builtin_prompts}[cfg.prompts]
+        allp = make(n, seed=cfg.seed)
+    else:
+        path = Path(cfg.prompts).expanduser()
+        if path.is_dir():
+            allp = _chat_dir_prompts(path)
+        elif path.exists():
+            allp = load_prompts(path)
+        else:
+            raise BadRequest(f"--prompts {cfg.prompts!r}: not a built-in mix ({', '.join(MIXES)}), "
+                             "a JSONL file or a chat-data directory")
+    return held_out_by_kind(allp, cfg.eval_per_kind)
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _token_file(run: Path, batch: int) -> Path:
+    return run / "tokens" / f"{batch:05d}.npz"
+
+
+def _write_tokens(run: Path, batch: int, seqs: list[tuple[str, np.ndarray, int]]) -> None:
+    path = _token_file(run, batch)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([t for _, t, _ in seqs]).astype(np.int32),
+             offsets=np.cumsum([0] + [len(t) for _, t, _ in seqs]).astype(np.int64),
+             prompt_lens=np.array([p for _, _, p in seqs], np.int32), ids=np.array([i for i, _, _ in seqs], dtype=str))
+    tmp.rename(path)
+
+
+def _trained_prompt_ids(run: Path, upto: int) -> set[bytes]:
+    """Prompt token ids (as bytes) of every trained sequence in token files ``< upto``; files
+    at or past ``upto`` belong to an unsaved batch and are removed."""
+    seen = set()
+    for f in sorted((run / "tokens").glob("[0-9]*[0-9].npz")):
+        if int(f.name.split(".")[0]) >= upto:
+            f.unlink()
+            continue
+        with np.load(f) as z:
+            o, pl = z["offsets"], z["prompt_lens"]
+            for j in range(len(pl)):
+                seen.add(z["tokens"][o[j] : o[j] + pl[j]].astype(np.int32).tobytes())
+    return seen
+
+
+def _compare_settings(run: Path, cfg: StreamConfig) -> None:
+    def flat(d: dict) -> dict:
+        train = {f"train.{k}": v for k, v in d.pop("train", {}).items()}
+        return {**d, **train}
+
+    saved = flat(json.loads((run / "run_config.json").read_text()))
+    now = flat(json.loads(json.dumps(asdict(cfg))))
+    free = {"tokens", "minutes", "checkpoint_every", "eval_prompts", "eval_max_tokens", "resume", "out", "init"}
+    free |= {f"train.{k}" for k in ("data", "out", "target", "resume", "init", "steps", "checkpoint_every",
+                                    "checkpoint_minutes", "eval_prompts", "eval_max_tokens", "eval_file", "export")}
+    diff = sorted(k for k in now if k not in free and saved.get(k) != now[k])
+    if diff:
+        raise BadRequest(f"--resume with different settings than the run in {run}: {diff}")
+
+
+def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | None = None,
+               stop: threading.Event | None = None, say: Callable[[str], None] | None = None) -> dict:
+    """Generate-and-train until the budget is spent (or ``stop`` is set). Returns a summary."""
+    from ..drafter import build_target_layer_ids
+    from ..loading import load_drafter, load_target_model
+    from ..memory import device_budget
+    from ..target import Target
+
+    say = say or log.info
+    if not cfg.tokens and not cfg.minutes:
+        raise BadRequest("give a budget: --tokens N and/or --minutes M")
+    if cfg.batch_size < 1 or cfg.max_tokens < 2 or cfg.steps_per_batch < 0 or cfg.replay_mb <= 0:
+        raise BadRequest("--batch-size >= 1, --max-tokens >= 2, --steps-per-batch >= 0 and --replay-mb > 0")
+    stop = stop or threading.Event()
+    run = Path(cfg.out).expanduser()
+    resume = cfg.resume and (run / "ckpt" / "state.json").exists()
+    if cfg.resume and not resume:
+        raise CheckpointError(f"{run}: no checkpoint to resume (expected {run}/ckpt/state.json)")
+    if not cfg.resume and (run / "ckpt").exists():
+        raise BadRequest(f"{run} already holds a run; pass --resume to continue it, or choose another --out")
+    run.mkdir(parents=True, exist_ok=True)
+    if resume:
+        _compare_settings(run, cfg)
+    tcfg = replace(cfg.train, out=str(run), block_size=cfg.train.block_size)
+
+    model, tokenizer = load_target_model(cfg.target)
+    n_layers = len(getattr(model, "language_model", model).model.layers)
+    init = None
+    if resume:
+        config = json.loads((run / "ckpt" / "config.json").read_text())
+    elif cfg.init:
+        init, config = load_drafter(cfg.init, dtype=mx.float32)
+    else:
+        config = None
+    if config is not None:
+        dc = config.get("dflash_config") or {}
+        taps = list(dc.get("target_layer_ids") or build_target_layer_ids(n_layers, config["num_hidden_layers"]))
+        mask_id = int(dc.get("mask_token_id", config.get("mask_token_id")))
+    else:
+        taps = build_target_layer_ids(n_layers, 5)
+        mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else pick_mask_token(tokenizer)
+    target = Target(model, taps)
+    if config is None:
+        config = drafter_config(target.args, tcfg, taps, mask_id)
+    if config.get("block_size") != tcfg.block_size:
+        config = {**config, "block_size": tcfg.block_size,
+                  "dflash_config": {**(config.get("dflash_config") or {}), "block_size": tcfg.block_size}}
+    mx.random.seed(cfg.seed)
+    drafter = build_drafter(config, target)
+    if init is not None:
+        drafter.load_weights(tree_flatten(init.parameters()), strict=True)
+    freeze_disabled(drafter, tcfg)
+
+    # The memory plan: refuse a buffer that does not fit next to the models.
+    n_feat = len(taps) * target.args.hidden_size
+    target_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
+    rows = memory_rows(cfg, target_bytes, n_feat, n_params)
+    check_plan(rows, *device_budget())
+    say("train run: plan " + ", ".join(f"{r.what} {r.bytes / 2**20:.0f} MiB" for r in rows))
+
+    train_prompts, evals = stream_prompts(cfg)
+    opt = optim.AdamW(learning_rate=lr_at(tcfg, 0.0), weight_decay=tcfg.weight_decay)
+    rng = np.random.default_rng(cfg.seed)
+    replay = ReplayBuffer(int(cfg.replay_mb * 2**20))
+    state = {"step": 0, "batch": 0, "prompt": 0, "tokens": 0, "seconds": 0.0, "pending": 0,
+             "skipped": 0, "history": [], "evals": []}
+    if resume:
+        state = load_checkpoint(run, drafter, opt)
+        rng.bit_generator.state = state["rng"]
+        replay.load(run / "ckpt" / REPLAY_FILE)
+        say(f"train run: resumed {run} at batch {state['batch']}, step {state['step']}, "
+            f"{state['tokens']} tokens")
+    else:
+        (run / "run_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    trained = _trained_prompt_ids(run, state["batch"])
+    # --draft-vocab: the training softmax's base ids (and the checkpoint's draft_vocab.json): the
+    # run's own, the warm start's, or the first batch's most frequent ids.
+    vocab = None
+    if tcfg.draft_vocab and resume and (run / "ckpt" / "draft_vocab.json").exists():
+        vocab = np.asarray(json.loads((run / "ckpt" / "draft_vocab.json").read_text())["ids"], np.int32)
+    elif tcfg.draft_vocab and init is not None and init.shipped_vocab is not None:
+        vocab = np.asarray(init.shipped_vocab, np.int32)
+    head_w = head_weight(target) if tcfg.draft_vocab else None
+
+    eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    dcfg = DataConfig(max_tokens=cfg.max_tokens, batch_size=cfg.batch_size, temperature=cfg.temperature,
+                      seed=cfg.seed, top_k=cfg.top_k)
+    eval_target = Target(model, taps)
+    say(f"train run: {len(train_prompts)} training prompts ({cfg.prompts}), {len(evals)} held out; "
+        f"{config['architectures'][0]}, block {tcfg.block_size}, {n_params / 1e6:.1f}M parameters; "
+        f"budget {cfg.budget_label}; replay {cfg.replay_mb:g} MiB")
+
+    t_start = time.perf_counter() - state["seconds"]
+    rate = {"gen_t": 0.0, "gen_n": 0, "step_t": 0.0, "step_n": 0, "round": 0.0}
+    acc = {"loss": 0.0, "ce": 0.0, "sel": 0.0, "w": 0.0, "hits": 0.0, "n": 0, "t": 0.0}
+
+    def seconds() -> float:
+        return time.perf_counter() - t_start
+
+    def frac() -> float:
+        f = [state["tokens"] / cfg.tokens] if cfg.tokens else []
+        f += [state["seconds"] / (60 * cfg.minutes)] if cfg.minutes else []
+        return max(f, default=0.0)
+
+    def snapshot(phase: str, message: str = "") -> StreamProgress:
+        last = state["history"][-1]["loss"] if state["history"] else None
+        tau = state["evals"][-1]["tau"] if state["evals"] else None
+        return StreamProgress(phase, state["tokens"], cfg.tokens, seconds(),
+                              60 * cfg.minutes if cfg.minutes else None,
+                              rate["gen_n"] / rate["gen_t"] if rate["gen_t"] else 0.0, state["step"],
+                              rate["step_n"] / rate["step_t"] if rate["step_t"] else 0.0, last, tau,
+                              replay.nbytes, len(replay), message)
+
+    def report(phase: str, message: str = "") -> None:
+        if progress is not None:
+            progress(snapshot(phase, message))
+
+    def checkpoint(evaluate: bool) -> None:
+        state["seconds"] = seconds()
+        if evaluate and evals and cfg.eval_prompts > 0:
+            prompts = [p for p in evals if np.asarray(p.encode(tokenizer), np.int32).tobytes() not in trained]
+            if len(prompts) < len(evals):
+                say(f"train run: {len(evals) - len(prompts)} held-out prompts were also trained on; not used")
+            report("eval")
+            drafter.eval()
+            ev = evaluate_tau(eval_target, drafter, tokenizer, prompts[: cfg.eval_prompts], tcfg.block_size,
+                              cfg.eval_max_tokens)
+            ev["step"], ev["tokens"] = state["step"], state["tokens"]
+            state["evals"].append(ev)
+            say(f"train run: eval step {state['step']}: tau {ev['tau']:.3f} by kind {ev['tau_by_kind']} "
+                f"({ev['seconds']}s)")
+        report("checkpoint")
+        state["rng"] = rng.bit_generator.state
+        state["replay_evicted"] = replay.evicted
+        save_checkpoint(run, drafter, config, opt, state, vocab, extra=lambda d: replay.save(d / REPLAY_FILE))
+        write_curves(run, state, tcfg.block_size)
+
+    def spent() -> bool:
+        # a time budget ends early rather than start a round (batch + steps) it cannot half finish
+        return bool((cfg.tokens and state["tokens"] >= cfg.tokens)
+                    or (cfg.minutes and seconds() + 0.5 * rate["round"] >= 60 * cfg.minutes))
+
+    stopped = False
+    t_round = time.perf_counter()
+    try:
+        while True:
+            if state["pending"] == 0:
+                if spent():
+                    break
+                todo = train_prompts[state["prompt"] : state["prompt"] + cfg.batch_size]
+                if not todo:
+                    say(f"train run: all {len(train_prompts)} training prompts used; stopping before the budget")
+                    break
+                report("generate")
+                t0 = t_round = time.perf_counter()
+                enc = [p.encode(tokenizer) for p in todo]
+                key = mx.random.key(cfg.seed * 1_000_003 + state["batch"])
+                live = {"n": 0, "t": time.perf_counter()}
+
+                def on_tokens(n: int) -> None:  # progress inside a long batch
+                    live["n"] += n
+                    if time.perf_counter() - live["t"] > 5:
+                        live["t"] = time.perf_counter()
+                        report("generate", f"{live['n']} tokens of this batch")
+
+                res = generate_batch(target, enc, dcfg, eos, pad, key, stop=stop.is_set, on_tokens=on_tokens)
+                if res is None:
+                    raise _Stopped
+                seqs, n_new = [], 0
+                for p, pids, (resp, f, ti, tl) in zip(todo, enc, res):
+                    toks = np.array(pids + resp, np.int32)
+                    if (toks == mask_id).any():  # the drafter's MASK id must never be a label
+                        state["skipped"] += 1
+                        continue
+                    P = len(pids)
+                    tid = np.zeros((len(toks), cfg.top_k), np.int32)
+                    tlp = np.zeros((len(toks), cfg.top_k), np.float16)
+                    tid[P:], tlp[P:] = ti, tl
+                    replay.add(p.id, toks, P, f, tid, tlp)
+                    seqs.append((p.id, toks, P))
+                    trained.add(toks[:P].tobytes())
+                    n_new += len(resp)
+                if seqs:
+                    _write_tokens(run, state["batch"], seqs)
+                rate["gen_t"] += time.perf_counter() - t0
+                rate["gen_n"] += n_new
+                if state["batch"] == 0 and init is None and not resume and len(replay):
+                    rms = scale_fc_init(drafter, replay)
+                    say(f"train run: fc init scaled by feature RMS (median {np.median(rms):.2f}); final norm "
+                        f"scaled by {calibrate_head_scale(drafter):.3g}")
+                if tcfg.draft_vocab and vocab is None and len(replay):
+                    vocab = base_vocab(replay, tcfg.draft_vocab)
+                state["tokens"] += n_new
+                state["prompt"] += len(todo)
+                state["batch"] += 1
+                state["pending"] = cfg.steps_per_batch if len(replay) else 0
+                state["seconds"] = seconds()
+            while state["pending"] > 0:
+                if stop.is_set():
+                    raise _Stopped
+                t0 = time.perf_counter()
+                nb = make_batch(replay, rng, tcfg, mask_id)
+                sv = step_vocab(nb, vocab, target.vocab_size, tcfg.vocab_negatives, rng) if vocab is not None else None
+                opt.learning_rate = lr_at(tcfg, frac())
+                drafter.train()
+                loss, (ce, sel, wsum, hits), _ = train_step(drafter, opt, to_mx(nb, tcfg, sv, head_w), tcfg)
+                state["step"] += 1
+                state["pending"] -= 1
+                dt = time.perf_counter() - t0
+                rate["step_t"] += dt
+                rate["step_n"] += 1
+                for k, v in (("loss", loss), ("ce", ce), ("sel", sel), ("w", wsum), ("hits", hits)):
+                    acc[k] += v.item()
+                acc["n"] += 1
+                acc["t"] += dt
+                if acc["n"] == 10 or state["pending"] == 0:
+                    state["history"].append({
+                        "step": state["step"], "tokens": state["tokens"], "loss": round(acc["loss"] / acc["n"], 4),
+                        "ce": round(acc["ce"] / max(acc["w"], 1e-9), 4), "sel": round(acc["sel"] / max(acc["w"], 1e-9), 4),
+                        "top1": round(acc["hits"] / max(acc["w"], 1e-9), 4), "step_s": round(acc["t"] / acc["n"], 3),
+                        "lr": round(float(opt.learning_rate), 7)})
+                    acc = dict.fromkeys(acc, 0.0)
+                report("train")
+            rate["round"] = time.perf_counter() - t_round
+            if state["batch"] % cfg.checkpoint_every == 0 and not spent():
+                checkpoint(evaluate=True)
+    except _Stopped:  # a second Ctrl+C (KeyboardInterrupt) leaves the last checkpoint as it is
+        stopped = True
+    if stopped:
+        say(f"train run: stopped at batch {state['batch']}, step {state['step']}; resume with --resume")
+    checkpoint(evaluate=not stopped)
+    summary = {"stopped": stopped, "step": state["step"], "batches": state["batch"], "tokens": state["tokens"],
+               "seconds": round(state["seconds"], 1), "skipped": state["skipped"],
+               "gen_tok_s": round(rate["gen_n"] / rate["gen_t"], 2) if rate["gen_t"] else None,
+               "steps_s": round(rate["step_n"] / rate["step_t"], 3) if rate["step_t"] else None,
+               "replay_bytes": replay.nbytes, "replay_seqs": len(replay), "replay_evicted": replay.evicted,
+               "last": state["history"][-1] if state["history"] else None,
+               "evals": state["evals"][-1:]}
+    (run / "summary.json").write_text(json.dumps(summary, indent=2))
+    report("stopped" if stopped else "done")
+    return summary
+
+
+__all__ = ["StreamConfig", "StreamProgress", "PlanRow", "run_stream", "stream_prompts", "held_out_by_kind",
+           "memory_rows", "lr_at"]

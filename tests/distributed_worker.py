@@ -1,0 +1,118 @@
+"""One rank of a test group (started twice by tests/test_distributed.py with the environment
+mlx.launch sets: MLX_RANK, MLX_HOSTFILE). Loads the tiny pair saved under ROOT with the target
+sharded, then rank 0 leads the cases in the job file and writes the committed tokens as JSON
+while the other rank follows. Usage: python distributed_worker.py JOB.json
+"""
+
+import json
+import os
+import sys
+import time
+from functools import partial
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from mlx_spec import distributed
+from mlx_spec.decode import plain_steps, spec_steps
+from mlx_spec.generation import GenConfig
+from mlx_spec.loading import check_pair, load_drafter, load_target_model
+from mlx_spec.sampling import SamplingConfig
+from mlx_spec.target import Target
+
+
+def main(job_path: str) -> int:
+    job = json.loads(open(job_path).read())
+    group = distributed.init_group()
+    rank = group.rank()
+    models, pairs = {}, []
+    for phase in job["phases"]:  # every rank loads every phase's pair, sharding each target
+        t = phase["target"]
+        if t not in models:
+            models[t] = load_target_model(t, shard=partial(distributed.shard_target, group=group))[0]
+        drafter, _ = load_drafter(phase["drafter"])
+        target = Target(models[t], drafter.args.target_layer_ids)
+        check_pair(target, drafter)
+        drafter.bind(target.embed, target.head)
+        pairs.append((models[t], target, drafter))
+
+    def run_steps(pair, ids, cfg, method, block, controller, policy=None):
+        model, target, drafter = pair
+        if method == "plain":
+            return plain_steps(model, ids, max_tokens=cfg.max_tokens, sampling=cfg.sampling)
+        return spec_steps(target, drafter, ids, block_size=block, max_tokens=cfg.max_tokens,
+                          sampling=cfg.sampling, controller=controller, policy=policy)
+
+    results = []
+
+    def write(extra=None):
+        with open(job["out"], "w") as f:
+            json.dump({"results": results, "group": distributed.group_info(group).as_dict(), **(extra or {})}, f)
+
+    for k, (phase, pair) in enumerate(zip(job["phases"], pairs)):
+        if rank != 0:
+            run = partial(run_steps, pair)
+            if job.get("die_rank") == rank and k == job.get("die_phase", 0):
+                def run(*a, _run=run):  # follow until a given step, then die (or hang)
+                    for n, s in enumerate(_run(*a), 1):
+                        if n == job.get("die_step", 3):
+                            if job.get("die_how") == "hang":
+                                time.sleep(3600)
+                            os._exit(9)
+                        yield s
+            distributed.follow(group, run, timeout=job.get("timeout", 20.0))
+            continue
+        leader = distributed.Leader(group, timeout=job.get("timeout", 20.0))
+        t_fail = []
+
+        def failed(why, t_fail=t_fail):  # the watchdog fired: this thread may be stuck in a collective
+            t_fail.append(time.perf_counter())
+            if job.get("die_how") == "hang":
+                results.append({"phase": k, "tokens": [], "error": f"GroupFailed: {why}",
+                                "healthy": leader.healthy, "health": leader.health()})
+                write({"watchdog_s": t_fail[0] - t_start[0]})
+                os._exit(0)
+        leader.on_failure(failed)
+        t_start = [time.perf_counter()]
+        for case in phase["cases"]:
+            info = SimpleNamespace(method="plain" if case["block"] == 1 else "dflash", block_size=case["block"],
+                                   adaptive_max=0)
+            cfg = leader.seeded(GenConfig(max_tokens=case["max_tokens"], sampling=SamplingConfig(
+                case.get("temperature", 0.0), seed=case.get("seed"))))
+            t0 = t_start[0] = time.perf_counter()
+            toks, err = [], None
+            try:
+                method = "plain" if case["block"] == 1 else "spec"
+                policy = None
+                if case.get("policy"):  # the adaptive policy (dflash + lookup), rank 0's choices shared
+                    from mlx_spec.adaptive import DraftPolicy
+                    from mlx_spec.costs import Costs
+
+                    costs = Costs(1.0, {2: 0.5, 4: 0.6, 8: 0.8}, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}, 64)
+                    policy = leader.share(DraftPolicy(costs, case["block"]))
+                steps = leader.lead(run_steps(pair, case["prompt"], cfg, method, case["block"], None, policy),
+                                    case["prompt"], cfg, info, policy)
+                for s in steps:
+                    toks.extend(s.tokens)
+                    if case.get("stop_after") and len(toks) >= case["stop_after"]:
+                        steps.close()
+                        break
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+            results.append({"phase": k, "block": case["block"], "policy": bool(case.get("policy")),
+                            "tokens": toks, "error": err,
+                            "s": time.perf_counter() - t0, "healthy": leader.healthy,
+                            "health": leader.health(), "wire": dict(leader.wire.stats)})
+            if err:
+                break
+        if not leader.healthy:
+            break
+        leader.shutdown()
+    if rank == 0:
+        write()
+    mx.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,291 @@
+"""Continuous batching with batched speculation (mlx_spec/batch.py).
+
+Every request's greedy output under batching equals its output alone, token for token (dense,
+hybrid GDN and MoE tiny targets; mixed prompt lengths; joins and cancels mid-batch; DFlash 1 and
+2; drafts accepted raggedly). T > 0 keeps the target's distribution. Stats never mix.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import VOCAB, greedy_reference, tiny_drafter, tiny_model
+from test_hybrid import build
+from test_sampling import gof_pvalue
+
+from mlx_spec.batch import Acceptance, BatchDecoder, BatchPolicy, batched_steps
+from mlx_spec.decode import spec_steps
+from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.prefix import PrefixCache
+from mlx_spec.sampling import SamplingConfig, target_probs
+from mlx_spec.stats import Stats
+from mlx_spec.target import Target
+
+PROMPTS = [[1, 5, 9, 17, 33, 2, 8, 40, 77], [3, 4, 5], list(range(10, 60)), [7] * 20, [100, 3, 2, 9, 11],
+           [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82]]
+N = 24
+
+
+class AlwaysDraft(BatchPolicy):
+    """Every sequence drafts the block it wishes (so tests exercise ragged rollback)."""
+
+    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+        return list(wants)
+
+
+class Scripted:
+    """A drafter that knows each sequence's greedy continuation (one per ``make_cache`` call, in
+    order) and is right for ``right`` positions per block (None: always right), then wrong."""
+
+    def __init__(self, fulls, rights):
+        self.fulls, self.rights = list(fulls), list(rights)
+        self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
+                                num_key_value_heads=1, intermediate_size=1, vocab_size=VOCAB,
+                                num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
+
+    def make_cache(self):
+        c = ContextCache()
+        c.full, c.right = self.fulls.pop(0), self.rights.pop(0)
+        return [c]
+
+    def add_context(self, features, cache):
+        cache[0].offset += features.shape[1]
+
+    def propose(self, anchor, features, cache, block_size, sampling=0.0, key=None):
+        c = cache[0]
+        if features is not None:
+            c.offset += features.shape[1]
+        out = []
+        for k in range(1, block_size):
+            tok = c.full[c.offset + k] if c.offset + k < len(c.full) else 0
+            if c.right is not None and k > c.right:
+                tok = (tok + 1) % VOCAB
+            out.append(tok)
+        return Proposal(mx.array(out, mx.int32), None)
+
+
+def _tokens(steps):
+    return [t for s in steps for t in s.tokens]
+
+
+def _run_batch(dec, jobs, **kw):
+    got = {i: [] for i in range(len(jobs))}
+    steps = {i: [] for i in range(len(jobs))}
+    for j, st in batched_steps(dec, jobs, **kw):
+        got[j].extend(st.tokens)
+        steps[j].append(st)
+    return got, steps
+
+
+@pytest.fixture(scope="module")
+def dense():
+    model, cfg = tiny_model("qwen3")
+    return model, cfg
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
+@pytest.mark.parametrize("policy", [AlwaysDraft, BatchPolicy], ids=["always", "policy"])
+def test_batched_equals_alone_dense(dense, v2, policy):
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=v2)
+    alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=N)) for p in PROMPTS]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=8, prefill_chunk=16, policy=policy())
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS], joins={3: 2, 4: 5, 5: 9})
+    for i, p in enumerate(PROMPTS):
+        assert got[i] == alone[i], f"prompt {i}"
+    assert max(dec.batch_sizes) >= 4
+    if policy is AlwaysDraft:
+        assert dec.steps["drafted"] > 0
+
+
+ARCHS = ("qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_ragged_acceptance_is_exact(kind):
+    """Scripted drafts accepted for 0, 1, 2 or all positions per sequence: each sequence's cache
+    rolls back on its own (GDN state rebuilt, K/V trimmed) and its output is plain greedy."""
+    model, _ = build(kind)
+    target = Target(model, [0])
+    prompts = PROMPTS[:5]
+    refs = [greedy_reference(model, p, N) for p in prompts]
+    fulls = [list(p) + r for p, r in zip(prompts, refs)]
+    rights = [None, 0, 1, 2, None]
+    dec = BatchDecoder(target, Scripted(fulls, rights), block_size=5, max_batch=8, prefill_chunk=8,
+                       policy=AlwaysDraft())
+    # (joins in index order: the scripted drafter hands out continuations in order of admission)
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in prompts], joins={3: 1, 4: 3})
+    for i in range(len(prompts)):
+        assert got[i] == refs[i], f"prompt {i}"
+    acc = {i: sum(s.accepted for s in steps[i]) / max(1, len(steps[i]) - 1) for i in steps}
+    assert acc[0] > acc[3] > acc[2] > acc[1] == 0  # ragged acceptance really happened
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_moe"])
+def test_batched_dflash_equals_alone(kind):
+    model, cfg = build(kind)
+    target, d, _ = tiny_drafter(model, cfg)
+    prompts = PROMPTS[:4]
+    alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=16)) for p in prompts]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4, prefill_chunk=8, policy=AlwaysDraft())
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=16) for p in prompts], joins={3: 2})
+    assert [got[i] for i in range(len(prompts))] == alone
+
+
+def test_plain_batch_equals_greedy(dense):
+    model, _ = dense
+    dec = BatchDecoder(Target(model), None, max_batch=8, prefill_chunk=8)
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS], joins={1: 3})
+    for i, p in enumerate(PROMPTS):
+        assert got[i] == greedy_reference(model, p, N)
+        assert all(s.drafted == 0 for s in steps[i])
+
+
+def test_cancel_leaves_the_others_alone(dense):
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=N)) for p in PROMPTS[:4]]
+    kept = {}
+    jobs = [dict(prompt=p, max_tokens=N, on_exit=lambda pf, i=i: kept.__setitem__(i, pf))
+            for i, p in enumerate(PROMPTS[:4])]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4, prefill_chunk=8, policy=AlwaysDraft())
+    got, _ = _run_batch(dec, jobs, cancels={1: 4, 2: 1})  # 2 is cancelled while prefilling
+    assert got[0] == alone[0] and got[3] == alone[3]
+    assert got[1] == alone[1][: len(got[1])] and len(got[1]) < N
+    # the cancelled sequences' caches are consistent: they hold exactly the ids they say
+    for i in (1, 2):
+        pf = kept[i]
+        assert pf.target[0].offset == len(pf.tokens) == pf.drafter[0].offset
+        assert list(pf.tokens) == (PROMPTS[i] + got[i])[: len(pf.tokens)]
+
+
+def test_prefix_cache_reuse_under_batching(dense):
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    pc = PrefixCache(1 << 24, min_tokens=4)
+    first = list(range(10, 40))
+    second = first + [5, 6, 7]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4, prefill_chunk=8)
+    _run_batch(dec, [dict(prompt=first, max_tokens=8, on_exit=pc.store)])
+    alone = _tokens(spec_steps(target, d, second, block_size=4, max_tokens=N))
+    pf = pc.lookup(second, drafter=True)
+    assert pf is not None and len(pf.tokens) >= 30
+    got, steps = _run_batch(dec, [dict(prompt=second, max_tokens=N, prefill=pf),
+                                  dict(prompt=PROMPTS[0], max_tokens=N)])
+    assert got[0] == alone
+    assert steps[0][0].cached_tokens == len(pf.tokens)
+
+
+def test_stats_never_mix(dense):
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    dec = BatchDecoder(target, d, block_size=4, max_batch=8, prefill_chunk=16, policy=AlwaysDraft())
+    _, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N - 3 * i) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        st = Stats()
+        for s in steps[i]:
+            st.add(s)
+        assert st.tokens == N - 3 * i
+        assert st.prompt_tokens == len(p)
+        assert st.drafted == sum(s.drafted for s in steps[i])
+        assert st.cycles == len(steps[i]) - 1
+        assert steps[i][0].prefill and not any(s.prefill for s in steps[i][1:])
+
+
+def test_eos_and_max_batch(dense):
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    ref = greedy_reference(model, PROMPTS[0], N)
+    eos = ref[5]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=2)
+    dec.add(PROMPTS[0], max_tokens=N, eos_ids=[eos])
+    dec.add(PROMPTS[1], max_tokens=N)
+    with pytest.raises(MlxSpecError, match="full"):
+        dec.add(PROMPTS[2], max_tokens=N)
+    out = {}
+    while len(dec):
+        for sid, st in dec.step():
+            out.setdefault(sid, []).extend(st.tokens)
+            if sid == 1 and st.finish_reason:
+                assert st.finish_reason == "stop"
+    assert out[1] == ref[: ref.index(eos) + 1]
+
+
+def test_sampled_batch_matches_alone_with_a_seed(dense):
+    """Each sequence draws from its own key stream, consumed as spec_steps consumes it."""
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    samplings = [SamplingConfig(1.0, seed=s) for s in (1, 2, 3)]
+    alone = [_tokens(spec_steps(target, d, PROMPTS[i], block_size=4, max_tokens=16, sampling=sp))
+             for i, sp in enumerate(samplings)]
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4, policy=AlwaysDraft())
+    got, _ = _run_batch(dec, [dict(prompt=PROMPTS[i], max_tokens=16, sampling=sp) for i, sp in enumerate(samplings)])
+    assert [got[i] for i in range(3)] == alone
+
+
+def test_sampled_batch_keeps_the_target_distribution():
+    """Many sequences in one batch, each sampling two tokens at T = 1 through drafted blocks:
+    the joint law of (y1, y2) is the target's p(y1) p(y2 | y1)."""
+    V = 16
+    from helpers import TARGET_CONFIGS
+    import importlib
+
+    tcfg = dict(TARGET_CONFIGS["qwen3"], vocab_size=V)
+    mod = importlib.import_module("mlx_lm.models.qwen3")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(tcfg))
+    mx.eval(model.parameters())
+    prompt = [1, 5, 9]
+    cfg = SamplingConfig(1.0)
+    p0 = np.array(target_probs(model(mx.array([prompt]))[0, -1], cfg))
+    p1 = np.array(target_probs(model(mx.array([prompt + [a] for a in range(V)]))[:, -1], cfg))
+    exact = (p0[:, None] * p1).reshape(-1)
+    target, d, _ = tiny_drafter(model, tcfg, seed=5)
+    n = 600
+    dec = BatchDecoder(target, d, block_size=3, max_batch=n, policy=AlwaysDraft())
+    jobs = [dict(prompt=prompt, max_tokens=3, sampling=SamplingConfig(1.0, seed=1000 + i)) for i in range(n)]
+    got, steps = _run_batch(dec, jobs)
+    counts = np.bincount([got[i][0] * V + got[i][1] for i in range(n)], minlength=V * V)
+    assert sum(s.drafted for i in steps for s in steps[i]) > 0
+    assert (counts[exact == 0] == 0).all()
+    assert gof_pvalue(counts, exact) > 0.001
+
+
+def test_policy_stops_drafting_when_it_does_not_pay():
+    pol = BatchPolicy()
+    for _ in range(40):  # measured: rows are expensive, a drafting sequence too
+        for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
+            pol.observe(rows, drafting, 20 + 5 * rows + 10 * drafting)
+    good, bad = Acceptance(7, [0.9] * 7), Acceptance(7, [0.05] * 7)
+    L = pol.choose([8] * 8, [good, good] + [bad] * 6, [0] * 8, [8] * 8)
+    assert L[2:] == [1] * 6  # poor acceptance: plain rows
+    cheap = BatchPolicy()
+    for _ in range(40):  # rows nearly free (memory-bound): everyone with fair acceptance drafts
+        for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
+            cheap.observe(rows, drafting, 100 + 0.1 * rows + 1 * drafting)
+    fair = Acceptance(7, [0.6] * 7)
+    assert all(x > 1 for x in cheap.choose([8] * 8, [fair] * 8, [0] * 8, [8] * 8))
+    # a sequence kept plain long enough is probed at its wished block
+    assert pol.choose([8] * 8, [bad] * 8, [9] + [0] * 7, [8] * 8)[0] == 8
+    # a batch of one follows its own controller
+    assert pol.choose([5], [bad], [0], [8]) == [5]
+
+
+@pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
+def test_per_sequence_draft_policies_with_lookup(dense, sources):
+    """Each sequence brings its own DraftPolicy (DFlash and/or lookup drafts): still plain greedy."""
+    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.costs import Costs
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    costs = Costs(10.0, {B: 2.0 for B in (2, 4, 8)}, {B: 10.0 + 0.1 * B for B in (1, 2, 4, 8)}, 64)
+    prompts = [[1, 2, 3, 4, 5, 6] * 4, PROMPTS[0], [9, 8, 7] * 6, PROMPTS[2]]
+    dec = BatchDecoder(target, d if "dflash" in sources else None, block_size=4, max_batch=4,
+                       prefill_chunk=8, policy=AlwaysDraft())
+    jobs = [dict(prompt=p, max_tokens=N, policy=DraftPolicy(costs, 8, sources=sources)) for p in prompts]
+    got, steps = _run_batch(dec, jobs, joins={3: 2})
+    for i, p in enumerate(prompts):
+        assert got[i] == greedy_reference(model, p, N), f"prompt {i}"
+    used = {s.source for i in steps for s in steps[i] if s.drafted}
+    assert "lookup" in used

@@ -1,0 +1,236 @@
+"""Speculative decoding with the target sharded over two processes (MLX ``ring`` backend on
+127.0.0.1), started as mlx.launch starts them: MLX_RANK + MLX_HOSTFILE (tests/distributed_worker.py).
+
+- greedy: the 2-rank output equals single-process plain and single-process speculative decoding,
+  token for token (tiny qwen3 and qwen3_5 hybrid targets, block sizes 2/4/8, DFlash 1 and 2);
+- T > 0, fixed seed: the ranks agree on every committed token (checked every step);
+- a follower that dies or hangs mid-generation fails the request within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from helpers import greedy_reference, save_tiny_tokenizer, tiny_drafter, tiny_model
+
+from mlx_spec import distributed
+from mlx_spec.decode import spec_steps
+from mlx_spec.errors import UnsupportedModel
+from mlx_spec.loading import load_drafter, load_target_model, save_drafter
+from mlx_spec.target import Target
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77]
+N = 20
+BLOCKS = (2, 4, 8)
+LAUNCH_S = 90  # one launch of two ranks, all its cases included
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _build(kind: str):
+    if kind == "qwen3_5":
+        from test_hybrid import build
+
+        return build("qwen3_5")
+    return tiny_model(kind)
+
+
+def _save(root: Path, kind: str) -> dict:
+    """A tiny target with two drafters (DFlash 1 and DFlash 2) under root/kind."""
+    from mlx_lm.utils import save_config, save_model
+
+    d = root / kind
+    model, cfg = _build(kind)
+    save_model(d / "target", model)
+    save_config(dict(cfg), d / "target" / "config.json")
+    save_tiny_tokenizer(d / "target")
+    out = {"target": str(d / "target")}
+    for v2 in (False, True):
+        _, drafter, dcfg = tiny_drafter(model, cfg, v2=v2)
+        save_drafter(drafter, d / f"dflash{2 if v2 else 1}", dcfg)
+        out[f"dflash{2 if v2 else 1}"] = str(d / f"dflash{2 if v2 else 1}")
+    return out
+
+
+def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None = None):
+    """Two ranks of tests/distributed_worker.py; returns (rank 0's JSON, return codes, seconds)."""
+    ports = _free_ports(2)
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    job = dict(job, out=str(tmp / "out.json"))
+    (tmp / "job.json").write_text(json.dumps(job))
+    base = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=str(HERE), **(env or {}))
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "distributed_worker.py"), str(tmp / "job.json")],
+                              env=dict(base, MLX_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    codes, logs = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            codes.append(p.returncode)
+            logs.append(out.decode(errors="replace")[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    took = time.monotonic() - t0
+    assert (tmp / "out.json").exists(), f"rank 0 wrote nothing (codes {codes}):\n" + "\n---\n".join(logs)
+    return json.loads((tmp / "out.json").read_text()), codes, took, logs
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {kind: _save(root, kind) for kind in ("qwen3", "qwen3_5")}
+
+
+def _single(pair: dict, name: str, block: int, **sampling) -> list[int]:
+    from mlx_spec.sampling import SamplingConfig
+
+    model, _ = load_target_model(pair["target"])
+    drafter, _ = load_drafter(pair[name])
+    target = Target(model, drafter.args.target_layer_ids)
+    drafter.bind(target.embed, target.head)
+    toks = []
+    for s in spec_steps(target, drafter, PROMPT, block_size=block, max_tokens=N,
+                        sampling=SamplingConfig(**sampling)):
+        toks.extend(s.tokens)
+    return toks
+
+
+def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
+    """One launch: for each target and drafter, plain (block 1) and blocks 2/4/8 on 2 ranks."""
+    phases = []
+    for kind, pair in pairs.items():
+        for name in ("dflash1", "dflash2"):
+            blocks = (1,) + BLOCKS if name == "dflash1" else BLOCKS
+            cases = [{"prompt": PROMPT, "block": b, "max_tokens": N} for b in blocks]
+            if name == "dflash2":  # the adaptive draft policy (DFlash + lookup): rank 0 decides
+                cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": True})
+            phases.append({"target": pair["target"], "drafter": pair[name], "kind": kind, "name": name,
+                           "cases": cases})
+    got, codes, took, logs = launch(tmp_path, {"phases": phases})
+    assert codes == [0, 0], logs
+    assert got["group"] == {"size": 2, "rank": 0, "backend": "ring", "sharded": True}
+    results = got["results"]
+    assert all(r["error"] is None for r in results), results
+    by = {(phases[r["phase"]]["kind"], phases[r["phase"]]["name"], r["block"], r["policy"]): r["tokens"]
+          for r in results}
+    for kind, pair in pairs.items():
+        model, _ = load_target_model(pair["target"])
+        plain = greedy_reference(model, PROMPT, N)
+        assert by[(kind, "dflash1", 1, False)] == plain, kind  # 2-rank plain == 1-process plain
+        assert by[(kind, "dflash2", 8, True)] == plain, kind  # with the shared adaptive policy
+        for name in ("dflash1", "dflash2"):
+            for b in BLOCKS:
+                assert by[(kind, name, b, False)] == plain, (kind, name, b)
+                if b == 4:  # one block size per drafter against 1-process speculation too
+                    assert _single(pair, name, b) == plain, (kind, name, b)
+
+
+def test_sampled_ranks_agree(pairs, tmp_path):
+    """T > 0 with a seed: every step all_gathers the committed tokens and compares (check mode);
+    the 2-rank run also equals the 1-process run with that seed (the same key, the same logits)."""
+    pair = pairs["qwen3"]
+    cases = [{"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7},
+             {"prompt": PROMPT, "block": 8, "max_tokens": N, "temperature": 1.0, "seed": None},
+             {"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7, "stop_after": 5}]
+    got, codes, _, logs = launch(tmp_path, {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
+                                                        "cases": cases}]},
+                                 env={distributed.CHECK_ENV: "1"})
+    assert codes == [0, 0], logs
+    r = got["results"]
+    assert all(x["error"] is None for x in r), r
+    assert len(r[0]["tokens"]) == N and len(r[1]["tokens"]) == N
+    assert r[0]["tokens"] == _single(pair, "dflash2", 4, temperature=0.8, seed=7)
+    assert r[2]["tokens"] == r[0]["tokens"][: len(r[2]["tokens"])]  # a stop mid-run, then the next case ran
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_dead_rank_fails_the_request_in_time(pairs, tmp_path, how):
+    pair = pairs["qwen3"]
+    timeout = 4.0
+    job = {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
+                       "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}],
+           "die_rank": 1, "die_step": 3, "die_how": how, "timeout": timeout}
+    got, codes, took, logs = launch(tmp_path, job, timeout=60)
+    (res,) = got["results"]
+    assert res["error"] and res["error"].startswith("GroupFailed"), res
+    assert res["healthy"] is False and res["health"]["healthy"] is False and res["health"]["error"]
+    assert codes[0] == 0, logs
+    if how == "hang":
+        assert timeout <= got["watchdog_s"] < timeout + 3, got
+
+
+def test_refuses_a_target_without_shard():
+    class Group:
+        def size(self):
+            return 2
+
+    model, _ = tiny_model("qwen3")
+    assert distributed.shard_problems(model, 2) == []
+    assert "num_key_value_heads=2 is not divisible by 4" in distributed.shard_problems(model, 4)[0]
+    import mlx.nn as nn
+
+    class NoShard(nn.Module):
+        model_type = "mystery"
+
+    with pytest.raises(UnsupportedModel, match="'mystery' model defines no shard"):
+        distributed.shard_target(NoShard(), Group())
+
+
+def test_single_process_is_untouched():
+    assert not distributed.launched({})
+    assert distributed.init_group(environ={}) is None
+    assert distributed.group_info(None).as_dict() == {"size": 1, "rank": 0, "backend": "none", "sharded": False}
+    assert distributed.launched({"MLX_RANK": "0", "MLX_HOSTFILE": "/x"})
+    assert mx.distributed.is_available()
+
+
+def test_plan_per_rank(pairs):
+    """One rank's plan: half the sharded weights and KV, the replicated rest whole; the fewest
+    machines of a budget that hold the pair."""
+    from dataclasses import replace
+
+    from mlx_spec import memory
+    from mlx_spec.quantize import QuantChoice, safetensors_tensors
+
+    pair = pairs["qwen3_5"]
+    read = lambda p: json.loads((Path(p) / "config.json").read_text())  # noqa: E731
+    quant = QuantChoice(None, None, 64, False, "")
+    p1 = memory.inputs_for(read(pair["target"]), safetensors_tensors(pair["target"]), read(pair["dflash2"]),
+                           safetensors_tensors(pair["dflash2"]), quant, metal=False)
+    p2 = replace(p1, ranks=2)
+    one = {i.name: i.bytes for i in memory.items(p1, 4096, 8)}
+    two = {i.name: i.bytes for i in memory.items(p2, 4096, 8)}
+    assert 0 < p1.replicated_weights < p1.target_weights
+    assert two["target weights"] == p1.replicated_weights + (p1.target_weights - p1.replicated_weights) // 2
+    assert two["target KV cache"] == one["target KV cache"] // 2
+    assert two["recurrent state"] < one["recurrent state"]
+    assert two["drafter weights"] == one["drafter weights"]  # replicated
+    assert two["drafter context cache"] == one["drafter context cache"]
+    t1, t2 = sum(one.values()), sum(two.values())
+    budget = (t1 + t2) // 2
+    assert memory.ranks_needed(p1, context=4096, block_size=8, budget=budget) == 2
+    assert memory.ranks_needed(p1, context=4096, block_size=8, budget=t1) == 1
+    assert memory.ranks_needed(p1, context=4096, block_size=8, budget=1) is None

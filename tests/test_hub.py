@@ -1,0 +1,134 @@
+"""Plan before download, against a local hub on 127.0.0.1 (tests/hub_server.py) with the real
+huggingface-hub client in a subprocess (``HF_ENDPOINT`` is read when huggingface-hub is
+imported). The hub serves a tiny mlx-lm target and a DFlash 2 drafter made here; its access log
+proves what was fetched."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from helpers import save_tiny_pair
+from hub_server import Hub, start
+
+T, D, BIG = "org/tiny-target", "org/tiny-drafter", "org/big"
+CHUNK = 10 << 20
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    h = Hub()
+    h.add_folder(T, t)
+    h.add_folder(D, d)
+    h.repos["org/no-config"] = {"model.safetensors": h.repos[T]["model.safetensors"], "README.md": b"hi"}
+    h.repos["org/broken"] = dict(h.repos[T])
+    # huggingface-hub writes downloads in 10 MiB chunks, so a resumable cut needs a bigger file
+    big = tmp_path_factory.mktemp("big") / "model.safetensors"
+    mx.save_safetensors(str(big), {"pad": mx.arange(3 << 20, dtype=mx.float32)})
+    h.repos[BIG] = {"config.json": b'{"model_type": "qwen3"}', "model.safetensors": big.read_bytes()}
+    server = start(h)
+    yield h
+    server.shutdown()
+
+
+@pytest.fixture()
+def hf_home(tmp_path):
+    return tmp_path / "hf"
+
+
+def run(hub, hf_home, *args, offline=False, timeout=240):
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def snapshot_files(hf_home: Path, repo: str) -> set[str]:
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots"
+    return {p.name for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+def incomplete(hf_home: Path, repo: str) -> list[Path]:
+    return list((hf_home / "hub" / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.incomplete"))
+
+
+GEN = ["-m", "mlx_spec", "generate", "--target", T, "--drafter", D, "--prompt", "hi", "--max-tokens", "4",
+       "--block-size", "4"]
+
+
+def test_refused_plan_fetches_no_weight_file(hub, hf_home):
+    hub.log.clear()
+    r = run(hub, hf_home, *GEN, "--context", "100000000")
+    assert r.returncode == 1, r.stderr
+    assert "memory plan needs" in r.stderr and "--force" in r.stderr
+    sizes = {len(hub.repos[T]["model.safetensors"]), len(hub.repos[D]["model.safetensors"])}
+    weights = hub.weight_hits()
+    assert weights, "the plan reads the safetensors headers"
+    for h in weights:  # only ranged reads of the headers, never a whole weight file
+        assert h.range and h.range.startswith("bytes=0-") and h.sent < min(sizes), h
+    assert "model.safetensors" not in snapshot_files(hf_home, T) | snapshot_files(hf_home, D)
+    assert "config.json" in snapshot_files(hf_home, T)  # the small files are there for the next try
+    assert not incomplete(hf_home, T) and not incomplete(hf_home, D)
+
+
+def test_download_run_then_offline(hub, hf_home):
+    r = run(hub, hf_home, *GEN, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["engine"]["method"] == "dflash2" and out["tokens"] > 0
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= snapshot_files(hf_home, T)
+    # offline afterwards: no request reaches the hub, the same output
+    hub.log.clear()
+    r2 = run(hub, hf_home, *GEN, "--json", offline=True)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["text"] == out["text"] and hub.log == []
+    # even without HF_HUB_OFFLINE a complete download loads without asking the hub
+    run(hub, hf_home, *GEN, "--json")
+    assert not [h for h in hub.log if h.path.startswith("/api/")]
+    # offline and never downloaded: a clear message naming the repo
+    r3 = run(hub, hf_home, "-m", "mlx_spec", "generate", "--target", "org/broken", "--drafter", D, "--prompt", "x", "--no-tune",
+             offline=True)
+    assert r3.returncode == 1 and "org/broken" in r3.stderr and "HF_HUB_OFFLINE=1" in r3.stderr
+
+
+@pytest.mark.parametrize("target, fault, message", [
+    ("org/missing", None, "no such repo"),
+    ("org/broken", "/api/models/org/broken", "HTTP 500"),
+    ("org/no-config", None, "has no config.json"),
+])
+def test_hub_errors_are_named(hub, hf_home, target, fault, message):
+    if fault:
+        hub.fail[fault] = 500
+    try:
+        r = run(hub, hf_home, "-m", "mlx_spec", "generate", "--target", target, "--drafter", D, "--prompt", "x",
+                "--no-tune", "--max-tokens", "2")
+    finally:
+        hub.fail.pop(fault, None)
+    assert r.returncode == 1 and target in r.stderr and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not incomplete(hf_home, target) and "model.safetensors" not in snapshot_files(hf_home, target)
+
+
+def test_interrupted_download_resumes(hub, hf_home):
+    code = f"from mlx_spec import hub; print(hub.download({BIG!r}))"
+    hub.cut[(BIG, "model.safetensors")] = CHUNK + 4096  # the connection drops after one written chunk
+    hub.log.clear()
+    r = run(hub, hf_home, "-c", code)
+    assert r.returncode == 1 and "HubError: org/big" in r.stderr and "HTTP 500" in r.stderr  # its retry failed too
+    assert "model.safetensors" not in snapshot_files(hf_home, BIG)  # nothing half-written in the snapshot
+    (part,) = incomplete(hf_home, BIG)  # the partial blob huggingface-hub resumes from
+    assert part.stat().st_size == CHUNK
+    hub.broken.clear()
+    hub.log.clear()
+    r = run(hub, hf_home, "-c", code)
+    assert r.returncode == 0, r.stderr
+    assert [h.range for h in hub.weight_hits()] == [f"bytes={CHUNK}-"]  # resumed, not restarted
+    path = Path(r.stdout.strip().splitlines()[-1])
+    assert (path / "model.safetensors").read_bytes() == hub.repos[BIG]["model.safetensors"]
+    assert not incomplete(hf_home, BIG)

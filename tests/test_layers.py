@@ -1,0 +1,138 @@
+"""The package's layers (docs/architecture.md): no module imports a layer above its own.
+
+The table of modules and layers lives in one place, docs/architecture.md; this test reads it,
+parses every module's imports with ``ast`` (module-level and inside functions alike) and checks:
+every module under mlx_spec/ has a row, no row names a module that is not there (unless it is
+marked planned), no import goes to a higher layer, and only the commands that start them import
+the server package or the chat UI.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "mlx_spec"
+DOC = ROOT / "docs" / "architecture.md"
+LAYERS = ("base", "model", "decode", "session", "front end")
+ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([a-z ]+?)\s*\|\s*(.*?)\s*\|\s*$")
+STARTERS = {"commands/serve", "commands/status", "commands/stop", "commands/chat"}
+FIX = "add it to the table in docs/architecture.md (module | layer | what it is)"
+
+
+def table() -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        m = ROW.match(line)
+        if m and m.group(2) in LAYERS:
+            assert m.group(1) not in rows, f"docs/architecture.md lists `{m.group(1)}` twice"
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    assert len(rows) > 20, "docs/architecture.md's module table was not found"
+    return rows
+
+
+def key(path: Path) -> str:
+    """mlx_spec/server/app.py -> 'server/app'; a package's __init__ -> the package."""
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] or ["__init__"]
+    return "/".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {key(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _ours(dotted: str) -> str | None:
+    """The table key of an imported dotted name, or None when it is not ours."""
+    if dotted == "tui" or dotted.startswith("tui."):
+        return "tui"
+    if dotted != "mlx_spec" and not dotted.startswith("mlx_spec."):
+        return None
+    parts = dotted.split(".")[1:]
+    while parts:  # the longest prefix that is a module (the rest is a name inside it)
+        p = PKG.joinpath(*parts)
+        if p.with_suffix(".py").is_file() or (p / "__init__.py").is_file():
+            return "/".join(parts)
+        parts.pop()
+    return "__init__"
+
+
+def imports(path: Path, package: list[str]) -> dict[str, int]:
+    """Table keys this file imports -> first line; relative imports resolved against ``package``."""
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                head = package[: len(package) - node.level + 1]
+                base = ".".join(head + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            k = _ours(name)
+            if k is not None:
+                found.setdefault(k, node.lineno)
+    return found
+
+
+def _package_of(path: Path) -> list[str]:
+    return [PKG.name] + list(path.relative_to(PKG).parent.parts)
+
+
+def test_every_module_has_a_layer():
+    rows, mods = table(), modules()
+    missing = sorted(set(mods) - set(rows))
+    assert not missing, f"modules with no layer: {missing}: {FIX}"
+    for name, (_, what) in rows.items():
+        planned = what.startswith("planned")
+        if name == "tui":
+            continue
+        if planned:
+            assert name not in mods, f"`{name}` exists now: drop 'planned' from its row in docs/architecture.md"
+        else:
+            assert name in mods, (f"docs/architecture.md lists `{name}` but mlx_spec/ has no such module: "
+                                  "remove the row, or mark it 'planned:'")
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    rows = table()
+    rank = {name: LAYERS.index(layer) for name, (layer, _) in rows.items()}
+    problems = []
+    for name, path in modules().items():
+        if name not in rank:
+            continue  # reported by test_every_module_has_a_layer
+        for dep, line in imports(path, _package_of(path)).items():
+            if dep == name:
+                continue
+            if dep not in rank:
+                problems.append(f"mlx_spec/{path.relative_to(PKG)}:{line} imports `{dep}`, which has no layer: {FIX}")
+            elif rank[dep] > rank[name]:
+                problems.append(f"mlx_spec/{path.relative_to(PKG)}:{line}: `{name}` ({rows[name][0]}) imports "
+                                f"`{dep}` ({rows[dep][0]}), a higher layer")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_commands_that_start_them_import_the_server_or_the_tui():
+    problems = []
+    for name, path in modules().items():
+        if name == "server" or name.startswith("server/") or name in STARTERS:
+            continue
+        for dep, line in imports(path, _package_of(path)).items():
+            if dep == "tui" or dep == "server" or dep.startswith("server/"):
+                problems.append(f"mlx_spec/{path.relative_to(PKG)}:{line} imports `{dep}`")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_import_reader_sees_function_level_and_relative_imports(tmp_path):
+    """The checker itself: imports inside functions count, relative imports resolve."""
+    src = tmp_path / "x.py"
+    src.write_text("from .errors import BadRequest\n\ndef f():\n    import tui.app\n"
+                   "    import mlx_spec.server.app\n    from . import BLAS\n    from .server import tools\n")
+    assert set(imports(src, ["mlx_spec"])) == {"errors", "tui", "server/app", "__init__", "server", "server/tools"}
+    src.write_text("def g():\n    from ..engine import Done\n    from . import tools\n")
+    assert set(imports(src, ["mlx_spec", "server"])) == {"engine", "server", "server/tools"}

@@ -1,0 +1,361 @@
+"""The per-cycle drafting policy (adaptive.DraftPolicy) and hybrid DFlash + lookup drafting.
+
+- the policy on scripted acceptance: drops to plain after failed drafts, probes back with growing
+  spacing, recovers; a long lookup match skips the drafter; ``pick`` after a DFlash pass;
+- the suffix index (incremental, periodic continuation, match length);
+- lossless greedy output across draft sources, pinned blocks, dense and hybrid targets and the
+  prefix cache; top-k 1 sampling through lookup proposals equals greedy;
+- timings booked to the right phase (a fake clock); stats that add up.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny_model
+from test_hybrid import build
+
+from mlx_spec import decode
+from mlx_spec.adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, Policies, estimate_costs
+from mlx_spec.costs import Costs
+from mlx_spec.decode import Step, spec_steps
+from mlx_spec.lookup import SuffixIndex, find_draft
+from mlx_spec.prefix import PrefixCache
+from mlx_spec.sampling import SamplingConfig
+from mlx_spec.stats import Stats
+from mlx_spec.target import Target
+
+COSTS = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
+
+
+def _cycle(policy, decision, accepted, tokens=None):
+    L = decision.length
+    draft = COSTS.draft(L) if decision.source == DFLASH else 0.0
+    toks = tuple(tokens) if tokens is not None else tuple(range(accepted + 1))
+    return Step(toks, drafted=L - 1, accepted=accepted, block_size=L, source=decision.source,
+                verify_ms=COSTS.verify(L), draft_ms=draft, elapsed_ms=COSTS.verify(L) + draft)
+
+
+# ---------------------------------------------------------------- the policy, scripted
+
+
+def test_failed_drafts_fall_to_plain_probe_with_growing_spacing_and_recover():
+    p = DraftPolicy(COSTS, 16, prior=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], sources=(DFLASH,))
+    d = p.choose(Context())
+    assert d.source == DFLASH and d.length >= 4  # a good prior: a real block
+    first_plain = None
+    for i in range(200):  # the drafter stops agreeing: nothing is ever accepted
+        p.observe(_cycle(p, d, 0))
+        d = p.choose(Context())
+        if d.source == PLAIN and first_plain is None:
+            first_plain = i + 1
+    assert first_plain is not None and first_plain <= 4  # plain within a few failed cycles
+    drafts = [i for i, x in enumerate(p.trace) if x.source != PLAIN]
+    probes = [x for x in p.trace[first_plain:] if x.source != PLAIN]
+    assert probes and all(x.probe and x.length <= 3 for x in probes)  # short probes only
+    gaps = [b - a for a, b in zip(drafts, drafts[1:])][first_plain:]
+    gaps = [g for g in gaps if g > 1]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0] and max(gaps) <= 65  # growing, bounded
+    # bounded cost: probes are a small share of the failing stretch
+    assert len(probes) <= 200 / 8
+    for _ in range(300):  # the drafter agrees again: whatever is drafted is accepted
+        p.observe(_cycle(p, d, d.length - 1) if d.source != PLAIN else _cycle(p, d, 0))
+        d = p.choose(Context())
+    tail = p.trace[-10:]
+    assert all(x.source == DFLASH for x in tail) and tail[-1].length >= 8  # recovered to long blocks
+
+
+def test_policy_rate_reaches_most_of_the_best_fixed_block():
+    """Stationary per-position acceptance c: tokens per ms >= 90 % of the best fixed block's."""
+    for cond in (0.3, 0.6, 0.85):
+        best = max(sum(cond ** i for i in range(L)) / (COSTS.draft(L) + COSTS.verify(L) if L > 1 else COSTS.verify(1))
+                   for L in range(1, 17))
+        rates = []
+        for seed in range(6):
+            rng, p = random.Random(seed), DraftPolicy(COSTS, 16, sources=(DFLASH,))
+            toks, ms = 0, 0.0
+            for _ in range(150):
+                d = p.choose(Context())
+                a = 0
+                while a < d.length - 1 and rng.random() < cond:
+                    a += 1
+                s = _cycle(p, d, a)
+                toks, ms = toks + a + 1, ms + s.elapsed_ms
+                p.observe(s)
+            rates.append(toks / ms)
+        assert sum(rates) / len(rates) >= 0.9 * best, cond
+
+
+def test_a_long_reliable_lookup_match_skips_the_drafter():
+    p = DraftPolicy(COSTS, 8, prior=[0.5, 0.3, 0.2])
+    assert p.choose(Context()).source == DFLASH  # nothing to look up: the drafter
+    d = p.choose(Context(lookup=tuple(range(40)), match=30))
+    assert d.source == LOOKUP and 8 < d.length <= 33  # longer than the drafter's block
+    short = p.choose(Context(lookup=(1, 2), match=1))  # a one-token match is a weak guess
+    assert short.source == DFLASH
+    assert p.choose(Context(lookup=tuple(range(40)), match=30, room=5)).length <= 5  # within the room
+
+
+def test_lookup_learns_from_cycles_it_did_not_draft():
+    p = DraftPolicy(COSTS, 8, prior=[0.9, 0.8, 0.7])
+    for _ in range(30):  # the lookup's guesses never match what the target commits
+        d = p.choose(Context(lookup=(5, 6, 7, 8), match=10))
+        p.observe(_cycle(p, d, 0, tokens=[9]) if d.source == PLAIN else
+                  _cycle(p, d, d.length - 1 if d.source == DFLASH else 0,
+                         tokens=[9] * (d.length if d.source == DFLASH else 1)))
+    assert p.choose(Context(lookup=(5, 6, 7, 8), match=10)).source == DFLASH
+
+
+def test_pick_after_the_drafter_pass():
+    p = DraftPolicy(COSTS, 8, prior=[0.6, 0.4, 0.2])
+    ctx = Context(lookup=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), match=6)
+    d = Decision(DFLASH, 4)
+    # the drafter agrees with the lookup on its whole block: the lookup's longer copy wins
+    got = p.pick(d, [1, 2, 3], [0.9, 0.9, 0.9], ctx)
+    assert got.source == LOOKUP and got.length > 4
+    # they disagree at once and the drafter is sure: keep the drafter's block
+    assert p.pick(d, [7, 8, 9], [0.99, 0.99, 0.99], ctx) == d
+    assert p.pick(Decision(PLAIN, 1), [], None, ctx).source == PLAIN
+
+
+def test_pinned_block_and_sources():
+    p = DraftPolicy(COSTS, 16, prior=[0.9] * 15, pinned=4)
+    assert p.choose(Context()) == Decision(DFLASH, 4)
+    only_lookup = DraftPolicy(COSTS, 16, sources=(LOOKUP,))
+    assert only_lookup.choose(Context()).source == PLAIN
+    with pytest.raises(ValueError, match="unknown draft sources"):
+        DraftPolicy(COSTS, 8, sources=("ngram",))
+
+
+def test_costs_rescale_from_measured_timings():
+    p = DraftPolicy(estimate_costs_stub(), 8, measured=False)
+    assert p.scale["verify"] is None  # an estimate: the first measured cycle sets the scale
+    p.observe(Step((1, 2), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_ms=30.0,
+                   verify_ms=120.0, elapsed_ms=155.0))
+    assert p.verify_ms(4) == pytest.approx(120.0) and p.draft_ms(4) == pytest.approx(30.0)
+    assert p.overhead[DFLASH] == pytest.approx(1.0)  # 20 % of the 5 ms of host work
+
+
+def estimate_costs_stub():
+    return Costs(1.0, {2: 0.1, 4: 0.12, 8: 0.15}, {1: 1.0, 2: 1.06, 4: 1.18, 8: 1.42}, 0)
+
+
+# ---------------------------------------------------------------- the suffix index
+
+
+def test_suffix_index_is_incremental_and_agrees_with_a_rescan():
+    rng = random.Random(0)
+    seq = [rng.randrange(6) for _ in range(300)]
+    idx = SuffixIndex(seq[:5], ngram_max=3, keep=1)
+    for i in range(5, len(seq)):
+        idx.extend([seq[i]])
+        got, _ = idx.propose(6)
+        want = find_draft(seq[: i + 1], 6, ngram_max=3)
+        assert got[: len(want)] == want  # past the end the index keeps copying (periodically)
+
+
+def test_suffix_index_match_length_and_periodic_copy():
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 1, 2, 3]
+    idx = SuffixIndex(text + [10, 11, 12], ngram_max=4)
+    toks, m = idx.propose(8)
+    assert toks == [13, 14, 15, 16, 17, 1, 2, 3] and m == 3
+    idx = SuffixIndex([7, 8, 9, 7, 8, 9, 7, 8], ngram_max=4)
+    toks, m = idx.propose(7)
+    assert toks == [9, 7, 8, 9, 7, 8, 9] and m == 5
+    assert SuffixIndex([1, 2, 3]).propose(4) == ([], 0)
+
+
+# ---------------------------------------------------------------- lossless decoding
+
+N = 40
+BASE = [(7 * i + 3) % 50 + 4 for i in range(24)]
+PROMPTS = {"repeat": BASE + BASE[:8], "plain": [1, 5, 9, 17, 33, 2, 8]}
+SOURCE_SETS = {"dflash": (DFLASH,), "lookup": (LOOKUP,), "hybrid": (DFLASH, LOOKUP)}
+
+
+@pytest.fixture(scope="module")
+def dense():
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg, v2=True)
+    refs = {k: greedy_reference(model, p, N) for k, p in PROMPTS.items()}
+    return model, target, drafter, refs
+
+
+def _policy(sources, pinned=None):
+    return DraftPolicy(Costs(1.0, {2: 0.05, 4: 0.06, 8: 0.08}, {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}, 0),
+                       8, prior=[0.8, 0.6, 0.4], sources=sources, pinned=pinned, probe_every=2)
+
+
+def _run(target, drafter, prompt, policy=None, n=N, **kw):
+    stats, toks = Stats(), []
+    for s in spec_steps(target, drafter, prompt, block_size=4, max_tokens=n, policy=policy, **kw):
+        stats.add(s)
+        toks += s.tokens
+    return toks, stats
+
+
+@pytest.mark.parametrize("sources", list(SOURCE_SETS), ids=list(SOURCE_SETS))
+@pytest.mark.parametrize("pinned", [None, 2, 6])
+def test_greedy_is_lossless_across_sources_and_blocks(dense, sources, pinned):
+    _, target, drafter, refs = dense
+    for name, prompt in PROMPTS.items():
+        toks, stats = _run(target, drafter, prompt, _policy(SOURCE_SETS[sources], pinned))
+        assert toks == refs[name], (sources, pinned, name)
+        used = set(stats.sources)
+        assert used <= set(SOURCE_SETS[sources])
+        if pinned:
+            blocks = [L for (s, L, _) in stats.trace if s == DFLASH]
+            assert all(L <= pinned for L in blocks) and blocks.count(pinned) >= len(blocks) - 1  # (room at the end)
+
+
+def test_hybrid_uses_both_sources_and_oracle_drafter_mixes_cleanly(dense):
+    model, target, drafter, refs = dense
+    prompt = PROMPTS["repeat"]
+    toks, stats = _run(target, drafter, prompt, _policy(SOURCE_SETS["hybrid"]))
+    assert toks == refs["repeat"] and stats.sources.get(LOOKUP, {}).get("accepted", 0) > 0
+    oracle = ScriptedDrafter(list(prompt) + refs["repeat"], VOCAB)  # always right
+    t0 = Target(model, [0])
+    toks, stats = _run(t0, oracle, prompt, _policy(SOURCE_SETS["hybrid"]))
+    assert toks == refs["repeat"]
+    assert stats.sources[DFLASH]["accepted"] > 0
+
+
+def test_stats_add_up(dense):
+    _, target, drafter, _ = dense
+    _, st = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]))
+    d = st.as_dict(trace=True)
+    assert d["plain_cycles"] + d["drafted_cycles"] == d["cycles"] == len(d["cycle_trace"])
+    assert sum(d["block_sizes"].values()) == d["cycles"] and d["block_sizes"].get("1", 0) == d["plain_cycles"]
+    assert sum(s["cycles"] for s in d["sources"].values()) == d["drafted_cycles"]
+    assert sum(s["drafted"] for s in d["sources"].values()) == d["drafted"]
+    assert sum(s["accepted"] for s in d["sources"].values()) == d["accepted"]
+    assert st.snapshot(trace=True).as_dict() == d and "cycle_trace" not in st.snapshot().as_dict()
+
+
+def test_prefix_cache_with_the_policy(dense):
+    """Turn 2 reuses turn 1's caches (the lookup sees turn 1 in the prompt) and matches a fresh run."""
+    _, target, drafter, _ = dense
+    cache = PrefixCache(64 << 20)
+    turn1 = PROMPTS["repeat"]
+
+    def run(prompt, prefix):
+        kw = dict(prefill=prefix.lookup(prompt, drafter=True), on_exit=prefix.store) if prefix is not None else {}
+        return _run(target, drafter, prompt, _policy(SOURCE_SETS["hybrid"]), n=24, **kw)
+
+    reply, _ = run(turn1, cache)
+    prompt2 = turn1 + reply + [2, 11, 13] + BASE[:6]
+    fresh, _ = run(prompt2, None)
+    reused, st = run(prompt2, cache)
+    assert reused == fresh and st.cached_tokens > len(turn1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_hybrid_target_is_lossless_with_lookup(kind):
+    model, cfg = build(kind)
+    target, drafter, _ = tiny_drafter(model, cfg, v2=False)
+    prompt = PROMPTS["repeat"]
+    ref = greedy_reference(model, prompt, 28)
+    for sources in SOURCE_SETS.values():
+        toks, _ = _run(target, drafter, prompt, _policy(sources), n=28)
+        assert toks == ref, sources
+
+
+def test_top_k_1_sampling_through_lookup_is_greedy(dense):
+    """T > 0 with top-k 1: the point-mass lookup proposals and the drafter's go through
+    rejection sampling and must give the greedy tokens."""
+    _, target, drafter, refs = dense
+    cfg = SamplingConfig(0.9, top_k=1, seed=3)
+    toks, stats = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
+    assert toks == refs["repeat"] and stats.sources.get(LOOKUP, {}).get("accepted", 0) > 0
+
+
+def test_sampled_runs_with_the_policy_are_seed_reproducible(dense):
+    _, target, drafter, _ = dense
+    cfg = SamplingConfig(1.0, seed=7)
+    a, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
+    b, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
+    assert a == b
+
+
+def test_policies_factory_uses_the_tuned_result_or_an_estimate(dense):
+    model, target, drafter, _ = dense
+
+    class P:  # the pair's fields Policies reads
+        pass
+
+    pair = P()
+    pair.model, pair.target, pair.drafter = model, target, drafter
+    make = Policies(pair, None)
+    assert not make.measured and make.costs.verify(8) > make.costs.verify(1) > make.costs.draft(2) > 0
+    assert make() is not make() and make().sources == (DFLASH, LOOKUP)
+    assert Policies(pair, None, block_size=3)().pinned == 3
+    est = estimate_costs(pair)
+    assert est.tt_ms[1] == 1.0 and 0 < est.td_ms[2] < 1.0
+
+
+# ---------------------------------------------------------------- timings, fake clock
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class ClockTarget:
+    """A Target whose passes take a known (fake) time: 100 ms + 5 ms per extra row."""
+
+    def __init__(self, target, clock):
+        self.t, self.clock = target, clock
+
+    def make_cache(self):
+        return self.t.make_cache()
+
+    def __call__(self, ids, cache, **kw):
+        out = self.t(ids, cache, **kw)
+        mx.eval(out.logits, out.hidden)
+        self.clock.now += (100 + 5 * (ids.shape[1] - 1)) / 1e3
+        return out
+
+    def rollback(self, cache, n, keep):
+        self.t.rollback(cache, n, keep)
+        self.clock.now += 1 / 1e3
+
+
+class ClockDrafter(ScriptedDrafter):
+    def __init__(self, clock, *a, **kw):
+        super().__init__(*a, **kw)
+        self.clock = clock
+
+    def propose(self, *a, **kw):
+        out = super().propose(*a, **kw)
+        self.clock.now += 10 / 1e3
+        return out
+
+
+def test_timings_are_booked_to_their_phase(dense, monkeypatch):
+    model, _, _, refs = dense
+    clock = Clock()
+    monkeypatch.setattr(decode.time, "perf_counter", clock)
+    prompt = PROMPTS["repeat"]
+    target = ClockTarget(Target(model, [0]), clock)
+    drafter = ClockDrafter(clock, list(prompt) + refs["repeat"], VOCAB, right=1)
+    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=N, policy=_policy(SOURCE_SETS["hybrid"])))
+    seen = set()
+    for s in steps[1:]:
+        seen.add(s.source)
+        assert s.verify_ms == pytest.approx(100 + 5 * (s.block_size - 1))
+        # the drafter's pass (10 ms) is booked wherever it ran, also when pick() then chose the lookup
+        assert s.draft_ms == pytest.approx(10.0 if s.source == DFLASH else s.draft_ms)
+        assert s.draft_ms in (0.0, pytest.approx(10.0)) and (s.source != PLAIN or s.draft_ms == 0)
+        assert s.rollback_ms == pytest.approx(1.0)
+        assert s.elapsed_ms == pytest.approx(s.verify_ms + s.draft_ms + s.rollback_ms)  # nothing else is timed
+    assert {DFLASH, LOOKUP} <= seen
+    st = Stats()
+    for s in steps:
+        st.add(s)
+    assert st.verify_ms == pytest.approx(sum(100 + 5 * (L - 1) for _, L, _ in st.trace))
+    assert st.draft_ms == pytest.approx(10.0 * sum(1 for s in steps[1:] if s.draft_ms > 0))
+    assert st.draft_ms >= 10.0 * st.sources[DFLASH]["cycles"]
