@@ -89,29 +89,38 @@ def _mirrors_attention(attn: nn.Module, norm: nn.Module) -> bool:
         got = [_attention(attn, x[:, :3], [(0, 3)], [mine], ["causal"]),
                _attention(attn, x[:, 3:], [(0, 2)], [mine], ["causal"])]
         return all(_same(w, g) for w, g in zip(want, got))
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return False
 
 
-def _attention(attn, x, bounds, caches, masks):
-    """The attention of a llama/qwen2/qwen3-style module over packed rows ``x`` (1, R, D):
-    Q/K/V and output projections once over all rows; RoPE, cache update and SDPA per sequence."""
-    qs, ks, vs = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    norm = "q_norm" in attn
+def _attention(attn, x, bounds, caches, masks, pos=None):
+    """The attention of a llama/qwen2/qwen3-style module over packed rows ``x`` (1, R, D): the
+    projections, norms and RoPE once over all rows (each row at its own position ``pos``, rows on
+    RoPE's batch axis), then per sequence only its cache update and SDPA."""
+    R = x.shape[1]
+    if pos is None:
+        pos = mx.array([c.offset + j for (a, b), c in zip(bounds, caches) for j in range(b - a)], mx.int32)
+    qs = attn.q_proj(x).reshape(1, R, attn.n_heads, -1)
+    ks = attn.k_proj(x).reshape(1, R, attn.n_kv_heads, -1)
+    vs = attn.v_proj(x).reshape(1, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if "q_norm" in attn:
+        qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+    qs = attn.rope(qs.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)  # (1, nh, R, hd)
+    ks = attn.rope(ks.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)
+    one = len(bounds) == 1
     outs = []
     for (a, b), c, m in zip(bounds, caches, masks):
-        r = b - a
-        q = qs[:, a:b].reshape(1, r, attn.n_heads, -1)
-        k = ks[:, a:b].reshape(1, r, attn.n_kv_heads, -1)
-        v = vs[:, a:b].reshape(1, r, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        q, k = attn.rope(q, offset=c.offset), attn.rope(k, offset=c.offset)
+        q, k, v = (qs, ks, vs) if one else (qs[:, :, a:b], ks[:, :, a:b], vs[:, :, a:b])
         k, v = c.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=c, scale=attn.scale, mask=m)
-        outs.append(o.transpose(0, 2, 1, 3).reshape(1, r, -1))
-    return attn.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
+        outs.append(scaled_dot_product_attention(q, k, v, cache=c, scale=attn.scale, mask=m))
+    o = outs[0] if one else mx.concatenate(outs, axis=2)  # (1, nh, R, hd)
+    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, R, -1))
+
+
+class _Rows(NamedTuple):
+    """Stands in for a sequence's slice of the hidden states where only its shape is read."""
+
+    shape: tuple
 
 
 def _layer_form_ok(layer, make_cache, i: int) -> bool:
@@ -166,18 +175,21 @@ class PackedTarget:
         h = t.embed(ids[None])
         caches = [s.cache for s in segs]
         # Masks from each sequence's cache before any layer advances it (as Target does).
+        rows = [_Rows((1, b - a, h.shape[-1])) for a, b in bounds]
+        first = t.inner.fa_idx if t.gdn else 0  # an attention layer: its offset is the sequence's
         if t.gdn:
-            fa = [create_attention_mask(h[:, a:b], c[t.inner.fa_idx]) for (a, b), c in zip(bounds, caches)]
-            ssm = [create_ssm_mask(h[:, a:b], c[t.inner.ssm_idx]) for (a, b), c in zip(bounds, caches)]
+            fa = [create_attention_mask(r, c[first]) for r, c in zip(rows, caches)]
+            ssm = [create_ssm_mask(r, c[t.inner.ssm_idx]) for r, c in zip(rows, caches)]
         else:
-            fa, ssm = [create_attention_mask(h[:, a:b], c[0]) for (a, b), c in zip(bounds, caches)], None
+            fa, ssm = [create_attention_mask(r, c[0]) for r, c in zip(rows, caches)], None
+        pos = mx.array([c[first].offset + j for (a, b), c in zip(bounds, caches) for j in range(b - a)], mx.int32)
         records = [dict() for _ in segs]
         want = set(t.taps) if taps else set()
         feats = {}
         for i, layer in enumerate(t.layers):
             x = layer.input_layernorm(h)
             if i in self.packed:
-                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa)
+                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa, pos)
             else:
                 outs = []
                 for k, ((a, b), s) in enumerate(zip(bounds, segs)):
@@ -196,18 +208,18 @@ class PackedTarget:
             if i in want:
                 feats[i] = h
         hidden = mx.concatenate([feats[j] for j in t.taps], axis=-1) if feats else None
-        rows: list[int] = []
+        picked: list[int] = []
         spans = []
         for (a, b), s in zip(bounds, segs):
-            start = len(rows)
+            start = len(picked)
             if s.logits == "all":
-                rows.extend(range(a, b))
+                picked.extend(range(a, b))
             elif s.logits == "last":
-                rows.append(b - 1)
-            spans.append((start, len(rows)))
+                picked.append(b - 1)
+            spans.append((start, len(picked)))
         logits = None
-        if rows:
-            sel = h if len(rows) == h.shape[1] else h[:, mx.array(rows, mx.int32)]
+        if picked:
+            sel = h if len(picked) == h.shape[1] else h[:, mx.array(picked, mx.int32)]
             logits = t.head(t.inner.norm(sel))[0]
         out = []
         for k, ((a, b), (r0, r1)) in enumerate(zip(bounds, spans)):

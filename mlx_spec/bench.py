@@ -12,7 +12,7 @@
   engaged-mechanism check); ``prompt_report`` gives per-prompt figures and ``copy_share``, the
   share of a reply that repeats its prompt (the ceiling for lookup drafting).
 
-Definitions (DESIGN.md): decode tok/s = tokens after the first step / time after the first
+Definitions (docs/bench.md): decode tok/s = tokens after the first step / time after the first
 step; end to end = all tokens / all time (prefill included); speedup = median over repeats of
 (method tok/s / baseline tok/s) of the same repeat (two baselines: our plain path and mlx-lm's);
 ceiling = tau * T1 / (Td + Tt(B)), in general committed tokens * T1 / sum over cycles of

@@ -19,6 +19,7 @@ COMMANDS = {
     "bench": "side-by-side speed benchmark",
     "tune": "tune the block size for this machine",
     "plan": "memory plan for a pair",
+    "models": "known target + drafter pairs: --model NAME, fits, downloaded",
     "verify": "losslessness check: speculative vs plain greedy output",
     "convert": "convert a GGUF file to an MLX model directory",
     "train": "build data for and train a DFlash 2 drafter",
@@ -64,9 +65,11 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
         p.add_argument("--no-tune", action="store_true",
                        help="no first-launch tuning: use the checkpoint's block size unless --block-size")
         p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="choose the block size every cycle (online controller over the tuned cost curve; "
-                        "falls back to plain steps while drafting does not pay; docs/tuner.md)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="turn the per-cycle drafting policy off: every cycle drafts the fixed block with the "
+                        "DFlash drafter (by default each cycle is a plain step, a DFlash draft or a lookup "
+                        "draft, whichever pays; docs/tuner.md)")
+    p.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)  # the default now; accepted, no-op
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="thinking models: turn reasoning on or off through the chat template's switch "
                         "(enable_thinking) (default: the catalog entry's, else the template's own)")
@@ -90,7 +93,8 @@ def apply_model_name(args: argparse.Namespace) -> None:
     if getattr(args, "drafter", None) not in (None, entry.drafter):
         raise BadRequest(f"--model {name} comes with drafter {entry.drafter}; drop --drafter {args.drafter} "
                          "(or pass --target and --drafter without --model)")
-    args.target, args.drafter = entry.target, entry.drafter
+    # the embedded pair: the default target's own drafter path (so stored tuning results match)
+    args.target, args.drafter = entry.target, None if entry.bundled else entry.drafter
     if getattr(args, "think", None) is None and entry.think_switch == "enable_thinking":
         args.think = entry.thinks
 
@@ -144,7 +148,7 @@ def load_config(args: argparse.Namespace):
         context=flag("context") or DEFAULT_CONTEXT, prompt_tokens=flag("prompt_tokens"),
         budget=int(gb * 2**30) if gb else None, force=bool(flag("force", False)),
         tune=not flag("no_tune", False), tune_budget_s=flag("tune_budget"),
-        adaptive=bool(flag("adaptive", False)), prefix_cache=int(mb * 2**20), ranks=flag("ranks") or 1)
+        adaptive=not flag("no_adaptive", False), prefix_cache=int(mb * 2**20), ranks=flag("ranks") or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

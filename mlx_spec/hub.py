@@ -143,6 +143,30 @@ def complete(path: Path) -> bool:
     return any(path.glob("*.safetensors"))
 
 
+def clear_partials(repo: str) -> int:
+    """Remove partial files a killed download left in the repo's blob folder. huggingface-hub
+    writes each download to its own ``<etag>.<id>.incomplete`` file under the lock
+    ``.locks/<repo>/<etag>.lock``; a partial whose lock nobody holds belongs to no live download.
+    Returns how many were removed."""
+    from filelock import FileLock, Timeout
+    from huggingface_hub import constants
+
+    folder = f"models--{repo.replace('/', '--')}"
+    blobs = Path(constants.HF_HUB_CACHE) / folder / "blobs"
+    removed = 0
+    for part in sorted(blobs.glob("*.incomplete")) if blobs.is_dir() else []:
+        lock = FileLock(str(Path(constants.HF_HUB_CACHE) / ".locks" / folder / f"{part.name.split('.')[0]}.lock"))
+        try:
+            with lock.acquire(timeout=0):
+                part.unlink(missing_ok=True)
+                removed += 1
+        except Timeout:  # another process is downloading this file now
+            continue
+    if removed:
+        log.info("%s: removed %d partial file(s) of an interrupted download", repo, removed)
+    return removed
+
+
 def download(repo: str, revision: str | None = None) -> Path:
     """The repo's files (``ALLOW``) in the local cache, with huggingface-hub's progress bars;
     resumes an interrupted download; offline: the cached copy or a HubError naming the repo."""
@@ -155,6 +179,8 @@ def download(repo: str, revision: str | None = None) -> Path:
         path = Path(snapshot_download(repo, revision=revision, allow_patterns=list(ALLOW)))
     except Exception as e:
         raise _hub_error(repo, e, "download") from None
+    finally:
+        clear_partials(repo)
     if not complete(path):
         missing = "config.json" if not (path / "config.json").is_file() else "weight files"
         raise HubError(f"{repo}: the download is incomplete ({missing} missing in {path})"

@@ -12,6 +12,7 @@ target's argmax given the committed prefix.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Iterator, NamedTuple, Sequence
 
@@ -44,6 +45,18 @@ class SuffixIndex:
         return len(self.ids)
 
     def extend(self, ids: Sequence[int]) -> None:
+        if len(ids) > 256:  # a prompt: new containers by the thousand would trigger full GC passes
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                self._extend(ids)
+            finally:
+                if enabled:
+                    gc.enable()
+        else:
+            self._extend(ids)
+
+    def _extend(self, ids: Sequence[int]) -> None:
         h, keep = self.ids, self.keep
         for t in ids:
             h.append(int(t))
@@ -143,7 +156,7 @@ def lookup_steps(
         committed, reason = _finish(drafts[:a] + [bonus], n, max_tokens, eos)
         n += len(committed)
         history.extend(committed)
-        yield Step(tuple(committed), drafted=len(drafts), accepted=a, block_size=len(drafts) + 1,
+        yield Step(tuple(committed), drafted=len(drafts), accepted=a, block_size=len(drafts) + 1, source="lookup",
                    draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3,
                    elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason)
 

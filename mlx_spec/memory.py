@@ -309,6 +309,43 @@ def make_plan(p: PlanInputs, *, context: int, block_size: int, budget: int, budg
                       budget, budget_source, lo, notes)
 
 
+# -- continuous batching: what each sequence of a batch adds (issue 18) ---------------------------
+
+PER_SEQUENCE = ("target KV cache", "recurrent state", "drafter context cache", "target features for the drafter",
+                "verify / prefill scratch")
+DEFAULT_MAX_BATCH = 8  # the default --max-batch where memory allows more
+
+
+@dataclass(frozen=True)
+class BatchRoom:
+    """Memory for a batch of sequences, from a plan: each sequence holds its own K/V (and
+    recurrent state, drafter context, verify rows); weights and the prefix cache are shared."""
+
+    per_token: float  # bytes a sequence's caches grow per position (target K/V + drafter context)
+    per_sequence: int  # bytes a sequence holds whatever its length (recurrent state, verify scratch)
+    room: int  # the budget left for sequences once the shared items are counted
+    block: int = 1  # verify rows past the last position (the K/V grows by them before rollback)
+
+    def need(self, positions: int) -> int:
+        """Bytes one sequence of ``positions`` (prompt + max tokens) may hold."""
+        return int(self.per_sequence + self.per_token * _round_up(positions + self.block, KV_STEP))
+
+    def max_batch(self, context: int, cap: int = DEFAULT_MAX_BATCH) -> int:
+        """Sequences of ``context`` positions that fit at once (at least 1, at most ``cap``)."""
+        return max(1, min(cap, self.room // max(1, self.need(context))))
+
+
+def batch_room(plan: MemoryPlan) -> BatchRoom:
+    """The per-sequence share of ``plan`` (planned for one sequence of ``plan.context``)."""
+    by = {i.name: i.bytes for i in plan.items}
+    per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0)
+    positions = _round_up(plan.context + plan.block_size, KV_STEP)
+    fixed = by.get("recurrent state", 0) + by.get("verify / prefill scratch", 0) \
+        + by.get("target features for the drafter", 0)
+    shared = plan.total - sum(by.get(n, 0) for n in PER_SEQUENCE)
+    return BatchRoom(per_pos / max(1, positions), fixed, plan.budget - shared, plan.block_size)
+
+
 def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] = log.warning) -> None:
     """Raise PlanError when the plan exceeds the budget (unless ``force``); warn above 90 %."""
     if not plan.fits:
@@ -546,11 +583,52 @@ def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
                     checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
 
 
+def _check_remote_architecture(ref: str, config: dict) -> None:
+    """A hub target not downloaded yet whose architecture cannot be drafted for is refused by name
+    from its config, before its weights are fetched (a downloaded one is refused at load)."""
+    from . import hub
+    from .errors import UnsupportedModel
+    from .target import SUPPORTED
+
+    if not hub.is_repo_id(ref) or hub.local_snapshot(ref) is not None:
+        return
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise UnsupportedModel(f"target {ref}: architecture '{kind}' is not supported for speculative decoding "
+                               f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded "
+                               "(--no-draft runs it without speculation)")
+
+
+def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
+    """When either side is a hub repo not downloaded yet: refuse a drafter whose hidden size,
+    vocabulary or target depth does not fit the target, from the configs (loading.check_pair
+    makes the same checks on loaded models)."""
+    from . import hub
+    from .drafter import DrafterArgs
+    from .errors import CheckpointError, IncompatiblePair
+
+    if not any(hub.is_repo_id(r) and hub.local_snapshot(r) is None for r in (tref, dref)):
+        return
+    try:
+        a, t = DrafterArgs.from_config(dcfg), target_dims(tcfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"drafter {dref}: config.json is not a DFlash drafter config ({type(e).__name__}: {e})") from None
+    problems = [f"{name} {x} != target's {y}" for name, x, y in (
+        ("hidden_size", a.hidden_size, t.hidden), ("target_hidden_size", a.target_hidden_size, t.hidden),
+        ("vocab_size", a.vocab_size, t.vocab), ("num_target_layers", a.num_target_layers, t.layers)) if x != y]
+    if problems:
+        raise IncompatiblePair(f"drafter {dref} does not fit target {tref}: " + "; ".join(problems)
+                               + "; nothing was downloaded")
+
+
 def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None):
     """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
     ``block_size`` (None: the drafter checkpoint's)."""
     sources = (model_source(cfg.target, "target"),
                model_source(str(drafter_id), "drafter") if drafter_id is not None else None)
+    if drafter_id is not None:
+        _check_remote_architecture(cfg.target, sources[0][0])
+        _check_remote_fit(cfg.target, str(drafter_id), sources[0][0], sources[1][0])
     quant = quant_for(cfg, drafter_id, sources[0][0])
     plan = plan_for(cfg.target, drafter_id, quant, sources=sources, context=cfg.context, block_size=block_size,
                     prompt=cfg.prompt_tokens, prefix_cache=cfg.prefix_cache,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID
-from .errors import CheckpointError, HubError, MlxSpecError
+from .errors import BadRequest, CheckpointError, HubError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .generation import EngineInfo, engine_info
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
     why = None
     try:
         quant, plan = memory.plan_for_config(cfg, drafter, block.block_size if block and not block.off else None)
-    except HubError:  # the hub cannot give the repo: loading could not either (hub.py names why)
+    except (HubError, UnsupportedModel, IncompatiblePair):  # cannot be fetched, run or paired: say so now
         raise
     except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:
         # A config the plan cannot read: loading below names the problem better than the plan can.
@@ -330,7 +330,7 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
 
 
 def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = lambda m: None, *,
-                 tuning: str = "tune") -> Session:
+                 tuning: str = "tune", group_aware: bool = False) -> Session:
     """Check, plan, load and choose the block size: the ``Session`` every command runs on.
 
     ``progress(done, total, note)`` hears first-launch tuning (default: a bar on stderr); ``log``
@@ -343,6 +343,9 @@ def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = l
 
     from . import distributed
 
+    if distributed.launched() and not group_aware:  # every rank refuses alike, before joining
+        raise BadRequest("this command does not run under mlx.launch; `mlx_spec serve` and `mlx_spec "
+                         "generate` do (docs/distributed.md; pass costs: scripts/distributed_costs.py)")
     group = distributed.init_group()  # None unless launched by mlx.launch
     if group is not None:
         cfg = replace(cfg, ranks=group.size())

@@ -1,4 +1,4 @@
-"""Counters a user sees, defined once (DESIGN.md):
+"""Counters a user sees, defined once:
 
 - tau (mean acceptance length) = committed tokens per drafted cycle, bonus included (plain
   steps the drafting policy took are not draft cycles; a run without drafts has tau 1);

@@ -72,7 +72,7 @@ class ThinkSplitter:
             marker = self.fmt.end if self.in_reasoning else self.fmt.start
             i = self.buf.find(marker)
             if i < 0:
-                keep = _partial_suffix(self.buf, marker)
+                keep = partial_suffix(self.buf, marker)
                 self._emit(out, self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
@@ -108,7 +108,7 @@ def split(fmt: ThinkFormat, text: str, in_reasoning: bool = False) -> tuple[str,
             "".join(t for k, t in pieces if k == CONTENT))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:n]):

@@ -326,8 +326,8 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
 
     After every ``judge_every`` rounds (a whole cycle of the prompt kinds, which disagree), once
     every candidate has ``min_rounds`` rounds: drop candidates whose best round is below the
-    leader's median by ``drop_margin``; add the leader's ``neighbours`` not timed yet (they then
-    need their own ``min_rounds``); stop when the leader's median is ``clear_margin`` above every
+    leader's median by ``drop_margin``; add the leader's ``neighbours`` not timed yet, while the
+    budget has room for their own ``min_rounds``; stop when the leader's median is ``clear_margin`` above every
     other candidate's best round. Otherwise stop when the next round would pass ``deadline``
     (never before ``min_rounds``) or after ``max_rounds``.
     """
@@ -376,7 +376,8 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
                 alive.remove(key)
                 dropped[key] = f"dropped after {rounds} rounds"
         new = [n for n in neighbours(lead) if n not in tps]
-        if new:  # the measured leader's neighbours are always timed
+        if new and clock() + min_rounds * round_s <= deadline:  # the measured leader's neighbours,
+            # while the budget has room for their own min_rounds (the predicted leader's always ran)
             for n in new:
                 alive.append(n)
                 tps[n], ratio[n] = [], []

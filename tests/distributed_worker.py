@@ -6,6 +6,7 @@ while the other rank follows. Usage: python distributed_worker.py JOB.json
 
 import json
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -56,8 +57,8 @@ def main(job_path: str) -> int:
                 def run(*a, _run=run):  # follow until a given step, then die (or hang)
                     for n, s in enumerate(_run(*a), 1):
                         if n == job.get("die_step", 3):
-                            if job.get("die_how") == "hang":
-                                time.sleep(3600)
+                            if job.get("die_how") == "hang":  # the whole process stops, watchdog too
+                                os.kill(os.getpid(), signal.SIGSTOP)
                             os._exit(9)
                         yield s
             distributed.follow(group, run, timeout=job.get("timeout", 20.0))
@@ -94,6 +95,8 @@ def main(job_path: str) -> int:
                                     case["prompt"], cfg, info, policy)
                 for s in steps:
                     toks.extend(s.tokens)
+                    if len(toks) >= job.get("leader_stop_step", 1 << 30):
+                        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 hangs, its watchdog too
                     if case.get("stop_after") and len(toks) >= case["stop_after"]:
                         steps.close()
                         break

@@ -31,7 +31,8 @@ class Hub:
     log: list = field(default_factory=list)
     fail: dict = field(default_factory=dict)  # path suffix -> HTTP status to answer (every time)
     cut: dict = field(default_factory=dict)  # (repo, filename) -> bytes to send, then drop the connection (once)
-    broken: set = field(default_factory=set)  # (repo, filename) whose resumed (ranged) GETs answer 500
+    stall: dict = field(default_factory=dict)  # (repo, filename) -> bytes to send, then hang until released (once)
+    released: threading.Event = field(default_factory=threading.Event)
     url: str = ""
 
     def add_folder(self, repo: str, folder: Path) -> None:
@@ -58,7 +59,7 @@ def _handler(hub: Hub):
             self._serve(head=False)
 
         def _send(self, status: int, body: bytes, headers: dict | None = None, head: bool = False,
-                  limit: int | None = None) -> None:
+                  limit: int | None = None, hang: bool = False) -> None:
             self.send_response(status)
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
@@ -69,9 +70,13 @@ def _handler(hub: Hub):
                 out = body if limit is None else body[:limit]
                 self.wfile.write(out)
                 sent = len(out)
-                if limit is not None:
+                if limit is not None:  # a dropped or stalled transfer
                     self.wfile.flush()
+                    hub.log.append(Hit(self.command, self.path, self.headers.get("range"), status, sent))
+                    if hang:  # the client is interrupted meanwhile
+                        hub.released.wait(120)
                     self.close_connection = True
+                    return
             hub.log.append(Hit(self.command, self.path, self.headers.get("range"), status, sent))
 
         def _error(self, status: int, code: str, head: bool) -> None:
@@ -116,18 +121,17 @@ def _handler(hub: Hub):
                        "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
             status, body = 200, data
             rng = self.headers.get("range")
-            if rng and not head and (repo, name) in hub.broken:
-                return self._send(500, b'{"error": "injected"}', {"Content-Type": "application/json"}, head)
             if rng:
                 a, _, b = rng.removeprefix("bytes=").partition("-")
                 start, end = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
                 body, status = data[start:end + 1], 206
                 headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-            limit = None
+            limit, hang = None, False
             if not head and not rng and (repo, name) in hub.cut:
                 limit = hub.cut.pop((repo, name))
-                hub.broken.add((repo, name))
-            self._send(status, body, headers, head, limit)
+            elif not head and not rng and (repo, name) in hub.stall:
+                limit, hang = hub.stall.pop((repo, name)), True
+            self._send(status, body, headers, head, limit, hang)
 
     return Handler
 

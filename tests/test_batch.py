@@ -289,3 +289,157 @@ def test_per_sequence_draft_policies_with_lookup(dense, sources):
         assert got[i] == greedy_reference(model, p, N), f"prompt {i}"
     used = {s.source for i in steps for s in steps[i] if s.drafted}
     assert "lookup" in used
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: requests that arrive while others run join the batch.
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from helpers import tiny_engine_loader
+
+    from mlx_spec.engine import Engine
+
+    loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"))
+    with Engine(loader, max_batch=4, prefix_cache=1 << 22) as batched, Engine(loader) as single:
+        batched.wait_ready(60)
+        single.wait_ready(60)
+        yield batched, single
+
+
+REQUESTS = ["hello there", "write a poem about the sea and the sky", "abc", "count: 1 2 3 4 5 6",
+            "the quick brown fox jumps over the lazy dog", "x"]
+
+
+def test_engine_batches_concurrent_requests_exactly(engines):
+    from mlx_spec.engine import Done, Request
+
+    batched, single = engines
+    alone = [single.submit(Request(prompt=p, max_tokens=16 + i)).result() for i, p in enumerate(REQUESTS)]
+    handles = [batched.submit(Request(prompt=p, max_tokens=16 + i)) for i, p in enumerate(REQUESTS)]
+    dones = [h.result() for h in handles]  # 6 requests, 4 at a time: the rest wait in the queue
+    for a, b in zip(alone, dones):
+        assert isinstance(b, Done) and b.text == a.text and b.completion_tokens == a.completion_tokens
+        assert b.stats.drafted == b.timings["draft_n"]
+        assert b.prompt_tokens == a.prompt_tokens
+    snap = batched.snapshot()
+    assert max(snap["batch_sizes"]) >= 2 and snap["max_batch"] == 4
+    assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
+
+
+def test_engine_cancel_one_of_a_batch(engines):
+    from mlx_spec.engine import Delta, Request
+
+    batched, single = engines
+    want = single.submit(Request(prompt=REQUESTS[1], max_tokens=24)).result()
+    keep = batched.submit(Request(prompt=REQUESTS[1], max_tokens=24))
+    drop = batched.submit(Request(prompt=REQUESTS[2], max_tokens=200))
+    seen = []
+    for ev in drop:
+        seen.append(ev)
+        if isinstance(ev, Delta):
+            drop.cancel()
+    assert seen[-1].finish_reason == "cancelled" and seen[-1].completion_tokens < 200
+    got = keep.result()
+    assert got.text == want.text
+    assert batched.submit(Request(prompt="abc", max_tokens=3)).result().completion_tokens == 3
+
+
+def test_engine_stop_strings_and_bad_requests_in_a_batch(engines):
+    from mlx_spec.engine import Failed, Request
+
+    batched, single = engines
+    want = single.submit(Request(prompt=REQUESTS[4], max_tokens=20)).result()
+    stop = want.text[5:7]
+    a = batched.submit(Request(prompt=REQUESTS[4], max_tokens=20, stop=(stop,)))
+    bad = batched.submit(Request(prompt="abc", max_tokens=0))
+    b = batched.submit(Request(prompt=REQUESTS[0], max_tokens=12))
+    got = a.result()
+    assert got.finish_reason == "stop" and got.text == want.text[: want.text.find(stop)]
+    assert isinstance(list(bad)[-1], Failed)
+    assert b.result().completion_tokens == 12
+
+
+def test_plan_refuses_a_sequence_that_would_not_fit_and_keeps_serving(tmp_path):
+    """Admission by the plan's K/V per sequence: a request whose caches cannot fit is refused
+    before it runs (PlanError); requests that fit wait for room and run; serving goes on."""
+    from helpers import save_tiny_pair
+
+    from mlx_spec.engine import Engine, Failed, Request
+    from mlx_spec.generation import engine_info
+    from mlx_spec.loading import load_pair
+    from mlx_spec.memory import Item, MemoryPlan, batch_room
+    from mlx_spec.session import Session
+
+    kv = 1000  # bytes per position, planned for 512 positions
+    plan = MemoryPlan((Item("target weights", 10**6), Item("target KV cache", 512 * kv)), 256, 4, 256,
+                      10**6 + 3 * 512 * kv, "test", 256)
+    room = batch_room(plan)
+    assert room.room == 3 * 512 * kv and room.need(30) == 256 * kv and room.max_batch(256) == 3
+    t, d = save_tiny_pair(tmp_path)
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return Session.of(pair, engine_info(pair, 4, "flag"), plan=plan)
+
+    with Engine(loader, max_batch=8) as e:
+        e.wait_ready(60)
+        assert e.max_batch == 8
+        huge = list(e.submit(Request(prompt="abc", max_tokens=2000)))[-1]
+        assert isinstance(huge, Failed) and huge.kind == "PlanError" and "memory plan" in huge.error
+        # 8 small requests: at most 6 fit at once (256 positions each), the rest wait, all run
+        hs = [e.submit(Request(prompt="abc", max_tokens=20)) for _ in range(8)]
+        assert all(h.result().completion_tokens == 20 for h in hs)
+        assert max(e.snapshot()["batch_sizes"]) <= 6
+
+
+def test_server_concurrent_openai_clients_and_metrics(tmp_path):
+    import threading
+
+    import httpx
+    import openai
+    from helpers import save_tiny_pair
+    from test_server import serve_in_thread
+
+    from mlx_spec.engine import Engine
+    from mlx_spec.generation import GenConfig, engine_info, run
+    from mlx_spec.loading import load_pair
+    from mlx_spec.server.app import create_app
+    from mlx_spec.session import Session
+    from mlx_spec.text import encode_prompt
+
+    t, d = save_tiny_pair(tmp_path)
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return Session.of(pair, engine_info(pair, 4, "flag"))
+
+    prompts = [f"tell me about {w}" for w in ("the sea", "rain", "a cat sitting on a mat", "x")]
+    pair = load_pair(str(t), str(d))
+    info = engine_info(pair, 4, "flag")
+    want = [run(pair, info, encode_prompt(pair.tokenizer, messages=[{"role": "user", "content": p}]),
+                GenConfig(max_tokens=20)).text for p in prompts]
+    with Engine(loader, max_batch=4, max_queue=8) as e, serve_in_thread(create_app(e)) as url:
+        e.wait_ready(60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got = [None] * len(prompts)
+
+        def ask(i):
+            kw = dict(model=e.info.target, messages=[{"role": "user", "content": prompts[i]}], max_tokens=20,
+                      temperature=0)
+            if i % 2:
+                parts = client.chat.completions.create(stream=True, **kw)
+                got[i] = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            else:
+                got[i] = client.chat.completions.create(**kw).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert got == want
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'mlx_spec:batch_size_bucket{le="+Inf"}' in metrics
+        assert "mlx_spec:batch_steps_total" in metrics and "mlx_spec:batch_max 4" in metrics

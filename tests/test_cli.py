@@ -30,11 +30,13 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
     ref_text = tok.decode([x for x in ref if x not in tok.eos_token_ids])
     for B in (2, 4, 8):
         out = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
-                             "--max-tokens", "24", "--block-size", str(B), "--json"])
+                             "--max-tokens", "24", "--block-size", str(B), "--no-adaptive", "--json"])
         assert out["text"] == ref_text
         assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
                                  "block_size_source": "flag", "target": str(t), "adaptive_max": 0, "draft_vocab": 0,
-                                 "mode": "speculative"}
+                                 "mode": "speculative",
+                                 "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False}}
+        assert out["group"] == out["engine"]["group"]
         s = out["stats"]
         assert s["cycles"] > 0 and s["drafted"] > 0
         for k in ("cycles", "drafted", "accepted", "mean_acceptance_length", "acceptance_rate",
@@ -49,17 +51,25 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
 
 
 def test_generate_adaptive_is_lossless_and_engaged(pair_dirs, capsys):
-    """--adaptive: the controller picks each cycle's block (a random drafter is soon not worth
-    drafting for: plain steps), and the text is still the target's."""
+    """The per-cycle policy (the default; --adaptive is an accepted no-op): it picks each cycle's
+    source and block (a random drafter is soon not worth drafting for: plain steps), and the text
+    is still the target's; --no-adaptive drafts the fixed block every cycle."""
     t, d = pair_dirs
     fixed = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
-                           "--max-tokens", "40", "--block-size", "4", "--json"])
+                           "--max-tokens", "40", "--block-size", "4", "--no-adaptive", "--json"])
+    assert fixed["engine"]["adaptive_max"] == 0 and fixed["stats"]["plain_cycles"] == 0
     out = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
                          "--max-tokens", "40", "--block-size", "4", "--adaptive", "--json"])
     assert out["text"] == fixed["text"]
     assert out["engine"]["adaptive_max"] == 16 and out["engine"]["block_size"] == 4
     s = out["stats"]
     assert 0 < s["drafted"] < 3 * s["cycles"] - 3  # some cycles drafted, many ran plain steps
+    assert s["plain_cycles"] > 0 and s["plain_cycles"] + s["drafted_cycles"] == s["cycles"]
+    assert len(s["cycle_trace"]) == s["cycles"] and sum(s["block_sizes"].values()) == s["cycles"]
+    assert all(L == 4 for src, L, _ in s["cycle_trace"][:-1] if src == "dflash")  # --block-size pins it
+    default = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",
+                             "--max-tokens", "40", "--block-size", "4", "--json"])
+    assert default["text"] == fixed["text"] and default["engine"]["adaptive_max"] == 16
 
 
 def test_chat_template_and_stop(pair_dirs, capsys):

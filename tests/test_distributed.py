@@ -53,12 +53,17 @@ def _build(kind: str):
     return tiny_model(kind)
 
 
-def _save(root: Path, kind: str) -> dict:
-    """A tiny target with two drafters (DFlash 1 and DFlash 2) under root/kind."""
+def _save(root: Path, kind: str, *, no_eos: bool = False) -> dict:
+    """A tiny target with two drafters (DFlash 1 and DFlash 2) under root/kind. ``no_eos``: the
+    head's row for the end-of-turn id is zero, so greedy replies run to max_tokens."""
     from mlx_lm.utils import save_config, save_model
 
-    d = root / kind
+    d = root / (kind + ("-no-eos" if no_eos else ""))
     model, cfg = _build(kind)
+    if no_eos:
+        lm = getattr(model, "language_model", model)
+        lm.lm_head.weight = lm.lm_head.weight * (mx.arange(cfg["vocab_size"]) != 2)[:, None]
+        mx.eval(model.parameters())
     save_model(d / "target", model)
     save_config(dict(cfg), d / "target" / "config.json")
     save_tiny_tokenizer(d / "target")
@@ -70,8 +75,9 @@ def _save(root: Path, kind: str) -> dict:
     return out
 
 
-def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None = None):
-    """Two ranks of tests/distributed_worker.py; returns (rank 0's JSON, return codes, seconds)."""
+def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None = None, first: int = 0):
+    """Two ranks of tests/distributed_worker.py; returns (rank 0's JSON, return codes, seconds,
+    logs). Once rank ``first`` is done, a rank still running after 5 s is killed (a stopped rank)."""
     ports = _free_ports(2)
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
@@ -82,18 +88,27 @@ def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None 
     procs = [subprocess.Popen([sys.executable, str(HERE / "distributed_worker.py"), str(tmp / "job.json")],
                               env=dict(base, MLX_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in (0, 1)]
-    codes, logs = [], []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-            codes.append(p.returncode)
-            logs.append(out.decode(errors="replace")[-3000:])
+        order = [first] + [r for r in range(len(procs)) if r != first]
+        codes, logs = [None] * len(procs), [""] * len(procs)
+        for i in order:
+            p = procs[i]
+            left = max(1.0, timeout - (time.monotonic() - t0))
+            try:
+                out, _ = p.communicate(timeout=left if i == first else min(left, 5.0))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            codes[i] = p.returncode
+            logs[i] = out.decode(errors="replace")[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     took = time.monotonic() - t0
+    if first != 0:
+        return None, codes, took, logs
     assert (tmp / "out.json").exists(), f"rank 0 wrote nothing (codes {codes}):\n" + "\n---\n".join(logs)
     return json.loads((tmp / "out.json").read_text()), codes, took, logs
 
@@ -148,38 +163,57 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
                     assert _single(pair, name, b) == plain, (kind, name, b)
 
 
-def test_sampled_ranks_agree(pairs, tmp_path):
+def test_sampled_ranks_agree_then_a_hung_rank_is_detected(pairs, tmp_path):
     """T > 0 with a seed: every step all_gathers the committed tokens and compares (check mode);
-    the 2-rank run also equals the 1-process run with that seed (the same key, the same logits)."""
+    the 2-rank run also equals the 1-process run with that seed (the same key, the same logits).
+    Then, in the same launch, rank 1 hangs mid-generation: rank 0's watchdog fails the request
+    within the timeout and reports the group unhealthy."""
     pair = pairs["qwen3"]
+    timeout = 4.0
     cases = [{"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7},
              {"prompt": PROMPT, "block": 8, "max_tokens": N, "temperature": 1.0, "seed": None},
              {"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7, "stop_after": 5}]
-    got, codes, _, logs = launch(tmp_path, {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
-                                                        "cases": cases}]},
-                                 env={distributed.CHECK_ENV: "1"})
-    assert codes == [0, 0], logs
+    phases = [{"target": pair["target"], "drafter": pair["dflash2"], "cases": cases},
+              {"target": pair["target"], "drafter": pair["dflash2"],
+               "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}]
+    job = {"phases": phases, "die_rank": 1, "die_phase": 1, "die_step": 3, "die_how": "hang", "timeout": timeout}
+    got, codes, _, logs = launch(tmp_path, job, env={distributed.CHECK_ENV: "1"})
+    assert codes[0] == 0, logs
     r = got["results"]
-    assert all(x["error"] is None for x in r), r
+    assert all(x["error"] is None for x in r[:3]), r
     assert len(r[0]["tokens"]) == N and len(r[1]["tokens"]) == N
     assert r[0]["tokens"] == _single(pair, "dflash2", 4, temperature=0.8, seed=7)
     assert r[2]["tokens"] == r[0]["tokens"][: len(r[2]["tokens"])]  # a stop mid-run, then the next case ran
+    hung = r[3]
+    assert hung["error"].startswith("GroupFailed") and "within 4 s" in hung["error"], hung
+    assert hung["healthy"] is False and hung["health"]["healthy"] is False
+    assert timeout <= got["watchdog_s"] < timeout + 3, got
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
-def test_dead_rank_fails_the_request_in_time(pairs, tmp_path, how):
+@pytest.mark.slow  # the server test kills a rank too
+def test_dead_rank_fails_the_request(pairs, tmp_path):
     pair = pairs["qwen3"]
-    timeout = 4.0
     job = {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
                        "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}],
-           "die_rank": 1, "die_step": 3, "die_how": how, "timeout": timeout}
+           "die_rank": 1, "die_step": 3, "die_how": "exit", "timeout": 4.0}
     got, codes, took, logs = launch(tmp_path, job, timeout=60)
     (res,) = got["results"]
     assert res["error"] and res["error"].startswith("GroupFailed"), res
     assert res["healthy"] is False and res["health"]["healthy"] is False and res["health"]["error"]
     assert codes[0] == 0, logs
-    if how == "hang":
-        assert timeout <= got["watchdog_s"] < timeout + 3, got
+
+
+@pytest.mark.slow
+def test_a_follower_exits_when_rank_0_hangs(pairs, tmp_path):
+    """Rank 0 stops (SIGSTOP) mid-generation: the follower's watchdog ends it (exit code 3)
+    within the timeout instead of waiting in a collective forever."""
+    pair = pairs["qwen3"]
+    job = {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
+                       "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}],
+           "leader_stop_step": 3, "timeout": 4.0}
+    _, codes, took, logs = launch(tmp_path, job, timeout=60, first=1)
+    assert codes[1] == 3, logs
+    assert "no answer from the group within 4 s" in logs[1]
 
 
 def test_refuses_a_target_without_shard():
@@ -234,3 +268,71 @@ def test_plan_per_rank(pairs):
     assert memory.ranks_needed(p1, context=4096, block_size=8, budget=budget) == 2
     assert memory.ranks_needed(p1, context=4096, block_size=8, budget=t1) == 1
     assert memory.ranks_needed(p1, context=4096, block_size=8, budget=1) is None
+
+
+def test_server_reports_a_dead_rank(pairs, tmp_path):
+    """`mlx_spec serve` on two ranks: rank 0 serves and reports the group on /health; killing
+    rank 1 mid-generation fails that request with 503 group_failed within the timeout, and rank 0
+    stays up, answering /health with the group unhealthy."""
+    import threading
+
+    import httpx
+
+    pair = _save(tmp_path, "qwen3", no_eos=True)
+    ring = _free_ports(2)
+    (http,) = _free_ports(1)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
+    env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_SPEC_GROUP_TIMEOUT="20")
+    cmd = [sys.executable, "-m", "mlx_spec", "serve", "--target", pair["target"], "--drafter", pair["dflash2"],
+           "--block-size", "4", "--port", str(http)]
+    procs = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"rank{r}.log", "w")) for r in (0, 1)]
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + LAUNCH_S
+        while True:
+            assert time.monotonic() < deadline, (tmp_path / "rank0.log").read_text()
+            assert procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+            try:
+                h = httpx.get(f"{url}/health", timeout=2)
+                if h.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        group = {"size": 2, "rank": 0, "backend": "ring", "sharded": True}
+        body = h.json()
+        assert body["speculation"]["group"] == group and body["group"]["healthy"] is True
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+        got = {}
+
+        def long_request():
+            t = time.monotonic()
+            got["r"] = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3000},
+                                  timeout=60)
+            got["s"] = time.monotonic() - t
+
+        th = threading.Thread(target=long_request)
+        th.start()
+        time.sleep(1.5)
+        procs[1].kill()
+        th.join(60)
+        r = got["r"]
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "group_failed" and "rank" in r.json()["error"]["message"]
+        assert got["s"] < 20
+        h = httpx.get(f"{url}/health", timeout=5)
+        assert h.status_code == 503 and h.json()["status"] == "group_failed"
+        assert h.json()["group"]["healthy"] is False and h.json()["group"]["size"] == 2
+        again = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=10)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "group_failed"
+        procs[0].terminate()
+        assert procs[0].wait(20) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -200,7 +200,14 @@ def _cli(*argv, env_extra=None):
                           timeout=300, env=env)
 
 
-def test_damaged_target_and_drafter_are_named_not_a_traceback(pair_dirs, tmp_path):
+def _main(capsys, *argv) -> tuple[int, str]:
+    from mlx_spec.cli import main
+
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def test_damaged_target_and_drafter_are_named_not_a_traceback(pair_dirs, tmp_path, capsys):
     t, d = pair_dirs
     bad_t, bad_d = tmp_path / "target", tmp_path / "drafter"
     shutil.copytree(t, bad_t)
@@ -212,16 +219,16 @@ def test_damaged_target_and_drafter_are_named_not_a_traceback(pair_dirs, tmp_pat
     r = _cli("generate", "--target", str(bad_t), "--no-draft", "--prompt", "x", "--max-tokens", "2")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"{bad_t / 'model.safetensors'} is damaged" in r.stderr and "copy or convert" in r.stderr
-    r = _cli("generate", "--target", str(t), "--drafter", str(bad_d), "--block-size", "4", "--prompt", "x",
-             "--max-tokens", "2")
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert f"{bad_d / 'model.safetensors'} is damaged" in r.stderr
+    # the rest in this process (the same main(); MlxSpecError -> one line, exit 1)
+    rc, err = _main(capsys, "generate", "--target", str(t), "--drafter", str(bad_d), "--block-size", "4",
+                    "--prompt", "x", "--max-tokens", "2")
+    assert rc == 1 and f"{bad_d / 'model.safetensors'} is damaged" in err, err
     (bad_t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes())
     (bad_t / "config.json").write_text("{")
-    r = _cli("generate", "--target", str(bad_t), "--no-draft", "--prompt", "x", "--max-tokens", "2")
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "config.json is damaged" in r.stderr, r.stderr
-    r = _cli("generate", "--target", str(t / "model.safetensors"), "--no-draft", "--prompt", "x")
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "is a file, not a model" in r.stderr, r.stderr
+    rc, err = _main(capsys, "generate", "--target", str(bad_t), "--no-draft", "--prompt", "x", "--max-tokens", "2")
+    assert rc == 1 and "config.json is damaged" in err, err
+    rc, err = _main(capsys, "generate", "--target", str(t / "model.safetensors"), "--no-draft", "--prompt", "x")
+    assert rc == 1 and "is a file, not a model" in err, err
 
 
 def test_hub_cache_hint_names_the_repo(pair_dirs, tmp_path):
@@ -256,3 +263,31 @@ def test_damaged_gguf_is_named(tiny_gguf, tmp_path):
         assert f"{bad}: not a readable GGUF file" in r.stderr or f"{bad}: unreadable GGUF" in r.stderr, r.stderr
     r = _cli("convert", str(tiny_gguf), str(tmp_path / "ok"))
     assert r.returncode == 0 and "Converting" in r.stderr and "converted" in r.stderr
+
+
+def test_damaged_cache_end_to_end(tmp_path, tiny_gguf):
+    """`mlx_spec generate` with a cache folder ($MLX_SPEC_CACHE_DIR) whose conversion was cut
+    short: a one-line notice, a rebuild from the pinned GGUF, then the run goes on."""
+    cache = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from mlx_spec import default_target as dt, cli
+        dt.GGUF_SHA256 = {dt.sha256_of(tiny_gguf)!r}
+        dt.installed_gguf = lambda: Path({str(tiny_gguf)!r})
+        sys.exit(cli.main(["generate", "--no-draft", "--prompt", "hi", "--max-tokens", "3"]))
+    """)
+    env = os.environ | {"MLX_SPEC_CACHE_DIR": str(cache)}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+    first = run()
+    assert first.returncode == 0 and "Converting" in first.stderr, first.stderr[-2000:]
+    (weights,) = cache.glob("models/*/model.safetensors")
+    _truncate(weights, -4096)
+    second = run()
+    assert second.returncode == 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    notice = [line for line in second.stderr.splitlines() if "target is damaged" in line]
+    assert len(notice) == 1 and "model.safetensors" in notice[0] and "rebuilding" in notice[0]
+    assert safetensors_problem(weights) is None and second.stdout == first.stdout

@@ -191,9 +191,11 @@ def test_models_health_and_tools(engine, client, model, url):
     assert card.id == model and card.model_extra["context_length"] == 4096
     spec = card.model_extra["speculation"]
     assert spec == {"enabled": True, "method": "dflash2", "target": model, "drafter": engine.info.drafter,
-                    "block_size": 4, "block_size_source": "flag", "draft_vocab": None}
+                    "block_size": 4, "block_size_source": "flag", "draft_vocab": None, "policy": "fixed",
+                    "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False}}
     h = httpx.get(f"{url}/health")
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["speculation"] == spec
+    assert h.json()["group"] == spec["group"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                                        tools=tools, max_tokens=3, temperature=0)

@@ -279,15 +279,18 @@ async def test_loading_then_ready_and_failed_engines():
 
 
 def test_openai_client_sees_the_same_errors(url):
-    """The official client gets 400s with the OpenAI error body for the inputs above."""
+    """The official client gets 400s with the OpenAI error body for the inputs above (NaN and a
+    lone surrogate it refuses to send itself: the raw-HTTP cases cover them)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
     calls = [
         (lambda: client.chat.completions.create(model="x", messages=[{"role": "user", "content": None}]), None),
         (lambda: client.chat.completions.create(messages=[{"role": "user"}], model=None), "messages[0].content"),
-        (lambda: client.chat.completions.create(messages=MSG, model=None, temperature=float("nan")), "temperature"),
-        (lambda: client.chat.completions.create(messages=[{"role": "user", "content": "\ud800"}], model=None), None),
+        (lambda: client.chat.completions.create(messages=MSG, model=None, temperature=5), "temperature"),
+        (lambda: client.chat.completions.create(messages=MSG, model=None, extra_body={"top_k": -1}), "top_k"),
+        (lambda: client.chat.completions.create(messages=[{"role": "system", "content": None}, *MSG], model=None),
+         "messages[0].content"),
         (lambda: client.completions.create(model=None, prompt=[1, 99999], max_tokens=2), "prompt"),
         (lambda: client.completions.create(model=None, prompt=[1, -2], max_tokens=2), "prompt"),
     ]

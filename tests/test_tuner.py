@@ -318,7 +318,7 @@ def test_controller_picks_the_block_that_pays_falls_back_and_recovers():
     assert trace.count(1) >= 15 and any(x > 1 for x in trace)  # plain, with occasional probes
     for _ in range(40):  # it agrees again: every probe is fully accepted
         L = c(_step(L, L - 1, costs.draft(L) + costs.verify(L)) if L > 1 else _step(1, 0, 100.0))
-    assert c.trace[-5:] == [c.trace[-1]] * 5 and c.trace[-1] >= 8  # recovered to a long block
+    assert all(x >= 8 for x in c.trace[-5:])  # recovered to long blocks
 
 
 def test_controller_for_uses_the_stored_curve_and_prior(pair):

@@ -34,6 +34,8 @@ class Settings:
     seed: int | None = None
     speculate: bool = True
     """False: plain decoding of the same target, for an A/B against speculation."""
+    think: bool | None = None
+    """Thinking models: the chat template's switch (enable_thinking); None: the template's default."""
 
 
 @dataclass(frozen=True)
@@ -108,18 +110,13 @@ class Backend(Protocol):
 
 
 def request_for(messages: list[dict], settings: Settings) -> Request:
+    think = None if settings.think is None else {"enable_thinking": settings.think}
     return Request(messages=[dict(m) for m in messages], max_tokens=settings.max_tokens,
                    temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                   seed=settings.seed, speculate=settings.speculate)
+                   seed=settings.seed, speculate=settings.speculate, template_kwargs=think)
 
 
 # -- MLX-side probes: each runs on the engine thread via Engine.call ---------------------------
-def _static_sizes(pair):
-    from mlx_spec.memory import loaded_sizes
-
-    return loaded_sizes(pair)
-
-
 def _live_memory(pair) -> dict:
     from mlx_spec.memory import live
 
@@ -239,12 +236,19 @@ class LocalBackend:
             self._progress = progress
         self.engine.start()
         self.engine.wait_ready()  # raises MlxSpecError with the loader's error
-        self._sizes = self.engine.call(_static_sizes).result()
+        from mlx_spec.memory import loaded_sizes
+
+        self._sizes = self.engine.call(loaded_sizes).result()
         return self.info
 
     @property
     def info(self) -> EngineInfo | None:
         return self.engine.info
+
+    @property
+    def think_format(self):
+        """The model's reasoning markers (thinking.ThinkFormat), or None; known once loaded."""
+        return self.engine.think_format
 
     def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]:
         self.engine.call(_reset_peak)  # ordered before the request: peak = this reply's

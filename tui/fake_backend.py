@@ -55,6 +55,7 @@ class FakeBackend:
     tune_on_start: bool = False  # first launch: report tuning progress while "loading"
     memory_fraction: float = 0.25
     requests: list = field(default_factory=list)
+    think_format: object = None  # thinking.ThinkFormat: the scripted model writes reasoning
 
     def __post_init__(self):
         self._cancel = threading.Event()

@@ -46,8 +46,8 @@ def add_arguments(p) -> None:
                         "target's own first N layers (self-speculation)")
     p.add_argument("--ar-draft-tokens", type=int, default=3, help="draft tokens per round for --ar-draft")
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="skip the per-cycle rows (dflash per-cycle, lookup per-cycle, hybrid default engine)")
+    # --no-adaptive comes from add_model_args: here it also skips the per-cycle rows (dflash
+    # per-cycle, lookup per-cycle, hybrid default engine)
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm plain row (the second baseline)")
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
     p.add_argument("--vocab-compare", action="store_true",
@@ -56,6 +56,15 @@ def add_arguments(p) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
+    g = p.add_argument_group("many clients at once (mlx_spec serve vs mlx_lm.server; mlx_spec/loadtest.py)")
+    g.add_argument("--concurrency", default=None, metavar="LEVELS",
+                   help="e.g. 1,2,4,8: start both servers on 127.0.0.1 and report aggregate tok/s and p50/p95 "
+                        "latency at each number of concurrent clients (instead of the single-stream rows)")
+    g.add_argument("--requests", type=int, default=4, help="requests per client at each level (default 4)")
+    g.add_argument("--max-batch", type=int, default=None, help="mlx_spec serve --max-batch (default: the "
+                   "largest level)")
+    g.add_argument("--time-budget", type=float, default=1800.0, metavar="S",
+                   help="stop sending requests after S seconds in all (default 1800)")
 
 
 def _fmt(x, spec=".2f", none="-"):
@@ -77,6 +86,8 @@ def _worst(w) -> str:
 
 
 def table(rows, kinds) -> str:
+    from ..bench import POLICY_SOURCES
+
     head = ["method", "dec tok/s", "e2e tok/s", "spread", "tau", "accept", "mean L", "T1 ms", "Td ms",
             "Tt ms", "ceiling", "eff"]
     lines = []
@@ -101,7 +112,7 @@ def table(rows, kinds) -> str:
     if spec:
         out.append("\nacceptance by draft position (share of cycles reaching it):")
         out += [f"  {r.label:18s} " + " ".join(_fmt(x, ".2f") for x in r.acceptance_by_position) for r in spec]
-    src = [r for r in ok if r.sources]
+    src = [r for r in ok if r.sources and r.kind in POLICY_SOURCES]  # fixed rows have one source
     if src:
         out.append("\ndraft sources (drafted cycles, accepted/drafted tokens, tau):")
         out += [f"  {r.label:18s} " + ", ".join(
@@ -139,8 +150,50 @@ def copy_table(prompt_rows, rows, subset) -> str:
     return "\n".join(out)
 
 
+def concurrency(args) -> int:
+    """``--concurrency``: mlx_spec serve and mlx_lm.server under 1..N concurrent clients."""
+    from .. import loadtest
+    from ..default_target import resolve_target_id
+    from ..errors import BadRequest
+    from ..loading import resolve
+    from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
+
+    try:
+        levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or args.requests < 1:
+        raise BadRequest(f"--concurrency wants client counts >= 1 separated by commas (got '{args.concurrency}'), "
+                         "--requests >= 1")
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    else:
+        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else WORKLOADS["chat"]
+        prompts = interleave(builtin_prompts(kinds, args.per_kind))
+    messages = [list(p.messages) if p.messages else [{"role": "user", "content": p.text}] for p in prompts]
+    target = str(resolve_target_id(args.target) or resolve(args.target, "target"))
+    extra = ["--no-draft"] if args.no_draft else []
+    if getattr(args, "block_size", None):
+        extra += ["--block-size", str(args.block_size)]
+    servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
+    if not args.no_mlx_lm:
+        servers.append(loadtest.mlx_lm_server(target))
+    rows = loadtest.run(servers, levels, messages, max_tokens=args.max_tokens, requests=args.requests,
+                        budget_s=args.time_budget, log=lambda m: print(m, file=sys.stderr))
+    report = {"target": args.target, "levels": levels, "requests_per_client": args.requests,
+              "max_tokens": args.max_tokens, "prompts": [p.id for p in prompts],
+              "rows": [r.as_dict() for r in rows]}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report) if args.json else loadtest.table(rows))
+    return 0 if all(r.failed == 0 for r in rows) else 1
+
+
 def run(args) -> int:
     import mlx_spec
+
+    if args.concurrency:
+        return concurrency(args)
 
     from .. import adaptive
     from ..bench import (COPY_SUBSET, CostMeter, Method, ProgressBar, Runner, bench, prompt_report, subset_speedups,
@@ -267,11 +320,10 @@ def run(args) -> int:
             print(copy_table(agent, rows, subset))
         if best_fixed:
             by = {r.label: r for r in rows}
-            ad = next((r for r in rows if r.kind == "adaptive"), None)
             line = f"\nbest fixed block: {best_fixed} (e2e x{_fmt(by[best_fixed].e2e_speedup)})"
-            if ad is not None:
-                line += f" | adaptive: " + (f"e2e x{_fmt(ad.e2e_speedup)}, mean block {_fmt(ad.mean_block)}"
-                                            if ad.status == "ok" else ad.status)
+            for ad in (r for r in rows if r.kind in ("hybrid", "adaptive")):
+                line += f" | {ad.label}: " + (f"e2e x{_fmt(ad.e2e_speedup)}, mean L {_fmt(ad.mean_block)}"
+                                              if ad.status == "ok" else ad.status)
             if tuned:
                 line += f" | tuner's choice: B={report['tuned']['best']} ({report['tuned']['source']})"
             print(line)

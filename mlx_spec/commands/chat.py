@@ -28,11 +28,15 @@ def run(args) -> int:
         SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    from ..default_target import DEFAULT_TARGET_ID, ensure_default_target
+
+    if cfg.target == DEFAULT_TARGET_ID:  # first launch: fetch + convert with progress bars, before the UI
+        ensure_default_target()
     from tui.app import SpecChatApp
     from tui.backend import LocalBackend, Settings
 
     settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed)
+                        top_k=args.top_k, seed=args.seed, think=args.think)
     backend = LocalBackend.from_config(cfg)
     app = SpecChatApp(backend, settings, system=args.system, export_dir=args.export_dir)
     try:

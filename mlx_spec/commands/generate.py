@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..cli import load_config, think_kwargs
     from ..errors import BadRequest
-    from ..generation import GenConfig, Result, controllers, generate
+    from ..generation import GenConfig, Result, generate, policies
     from ..sampling import SamplingConfig
     from ..session import open_session
     from ..text import encode_prompt
@@ -37,14 +37,14 @@ def run(args) -> int:
     except ValueError as e:
         raise BadRequest(str(e)) from None
     out = sys.stderr if args.json else sys.stdout
-    session = open_session(load, log=lambda m: print(m, file=sys.stderr))
+    session = open_session(load, log=lambda m: print(m, file=sys.stderr), group_aware=True)
     pair, info = session.pair, session.info
     ids = encode_prompt(pair.tokenizer, prompt, chat=args.chat, template_kwargs=think_kwargs(args))
     result = Result()
-    make = controllers(pair, info)
+    make = policies(pair, info)
     lead = distributed.Leader(session.group) if session.group is not None else None
     try:
-        for chunk in generate(pair, info, ids, cfg, result, controller=make() if make else None, lead=lead):
+        for chunk in generate(pair, info, ids, cfg, result, policy=make() if make else None, lead=lead):
             if not args.json:
                 out.write(chunk.text)
                 out.flush()
@@ -58,7 +58,7 @@ def run(args) -> int:
             "finish_reason": result.finish_reason,
             "engine": {k: v for k, v in info.as_dict().items() if k != "target"} | {"target": info.target},
             "group": info.group.as_dict(),
-            "stats": s.as_dict(),
+            "stats": s.as_dict(trace=True),
         }))
     else:
         print("\n", file=sys.stderr)
@@ -67,4 +67,9 @@ def run(args) -> int:
               f"{s.decode_tps:.2f} tok/s decode | cycles {s.cycles}, drafted {s.drafted}, accepted "
               f"{s.accepted}, tau {s.mean_acceptance_length:.2f}, acceptance {s.acceptance_rate:.1%} | "
               f"finish {result.finish_reason}", file=sys.stderr)
+        if s.plain_cycles or len(s.sources) > 1 or "lookup" in s.sources:  # what the drafting policy did
+            per = ", ".join(f"{k} {c['cycles']} cycles {c['accepted']}/{c['drafted']} accepted"
+                            for k, c in sorted(s.sources.items()))
+            print(f"cycles: {s.drafted_cycles} drafted ({per or 'none'}), {s.plain_cycles} plain steps | "
+                  f"blocks {dict(sorted(s.block_sizes.items()))} | {s.trace_text(limit=40)}", file=sys.stderr)
     return 0

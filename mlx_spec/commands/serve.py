@@ -30,7 +30,11 @@ def add_arguments(p) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $MLX_SPEC_API_KEY if set)")
     p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait behind the running one; more get 503 + Retry-After")
+                   help="requests that may wait behind the running ones; more get 503 + Retry-After")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="requests decoded together (continuous batching with batched speculation); "
+                        "1 = one at a time (default: as many as the memory plan's K/V per sequence "
+                        "allows, at most 8)")
     p.add_argument("--context-length", dest="context", type=int, default=argparse.SUPPRESS,
                    help="alias of --context: max prompt + completion tokens per request, which the "
                         "memory plan must fit (capped at the target's trained context)")
@@ -52,11 +56,13 @@ def run(args) -> int:
         raise BadRequest(f"--port must be in 0..65535 (got {args.port})")
     if args.max_queue < 1:
         raise BadRequest(f"--max-queue must be >= 1 (got {args.max_queue})")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise BadRequest(f"--max-batch must be >= 1 (got {args.max_batch})")
     request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
     from ..session import check
 
     cfg = load_config(args)
-    check(cfg)  # a missing target or drafter is refused before listening (or detaching)
+    drafter = check(cfg)  # a missing target or drafter is refused before listening (or detaching)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
     from .. import distributed
 
@@ -66,7 +72,7 @@ def run(args) -> int:
         if distributed.follower_process():
             return distributed.run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
-        return _detach(args, api_key)
+        return _detach(args, api_key, drafter)
     return _serve(args, cfg, api_key)
 
 
@@ -110,14 +116,14 @@ def _serve(args, cfg, api_key: str | None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     def loader():  # on the engine thread: /health answers 503 meanwhile
-        return open_session(cfg, log=say)
+        return open_session(cfg, log=say, group_aware=True)
 
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache)
+    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch)
     engine.start()
     app = create_app(engine, api_key=api_key, defaults=request_defaults(args))
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
@@ -133,7 +139,7 @@ def _serve(args, cfg, api_key: str | None) -> int:
             server.should_exit = True
             return
         say(engine.info.describe())
-        say(f"ready: {url}/v1 (context {engine.context_length} tokens, queue {args.max_queue}"
+        say(f"ready: {url}/v1 (context {engine.context_length} tokens, batch {engine.max_batch}, queue {args.max_queue}"
             f"{', API key required' if api_key else ''})")
 
     say(f"listening on {url} (loading; /health answers 503 until ready)")
@@ -199,7 +205,8 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _detach(args, api_key: str | None) -> int:
+def _detach(args, api_key: str | None, drafter: str | None) -> int:
+    """``drafter``: the one the child will load (the bundled one filled in), as status shows it."""
     import psutil
 
     from ..server import process
@@ -221,8 +228,7 @@ def _detach(args, api_key: str | None) -> int:
         create_time = psutil.Process(child.pid).create_time()
     except psutil.NoSuchProcess:
         create_time = 0.0
-    state = process.ServerState(child.pid, create_time, args.host, port, args.target,
-                                None if args.no_draft else args.drafter, str(log_path), time.time(),
+    state = process.ServerState(child.pid, create_time, args.host, port, args.target, drafter, str(log_path), time.time(),
                                 auth=api_key is not None)
     path = process.write_state(state, directory)
     print(f"started server pid {child.pid} on {state.url}; loading (log: {log_path})", file=sys.stderr)

@@ -23,8 +23,11 @@ def run(args) -> int:
     for _, state, _ in found.running:
         status, body = process.health(state.url)
         health = {200: "ready", 503: body.get("status", "unavailable")}.get(status, "not answering")
-        servers.append({"pid": state.pid, "url": state.url, "health": health, "target": state.target,
-                        "drafter": state.drafter, "speculation": body.get("speculation"),
+        spec = body.get("speculation")
+        # what the server says it runs, once it answers; else what it was started with
+        target, drafter = (spec["target"], spec["drafter"]) if spec else (state.target, state.drafter)
+        servers.append({"pid": state.pid, "url": state.url, "health": health, "target": target,
+                        "drafter": drafter, "speculation": spec,
                         "uptime_s": round(time.time() - state.started_at, 1), "log": state.log,
                         "auth": state.auth})
     if args.json:

@@ -69,6 +69,6 @@ def run(args) -> int:
           f"{result.tokens_per_run} tokens per run | {result.elapsed_s:.0f} s of {budget:.0f} s")
     print(table(result))
     best = ("off (plain decoding)" if result.best == 1 else f"block size {result.best}") \
-        + (f", {result.threads} BLAS threads" if result.threads else "")
+        + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
     print(f"\nchoice: {best} — {result.source}\nstored: {path}")
     return 0

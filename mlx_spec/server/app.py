@@ -92,10 +92,16 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health():
+        group = getattr(engine, "group", None)  # the distributed group's state, None on one process
+        if engine.state == READY and group is not None and not group["healthy"]:
+            _, content = errors.to_body(errors.GroupFailed(f"the distributed group is unhealthy: {group['error']}"))
+            content.update(status="group_failed", group=group, speculation=schemas.speculation(engine.info))
+            return JSONResponse(content, status_code=503)
         if engine.state == READY:
             info = engine.info
             return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
-                    "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth}
+                    "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth,
+                    "group": group or info.group.as_dict()}
         _, content = errors.to_body(not_ready())  # the 503 a completion request gets now
         content["status"] = "failed" if engine.state == FAILED else "loading"
         content["speculation"] = None
@@ -221,7 +227,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
                         yield data(errors.body("generation cancelled: the server is shutting down",
                                                  "server_error", None, "cancelled"))
                         break
-                    extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine)}
+                    extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats)}
                     finish = schemas.finish_reason(ev)
                     if out is not None:
                         for piece in pieces(out.finish()):
@@ -351,9 +357,39 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
     metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
            "Draft tokens accepted at block position N (1 = first token after the anchor).",
            [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])])
+    metric("spec_decode_plain_cycles_total", "counter",
+           "Plain target steps the drafting policy took instead of a draft (cycles without drafts).",
+           [({}, snap.get("plain_cycles", 0))])
+    metric("spec_decode_cycles_by_block_total", "counter",
+           "Verify cycles by block size (rows verified, anchor included; 1 = a plain step).",
+           [({"block": str(L)}, n) for L, n in sorted(snap.get("block_sizes", {}).items())])
+    for name, key, help_ in (("spec_decode_source_drafts_total", "cycles", "Drafted cycles by draft source."),
+                             ("spec_decode_source_draft_tokens_total", "drafted", "Draft tokens by draft source."),
+                             ("spec_decode_source_accepted_tokens_total", "accepted",
+                              "Accepted draft tokens by draft source.")):
+        metric(name, "counter", help_ + " (dflash: the drafter; lookup: copies of earlier text)",
+               [({"source": src}, c[key]) for src, c in sorted(snap.get("sources", {}).items())])
     metric("http_requests_total", "counter", "HTTP responses by route and status.",
            [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http_counts.items())])
     metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, snap["queue_depth"])])
+    if "batch_sizes" in snap:  # continuous batching (batch.py)
+        metric("batch_max", "gauge", "Requests the engine decodes together at most (--max-batch).",
+               [({}, snap["max_batch"])])
+        metric("batch_active", "gauge", "Requests in the running batch now.", [({}, snap["batch_active"])])
+        sizes = snap["batch_sizes"]
+        hist, run = [], 0
+        for le in sorted(set(sizes) | {1, 2, 4, 8, 16}):
+            run += sizes.get(le, 0)
+            hist.append(({"le": str(le)}, run))
+        hist.append(({"le": "+Inf"}, sum(sizes.values())))
+        out.append("# HELP mlx_spec:batch_size Decoding sequences in each batched step.")
+        out.append("# TYPE mlx_spec:batch_size histogram")
+        out += [f'mlx_spec:batch_size_bucket{{le="{lab["le"]}"}} {v}' for lab, v in hist]
+        out.append(f"mlx_spec:batch_size_sum {sum(k * v for k, v in sizes.items())}")
+        out.append(f"mlx_spec:batch_size_count {sum(sizes.values())}")
+        metric("batch_steps_total", "counter", "Batched steps by kind: plain (no sequence drafted) or "
+               "drafted (at least one sequence verified a draft).",
+               [({"kind": k}, v) for k, v in sorted(snap["batch_steps"].items())])
     metric("http_requests_in_flight", "gauge", "HTTP requests being handled now.", [({}, live["in_flight"])])
     metric("engine_ready", "gauge", "1 when the engine is loaded and serving.",
            [({}, int(snap["state"] == READY))])

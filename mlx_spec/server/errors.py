@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from ..distributed import GroupFailed
 from ..engine import EngineBusy, Failed
 from ..errors import BadRequest, Cancelled, ContextTooLong, InvalidPrompt, MlxSpecError
 
@@ -55,6 +56,7 @@ TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     InvalidField: (400, "invalid_request_error", "invalid_value"),
     BadRequest: (400, "invalid_request_error", None),
     EngineBusy: (503, "server_error", "server_busy"),
+    GroupFailed: (503, "server_error", "group_failed"),
     NotReady: (503, "server_error", "model_not_ready"),
     Cancelled: (503, "server_error", "cancelled"),
     MlxSpecError: (500, "server_error", None),

@@ -275,13 +275,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def speculation(engine: EngineInfo | None) -> dict | None:
-    """Which engine ran: the same block in /v1/models, /health and every response."""
+def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
+    """Which engine ran: the same block in /v1/models, /health and every response. ``stats`` (a
+    response's ``StatsSnapshot``) adds what the drafting policy did for that response."""
     if engine is None:
         return None
-    return {"enabled": engine.speculative, "method": engine.method, "target": engine.target,
-            "drafter": engine.drafter, "block_size": engine.block_size,
-            "block_size_source": engine.block_size_source, "draft_vocab": engine.draft_vocab or None}
+    out = {"enabled": engine.speculative, "method": engine.method, "target": engine.target,
+           "drafter": engine.drafter, "block_size": engine.block_size,
+           "block_size_source": engine.block_size_source, "draft_vocab": engine.draft_vocab or None,
+           "policy": "per-cycle" if engine.adaptive_max and engine.speculative else "fixed",
+           "group": engine.group.as_dict()}
+    if stats is not None and engine.speculative:
+        d = stats.as_dict()
+        out["cycles"] = {k: d[k] for k in ("cycles", "plain_cycles", "drafted_cycles", "block_sizes", "sources")
+                         if k in d}
+        if d.get("cycle_trace") is not None:
+            out["cycles"]["trace"] = d["cycle_trace"]
+    return out
 
 
 def usage(done: Done) -> dict:
@@ -314,7 +324,7 @@ def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish_reason(done)}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(done), "timings": done.timings, "speculation": speculation(done.engine)}
+            "usage": usage(done), "timings": done.timings, "speculation": speculation(done.engine, done.stats)}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None,

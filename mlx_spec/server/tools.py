@@ -13,6 +13,7 @@ import json
 import logging
 import uuid
 from ..text import ToolFormat, tool_format  # noqa: F401  (the format is read in the text layer)
+from ..thinking import partial_suffix  # held-back text that may start a marker: one rule for both
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ToolCallStream:
             if not self.in_call:
                 i = self.buf.find(start)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, start)
+                    keep = partial_suffix(self.buf, start)
                     _add_text(out, self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
@@ -108,14 +109,6 @@ def split(fmt: ToolFormat, text: str, tools: list | None) -> tuple[str, list[dic
 def finish_reason(base: str, called: bool) -> str:
     """"tool_calls" when the model made a call and stopped by itself; "length" stays "length"."""
     return "tool_calls" if called and base == "stop" else base
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def _add_text(out: list, text: str) -> None:

@@ -1,4 +1,4 @@
-"""Train a DFlash 2 (or DFlash 1) drafter on target-generated data (dflash-spec.md §5).
+"""Train a DFlash 2 (or DFlash 1) drafter on target-generated data (the DFlash recipe, docs/training.md).
 
 Each step takes a few sequences and samples random anchors among their response positions.
 Every anchor ``a`` becomes one block ``[x_a, MASK x (B-1)]`` at positions ``a..a+B-1``, run as
@@ -112,7 +112,7 @@ def pick_mask_token(tokenizer) -> int:
 
 
 def drafter_config(target_args, cfg: TrainConfig, taps: list[int], mask_id: int) -> dict:
-    """The official checkpoint config (dflash-spec.md §1) for a drafter of this target."""
+    """The official checkpoint config for a drafter of this target."""
     H = target_args.hidden_size
     n_heads = target_args.num_attention_heads
     dc = {"mask_token_id": mask_id, "target_layer_ids": list(taps), "block_size": cfg.block_size}
@@ -141,7 +141,7 @@ def drafter_config(target_args, cfg: TrainConfig, taps: list[int], mask_id: int)
 
 
 def identity_init(drafter: Drafter) -> None:
-    """Convs start as exact no-ops and the selector as unary argmax (dflash-spec.md §3)."""
+    """Convs start as exact no-ops and the selector as unary argmax."""
     for layer in drafter.layers:
         for name in ("attention_conv", "mlp_conv"):
             if name in layer:

@@ -20,6 +20,7 @@ from textual.widgets import Footer
 from mlx_spec.engine import Delta, Done, Failed, Started
 from mlx_spec.generation import TUNED_OFF, EngineInfo
 from mlx_spec.stats import StatsSnapshot
+from mlx_spec.thinking import REASONING, ThinkSplitter, split
 
 from ..backend import TuneView
 from ..export import Turn, to_markdown
@@ -42,6 +43,7 @@ class ChatScreen(Screen):
         Binding("f3", "check", "Lossless check"),
         Binding("f4", "export", "Export"),
         Binding("f5", "retune", "Re-tune"),
+        Binding("f8", "toggle_think", "Think on/off"),  # F6/F7 belong to the prompt (select line / all)
         Binding("ctrl+n", "new_chat", "New chat"),
     ]
 
@@ -135,6 +137,7 @@ class ChatScreen(Screen):
         await conv.mount(self._reply)
         conv.scroll_end(animate=False)
         self._pending, self._text, self._stats, self._taus, self._tokens = "", "", StatsSnapshot(), [], 0
+        self._think, self._pending_reasoning, self._reasoning_tokens, self._opened = None, "", 0, False
         self._reply_info = None
         self.generating = True
         self._ticker.resume()
@@ -153,10 +156,23 @@ class ChatScreen(Screen):
         ev = m.event
         if isinstance(ev, Started):
             self._reply_info = ev.engine
+            fmt = getattr(self.backend, "think_format", None)
+            self._think = ThinkSplitter(fmt, ev.reasoning) if fmt is not None else None
+            self._opened = ev.reasoning
             self._reply_baseline = self.baseline()  # later re-tunes must not change this reply's speedup
             self._dirty = True
         elif isinstance(ev, Delta):
-            self._pending += ev.text
+            if self._think is not None:  # reasoning apart from the answer, counted in tokens
+                was = self._think.in_reasoning
+                for kind, text in self._think.feed(ev.text):
+                    if kind == REASONING:
+                        self._pending_reasoning += text
+                    else:
+                        self._pending += text
+                if was or self._think.in_reasoning:
+                    self._reasoning_tokens += len(ev.tokens)
+            else:
+                self._pending += ev.text
             self._text += ev.text
             self._stats = ev.stats
             self._tokens += len(ev.tokens)
@@ -173,6 +189,9 @@ class ChatScreen(Screen):
         await self._fail(m.error)
 
     async def _flush(self) -> None:
+        if self._pending_reasoning and self._reply is not None:
+            fragment, self._pending_reasoning = self._pending_reasoning, ""
+            self._reply.append_reasoning(fragment, self._reasoning_tokens)
         if self._pending and self._reply is not None:
             fragment, self._pending = self._pending, ""
             await self._reply.append(fragment)
@@ -192,8 +211,15 @@ class ChatScreen(Screen):
             self.notify("cancelled")
             return
         meta = self._meta(done)
-        await self._reply.finish(text, meta)
-        self.history.append({"role": "assistant", "content": text})
+        self._pending_reasoning = ""
+        fmt = getattr(self.backend, "think_format", None)
+        reasoning = None
+        if fmt is not None:
+            reasoning, text = split(fmt, text, self._opened)
+        await self._reply.finish(text, meta, reasoning, self._reasoning_tokens)
+        # the template decides what to keep of earlier turns' reasoning (Qwen's drop it)
+        self.history.append({"role": "assistant", "content": text,
+                             **({"reasoning_content": reasoning} if reasoning else {})})
         self.turns.append(Turn("assistant", text, meta))
         if (not done.engine.speculative and self.app.settings.speculate is False
                 and done.completion_tokens >= MIN_BASELINE_TOKENS):
@@ -262,7 +288,9 @@ class ChatScreen(Screen):
                         by_position=tuple(s.acceptance_by_position),
                         tps=s.decode_tps, tokens=self._tokens, baseline_tps=base,
                         baseline_source=source, taus=tuple(self._taus),
-                        cached_tokens=int(s.cached_tokens))
+                        cached_tokens=int(s.cached_tokens), plain_cycles=int(s.plain_cycles),
+                        drafted_cycles=int(s.drafted_cycles),
+                        sources=tuple((k, c["cycles"], c["drafted"], c["accepted"]) for k, c in s.sources.items()))
 
     # -- memory ---------------------------------------------------------------------------------
     def _poll_memory(self) -> None:
@@ -285,6 +313,17 @@ class ChatScreen(Screen):
     def action_cancel(self) -> None:
         if self.generating:
             self.backend.cancel()
+
+    def action_toggle_think(self) -> None:
+        """Thinking models: turn reasoning on or off for the next turn (the template's switch)."""
+        if getattr(self.backend, "think_format", None) is None:
+            self.notify("this model writes no reasoning (its tokenizer has no thinking markers)",
+                        severity="warning")
+            return
+        now = self.app.settings.think
+        on = not (True if now is None else now)  # None: the template's default, on for such models
+        self.app.settings = replace(self.app.settings, think=on)
+        self.notify(f"thinking {'on' if on else 'off'} from the next turn")
 
     def action_toggle_spec(self) -> None:
         info = self.backend.info

@@ -53,6 +53,7 @@ arithmetic round differently) passes; `mismatch` is a bug.
 | F3 | losslessness check on the last prompt |
 | F4 | export the chat as markdown |
 | F5 | re-tune the block size |
+| F8 | thinking models: reasoning on/off from the next turn (the reasoning of a reply is folded under its token count; click it to open) |
 | Ctrl+N | new conversation |
 | Ctrl+P | command palette (all of the above) |
 | Ctrl+Q | quit |

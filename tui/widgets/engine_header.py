@@ -32,6 +32,8 @@ def describe(info: EngineInfo | None, speculate: bool) -> tuple[str, str]:
             f"block {info.block_size} ({info.block_size_source})")
     if info.draft_vocab:
         line += f" · draft vocab {info.draft_vocab}"
+    if info.group.size > 1:  # the target sharded over an mlx.launch group (docs/distributed.md)
+        line += f" · {info.group.size} ranks ({info.group.backend})"
     return line, ("SPECULATION ON" if speculate else "SPECULATION OFF · plain A/B")
 
 

@@ -1,5 +1,6 @@
-"""Live speculation numbers for the current reply: τ, acceptance, per-position bars, tok/s,
-speedup against plain decoding, block size and its source, and a sparkline of τ per cycle."""
+"""Live speculation numbers for the current reply: τ, acceptance, drafted and plain cycles and
+each draft source's share (dflash, lookup), per-position bars, tok/s, speedup against plain
+decoding, block size and its source, and a sparkline of τ per cycle."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class SpecView:
     baseline_source: str = ""
     taus: tuple[int, ...] = ()
     cached_tokens: int = 0  # prompt tokens of this reply reused from the prefix cache
+    plain_cycles: int = 0  # cycles the drafting policy ran as plain steps
+    drafted_cycles: int = 0
+    sources: tuple[tuple[str, int, int, int], ...] = ()  # (source, cycles, drafted, accepted)
 
 
 def bar(frac: float, width: int = BAR) -> str:
@@ -71,6 +75,10 @@ def render_numbers(v: SpecView) -> Text:
     if v.mode == "spec":
         row("τ", f"{v.tau:.2f}", "tokens/cycle")
         row("accept", f"{v.acceptance:.1%}", "of drafts")
+        if v.plain_cycles or v.drafted_cycles:
+            row("cycles", f"{v.drafted_cycles} drafted", f"{v.plain_cycles} plain steps")
+        for name, cycles, drafted, accepted in v.sources:
+            row(f" {name}", f"{cycles}×", f"{accepted}/{drafted} accepted")
     row("tok/s", f"{v.tps:.1f}" if v.tokens else "–", "this reply")
     if v.cached_tokens:
         row("reused", f"{v.cached_tokens} tok", "of the prompt, from the prefix cache")
