@@ -125,6 +125,7 @@ class DraftPolicy:
         if pinned is not None and pinned < 2:
             raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
         self.costs = costs.smoothed()
+        self._tables: dict[int, tuple[float, float]] = {}
         self.sources = tuple(sources)
         self.max_block = max(1, pinned or max_block)
         self.pinned = pinned
@@ -145,11 +146,18 @@ class DraftPolicy:
 
     # ---------------------------------------------------------------- costs
 
+    def _table(self, L: int) -> tuple[float, float]:
+        """(Tt(L), Td(L)) of the stored curve, computed once per L."""
+        got = self._tables.get(L)
+        if got is None:
+            got = self._tables[L] = (self.costs.verify(L), self.costs.draft(L))
+        return got
+
     def verify_ms(self, L: int) -> float:
-        return self.costs.verify(L) * (self.scale["verify"] or 1.0)
+        return self._table(L)[0] * (self.scale["verify"] or 1.0)
 
     def draft_ms(self, L: int) -> float:
-        return self.costs.draft(L) * (self.scale["draft"] or self.scale["verify"] or 1.0)
+        return self._table(L)[1] * (self.scale["draft"] or self.scale["verify"] or 1.0)
 
     def cycle_ms(self, source: str, L: int) -> float:
         ms = self.verify_ms(L) + self.overhead[source]
@@ -163,8 +171,11 @@ class DraftPolicy:
 
     def _best(self, source: str, acc: Sequence[float], lengths) -> tuple[int, float]:
         best, rate = 1, 0.0
+        cum = [1.0]  # cum[L - 1] = expected_tokens(acc, L)
+        for p in acc:
+            cum.append(cum[-1] + p)
         for L in lengths:
-            r = expected_tokens(acc, L) / self.cycle_ms(source, L)
+            r = cum[min(L - 1, len(cum) - 1)] / self.cycle_ms(source, L)
             if r > rate:
                 best, rate = L, r
         return best, rate
@@ -261,9 +272,9 @@ class DraftPolicy:
         L = step.drafted + 1
         source = step.source or (DFLASH if step.drafted else PLAIN)
         if step.verify_ms > 0:
-            self.scale["verify"] = _ema(self.scale["verify"], step.verify_ms / max(self.costs.verify(L), 1e-6))
+            self.scale["verify"] = _ema(self.scale["verify"], step.verify_ms / max(self._table(L)[0], 1e-6))
         if source == DFLASH and step.draft_ms > 0:
-            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self.costs.draft(L), 1e-6))
+            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(L)[1], 1e-6))
         if source in self.overhead:
             passes = (step.verify_ms + step.draft_ms if step.verify_ms > 0
                       else self.cycle_ms(source, L) - self.overhead[source])  # no timings: the model's

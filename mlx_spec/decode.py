@@ -224,7 +224,7 @@ def spec_steps(
                         dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx)
                         if dec.source == LOOKUP:
                             source, proposal = LOOKUP, None
-                elif source == LOOKUP and len(pending) >= 32:  # a long run without the drafter
+                elif len(pending) >= 32:  # a long run of lookup / plain cycles: keep the drafter's context fed
                     drafter.add_context(take_pending(), dcache)
                 if source == LOOKUP:
                     drafts = list(ctx.lookup[: min(dec.length, room) - 1])

@@ -543,7 +543,7 @@ def follow_session(session, *, timeout: float | None = None) -> int:
             p, i = for_request(pair, info, speculate=False)
         else:
             p, i = pair, replace(info, block_size=block)
-        return token_steps(p, i, ids, cfg, controller=controller)
+        return token_steps(p, i, ids, cfg, controller=controller, policy=policy)
 
     return follow(session.group, run_steps, timeout=timeout)
 

@@ -527,7 +527,12 @@ class Drafter(nn.Module):
             [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
         )[None]
         h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
-        unary = self.logits(h)  # (L-1, V), or (L-1, K) over a reduced draft vocabulary
+        return self.proposal(h, self.logits(h), anchor, cfg, key, confidence)
+
+    def proposal(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
+                 key: mx.array | None = None, confidence: bool = False) -> Proposal:
+        """The drafts of one block from its hidden states h (L-1, H) and draft logits ``unary``
+        (``propose``'s last part; batch.py runs the block pass for many sequences at once)."""
         if cfg.greedy:
             ids = self.vocab.ids if self.vocab is not None else None
             conf = None

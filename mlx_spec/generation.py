@@ -105,9 +105,10 @@ class EngineInfo:
     block_size: int  # 1 for plain decoding
     block_size_source: str  # "flag" | "checkpoint" | "tuned <date>" | "plain (--no-draft)" ...
     mode: str = SPECULATIVE  # see the class docstring
-    adaptive_max: int = 0  # > 0: --adaptive, the block size is chosen each cycle in 1..adaptive_max
+    adaptive_max: int = 0  # > 0: the per-cycle drafting policy (the default), DFlash blocks up to this
     draft_vocab: int = 0  # > 0: drafts come from a reduced vocabulary of this many ids (0: full head)
     group: GroupInfo = SINGLE  # the processes the target is sharded over (distributed.py)
+    pinned: bool = False  # the user gave the block size (--block-size): the per-cycle policy keeps it
 
     @property
     def speculative(self) -> bool:
@@ -120,9 +121,14 @@ class EngineInfo:
         if self.mode != SPECULATIVE:
             why = "--no-draft" if self.mode == PLAIN else self.block_size_source
             return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
-        block = (f"adaptive block size <= {self.adaptive_max} (online controller; fixed would be "
-                 f"{self.block_size}, {self.block_size_source})" if self.adaptive_max else
-                 f"block size {self.block_size} ({self.block_size_source})")
+        if not self.adaptive_max:
+            block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
+        elif self.block_size_source == "flag":
+            block = (f"per-cycle drafting: plain step, DFlash block {self.block_size} (--block-size) or a "
+                     f"lookup draft")
+        else:
+            block = (f"per-cycle drafting: plain step, DFlash block <= {self.adaptive_max} or a lookup draft "
+                     f"(prior block {self.block_size}, {self.block_size_source})")
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
                 f"{self.drafter}, {block}{vocab}{self._group()}")
@@ -132,13 +138,14 @@ class EngineInfo:
 
 
 def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None,
-                adaptive: bool = False, *, off: bool = False) -> EngineInfo:
+                adaptive: bool = False, *, off: bool = False, pinned: bool = False) -> EngineInfo:
     """The one place that decides what runs (``EngineInfo.mode``).
 
     No drafter: plain. ``off``: the tuner chose plain decoding for this pair (``source`` says
     why). Else speculative at ``block_size`` (None: the checkpoint's). ``adaptive``: the online
     controller picks each cycle's block in 1..max(block size, the checkpoint's, 16); the fixed
-    choice stays in ``block_size``."""
+    choice stays in ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
+    it as its DFlash block)."""
     if pair.drafter is None:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
     if off:
@@ -156,7 +163,7 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     top = max(block_size, ckpt, 16) if adaptive else 0
     vocab = pair.drafter.vocab_size_drafted
     return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", SPECULATIVE,
-                      top, vocab)
+                      top, vocab, pinned=pinned)
 
 
 def plain_view(pair: Pair) -> Pair:
@@ -185,7 +192,7 @@ def policies(pair: Pair, info: EngineInfo):
     from .adaptive import Policies
     from .tuner import load_result, tune_key
 
-    pinned = info.block_size if info.block_size_source == "flag" else None
+    pinned = info.block_size if info.pinned else None
     return Policies(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
 
 

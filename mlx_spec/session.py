@@ -39,6 +39,7 @@ class BlockChoice:
     block_size: int
     source: str  # "flag" | "checkpoint (--no-tune)" | "tuned <date>" | ...
     off: bool = False  # the tuner found plain decoding faster: run plain (mode "tuned-off")
+    pinned: bool = False  # the user gave it (--block-size): the per-cycle policy keeps it
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def stored_block(cfg: LoadConfig, drafter: str | None) -> BlockChoice | None:
     if drafter is None:
         return None
     if cfg.block_size is not None:
-        return BlockChoice(cfg.block_size, "flag")
+        return BlockChoice(cfg.block_size, "flag", pinned=True)
     path = _local_dir(drafter)
     ckpt = _checkpoint_block(path) if path else None
     if not cfg.tune:
@@ -278,7 +279,7 @@ def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tun
         if tuning != "none":
             tuner.apply_threads(tuner.load_result(tuner.tune_key(pair), root))  # a stored choice of threads holds
         if cfg.block_size is not None:
-            return BlockChoice(cfg.block_size, "flag")
+            return BlockChoice(cfg.block_size, "flag", pinned=True)
         return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint")
     if tuning == "stored":
         result = tuner.load_result(tuner.tune_key(pair), root)
@@ -305,7 +306,7 @@ def info_for(pair, choice: BlockChoice | None, adaptive: bool = False) -> Engine
     """The ``EngineInfo`` of a loaded pair at a block choice."""
     if choice is None:
         return engine_info(pair, adaptive=adaptive)
-    return engine_info(pair, choice.block_size, choice.source, adaptive, off=choice.off)
+    return engine_info(pair, choice.block_size, choice.source, adaptive, off=choice.off, pinned=choice.pinned)
 
 
 def load(planned: Planned, log: Log = lambda m: None, *, group=None):

@@ -112,3 +112,22 @@ def test_models_command_lists_every_entry(capsys):
     table = capsys.readouterr().out
     assert table.splitlines()[0].split()[:3] == ["NAME", "ARCH", "DFLASH"] and "~yes" in table
     assert cli.main(["models", "--context", "1"]) == 1
+
+
+def test_serve_defaults_and_detach_flags():
+    from mlx_spec.commands import serve
+    from mlx_spec.server.schemas import RequestDefaults
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    a = p.parse_args(["--model", "qwen3-8b", "--temp", "0.6", "--top-k", "20", "--max-tokens", "300"])
+    cli.apply_model_name(a)
+    assert serve.request_defaults(a) == RequestDefaults(0.6, None, 20, 300, {"enable_thinking": False})
+    flags = serve._flags(a)  # what `serve --detach` hands the background server
+    assert "--no-think" in flags and flags[flags.index("--temperature") + 1] == "0.6"
+    assert flags[flags.index("--target") + 1] == "Qwen/Qwen3-8B" and "--max-tokens" in flags
+    a = p.parse_args(["--think"])
+    assert "--think" in serve._flags(a) and serve.request_defaults(a).template_kwargs == {"enable_thinking": True}
+    for bad in (["--temp", "3"], ["--top-p", "0"], ["--top-k", "-1"], ["--max-tokens", "0"]):
+        with pytest.raises(BadRequest):
+            serve.request_defaults(p.parse_args(bad))

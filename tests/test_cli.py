@@ -34,7 +34,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
         assert out["text"] == ref_text
         assert out["engine"] == {"method": "dflash2", "drafter": str(d), "block_size": B,
                                  "block_size_source": "flag", "target": str(t), "adaptive_max": 0, "draft_vocab": 0,
-                                 "mode": "speculative",
+                                 "mode": "speculative", "pinned": True,
                                  "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False}}
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

@@ -90,7 +90,7 @@ def test_adaptive_engine_is_lossless_and_uses_the_controller(engine, tmp_path):
 
     def loader():
         session = base()
-        return Session.of(session.pair, engine_info(session.pair, 4, "flag", adaptive=True))
+        return Session.of(session.pair, engine_info(session.pair, 4, "flag", adaptive=True, pinned=True))
 
     with Engine(loader) as adaptive, Engine(base) as fixed:
         adaptive.wait_ready(60)

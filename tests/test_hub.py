@@ -113,24 +113,42 @@ def test_download_run_then_offline(hub, hf_home):
     assert r3.returncode == 1 and "org/broken" in r3.stderr and "HF_HUB_OFFLINE=1" in r3.stderr
 
 
-@pytest.mark.parametrize("target, fault, message", [
-    ("org/missing", None, "no such repo"),
-    ("org/other-arch", None, "architecture 'gpt_oss' is not supported"),
-    ("org/wide", None, "hidden_size 64 != target's 128"),
-    ("org/broken", "/api/models/org/broken", "HTTP 500"),
-    ("org/no-config", None, "has no config.json"),
-])
-def test_hub_errors_are_named(hub, hf_home, target, fault, message):
-    if fault:
-        hub.fail[fault] = 500
+ERRORS = {  # target -> what the refusal says; each is refused before any weight byte is fetched
+    "org/missing": "no such repo",
+    "org/broken": "the hub answered HTTP 500",  # the hub fails (injected below)
+    "org/no-config": "has no config.json",
+    "org/other-arch": "architecture 'gpt_oss' is not supported",
+    "org/wide": "hidden_size 64 != target's 128",
+}
+PLAN_EACH = """
+import json, sys
+from mlx_spec.config import LoadConfig
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.session import plan_session
+out = {}
+for target in sys.argv[1:]:
     try:
-        r = run(hub, hf_home, "-m", "mlx_spec", "generate", "--target", target, "--drafter", D, "--prompt", "x",
-                "--no-tune", "--max-tokens", "2")
+        plan_session(LoadConfig(target=target, drafter="org/tiny-drafter", tune=False))
+        out[target] = "planned"
+    except MlxSpecError as e:
+        out[target] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def test_hub_errors_are_named(hub, hf_home):
+    hub.log.clear()
+    hub.fail["/api/models/org/broken"] = 500
+    try:
+        r = run(hub, hf_home, "-c", PLAN_EACH, *ERRORS)
     finally:
-        hub.fail.pop(fault, None)
-    assert r.returncode == 1 and target in r.stderr and message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
-    assert not incomplete(hf_home, target) and "model.safetensors" not in snapshot_files(hf_home, target)
+        hub.fail.clear()
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for target, message in ERRORS.items():
+        assert target in got[target] and message in got[target], got[target]
+        assert not incomplete(hf_home, target) and "model.safetensors" not in snapshot_files(hf_home, target)
+    assert not [h for h in hub.weight_hits() if h.range is None]
 
 
 def test_dropped_connection_resumes(hub, hf_home):

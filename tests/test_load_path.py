@@ -124,7 +124,7 @@ def test_one_rule_for_the_block_size(pair, tmp_path):
     ckpt = pair.drafter.args.block_size
     cfg = LoadConfig(tune_budget_s=7.0)
     assert choose_block(pair, dataclasses.replace(cfg, block_size=3), root=tmp_path, tune_fn=fake_tune) == \
-        BlockChoice(3, "flag")
+        BlockChoice(3, "flag", pinned=True)
     assert choose_block(pair, dataclasses.replace(cfg, tune=False), root=tmp_path, tune_fn=fake_tune) == \
         BlockChoice(ckpt, "checkpoint (--no-tune)")
     assert choose_block(pair, cfg, root=tmp_path, tuning="stored") == \
@@ -142,8 +142,10 @@ def test_the_mode_is_decided_in_one_place(pair):
     from mlx_spec.generation import engine_info, for_request, plain_view
     from mlx_spec.session import BlockChoice, info_for
 
-    spec = info_for(pair, BlockChoice(4, "flag"))
-    assert (spec.mode, spec.method, spec.block_size, spec.speculative) == ("speculative", "dflash2", 4, True)
+    spec = info_for(pair, BlockChoice(4, "flag", pinned=True))
+    assert (spec.mode, spec.method, spec.block_size, spec.speculative, spec.pinned) == \
+        ("speculative", "dflash2", 4, True, True)
+    assert not info_for(pair, BlockChoice(4, "tuned 2026-11-29")).pinned
     off = info_for(pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True))
     assert (off.mode, off.method, off.drafter, off.speculative) == ("tuned-off", "plain", pair.drafter_id, False)
     plain = engine_info(plain_view(pair))
@@ -156,12 +158,17 @@ def test_the_mode_is_decided_in_one_place(pair):
     assert p.drafter is None and same is off
 
 
-def test_no_front_end_parses_the_provenance_text():
+def test_no_code_parses_the_provenance_text():
+    """``block_size_source`` is for people: no code compares it or looks inside it."""
+    import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    hits = [f"{p}:{i}" for folder in ("mlx_spec", "tui") for p in (root / folder).rglob("*.py")
-            for i, line in enumerate(p.read_text().splitlines(), 1) if 'startswith("tuned' in line]
+    parse = re.compile(r'startswith\("tuned|(block_size_source|block_source)\s*(==|!=|\.startswith|\.endswith)'
+                       r'|in\s+\w*\.?(block_size_source|block_source)\b')
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for folder in ("mlx_spec", "tui")
+            for p in (root / folder).rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
+            if parse.search(line)]
     assert hits == []
 
 

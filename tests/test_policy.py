@@ -359,3 +359,33 @@ def test_timings_are_booked_to_their_phase(dense, monkeypatch):
     assert st.verify_ms == pytest.approx(sum(100 + 5 * (L - 1) for _, L, _ in st.trace))
     assert st.draft_ms == pytest.approx(10.0 * sum(1 for s in steps[1:] if s.draft_ms > 0))
     assert st.draft_ms >= 10.0 * st.sources[DFLASH]["cycles"]
+
+
+def test_server_reports_what_the_policy_did():
+    from mlx_spec.generation import EngineInfo
+    from mlx_spec.server import app, schemas
+
+    st = Stats()
+    for s in (Step((1,), prefill=True), Step((1, 2, 3), drafted=3, accepted=2, block_size=4, source=LOOKUP),
+              Step((4,), source=PLAIN), Step((5, 6), drafted=3, accepted=1, block_size=4, source=DFLASH)):
+        st.add(s)
+    info = EngineInfo("dflash2", "t", "d", 4, "tuned", adaptive_max=16)
+    spec = schemas.speculation(info, st.snapshot(trace=True))
+    assert spec["policy"] == "per-cycle"
+    assert spec["cycles"]["plain_cycles"] == 1 and spec["cycles"]["drafted_cycles"] == 2
+    assert spec["cycles"]["sources"]["lookup"]["accepted"] == 2 and len(spec["cycles"]["trace"]) == 3
+    assert schemas.speculation(EngineInfo("dflash2", "t", "d", 4, "flag"))["policy"] == "fixed"
+
+    class Engine:
+        def snapshot(self):
+            return {"requests": 1, "cancelled": 0, "errors": 0, "prompt_tokens": 3, "cached_tokens": 0,
+                    "prefix_cache_bytes": 0, "tokens": 6, "cycles": 2, "drafted": 6, "accepted": 3,
+                    "accepted_by_position": [2, 1], "drafted_by_position": [2, 2], "queue_depth": 0,
+                    "state": "ready",
+                    "plain_cycles": st.plain_cycles, "block_sizes": dict(st.block_sizes),
+                    "sources": {k: dict(v) for k, v in st.sources.items()}}
+
+    text = app.prometheus(Engine(), {}, {"rejected": 0, "in_flight": 0})
+    assert "mlx_spec:spec_decode_plain_cycles_total 1" in text
+    assert 'mlx_spec:spec_decode_cycles_by_block_total{block="4"} 2' in text
+    assert 'mlx_spec:spec_decode_source_accepted_tokens_total{source="lookup"} 2' in text

@@ -357,3 +357,16 @@ def test_server_defaults_fill_omitted_fields(engine):
         assert r.choices[0].message.content == "Pl" and r.choices[0].finish_reason == "length"
         r = oa.chat.completions.create(model="target", messages=MSG, max_tokens=4)
         assert r.choices[0].message.content == "Plai"
+
+
+def test_generate_think_flag_sets_the_template_switch(tmp_path, capsys):
+    from mlx_spec.cli import main
+
+    t, _ = save_tiny_pair(tmp_path)
+    save_tiny_tokenizer(t, extra_specials=("<think>", "</think>"), template=TEMPLATE)
+    counts = {}
+    for flag in ("--think", "--no-think"):
+        assert main(["generate", "--target", str(t), "--no-draft", "--chat", "--prompt", "hi", "--max-tokens", "2",
+                     "--json", flag]) == 0
+        counts[flag] = json.loads(capsys.readouterr().out)["prompt_tokens"]
+    assert counts["--no-think"] == counts["--think"] + 1  # "<think></think>" closes the block in the prompt

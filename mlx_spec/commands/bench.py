@@ -48,7 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
     # --no-adaptive comes from add_model_args: here it also skips the per-cycle rows (dflash
     # per-cycle, lookup per-cycle, hybrid default engine)
-    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm plain row (the second baseline)")
+    p.add_argument("--no-mlx-lm", action="store_true",
+                   help="skip the mlx-lm plain row (the baseline a user would run instead of us)")
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
     p.add_argument("--vocab-compare", action="store_true",
                    help="also run every block size with the full draft head (the drafter must ship a "

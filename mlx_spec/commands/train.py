@@ -181,7 +181,7 @@ def _data(args) -> int:
 def _drafter(args) -> int:
     from ..train.trainer import TrainConfig, train
 
-    cfg = TrainConfig.from_args(args)
+    cfg = train_config(TrainConfig, args)
     result = train(cfg, progress=_log)
     print(json.dumps(result))
     return 0
@@ -256,7 +256,7 @@ def _run(args) -> int:
     from ..train.stream import StreamConfig, run_stream
     from ..train.trainer import TrainConfig
 
-    recipe = TrainConfig.from_args(argparse_copy(args, data="", out=args.out))
+    recipe = train_config(TrainConfig, args, data="", out=args.out)
     cfg = StreamConfig(out=args.out, target=_catalog_target(args.target), prompts=args.prompts, tokens=args.tokens,
                        minutes=args.minutes, batch_size=args.batch_size, max_tokens=args.max_tokens,
                        temperature=args.temperature, top_k=args.top_k, replay_mb=args.replay_mb,
@@ -310,11 +310,13 @@ def _catalog_target(name: str) -> str:
     return entry.target
 
 
-def argparse_copy(args, **changes):
-    """A copy of an argparse Namespace with some fields changed."""
-    import argparse
+def train_config(cls, args, **changes):
+    """The flags that name ``cls``'s fields (a TrainConfig), with ``changes`` on top: the one place
+    training flags become a config (nothing below commands/ reads an argparse Namespace)."""
+    from dataclasses import fields
 
-    return argparse.Namespace(**{**vars(args), **changes})
+    given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**{**given, **changes})
 
 
 def run(args) -> int:

@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -81,10 +81,6 @@ class TrainConfig:
     eval_file: str | None = None
     """JSONL of held-out prompts (default: the first data dir's eval_prompts.jsonl)."""
     export: str | None = None
-
-    @classmethod
-    def from_args(cls, args) -> "TrainConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     @property
     def decay(self) -> float:
