@@ -11,7 +11,10 @@ paid, its proposal unused); after the cycle, ``observe(step)``. Everything it kn
   length for the lookup (short < 3, medium < 8, long >= 8 matched tokens);
 - the pass-cost curve (``costs.Costs``: the tuner's stored one, or ``estimate_costs`` from the
   models' sizes when there is none), rescaled online by the draft and verify times the loop
-  measures at its synchronisation points (so a long context or a busy machine is seen);
+  measures at its synchronisation points (so a long context or a busy machine is seen); once
+  the reply has verified blocks of several lengths, a decayed straight-line fit of its own verify
+  times over rows replaces the curve's Tt(L) (a machine where a row costs more than the curve
+  says is seen);
 - the per-cycle host overhead, measured the same way.
 
 Rates: plain ``1 / (Tt(1) + o)``; DFlash ``E(L) / (Td(L) + Tt(L) + o)``; lookup
@@ -38,7 +41,7 @@ PLAIN, DFLASH, LOOKUP = "plain", "dflash", "lookup"
 SOURCES = (DFLASH, LOOKUP)
 MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
 # A lookup's prior conditional acceptance per position, by matched suffix length (tokens).
-LOOKUP_PRIOR = ((3, 0.3), (8, 0.6), (None, 0.85))
+LOOKUP_PRIOR = ((3, 0.3), (8, 0.55), (None, 0.75))
 
 
 def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> float:
@@ -64,31 +67,40 @@ class Context:
 
 
 class Acceptance:
-    """P(first k+1 drafts accepted) per position k, from decayed counts and a prior."""
+    """P(first k+1 drafts accepted) per position k, from decayed counts and a prior.
 
-    def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9):
+    The prior enters as ``weight`` pseudo-cycles that fade faster than real evidence
+    (``prior_decay`` per cycle against ``decay``), so positions never drafted lately are soon
+    judged by extrapolating the ones that were, not by the prior."""
+
+    def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9,
+                 prior_decay: float = 0.8):
         p = [min(1.0, max(0.0, float(x))) for x in prior[:n]]
         while len(p) < n:  # extrapolate geometrically (a neutral guess without a prior)
             r = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else (p[-1] if p else 0.5)
             p.append((p[-1] if p else 1.0) * min(r, 0.95))
         self.prior = p
-        self.hits, self.reached = [weight * x for x in p], [weight] * n
-        self.decay = decay
+        self.weight = weight
+        self.hits, self.reached = [0.0] * n, [0.0] * n
+        self.decay, self.prior_decay = decay, prior_decay
 
     def update(self, reached: int, hits: int) -> None:
         """One cycle: positions < ``reached`` were judged, the first ``hits`` of them accepted.
         Every position forgets a little; the judged ones learn."""
         d = self.decay
+        self.weight *= self.prior_decay
         for k in range(len(self.reached)):
             self.reached[k] = d * self.reached[k] + (k < reached)
             self.hits[k] = d * self.hits[k] + (k < hits)
 
     def curve(self) -> list[float]:
-        """The decayed counts where there is evidence, else an extrapolation of the previous
-        position's conditional acceptance (a block longer than those tried lately is judged by
-        how well the shorter ones did); never growing with k."""
+        """The counts (prior included) where there is evidence, else an extrapolation of the
+        previous position's conditional acceptance (a block longer than those tried lately is
+        judged by how well the shorter ones did); never growing with k."""
         out, last, cond = [], 1.0, self.prior[0] if self.prior else 0.5
-        for hits, n in zip(self.hits, self.reached):
+        wp = self.weight
+        for hits, n, prior in zip(self.hits, self.reached, self.prior):
+            n, hits = n + wp, hits + wp * prior
             w = n / (n + 1.0)
             p = w * (hits / n if n > 0 else 0.0) + (1 - w) * last * cond
             p = min(p, last)
@@ -96,6 +108,33 @@ class Acceptance:
             last = p
             out.append(p)
         return out
+
+
+class Line:
+    """Decayed least squares of verify time on rows: ``y = a + b * (L - 1)`` from the cycles this
+    reply ran (plain steps and drafts of several lengths); None until the lengths seen spread."""
+
+    def __init__(self, decay: float = 0.95):
+        self.decay, self.s = decay, [0.0] * 5  # sum w, w x, w x^2, w y, w x y
+
+    def add(self, L: int, ms: float) -> None:
+        x, d = L - 1.0, self.decay
+        self.s = [d * v for v in self.s]
+        for i, v in enumerate((1.0, x, x * x, ms, x * ms)):
+            self.s[i] += v
+
+    def at(self, L: int) -> float | None:
+        n, sx, sxx, sy, sxy = self.s
+        if n < 2:
+            return None
+        var = sxx / n - (sx / n) ** 2
+        if var < 1.0:  # the lengths seen are too close to tell a slope
+            return None
+        b = max(0.0, (sxy / n - sx / n * sy / n) / var)
+        a = sy / n - b * sx / n
+        if a <= 0:  # a plain step is never free: the points do not tell a line yet
+            return None
+        return a + b * (L - 1)
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.3) -> float:
@@ -126,13 +165,16 @@ class DraftPolicy:
             raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
         self.costs = costs.smoothed()
         self._tables: dict[int, tuple[float, float]] = {}
+        self.line = Line()
         self.sources = tuple(sources)
         self.max_block = max(1, pinned or max_block)
         self.pinned = pinned
         self.max_lookup = max(0, max_lookup)
-        self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay)
+        # The tuner's DFlash prior was measured: it fades like evidence. The lookup's is a guess
+        # by match length: it fades faster, so accepted copies soon lengthen the lookup drafts.
+        self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay, prior_decay=decay)
         self.lookups = [Acceptance(self.max_lookup, [c ** (k + 1) for k in range(self.max_lookup)],
-                                   weight=prior_weight, decay=decay) for _, c in LOOKUP_PRIOR]
+                                   weight=prior_weight, decay=decay, prior_decay=0.8) for _, c in LOOKUP_PRIOR]
         self.scale = {"verify": 1.0 if measured else None, "draft": 1.0 if measured else None}
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
         self.base_probe = self.probe_every = probe_every
@@ -154,14 +196,15 @@ class DraftPolicy:
         return got
 
     def verify_ms(self, L: int) -> float:
-        return self._table(L)[0] * (self.scale["verify"] or 1.0)
+        fit = self.line.at(L)  # this reply's own verify times, once they tell a slope
+        return fit if fit is not None and fit > 0 else self._table(L)[0] * (self.scale["verify"] or 1.0)
 
     def draft_ms(self, L: int) -> float:
         return self._table(L)[1] * (self.scale["draft"] or self.scale["verify"] or 1.0)
 
     def cycle_ms(self, source: str, L: int) -> float:
-        ms = self.verify_ms(L) + self.overhead[source]
-        return ms + self.draft_ms(L) if source == DFLASH else ms
+        ms = self.verify_ms(L) + self.overhead[source] + (self.draft_ms(L) if source == DFLASH else 0.0)
+        return max(ms, 1e-6)
 
     # ---------------------------------------------------------------- rates
 
@@ -252,10 +295,10 @@ class DraftPolicy:
         lcur = _conditional(self.lookups[self.bucket(ctx.match + agree)].curve())
         pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
         ed = _expected(pd)
-        rate_d = ed / (self.verify_ms(len(drafts) + 1) + self.overhead[DFLASH])
+        rate_d = ed / max(self.verify_ms(len(drafts) + 1) + self.overhead[DFLASH], 1e-6)
         best, rate_l = 1, 0.0
         for L in range(2, n + 2):
-            r = _expected(pl[: L - 1]) / (self.verify_ms(L) + self.overhead[LOOKUP])
+            r = _expected(pl[: L - 1]) / max(self.verify_ms(L) + self.overhead[LOOKUP], 1e-6)
             if r > rate_l:
                 best, rate_l = L, r
         if rate_l > rate_d:
@@ -273,6 +316,7 @@ class DraftPolicy:
         source = step.source or (DFLASH if step.drafted else PLAIN)
         if step.verify_ms > 0:
             self.scale["verify"] = _ema(self.scale["verify"], step.verify_ms / max(self._table(L)[0], 1e-6))
+            self.line.add(L, step.verify_ms)
         if source == DFLASH and step.draft_ms > 0:
             self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(L)[1], 1e-6))
         if source in self.overhead:

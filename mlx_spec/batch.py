@@ -44,7 +44,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from . import hybrid
 from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .decode import Step, _finish, _hand_over, _start
-from .drafter import Proposal
+from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
 from .prefix import Prefill
@@ -247,6 +247,98 @@ class PackedTarget:
 
 
 # --------------------------------------------------------------------------------------------
+# The packed drafter pass
+
+
+def _context_many(drafter, feats: Sequence[mx.array], caches: Sequence[list]) -> list[list]:
+    """``add_context`` for many sequences: fusion and K/V projections once over all their new
+    rows, RoPE once (each row at its own position), then each sequence's cache update."""
+    sizes = [int(f.shape[1]) for f in feats]
+    c = drafter.fuse(feats[0] if len(feats) == 1 else mx.concatenate(feats, axis=1))  # (1, S, H)
+    S = c.shape[1]
+    out: list[list] = [[] for _ in feats]
+    for li, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        pos = mx.array([cache[li].offset + j for cache, n in zip(caches, sizes) for j in range(n)], mx.int32)
+        k = attn.k_norm(attn.k_proj(c).reshape(1, S, attn.n_kv, -1))
+        k = attn.rope(k.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)  # (1, n_kv, S, hd)
+        v = attn.v_proj(c).reshape(1, S, attn.n_kv, -1).transpose(0, 2, 1, 3)
+        a = 0
+        for i, (cache, n) in enumerate(zip(caches, sizes)):
+            out[i].append(cache[li].update_and_fetch(k[:, :, a:a + n], v[:, :, a:a + n]))
+            a += n
+    return out
+
+
+def _draft_attention(attn, x, ctx, starts, masks):
+    """The drafter's attention for n blocks (n, L, H), block i against its own context ctx[i]:
+    projections and RoPE batched over the blocks, SDPA per block."""
+    n, L, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).reshape(n, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=starts)
+    kb, vb = attn.kv(x, starts)
+    outs = []
+    for i, ((ck, cv), m) in enumerate(zip(ctx, masks)):
+        k, v = kb[i:i + 1], vb[i:i + 1]
+        if ck is not None:
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        outs.append(mx.fast.scaled_dot_product_attention(q[i:i + 1], k, v, scale=attn.scale, mask=m))
+    o = mx.concatenate(outs, axis=0) if n > 1 else outs[0]
+    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(n, L, -1))
+
+
+def _draft_layer(layer, x, ctx, starts, masks):
+    """A DFlash / DFlash 2 decoder layer over n blocks (the layer's own sublayers)."""
+    v2 = "attention_conv" in layer
+    u = layer.input_layernorm(x)
+    if v2:
+        u, d = layer.attention_conv.prepare(u)
+    a = _draft_attention(layer.self_attn, u, ctx, starts, masks)
+    x = x + (layer.attention_conv.finish(a, d) if v2 else a)
+    u = layer.post_attention_layernorm(x)
+    if v2:
+        u, d = layer.mlp_conv.prepare(u)
+    m = layer.mlp(u)
+    return x + (layer.mlp_conv.finish(m, d) if v2 else m)
+
+
+def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array | None], caches: Sequence[list],
+                      L: int) -> mx.array:
+    """Final-normed hidden states (n, L-1, H) of n blocks ``[anchor, MASK x (L-1)]``, block i
+    against sequence i's drafter context (its new rows ``feats[i]`` are added first): the block
+    pass of ``Drafter.hidden`` for many sequences, each weight read once."""
+    new = [i for i, f in enumerate(feats) if f is not None and f.shape[1] > 0]
+    kvs = [[lc.state for lc in c] for c in caches]
+    if new:
+        for i, got in zip(new, _context_many(drafter, [feats[i] for i in new], [caches[i] for i in new])):
+            kvs[i] = got
+    starts_list = [c[0].offset for c in caches]
+    starts = mx.array(starts_list, mx.int32)
+    mask_id = drafter.args.mask_token_id
+    block = mx.array([[a] + [mask_id] * (L - 1) for a in anchors], mx.int32)
+    x = drafter.embed_block(block)
+    for li, layer in enumerate(drafter.layers):
+        ctx = [kv[li] for kv in kvs]
+        masks = [block_mask(0 if ck is None else ck.shape[2], st, L, layer.causal, layer.window)
+                 for (ck, _), st in zip(ctx, starts_list)]
+        x = _draft_layer(layer, x, ctx, starts, masks)
+    return drafter.norm(x)[:, 1:]
+
+
+def _mirrors_drafter(drafter) -> bool:
+    """The packed drafter pass equals ``Drafter.hidden`` (two sequences, checked numerically)."""
+    try:
+        F = drafter.fc.weight.shape[-1]
+        f = mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5
+        want = [drafter.hidden(mx.array([[a] + [drafter.args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
+                for a, n in ((3, 7), (5, 4))]
+        got = draft_hidden_many(drafter, [3, 5], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
+        return all(_same(w, g) for w, g in zip(want, got))
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
 # The per-step controller
 
 
@@ -281,21 +373,23 @@ class Acceptance:
 class BatchPolicy:
     """Which sequences draft this step, and how long their blocks are.
 
-    Step cost is modelled as ``a + b*rows + c*drafting`` (rows: all packed rows, prefill rows
-    included; drafting: sequences that draft), fitted by ridge least squares to the last
-    ``window`` measured steps (prior ratios ``prior``, in units of a). Starting from a plain
-    step for everyone, a sequence drafts a block of L when that raises the step's expected
-    tokens per millisecond; its acceptance comes from ``Acceptance``. A sequence kept plain for
-    ``probe_every`` steps drafts once anyway (doubling after each failed probe), so a sequence
-    whose drafts start to pay is found again. A batch of one follows its own wish (the
-    single-stream controller decides, as in ``spec_steps``).
+    Step cost is modelled as ``a + b*rows + c*drafting + e*[a drafter pass runs]`` (rows: all
+    packed rows, prefill rows included; drafting: sequences in the drafter pass, which runs once
+    for all of them), fitted by ridge least squares to the last ``window`` measured steps (prior
+    ratios ``prior``, in units of a). Candidates are ranked by expected extra tokens per extra
+    millisecond, each at its best block length up to its wish; the step takes the prefix of that
+    ranking (none = a plain step for everyone) with the most expected tokens per millisecond.
+    Acceptance comes from each sequence's ``Acceptance``. A sequence kept plain for
+    ``probe_every`` steps drafts once anyway (doubling after each failed probe), so one whose
+    drafts start to pay is found again. A batch of one follows its own wish (the single-stream
+    policy decides, as in ``spec_steps``).
     """
 
-    def __init__(self, prior: tuple[float, float, float] = (1.0, 0.04, 0.15), window: int = 64,
+    def __init__(self, prior: tuple[float, ...] = (1.0, 0.04, 0.03, 0.1), window: int = 64,
                  probe_every: int = 8, max_probe_every: int = 64):
-        self.prior = prior
+        self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
-        self.theta = prior
+        self.theta = self.prior
         self.probe_every, self.max_probe = probe_every, max_probe_every
 
     def observe(self, rows: int, drafting: int, ms: float) -> None:
@@ -305,53 +399,54 @@ class BatchPolicy:
     def _fit(self):
         import numpy as np
 
-        a0, b0, c0 = self.prior
-        X = np.array([[1.0, r, d] for r, d, _ in self.obs])
+        X = np.array([[1.0, r, d, float(d > 0)] for r, d, _ in self.obs])
         y = np.array([m for _, _, m in self.obs])
-        scale = float(y.mean() / (X @ np.array(self.prior)).mean())
-        p = np.array(self.prior) * scale
-        lam = 4.0 * np.diag([1.0, 25.0, 1.0])  # pseudo-observations pulling toward the prior
+        prior = np.array(self.prior)
+        p = prior * float(y.mean() / (X @ prior).mean())
+        lam = 4.0 * np.diag([1.0, 25.0, 4.0, 1.0])  # pseudo-observations pulling toward the prior
         theta = np.linalg.solve(X.T @ X + lam, X.T @ y + lam @ p)
-        theta = np.maximum(theta, [1e-3 * p[0], 0.0, 0.0])
+        theta = np.maximum(theta, [1e-3 * p[0], 0.0, 0.0, 0.0])
         return tuple(float(v) for v in theta)
 
     def cost(self, rows: int, drafting: int) -> float:
-        a, b, c = self.theta
-        return a + b * rows + c * drafting
+        a, b, c, e = self.theta
+        return a + b * rows + c * drafting + (e if drafting else 0.0)
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
         """Each sequence's rows this step (1 = plain), at most its wish. ``passes[i]``: its
-        draft needs a drafter pass (a lookup draft costs rows only)."""
+        draft needs the drafter pass (a lookup draft costs rows only)."""
         n = len(wants)
         passes = [True] * n if passes is None else list(passes)
         if n == 1 and not extra_rows:
             return list(wants)
+        _, b, c, _ = self.theta
         L = [1] * n
         rows, drafting, tokens = n + extra_rows, 0, float(n)
         cands = []
         for i, w in enumerate(wants):
             if w <= 1:
                 continue
-            c = self.theta[2] if passes[i] else 0.0
+            ci = c if passes[i] else 0.0
             if plain_runs[i] >= probes[i]:  # probe: draft once at the wished size
                 L[i] = w
                 rows += w - 1
                 drafting += passes[i]
                 tokens += accs[i].expected(w) - 1
                 continue
-            best = max(range(2, w + 1), key=lambda k: (accs[i].expected(k) - 1) / (self.theta[1] * (k - 1) + c + 1e-9))
-            gain = accs[i].expected(best) - 1
-            cands.append((gain / (self.theta[1] * (best - 1) + c + 1e-9), i, best, gain))
+            k = max(range(2, w + 1), key=lambda k: (accs[i].expected(k) - 1) / (b * (k - 1) + ci + 1e-9))
+            gain = accs[i].expected(k) - 1
+            cands.append((gain / (b * (k - 1) + ci + 1e-9), i, k, gain))
         cands.sort(reverse=True)
-        for _, i, k, gain in cands:
-            now = tokens / self.cost(rows, drafting)
-            then = (tokens + gain) / self.cost(rows + k - 1, drafting + passes[i])
-            if then > now:
-                L[i] = k
-                rows += k - 1
-                drafting += passes[i]
-                tokens += gain
+        best, best_rate = 0, tokens / self.cost(rows, drafting)
+        r, d, t = rows, drafting, tokens
+        for j, (_, i, k, gain) in enumerate(cands, start=1):
+            r, d, t = r + k - 1, d + passes[i], t + gain
+            rate = t / self.cost(r, d)
+            if rate > best_rate:
+                best, best_rate = j, rate
+        for _, i, k, _ in cands[:best]:
+            L[i] = k
         return L
 
 
@@ -421,6 +516,8 @@ class BatchDecoder:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
         self.target, self.drafter = target, drafter
         self.packed = PackedTarget(target)
+        # one drafter pass for all drafting sequences when our mirror of its layers checks out
+        self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
@@ -524,6 +621,11 @@ class BatchDecoder:
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
     @staticmethod
+    def _conf(s: _Seq) -> bool:
+        """Greedy with a lookup proposal too: the policy's ``pick`` wants the drafter's confidence."""
+        return s.sampling.greedy and s.ctx is not None and bool(s.ctx.lookup)
+
+    @staticmethod
     def _take(s: _Seq) -> mx.array | None:
         f = (mx.concatenate(s.pending, axis=1) if len(s.pending) > 1 else s.pending[0]) if s.pending else None
         s.pending.clear()
@@ -545,18 +647,26 @@ class BatchDecoder:
         decisions = self._choose(decoding, extra)
 
         # DFlash drafts: every drafting sequence's proposal in one lazy graph, evaluated together.
-        keys, props = {}, {}
+        keys, props, group = {}, {}, {}
         for s, d in zip(decoding, decisions):
             kd = ka = None
             if not s.sampling.greedy:
                 s.key, kd, ka = mx.random.split(s.key, 3)
-            keys[s.id] = ka
+            keys[s.id] = (kd, ka)
             if d.source == DFLASH:
-                conf = s.sampling.greedy and s.ctx is not None and bool(s.ctx.lookup)  # pick() may use it
+                if self.packed_drafter:
+                    group.setdefault(d.length, []).append(s)
+                    continue
                 props[s.id] = self.drafter.propose(s.anchor, self._take(s), s.dcache, d.length, s.sampling, kd,
-                                                   **({"confidence": True} if conf else {}))
+                                                   **({"confidence": True} if self._conf(s) else {}))
             elif d.source == LOOKUP and s.dcache is not None and len(s.pending) >= 32:
                 self.drafter.add_context(self._take(s), s.dcache)  # a long run without the drafter
+        for L, ss in group.items():  # one block pass per block length for all its sequences
+            h = draft_hidden_many(self.drafter, [s.anchor_id for s in ss], [self._take(s) for s in ss],
+                                  [s.dcache for s in ss], L)
+            unary = self.drafter.logits(h)
+            for i, s in enumerate(ss):
+                props[s.id] = self.drafter.proposal(h[i], unary[i], s.anchor, s.sampling, keys[s.id][0], self._conf(s))
         ran = len(props)  # drafter passes this step
         if props:
             mx.eval([[x for x in p if x is not None] for p in props.values()])
@@ -600,11 +710,10 @@ class BatchDecoder:
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
-            tv0 = time.perf_counter()
             if s.sampling.greedy:
                 a, bonus = accept_greedy(draft_list, greedy_choice[k].tolist())
             else:
-                a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id])
+                a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
             tr0 = time.perf_counter()
             verify_ms = max(verify_ms, (tr0 - td) * 1e3)
             self.packed.rollback(s.cache, out.records, L, a + 1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -93,6 +93,11 @@ def _finish(tokens: list[int], n_done: int, max_tokens: int, eos: frozenset[int]
     return tokens, None
 
 
+def untimed(step: Step) -> Step:
+    """The step without its timings (what a seeded sampled run's policy may learn from)."""
+    return replace(step, draft_ms=0.0, verify_ms=0.0, rollback_ms=0.0, elapsed_ms=0.0)
+
+
 def _prefill(target: Target, ids: list[int], cache, step: int, sink) -> mx.array:
     """Run the prompt through the target in chunks; ``sink(features)`` gets every chunk's taps.
 
@@ -152,6 +157,9 @@ def spec_steps(
     greedy = sampling.greedy
     key = mx.random.key(sampling.seed if sampling.seed is not None else time.time_ns() % 2**31)
     pending: list[mx.array] = []  # features of committed rows not yet in the drafter's cache
+    # A seeded sampled run must give the same text every time: its policy may not learn from
+    # timings (they vary), only from the tokens (they do not, given the seed and the choices).
+    seeded = not greedy and sampling.seed is not None
     index = None
     if policy is not None and LOOKUP in policy.sources:
         from .lookup import SuffixIndex  # lookup.py's baseline loops import this module
@@ -197,7 +205,7 @@ def spec_steps(
                 room = max_tokens - n
                 ctx = None
                 if policy is not None:
-                    policy.observe(prev)
+                    policy.observe(untimed(prev) if seeded else prev)
                     look, match = index.propose(min(policy.max_lookup, room - 1)) if index is not None else ([], 0)
                     ctx = Context(tuple(look), match, room, greedy)
                     dec = policy.choose(ctx)
@@ -262,7 +270,7 @@ def spec_steps(
                 consistent = True
                 yield prev
             if policy is not None:
-                policy.observe(prev)
+                policy.observe(untimed(prev) if seeded else prev)
         except GeneratorExit:
             if consistent:
                 _hand_over(on_exit, final)

@@ -123,7 +123,7 @@ class EngineInfo:
             return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
         if not self.adaptive_max:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
-        elif self.block_size_source == "flag":
+        elif self.pinned:
             block = (f"per-cycle drafting: plain step, DFlash block {self.block_size} (--block-size) or a "
                      f"lookup draft")
         else:

@@ -53,6 +53,7 @@ class Server:
     name: str
     argv: list[str]
     port: int
+    env: dict = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen | None = None
     log: list[str] = field(default_factory=list)
 
@@ -62,7 +63,7 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, start_new_session=True)
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
@@ -113,10 +114,14 @@ def ours(target: str, drafter: str | None, max_batch: int, extra: Sequence[str] 
     return Server(OURS, argv, port)
 
 
-def mlx_lm_server(model_dir: str) -> Server:
+def mlx_lm_server(model_dir: str, blas: str | None = None) -> Server:
+    """``blas``: the BLAS library our process loaded (Linux: OpenBLAS), preloaded into mlx-lm's
+    server too, so both sides multiply with the same library (mlx's CPU wheel alone links a
+    reference BLAS many times slower on many rows)."""
     port = free_port()
+    env = {"LD_PRELOAD": blas} if blas else {}
     return Server(MLX_LM, [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--host", "127.0.0.1",
-                           "--port", str(port)], port)
+                           "--port", str(port)], port, env)
 
 
 def _ask(url: str, messages: list[dict], max_tokens: int, timeout: float) -> int:

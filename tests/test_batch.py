@@ -443,3 +443,25 @@ def test_server_concurrent_openai_clients_and_metrics(tmp_path):
         metrics = httpx.get(f"{url}/metrics").text
         assert 'mlx_spec:batch_size_bucket{le="+Inf"}' in metrics
         assert "mlx_spec:batch_steps_total" in metrics and "mlx_spec:batch_max 4" in metrics
+
+
+def test_loadtest_levels_against_a_server_in_process(tmp_path):
+    """bench --concurrency's client side (loadtest.run_level / table) against our server in a
+    thread (the real command also starts both servers as child processes)."""
+    import time
+
+    from helpers import tiny_engine_loader
+    from test_server import serve_in_thread
+
+    from mlx_spec import loadtest
+    from mlx_spec.engine import Engine
+    from mlx_spec.server.app import create_app
+
+    with Engine(tiny_engine_loader(tmp_path), max_batch=2) as e, serve_in_thread(create_app(e)) as url:
+        e.wait_ready(60)
+        server = loadtest.Server(loadtest.OURS, [], int(url.rsplit(":", 1)[1]))
+        prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "tell me a story"}]]
+        rows = [loadtest.run_level(server, c, 2, prompts, 8, 60, time.monotonic() + 120) for c in (1, 2)]
+    assert [r.tokens for r in rows] == [16, 32] and all(r.failed == 0 for r in rows)
+    assert all(r.p95_s >= r.p50_s > 0 for r in rows)
+    assert "mlx_spec serve" in loadtest.table(rows)

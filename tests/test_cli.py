@@ -63,8 +63,8 @@ def test_generate_adaptive_is_lossless_and_engaged(pair_dirs, capsys):
     assert out["text"] == fixed["text"]
     assert out["engine"]["adaptive_max"] == 16 and out["engine"]["block_size"] == 4
     s = out["stats"]
-    assert 0 < s["drafted"] < 3 * s["cycles"] - 3  # some cycles drafted, many ran plain steps
-    assert s["plain_cycles"] > 0 and s["plain_cycles"] + s["drafted_cycles"] == s["cycles"]
+    assert s["drafted"] > 0 and s["plain_cycles"] + s["drafted_cycles"] == s["cycles"]
+    assert s["plain_cycles"] > 0 or "lookup" in s["sources"]  # not the fixed block every cycle
     assert len(s["cycle_trace"]) == s["cycles"] and sum(s["block_sizes"].values()) == s["cycles"]
     assert all(L == 4 for src, L, _ in s["cycle_trace"][:-1] if src == "dflash")  # --block-size pins it
     default = _json(capsys, ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world",

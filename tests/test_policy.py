@@ -90,7 +90,11 @@ def test_a_long_reliable_lookup_match_skips_the_drafter():
     p = DraftPolicy(COSTS, 8, prior=[0.5, 0.3, 0.2])
     assert p.choose(Context()).source == DFLASH  # nothing to look up: the drafter
     d = p.choose(Context(lookup=tuple(range(40)), match=30))
-    assert d.source == LOOKUP and 8 < d.length <= 33  # longer than the drafter's block
+    assert d.source == LOOKUP and d.length >= 4
+    for _ in range(20):  # the copies are accepted whole: the lookup drafts grow past the drafter's block
+        p.observe(_cycle(p, d, d.length - 1))
+        d = p.choose(Context(lookup=tuple(range(40)), match=30))
+    assert d.source == LOOKUP and 16 < d.length <= 33
     short = p.choose(Context(lookup=(1, 2), match=1))  # a one-token match is a weak guess
     assert short.source == DFLASH
     assert p.choose(Context(lookup=tuple(range(40)), match=30, room=5)).length <= 5  # within the room
@@ -389,3 +393,25 @@ def test_server_reports_what_the_policy_did():
     assert "mlx_spec:spec_decode_plain_cycles_total 1" in text
     assert 'mlx_spec:spec_decode_cycles_by_block_total{block="4"} 2' in text
     assert 'mlx_spec:spec_decode_source_accepted_tokens_total{source="lookup"} 2' in text
+
+
+def test_verify_cost_slope_is_learned_from_the_replys_own_cycles():
+    """A machine where each verified row costs 25 % of a plain step (the curve says 6 %): after
+    cycles of several lengths the policy prices long drafts by what it measured."""
+    p = DraftPolicy(estimate_costs_stub(), 8, measured=False)
+    for L in (1, 4, 1, 8, 2, 1, 6):
+        p.observe(Step(tuple(range(L)), drafted=L - 1, accepted=L - 1, block_size=L, source=LOOKUP if L > 1 else PLAIN,
+                       verify_ms=100.0 + 25.0 * (L - 1), elapsed_ms=100.0 + 25.0 * (L - 1)))
+    assert p.verify_ms(1) == pytest.approx(100.0, rel=0.05) and p.verify_ms(30) == pytest.approx(825.0, rel=0.05)
+    assert p.choose(Context(lookup=tuple(range(40)), match=30)).length < 16  # long copies cost too much here
+
+
+def test_an_implausible_fit_falls_back_to_the_curve():
+    p = DraftPolicy(COSTS, 8, sources=(DFLASH,))
+    for L, ms in ((8, 10.0), (2, 100.0), (8, 10.0), (2, 100.0)):  # verify times falling with rows
+        p.observe(Step((1,), drafted=L - 1, accepted=0, block_size=L, source=DFLASH, verify_ms=ms, elapsed_ms=ms))
+    for L, ms in ((8, 300.0), (8, 300.0), (1, 0.5)):  # a slope through ~0 at one row
+        p.observe(Step((1,), drafted=L - 1, accepted=0, block_size=L, source=DFLASH if L > 1 else PLAIN,
+                       verify_ms=ms, elapsed_ms=ms))
+    assert all(p.cycle_ms(s, L) > 0 for s in (PLAIN, DFLASH, LOOKUP) for L in (1, 2, 8))
+    p.choose(Context(lookup=(1, 2, 3), match=5))  # no ZeroDivisionError

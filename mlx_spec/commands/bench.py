@@ -178,7 +178,10 @@ def concurrency(args) -> int:
         extra += ["--block-size", str(args.block_size)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
     if not args.no_mlx_lm:
-        servers.append(loadtest.mlx_lm_server(target))
+        import mlx_spec
+
+        blas = mlx_spec.BLAS.path if mlx_spec.BLAS.name == "openblas" else None
+        servers.append(loadtest.mlx_lm_server(target, blas))
     rows = loadtest.run(servers, levels, messages, max_tokens=args.max_tokens, requests=args.requests,
                         budget_s=args.time_budget, log=lambda m: print(m, file=sys.stderr))
     report = {"target": args.target, "levels": levels, "requests_per_client": args.requests,
