@@ -223,20 +223,24 @@ class DraftPolicy:
                 best, rate = L, r
         return best, rate
 
-    def options(self, ctx: Context, benched: bool = False) -> dict[str, tuple[int, float]]:
+    def options(self, ctx: Context) -> dict[str, tuple[int, float]]:
         """{source: (best length, tokens per ms)} for this context; "plain" always present.
-        Benched sources (``fail_limit`` outright rejections in a row) only with ``benched``."""
+        Benched sources included (``choose`` filters them with ``_is_benched``)."""
         room = max(1, ctx.room)
         out = {PLAIN: (1, 1.0 / self.cycle_ms(PLAIN, 1))}
-        ok = lambda k: benched or not self.benched(k)  # noqa: E731
-        if DFLASH in self.sources and room > 1 and ok(DFLASH):
+        if DFLASH in self.sources and room > 1:
             lengths = [min(self.pinned, room)] if self.pinned else range(2, min(self.max_block, room) + 1)
             out[DFLASH] = self._best(DFLASH, self.dflash.curve(), lengths)
         n = min(len(ctx.lookup), self.max_lookup, room - 1)
-        b = self.bucket(ctx.match)
-        if LOOKUP in self.sources and n > 0 and ok(b):
-            out[LOOKUP] = self._best(LOOKUP, self.lookups[b].curve(), range(2, n + 2))
+        if LOOKUP in self.sources and n > 0:
+            out[LOOKUP] = self._best(LOOKUP, self.lookups[self.bucket(ctx.match)].curve(), range(2, n + 2))
         return out
+
+    def _is_benched(self, source: str, ctx: Context) -> bool:
+        """Plain is never benched; the lookup is judged per match-length bucket."""
+        if source == PLAIN:
+            return False
+        return self.benched(DFLASH if source == DFLASH else self.bucket(ctx.match))
 
     def benched(self, key) -> bool:
         n, p0 = self.fails.get(key, (0, 0.0))
@@ -254,7 +258,8 @@ class DraftPolicy:
     def choose(self, ctx: Context) -> Decision:
         """Before a cycle: plain, or the source and length with the best expected rate."""
         self._ctx = ctx
-        opts = self.options(ctx)
+        every = self.options(ctx)  # once per cycle; the probe below reuses the benched ones
+        opts = {s: v for s, v in every.items() if not self._is_benched(s, ctx)}
         source = max(opts, key=lambda s: opts[s][1])
         if source != PLAIN:
             self.plain_run, self.probe_every = 0, self.base_probe
@@ -262,7 +267,7 @@ class DraftPolicy:
         else:
             self.plain_run += 1
             d = Decision(PLAIN, 1)
-            drafts = {s: v for s, v in self.options(ctx, benched=True).items() if s != PLAIN}
+            drafts = {s: v for s, v in every.items() if s != PLAIN}
             if drafts and self.plain_run >= self.probe_every:  # probe: does drafting pay again?
                 self.plain_run = 0
                 self.probe_every = min(self.max_probe, self.probe_every * 2)
@@ -402,17 +407,6 @@ class Policies:
     def __call__(self) -> DraftPolicy:
         return DraftPolicy(self.costs, self.max_block, self.prior, sources=self.sources, pinned=self.pinned,
                            measured=self.measured, **self.kw)
-
-
-class Controllers:
-    """A fresh DFlash-only ``AdaptiveController`` per generation (the older ``--adaptive`` path)."""
-
-    def __init__(self, pair, result=None, max_block: int | None = None):
-        self.policies = Policies(pair, result, max_block=max_block, sources=(DFLASH,))
-
-    def __call__(self) -> "AdaptiveController":
-        p = self.policies
-        return AdaptiveController(p.costs, p.max_block, p.prior, measured=p.measured)
 
 
 class AdaptiveController:

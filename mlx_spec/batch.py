@@ -43,7 +43,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import hybrid
 from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
-from .decode import Step, _finish, _hand_over, _start
+from .decode import Step, _finish, _hand_over, _start, untimed
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
@@ -255,14 +255,13 @@ def _context_many(drafter, feats: Sequence[mx.array], caches: Sequence[list]) ->
     rows, RoPE once (each row at its own position), then each sequence's cache update."""
     sizes = [int(f.shape[1]) for f in feats]
     c = drafter.fuse(feats[0] if len(feats) == 1 else mx.concatenate(feats, axis=1))  # (1, S, H)
-    S = c.shape[1]
+    rows = c.transpose(1, 0, 2)  # (S, 1, H): rows on the batch axis, each RoPE'd at its own position
     out: list[list] = [[] for _ in feats]
     for li, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         pos = mx.array([cache[li].offset + j for cache, n in zip(caches, sizes) for j in range(n)], mx.int32)
-        k = attn.k_norm(attn.k_proj(c).reshape(1, S, attn.n_kv, -1))
-        k = attn.rope(k.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)  # (1, n_kv, S, hd)
-        v = attn.v_proj(c).reshape(1, S, attn.n_kv, -1).transpose(0, 2, 1, 3)
+        k, v = attn.kv(rows, pos)  # (S, n_kv, 1, hd)
+        k, v = k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)  # (1, n_kv, S, hd)
         a = 0
         for i, (cache, n) in enumerate(zip(caches, sizes)):
             out[i].append(cache[li].update_and_fetch(k[:, :, a:a + n], v[:, :, a:a + n]))
@@ -508,8 +507,7 @@ class BatchDecoder:
     """
 
     def __init__(self, target: Target, drafter=None, *, block_size: int = 1, max_batch: int = 8,
-                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None,
-                 prior: Sequence[float] = ()):
+                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if max_batch < 1:
@@ -522,7 +520,6 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
         self.policy = policy or BatchPolicy()
-        self.prior = tuple(prior)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count(1)
         # observability (plain values; the engine copies them)
@@ -532,10 +529,6 @@ class BatchDecoder:
 
     def __len__(self) -> int:
         return len(self._seqs)
-
-    @property
-    def ids(self) -> list[int]:
-        return list(self._seqs)
 
     def add(self, prompt: Sequence[int], *, max_tokens: int, eos_ids: Sequence[int] = (),
             sampling: SamplingConfig = SamplingConfig(), prefill: Prefill | None = None,
@@ -571,7 +564,7 @@ class BatchDecoder:
             sid, list(prompt), max_tokens, frozenset(eos_ids), sampling, controller, policy if speculate else None,
             index, on_exit, speculate,
             cache, dcache, done, done, mx.random.key(seed),
-            Acceptance(max(1, self.block_size - 1), self.prior), time.perf_counter(),
+            Acceptance(max(1, self.block_size - 1)), time.perf_counter(),
             probe_every=self.policy.probe_every)
         return sid
 
@@ -696,22 +689,26 @@ class BatchDecoder:
             segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
                             "last" if last else "none"))
         outs = self.packed(segs, taps=self.drafter is not None)
-        greedy_choice = [None] * len(decoding)
-        for k, s in enumerate(decoding):
-            if s.sampling.greedy:
-                greedy_choice[k] = mx.argmax(outs[k].logits, axis=-1)
-        mx.async_eval([c for c in greedy_choice if c is not None],
-                      [o.hidden for o in outs if o.hidden is not None])
+        # Greedy sequences' target choices: one argmax over all their rows, one host transfer.
+        greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy]
+        choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
+                  if greedy else None)
+        mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
 
         results: list[tuple[int, Step]] = []
         finished: list[_Seq] = []
         verify_ms = 0.0
         rollback_s = 0.0
+        greedy_ids: dict[int, list[int]] = {}
+        if choice is not None:
+            flat, r = choice.tolist(), 0
+            for k in greedy:
+                greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
             if s.sampling.greedy:
-                a, bonus = accept_greedy(draft_list, greedy_choice[k].tolist())
+                a, bonus = accept_greedy(draft_list, greedy_ids[k])
             else:
                 a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
             tr0 = time.perf_counter()
@@ -788,9 +785,7 @@ class BatchDecoder:
                 if s.policy is not None:
                     # A sequence's own policy learns acceptance; step costs under a batch are the
                     # batch's (BatchPolicy's business), so it sees them only when it ran alone.
-                    s.policy.observe(st if len(decoding) == 1 and not chunks else
-                                     Step(st.tokens, drafted=st.drafted, accepted=st.accepted,
-                                          block_size=st.block_size, source=st.source))
+                    s.policy.observe(st if len(decoding) == 1 and not chunks else untimed(st))
             out_steps.append((sid, st))
         for s in finished:
             self._seqs.pop(s.id, None)

@@ -50,10 +50,6 @@ class Entry:
         per_weight = 16 if not bits else bits + 0.5
         return int(self.params_b * 1e9 * per_weight / 8)
 
-    def describe_field(self, name: str) -> str:
-        value = getattr(self, name)
-        return f"~{value}" if name in self.approximate else str(value)
-
 
 def load() -> dict[str, Entry]:
     """Every entry, by name. A malformed catalog is refused by name (it ships with the package)."""

@@ -391,7 +391,6 @@ class Engine:
     # -- continuous batching ---------------------------------------------------------------------
     def _make_decoder(self, session):
         """The ``batch.BatchDecoder`` when requests may run together (None: one at a time)."""
-        self._decoder = None
         asked = self._max_batch_asked
         if asked == 1 or getattr(session, "group", None) is not None:
             return None  # (a sharded target runs the group's single-stream protocol)
@@ -495,8 +494,8 @@ class Engine:
 
         req = handle.request
         rid = req.id
+        self._add("requests")
         if handle.cancelled.is_set():
-            self._add("requests")
             self._add("cancelled")
             handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
             return 0
@@ -513,12 +512,10 @@ class Engine:
             if self._room is not None and self._live and reserved + need > self._room.room:
                 return None
         except Exception as e:
-            self._add("requests")
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
             return 0
-        self._add("requests")
         handle._put(Started(rid, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
         if self._controllers[0] is not info:
             self._controllers = (info, policies(pair, info))

@@ -177,7 +177,8 @@ def for_request(pair: Pair, info: EngineInfo, speculate: bool = True) -> tuple[P
     if info.speculative and speculate:
         return pair, info
     if info.speculative:  # an A/B request: plain decoding of the same target
-        return plain_view(pair), replace(engine_info(plain_view(pair)), group=info.group)
+        plain = plain_view(pair)
+        return plain, replace(engine_info(plain), group=info.group)
     return plain_view(pair), info
 
 

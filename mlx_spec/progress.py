@@ -12,7 +12,8 @@ import time
 from typing import TextIO
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour."""
     s = int(round(seconds))
     return f"{s // 60}:{s % 60:02d}" if s < 3600 else f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
@@ -31,8 +32,8 @@ class Bar:
         f = min(max(done / total, 0.0), 1.0) if total else 1.0
         fill = int(f * self.width)
         el = time.perf_counter() - self.t0
-        eta = f"eta {_clock(el * (1 - f) / f)}" if 0.02 <= f < 1 else "eta -:--" if f < 1 else "done"
-        text = f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {100 * f:3.0f}% {_clock(el)} {eta}"
+        eta = f"eta {clock(el * (1 - f) / f)}" if 0.02 <= f < 1 else "eta -:--" if f < 1 else "done"
+        text = f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {100 * f:3.0f}% {clock(el)} {eta}"
         return f"{text}  {note}" if note else text
 
     def __call__(self, done: float, total: float, note: str = "") -> None:
@@ -50,7 +51,7 @@ class Bar:
         if self.closed:
             return
         self.closed = True
-        el = _clock(time.perf_counter() - self.t0)
+        el = clock(time.perf_counter() - self.t0)
         end = f"{self.label}: {summary or 'done'} ({el})\n"
         self.stream.write(f"\r\x1b[2K{end}" if self.tty else end)
         self.stream.flush()

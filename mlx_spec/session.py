@@ -275,15 +275,15 @@ def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tun
     if pair.drafter is None:
         return None
     ckpt = pair.drafter.args.block_size
-    if cfg.block_size is not None or not cfg.tune or tuning == "none":
-        if tuning != "none":
-            tuner.apply_threads(tuner.load_result(tuner.tune_key(pair), root))  # a stored choice of threads holds
+    tunes = cfg.block_size is None and cfg.tune and tuning != "none"
+    if not tunes or tuning == "stored":
+        if tuning != "none":  # a stored choice of threads holds, whatever sets the block size
+            result = tuner.load_result(tuner.tune_key(pair), root)
+            tuner.apply_threads(result)
         if cfg.block_size is not None:
             return BlockChoice(cfg.block_size, "flag", pinned=True)
-        return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint")
-    if tuning == "stored":
-        result = tuner.load_result(tuner.tune_key(pair), root)
-        tuner.apply_threads(result)
+        if not tunes:
+            return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint")
         return from_tuning(result) if result is not None else \
             BlockChoice(ckpt, "checkpoint; not tuned on this machine yet")
     kw = {"tune_fn": tune_fn} if tune_fn is not None else {}

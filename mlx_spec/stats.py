@@ -41,7 +41,6 @@ class Stats:
     first_token_ms: float = 0.0
     reached: list[int] = field(default_factory=list)  # cycles that drafted position k
     hits: list[int] = field(default_factory=list)  # ... and accepted it
-    tau_trace: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, step: Step) -> None:
@@ -72,7 +71,6 @@ class Stats:
             c["drafted"] += step.drafted
             c["accepted"] += step.accepted
         self.committed_in_cycles += len(step.tokens)
-        self.tau_trace.append(len(step.tokens))
         self.drafted += step.drafted
         self.accepted += step.accepted
         while len(self.reached) < step.drafted:

@@ -90,6 +90,8 @@ def test_batched_equals_alone_dense(dense, v2, policy):
     target, d, _ = tiny_drafter(model, cfg, v2=v2)
     alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=N)) for p in PROMPTS]
     dec = BatchDecoder(target, d, block_size=4, max_batch=8, prefill_chunk=16, policy=policy())
+    # the packed paths are what is under test here, not the per-sequence fallbacks
+    assert dec.packed_drafter and dec.packed.packed
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS], joins={3: 2, 4: 5, 5: 9})
     for i, p in enumerate(PROMPTS):
         assert got[i] == alone[i], f"prompt {i}"

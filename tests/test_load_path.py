@@ -70,11 +70,13 @@ def test_flags_become_a_config_once():
 
     args = argparse.Namespace(target="t", drafter="d", no_draft=False, block_size=6, target_bits="4",
                               drafter_bits=None, group_size=32, draft_vocab="full", context=2048, force=True,
-                              no_tune=True, tune_budget=12.0, adaptive=True, prefix_cache_mb=1.5)
+                              no_tune=True, tune_budget=12.0, no_adaptive=True, prefix_cache_mb=1.5,
+                              budget_gb=2.0, prompt_tokens=100, ranks=2)
     cfg = load_config(args)
     assert cfg == LoadConfig(target="t", drafter="d", block_size=6, target_bits="4", group_size=32,
                              draft_vocab="full", context=2048, force=True, tune=False, tune_budget_s=12.0,
-                             adaptive=True, prefix_cache=int(1.5 * 2**20))
+                             adaptive=False, prefix_cache=int(1.5 * 2**20), budget=2 * 2**30,
+                             prompt_tokens=100, ranks=2)
     # a command without some flags (tune has no --block-size) gets the defaults
     assert load_config(argparse.Namespace(target="t")) == LoadConfig(target="t")
     with pytest.raises(BadRequest, match="--budget-gb"):

@@ -44,6 +44,17 @@ def serve_in_thread(app):
         sock.close()
 
 
+@contextlib.contextmanager
+def running_engine(loader, **kw):
+    """A started, ready Engine over ``loader`` (queue of 4), closed on exit."""
+    e = Engine(loader, max_queue=4, **kw).start()
+    e.wait_ready(60)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     return save_tiny_pair(tmp_path_factory.mktemp("pair"))
@@ -57,10 +68,8 @@ def engine(pair_dirs):
         pair = load_pair(str(t), str(d))
         return Session.of(pair, engine_info(pair, 4, "flag"))
 
-    e = Engine(loader, max_queue=4, prefix_cache=16 << 20).start()  # as `serve` runs by default
-    e.wait_ready(60)
-    yield e
-    e.close()
+    with running_engine(loader, prefix_cache=16 << 20) as e:  # as `serve` runs by default
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ test_server_tools.ScriptedModel); its tokenizer has ``<think>`` markers and a to
 
 import json
 import random
-from dataclasses import replace
 
 import anthropic
 import httpx
@@ -13,12 +12,8 @@ import openai
 import pytest
 from helpers import save_tiny_pair, save_tiny_tokenizer
 from test_server import serve_in_thread
-from test_server_tools import ScriptedModel
+from test_server_tools import scripted_engine
 
-from mlx_spec.engine import Engine
-from mlx_spec.generation import engine_info
-from mlx_spec.loading import load_pair
-from mlx_spec.session import Session
 from mlx_spec.server import anthropic as api
 from mlx_spec.server.app import create_app
 from mlx_spec.server.schemas import NO_DEFAULTS, ChatCompletionRequest, RequestDefaults
@@ -145,15 +140,8 @@ def engine(tmp_path_factory):
     t, _ = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     save_tiny_tokenizer(t, extra_specials=("<think>", "</think>"), template=TEMPLATE)
 
-    def loader():
-        pair = load_pair(str(t), None, no_draft=True)
-        pair = replace(pair, model=ScriptedModel(pair.model, pair.tokenizer.eos_token_id))
-        return Session.of(pair, engine_info(pair))
-
-    e = Engine(loader, max_queue=4).start()
-    e.wait_ready(60)
-    yield e
-    e.close()
+    with scripted_engine(t) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 from helpers import tiny_engine_loader
-from test_server import serve_in_thread
+from test_server import running_engine, serve_in_thread
 
 from mlx_spec.engine import Delta, Done, Engine, Handle, Started
 from mlx_spec.server.app import create_app
@@ -18,11 +18,8 @@ from mlx_spec.stats import StatsSnapshot
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"), context=512)
-    e = Engine(loader, max_queue=4).start()
-    e.wait_ready(60)
-    yield e
-    e.close()
+    with running_engine(tiny_engine_loader(tmp_path_factory.mktemp("pair"), context=512)) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import openai
 import pytest
 from helpers import save_tiny_pair
 from mlx_lm.tool_parsers import json_tools, mistral
-from test_server import serve_in_thread
+from test_server import running_engine, serve_in_thread
 
-from mlx_spec.engine import Delta, Done, Engine, Handle, Started
+from mlx_spec.engine import Delta, Done, Handle, Started
 from mlx_spec.generation import EngineInfo, engine_info
 from mlx_spec.stats import StatsSnapshot
 from mlx_spec.loading import load_pair
@@ -165,6 +165,17 @@ class ScriptedModel:
         return self.tokens[k] if 0 <= k < len(self.tokens) else self.eos
 
 
+def scripted_engine(target_dir):
+    """A running Engine over the target in ``target_dir`` alone (no drafter), its greedy choice
+    scripted by ``ScriptedModel``."""
+    def loader():
+        pair = load_pair(str(target_dir), None, no_draft=True)
+        pair = replace(pair, model=ScriptedModel(pair.model, pair.tokenizer.eos_token_id))
+        return Session.of(pair, engine_info(pair))
+
+    return running_engine(loader)
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from transformers import AutoTokenizer
@@ -174,15 +185,8 @@ def engine(tmp_path_factory):
     tok.chat_template = TOOL_TEMPLATE  # has <tool_call> and tool_call.name: mlx-lm infers json_tools
     tok.save_pretrained(str(t))
 
-    def loader():
-        pair = load_pair(str(t), None, no_draft=True)
-        pair = replace(pair, model=ScriptedModel(pair.model, pair.tokenizer.eos_token_id))
-        return Session.of(pair, engine_info(pair))
-
-    e = Engine(loader, max_queue=4).start()
-    e.wait_ready(60)
-    yield e
-    e.close()
+    with scripted_engine(t) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -163,13 +163,10 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
     """An engine-thread job: tune, store, and switch the engine to the new block size."""
 
     def job(pair) -> TuneView:
-        from dataclasses import replace
-
         from mlx_spec import session, tuner
 
-        key = tuner.tune_key(pair)
-        result = replace(tuner.tune(pair, budget_s=budget_s,
-                                    progress=lambda d, t, m: progress(d / t if t else 0.0, m)), key=key)
+        # tune() keys its result by tuner.tune_key(pair) itself.
+        result = tuner.tune(pair, budget_s=budget_s, progress=lambda d, t, m: progress(d / t if t else 0.0, m))
         tuner.save_result(result)
         # Between requests, on the engine thread: the next turn runs the tuned engine.
         engine.use_info(session.info_for(pair, session.from_tuning(result),

@@ -237,11 +237,11 @@ def _eval(args) -> int:
 
 def _bar(p) -> str:
     """One progress line: budget share, generated tokens/s, steps/s, ETA, loss, latest tau."""
+    from ..progress import clock
+
     width = 24
     fill = int(round(p.fraction * width))
-    eta = p.eta_s
-    eta_s = "?" if eta is None else (f"{int(eta // 3600)}h{int(eta % 3600 // 60):02d}m" if eta >= 3600
-                                     else f"{int(eta // 60)}m{int(eta % 60):02d}s")
+    eta_s = "?" if p.eta_s is None else clock(p.eta_s)
     loss = "-" if p.loss is None else f"{p.loss:.3f}"
     tau = "-" if p.tau is None else f"{p.tau:.2f}"
     return (f"[{'#' * fill}{'.' * (width - fill)}] {100 * p.fraction:5.1f}% {p.phase:<10} {p.tokens} tok "

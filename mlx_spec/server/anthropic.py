@@ -23,7 +23,7 @@ from typing import AsyncIterator, Literal
 
 from pydantic import Field
 from fastapi import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from ..engine import Done, Failed, Request, Started
 from ..thinking import REASONING
@@ -365,10 +365,11 @@ def sse_event(name: str, data: dict) -> str:
 # -- routes ------------------------------------------------------------------------------------
 
 
-def register(app, engine, *, auth, check_model, collect, handles: set, read_body, cancel_on_disconnect,
+def register(app, engine, *, auth, check_model, respond, handles: set, read_body,
              defaults: schemas.RequestDefaults, keepalive_s: float, max_body_bytes: int) -> None:
     """Add the Messages routes to ``create_app``'s app; the callables are create_app's own, so the
-    queue, the model check, cancellation on disconnect and shutdown handling are shared."""
+    queue, the model check, cancellation on disconnect and shutdown handling are shared
+    (``respond`` submits a request and answers it plainly or as a stream)."""
 
     def reply_stream(started: Started | None, tools: list | None) -> output.OutputStream:
         tool_fmt = getattr(engine, "tool_format", None) if tools else None
@@ -380,28 +381,15 @@ def register(app, engine, *, auth, check_model, collect, handles: set, read_body
         body = schemas.parse(MessagesRequest, await read_body(request, max_body_bytes))
         served = check_model(body.model)
         req = body.to_engine(engine.context_length, defaults)
-        handle = engine.submit(req, loop=asyncio.get_running_loop())
-        handles.add(handle)
-        watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         mid = f"msg_{uuid.uuid4().hex[:24]}"
-        try:
-            if not body.stream:
-                started, done = await collect(handle)
-                watcher.cancel()
-                out = reply_stream(started, req.tools)
-                content, called = blocks(out.feed(done.text) + out.finish())
-                return message(mid, served, done, content, called)
-            first = await handle.next_event(keepalive_s)
-            if isinstance(first, Failed):
-                raise errors.from_failed(first)
-        except BaseException:
-            watcher.cancel()
-            handle.cancel()
-            handles.discard(handle)
-            raise
-        events = stream(handle, first, watcher, mid, served, req.tools)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        def reply(started: Started | None, done: Done) -> dict:
+            out = reply_stream(started, req.tools)
+            content, called = blocks(out.feed(done.text) + out.finish())
+            return message(mid, served, done, content, called)
+
+        return await respond(request, req, body.stream, reply,
+                             lambda handle, first, watcher: stream(handle, first, watcher, mid, served, req.tools))
 
     async def stream(handle, first, watcher, mid: str, model: str, tools) -> AsyncIterator[str]:
         ev, out, built = first, None, _Blocks()

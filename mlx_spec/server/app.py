@@ -136,9 +136,6 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
         body = schemas.parse(model_cls, await read_body(request, max_body_bytes))
         served = check_model(body.model)
         req = body.to_engine(engine.context_length, defaults)
-        handle = engine.submit(req, loop=asyncio.get_running_loop())
-        handles.add(handle)
-        watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created_at = schemas.now()
         # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
@@ -152,16 +149,30 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
                 return None
             return output.OutputStream(think, bool(started and started.reasoning), fmt, body.active_tools)
 
+        def reply(started: Started | None, done: Done):
+            if fmt is None and think is None:
+                return schemas.completion(kind, rid, created_at, served, done)
+            reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
+                                                     fmt, body.active_tools)
+            return schemas.completion(kind, rid, created_at, served, done, content=content,
+                                      tool_calls=calls, reasoning=reasoning)
+
+        return await respond(request, req, body.stream, reply,
+                             lambda handle, first, watcher: sse(handle, first, watcher, kind, rid, created_at,
+                                                                served, body.include_usage, reply_stream))
+
+    async def respond(request: HTTPRequest, req, stream: bool, reply, events):
+        """Queue ``req`` and answer it: for a plain request ``reply(started, done)``, for a streamed
+        one an SSE response over ``events(handle, first, watcher)`` (which must release the handle
+        and the watcher when it ends). Shared by the OpenAI and Anthropic routes."""
+        handle = engine.submit(req, loop=asyncio.get_running_loop())
+        handles.add(handle)
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         try:
-            if not body.stream:
+            if not stream:
                 started, done = await collect(handle)
                 watcher.cancel()
-                if fmt is None and think is None:
-                    return schemas.completion(kind, rid, created_at, served, done)
-                reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
-                                                         fmt, body.active_tools)
-                return schemas.completion(kind, rid, created_at, served, done, content=content,
-                                          tool_calls=calls, reasoning=reasoning)
+                return reply(started, done)
             # Wait briefly for the first event so early failures get a real HTTP status.
             first = await handle.next_event(keepalive_s)
             if isinstance(first, Failed):
@@ -171,8 +182,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handle.cancel()
             handles.discard(handle)
             raise
-        events = sse(handle, first, watcher, kind, rid, created_at, served, body.include_usage, reply_stream)
-        return StreamingResponse(events, media_type="text/event-stream",
+        return StreamingResponse(events(handle, first, watcher), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def collect(handle) -> tuple[Started | None, Done]:
@@ -249,9 +259,9 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             handles.discard(handle)
             watcher.cancel()
 
-    anthropic.register(app, engine, auth=auth, check_model=check_model, collect=collect, handles=handles,
-                       read_body=read_body, cancel_on_disconnect=cancel_on_disconnect, defaults=defaults,
-                       keepalive_s=keepalive_s, max_body_bytes=max_body_bytes)
+    anthropic.register(app, engine, auth=auth, check_model=check_model, respond=respond, handles=handles,
+                       read_body=read_body, defaults=defaults, keepalive_s=keepalive_s,
+                       max_body_bytes=max_body_bytes)
     return app
 
 

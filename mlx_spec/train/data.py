@@ -330,9 +330,9 @@ def export_tokens(data_dir: str | Path, path: str | Path) -> dict:
     sub = "tokens" if (Path(data_dir) / "tokens").is_dir() and not (Path(data_dir) / "shards").is_dir() else "shards"
     for f in sorted((Path(data_dir) / sub).glob("[0-9]*[0-9].npz")):
         with np.load(f) as z:
-            o = z["offsets"]
+            o, t = z["offsets"], z["tokens"]  # each z[name] reads the array from the file again
             for j in range(len(o) - 1):
-                toks.append(z["tokens"][o[j] : o[j + 1]])
+                toks.append(t[o[j] : o[j + 1]])
                 lens.append(o[j + 1] - o[j])
             plens.extend(z["prompt_lens"].tolist())
             ids.extend(z["ids"].tolist())
@@ -367,17 +367,19 @@ class Dataset:
         for f in files:
             feat = np.load(shard_dir / f.name.replace(".npz", ".feat.npy"), mmap_mode="r")
             with np.load(f) as z:
-                o = z["offsets"]
+                # each z[name] reads the array from the file again: read each one once
+                o, ids, toks, plens = z["offsets"], z["ids"], z["tokens"], z["prompt_lens"]
+                tids, tlps = z["topk_ids"], z["topk_logp"]
                 for j in range(len(o) - 1):
-                    if str(z["ids"][j]) in exclude:
+                    if str(ids[j]) in exclude:
                         continue
                     s, e = int(o[j]), int(o[j + 1])
-                    d.tokens.append(z["tokens"][s:e])
-                    d.prompt_lens.append(int(z["prompt_lens"][j]))
+                    d.tokens.append(toks[s:e])
+                    d.prompt_lens.append(int(plens[j]))
                     d.features.append(feat[s:e])
-                    d.topk_ids.append(z["topk_ids"][s:e])
-                    d.topk_logp.append(z["topk_logp"][s:e])
-                    d.ids.append(str(z["ids"][j]))
+                    d.topk_ids.append(tids[s:e])
+                    d.topk_logp.append(tlps[s:e])
+                    d.ids.append(str(ids[j]))
         return d
 
 

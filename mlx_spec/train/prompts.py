@@ -20,8 +20,6 @@ import inspect
 import json
 import random
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..prompts import Prompt
 

@@ -92,13 +92,13 @@ class ReplayBuffer:
             z = np.load(path)
         except OSError as e:
             raise CheckpointError(f"cannot read the replay buffer {path}: {e}") from None
-        with z:
-            o = z["offsets"]
+        with z:  # each z[name] reads the array from the file again: read each one once
+            o, ids, toks, plens = z["offsets"], z["ids"], z["tokens"], z["prompt_lens"]
+            feats, tids, tlps = z["features"], z["topk_ids"], z["topk_logp"]
             self.__init__(self.capacity)
             for j in range(len(o) - 1):
                 s, e = int(o[j]), int(o[j + 1])
-                self.add(str(z["ids"][j]), z["tokens"][s:e], int(z["prompt_lens"][j]), z["features"][s:e],
-                         z["topk_ids"][s:e], z["topk_logp"][s:e])
+                self.add(str(ids[j]), toks[s:e], int(plens[j]), feats[s:e], tids[s:e], tlps[s:e])
             self.evicted = int(z["evicted"])
 
 

@@ -35,9 +35,9 @@ from ..prompts import Prompt, interleave
 from .data import DataConfig, generate_batch
 from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
 from .trainer import (
-    TrainConfig, base_vocab, build_drafter, calibrate_head_scale, drafter_config, evaluate_tau,
+    STEP_SUMS, TrainConfig, add_step, base_vocab, build_drafter, calibrate_head_scale, drafter_config, evaluate_tau,
     freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token, save_checkpoint,
-    scale_fc_init, step_vocab, to_mx, train_step, write_curves,
+    scale_fc_init, step_means, step_vocab, to_mx, train_step, write_curves,
 )
 
 log = logging.getLogger(__name__)
@@ -239,9 +239,9 @@ def _trained_prompt_ids(run: Path, upto: int) -> set[bytes]:
             f.unlink()
             continue
         with np.load(f) as z:
-            o, pl = z["offsets"], z["prompt_lens"]
+            o, pl, toks = z["offsets"], z["prompt_lens"], z["tokens"]  # each z[name] reads the file
             for j in range(len(pl)):
-                seen.add(z["tokens"][o[j] : o[j] + pl[j]].astype(np.int32).tobytes())
+                seen.add(toks[o[j] : o[j] + pl[j]].astype(np.int32).tobytes())
     return seen
 
 
@@ -283,7 +283,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     run.mkdir(parents=True, exist_ok=True)
     if resume:
         _compare_settings(run, cfg)
-    tcfg = replace(cfg.train, out=str(run), block_size=cfg.train.block_size)
+    tcfg = replace(cfg.train, out=str(run))
 
     model, tokenizer = load_target_model(cfg.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -356,7 +356,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
 
     t_start = time.perf_counter() - state["seconds"]
     rate = {"gen_t": 0.0, "gen_n": 0, "step_t": 0.0, "step_n": 0, "round": 0.0}
-    acc = {"loss": 0.0, "ce": 0.0, "sel": 0.0, "w": 0.0, "hits": 0.0, "n": 0, "t": 0.0}
+    acc = dict.fromkeys(STEP_SUMS, 0.0)
 
     def seconds() -> float:
         return time.perf_counter() - t_start
@@ -473,16 +473,10 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 dt = time.perf_counter() - t0
                 rate["step_t"] += dt
                 rate["step_n"] += 1
-                for k, v in (("loss", loss), ("ce", ce), ("sel", sel), ("w", wsum), ("hits", hits)):
-                    acc[k] += v.item()
-                acc["n"] += 1
-                acc["t"] += dt
+                add_step(acc, (loss, ce, sel, wsum, hits), dt)
                 if acc["n"] == 10 or state["pending"] == 0:
-                    state["history"].append({
-                        "step": state["step"], "tokens": state["tokens"], "loss": round(acc["loss"] / acc["n"], 4),
-                        "ce": round(acc["ce"] / max(acc["w"], 1e-9), 4), "sel": round(acc["sel"] / max(acc["w"], 1e-9), 4),
-                        "top1": round(acc["hits"] / max(acc["w"], 1e-9), 4), "step_s": round(acc["t"] / acc["n"], 3),
-                        "lr": round(float(opt.learning_rate), 7)})
+                    state["history"].append({"step": state["step"], "tokens": state["tokens"], **step_means(acc),
+                                             "lr": round(float(opt.learning_rate), 7)})
                     acc = dict.fromkeys(acc, 0.0)
                 report("train")
             rate["round"] = time.perf_counter() - t_round

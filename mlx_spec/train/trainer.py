@@ -237,7 +237,6 @@ def make_batch(data: Dataset, rng: np.random.Generator, cfg: TrainConfig, mask_i
     picks = [(r, sample_anchors(data.prompt_lens[r], len(data.tokens[r]), cfg.anchors, rng)) for r in rows]
     S = max(1, max((int(a.max()) for _, a in picks if len(a)), default=1))
     F = data.features[rows[0]].shape[1]
-    K = data.topk_ids[rows[0]].shape[1]
     feats = np.zeros((len(rows), S, F), np.float32)
     blocks, anchors, seq, labels, prev, weights, tki, tkl = [], [], [], [], [], [], [], []
     for i, (r, anc) in enumerate(picks):
@@ -288,6 +287,26 @@ def block_hidden(drafter: Drafter, features: mx.array, blocks: mx.array, anchors
     """Final-normed hidden (N, B, H) of every block against its own sequence's context: the
     drafter's own batched forward (``Drafter.block_hidden``), the one inference uses."""
     return drafter.block_hidden(blocks, features, anchors, seq, mask)
+
+
+STEP_SUMS = ("loss", "ce", "sel", "w", "hits", "n", "t")
+"""Running sums between two history rows: train_step's loss and aux, steps, seconds."""
+
+
+def add_step(acc: dict, parts, dt: float) -> None:
+    """Add one step's (loss, ce, sel, weight, hits) (evaluated by ``train_step``) and time."""
+    for k, v in zip(STEP_SUMS, parts):
+        acc[k] += v.item()
+    acc["n"] += 1
+    acc["t"] += dt
+
+
+def step_means(acc: dict) -> dict:
+    """A history row's means: loss and seconds per step, ce, sel and top-1 per weighted position."""
+    w = max(acc["w"], 1e-9)
+    return {"loss": round(acc["loss"] / acc["n"], 4), "ce": round(acc["ce"] / w, 4),
+            "sel": round(acc["sel"] / w, 4), "top1": round(acc["hits"] / w, 4),
+            "step_s": round(acc["t"] / acc["n"], 3)}
 
 
 def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
@@ -585,7 +604,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             + ", ".join(p.id for p in trained))
     eval_target = Target(model, taps)
     t_last_ckpt = time.perf_counter()
-    acc = {"loss": 0.0, "ce": 0.0, "sel": 0.0, "w": 0.0, "hits": 0.0, "n": 0, "t": 0.0}
+    acc = dict.fromkeys(STEP_SUMS, 0.0)
     last = {}
     while state["step"] < cfg.steps:
         t0 = time.perf_counter()
@@ -596,19 +615,10 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         loss, (ce, sel, wsum, hits), gnorm = train_step(drafter, opt, batch, cfg)
         state["step"] += 1
         dt = time.perf_counter() - t0
-        acc["loss"] += loss.item()
-        acc["ce"] += ce.item()
-        acc["sel"] += sel.item()
-        acc["w"] += wsum.item()
-        acc["hits"] += hits.item()
-        acc["n"] += 1
-        acc["t"] += dt
+        add_step(acc, (loss, ce, sel, wsum, hits), dt)
         step = state["step"]
         if step % 10 == 0 or step == cfg.steps:
-            last = {"step": step, "loss": round(acc["loss"] / acc["n"], 4),
-                    "ce": round(acc["ce"] / acc["w"], 4), "sel": round(acc["sel"] / acc["w"], 4),
-                    "top1": round(acc["hits"] / acc["w"], 4), "step_s": round(acc["t"] / acc["n"], 3),
-                    "lr": round(float(opt.learning_rate), 6)}
+            last = {"step": step, **step_means(acc), "lr": round(float(opt.learning_rate), 6)}
             state["history"].append(last)
             say(f"train: step {step}/{cfg.steps} loss {last['loss']:.3f} (ce {last['ce']:.3f} sel "
                 f"{last['sel']:.3f}) top1 {last['top1']:.3f} {last['step_s']:.2f}s/step lr {last['lr']:.2e}")
