@@ -6,9 +6,12 @@ cycle, ``choose(Context)`` -> ``Decision(source, length)``; at greedy, after a D
 the lookup also had a proposal, ``pick`` may switch to the lookup (the drafter's pass is then
 paid, its proposal unused); after the cycle, ``observe(step)``. Everything it knows:
 
-- acceptance by position, per source, from this reply's own cycles (decayed counts), started
-  from a prior as pseudo-cycles: the tuner's measured acceptance for DFlash, a guess by match
-  length for the lookup (short < 3, medium < 8, long >= 8 matched tokens);
+- acceptance from this reply's own cycles (decayed counts), started from a prior: for DFlash by
+  position, the tuner's measured acceptance as pseudo-cycles; for the lookup a copy model
+  (``Copy``): the chance a copied token is right given the ones before it were, by how many
+  tokens the copy has matched (a guess per match-length bucket as pseudo-tokens), so a long
+  accepted copy drafts long (up to ``MAX_LOOKUP``) and the short match after an edit point
+  drafts short;
 - the pass-cost curve (``costs.Costs``: the tuner's stored one, or ``estimate_costs`` from the
   models' sizes when there is none), rescaled online by the draft and verify times the loop
   measures at its synchronisation points (so a long context or a busy machine is seen); once
@@ -40,8 +43,12 @@ from .costs import Costs
 PLAIN, DFLASH, LOOKUP = "plain", "dflash", "lookup"
 SOURCES = (DFLASH, LOOKUP)
 MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
-# A lookup's prior conditional acceptance per position, by matched suffix length (tokens).
-LOOKUP_PRIOR = ((3, 0.3), (8, 0.55), (None, 0.75))
+# The lookup's prior chance that a copied token is right given the ones before it were, by how
+# many tokens the copy has matched so far (upper bound of each bucket, None: open). Measured on
+# greedy replies of the default target to the built-in prompts (agent edits: 0.23 below 2 matched
+# tokens, 0.85-0.9 at 3-7, 0.97-1.0 from 8 on; code, math and prose: 0.16-0.26, 0.45-0.78,
+# 0.7-1.0), set between the two.
+LOOKUP_PRIOR = ((2, 0.2), (3, 0.4), (4, 0.6), (8, 0.7), (16, 0.85), (32, 0.9), (None, 0.93))
 
 
 def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> float:
@@ -110,6 +117,59 @@ class Acceptance:
         return out
 
 
+class Copy:
+    """The lookup's acceptance: a copy goes on token by token until the reply departs from what
+    it copies (an edit point), and the longer it has matched, the likelier the next token is
+    right. Per match-length bucket (``LOOKUP_PRIOR``), the chance a draft token is accepted when
+    the ones before it were: decayed counts of judged and accepted tokens, started from the
+    prior as ``weight`` pseudo-tokens. Position k of a draft found at match length m has matched
+    m + k tokens once the k before it are accepted, so it is judged in bucket(m + k): a draft
+    starts at its match's chance and grows more confident along a long copy, and accepted copies
+    lengthen the drafts at once (no per-position evidence needed); one break (an edit point)
+    costs its bucket one judged token, and the short match after it starts the next drafts short.
+    """
+
+    def __init__(self, prior: Sequence[tuple[int | None, float]] = LOOKUP_PRIOR, *, weight: float = 4.0,
+                 decay: float = 0.9):
+        self.tops = [top for top, _ in prior]
+        self.prior = [c for _, c in prior]
+        self.weight, self.decay = weight, decay
+        self.judged = [0.0] * len(prior)
+        self.hits = [0.0] * len(prior)
+
+    def bucket(self, match: int) -> int:
+        return next(i for i, top in enumerate(self.tops) if top is None or match < top)
+
+    def cond(self, match: int) -> float:
+        """P(a draft token is accepted | the ones before it were), matched ``match`` tokens."""
+        b = self.bucket(match)
+        return (self.hits[b] + self.weight * self.prior[b]) / (self.judged[b] + self.weight)
+
+    def conditional(self, match: int, n: int) -> list[float]:
+        """The per-position conditional chances of an ``n``-token draft found at ``match``."""
+        return [self.cond(match + k) for k in range(n)]
+
+    def curve(self, match: int, n: int) -> list[float]:
+        """P(the first k+1 draft tokens accepted), k < n."""
+        out, run = [], 1.0
+        for c in self.conditional(match, n):
+            run *= c
+            out.append(run)
+        return out
+
+    def update(self, match: int, reached: int, hits: int) -> None:
+        """One cycle's judgement of a draft found at ``match``: positions < ``reached`` were
+        judged, the first ``hits`` of them accepted (``reached`` = hits + 1 where one was
+        rejected). Every bucket forgets a little."""
+        d = self.decay
+        self.judged = [d * x for x in self.judged]
+        self.hits = [d * x for x in self.hits]
+        for k in range(reached):
+            b = self.bucket(match + k)
+            self.judged[b] += 1.0
+            self.hits[b] += k < hits
+
+
 class Line:
     """Decayed least squares of verify time on rows: ``y = a + b * (L - 1)`` from the cycles this
     reply ran (plain steps and drafts of several lengths); None until the lengths seen spread."""
@@ -171,10 +231,9 @@ class DraftPolicy:
         self.pinned = pinned
         self.max_lookup = max(0, max_lookup)
         # The tuner's DFlash prior was measured: it fades like evidence. The lookup's is a guess
-        # by match length: it fades faster, so accepted copies soon lengthen the lookup drafts.
+        # by match length (Copy): accepted copies lengthen the lookup drafts at once.
         self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay, prior_decay=decay)
-        self.lookups = [Acceptance(self.max_lookup, [c ** (k + 1) for k in range(self.max_lookup)],
-                                   weight=prior_weight, decay=decay, prior_decay=0.8) for _, c in LOOKUP_PRIOR]
+        self.copy = Copy(decay=decay)
         self.scale = {"verify": 1.0 if measured else None, "draft": 1.0 if measured else None}
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
         self.base_probe = self.probe_every = probe_every
@@ -184,6 +243,7 @@ class DraftPolicy:
         # DFLASH or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
         self.fails: dict[object, tuple[int, float]] = {}
         self._ctx = Context()
+        self._peek: tuple[Context, dict] | None = None  # stays_plain's options, reused by choose
         self.trace: list[Decision] = []
 
     # ---------------------------------------------------------------- costs
@@ -208,9 +268,8 @@ class DraftPolicy:
 
     # ---------------------------------------------------------------- rates
 
-    @staticmethod
-    def bucket(match: int) -> int:
-        return next(i for i, (top, _) in enumerate(LOOKUP_PRIOR) if top is None or match < top)
+    def bucket(self, match: int) -> int:
+        return self.copy.bucket(match)
 
     def _best(self, source: str, acc: Sequence[float], lengths) -> tuple[int, float]:
         best, rate = 1, 0.0
@@ -233,7 +292,7 @@ class DraftPolicy:
             out[DFLASH] = self._best(DFLASH, self.dflash.curve(), lengths)
         n = min(len(ctx.lookup), self.max_lookup, room - 1)
         if LOOKUP in self.sources and n > 0:
-            out[LOOKUP] = self._best(LOOKUP, self.lookups[self.bucket(ctx.match)].curve(), range(2, n + 2))
+            out[LOOKUP] = self._best(LOOKUP, self.copy.curve(ctx.match, n), range(2, n + 2))
         return out
 
     def _is_benched(self, source: str, ctx: Context) -> bool:
@@ -246,19 +305,34 @@ class DraftPolicy:
         n, p0 = self.fails.get(key, (0, 0.0))
         return n >= self.fail_limit and (1.0 - p0) ** n < self.fail_odds
 
-    def _judge(self, key, curve: Acceptance, accepted: bool) -> None:
+    def _judge(self, key, p_first: float, accepted: bool) -> None:
+        """``p_first``: the source's P(first draft accepted) before this cycle."""
         if accepted:
             self.fails.pop(key, None)
         else:
             n, p0 = self.fails.get(key, (0, None))
-            self.fails[key] = (n + 1, curve.curve()[0] if p0 is None else p0)
+            self.fails[key] = (n + 1, p_first if p0 is None else p0)
 
     # ---------------------------------------------------------------- the interface
+
+    def stays_plain(self, ctx: Context) -> bool:
+        """Would ``choose(ctx)`` take a plain step (not a probe)? Changes nothing but the context
+        the next ``observe`` scores the lookup by: the loop asks it one token ahead, to queue the
+        next plain step before it reads the current one (a pipelined run of plain steps), and
+        then calls ``choose`` with the same ``ctx``."""
+        self._ctx = ctx
+        every = self.options(ctx)
+        self._peek = (ctx, every)
+        opts = {s: v for s, v in every.items() if not self._is_benched(s, ctx)}
+        if max(opts, key=lambda s: opts[s][1]) != PLAIN:
+            return False
+        return len(every) == 1 or self.plain_run + 1 < self.probe_every
 
     def choose(self, ctx: Context) -> Decision:
         """Before a cycle: plain, or the source and length with the best expected rate."""
         self._ctx = ctx
-        every = self.options(ctx)  # once per cycle; the probe below reuses the benched ones
+        peek, self._peek = self._peek, None
+        every = peek[1] if peek is not None and peek[0] is ctx else self.options(ctx)  # once per cycle
         opts = {s: v for s, v in every.items() if not self._is_benched(s, ctx)}
         source = max(opts, key=lambda s: opts[s][1])
         if source != PLAIN:
@@ -283,8 +357,8 @@ class DraftPolicy:
         drafter's ``drafts`` or switch to the lookup, whichever promises more tokens per verify
         millisecond (the draft pass is paid either way). The drafter's per-position chance is
         the mean of its own top probability (``confidence``) and its running conditional
-        acceptance; where the two proposals agree, the better of both sources counts, and the
-        lookup's later positions are judged as a match longer by the agreement."""
+        acceptance; the lookup's is its copy model's (``Copy``); where the two proposals agree,
+        the better of both counts."""
         ctx = self._ctx if ctx is None else ctx
         n = min(len(ctx.lookup), self.max_lookup, max(1, ctx.room) - 1)
         if decision.source != DFLASH or LOOKUP not in self.sources or n <= 0:
@@ -295,9 +369,7 @@ class DraftPolicy:
         agree = 0
         while agree < min(len(drafts), n) and drafts[agree] == ctx.lookup[agree]:
             agree += 1
-        # The drafter confirming the copy's first tokens is evidence the copy is on track: judge
-        # the rest as a match longer by that much.
-        lcur = _conditional(self.lookups[self.bucket(ctx.match + agree)].curve())
+        lcur = self.copy.conditional(ctx.match, n)
         pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
         ed = _expected(pd)
         rate_d = ed / max(self.verify_ms(len(drafts) + 1) + self.overhead[DFLASH], 1e-6)
@@ -330,19 +402,20 @@ class DraftPolicy:
             rest = step.elapsed_ms - passes
             self.overhead[source] = _ema(self.overhead[source], max(0.0, rest), 0.2)
         if source == DFLASH:
-            self._judge(DFLASH, self.dflash, step.accepted > 0)
+            self._judge(DFLASH, self.dflash.curve()[0], step.accepted > 0)
             self.dflash.update(step.drafted, step.accepted)
-        look, b = self._ctx.lookup, self.bucket(self._ctx.match)
+        look, m = self._ctx.lookup, self._ctx.match
+        b = self.bucket(m)
         if source == LOOKUP:
-            self._judge(b, self.lookups[b], step.accepted > 0)
-            self.lookups[b].update(step.drafted, step.accepted)
+            self._judge(b, self.copy.cond(m), step.accepted > 0)
+            self.copy.update(m, min(step.accepted + 1, step.drafted), step.accepted)
         elif look and step.tokens:  # what the lookup would have got, as far as the tokens tell
             a = 0
             while a < min(len(look), len(step.tokens)) and look[a] == step.tokens[a]:
                 a += 1
             if a or a < len(step.tokens):  # (else: nothing committed to judge its first guess by)
-                self._judge(b, self.lookups[b], a > 0)
-            self.lookups[b].update(min(a + 1, len(look), len(step.tokens)), a)
+                self._judge(b, self.copy.cond(m), a > 0)
+            self.copy.update(m, min(a + 1, len(look), len(step.tokens)), a)
         self._ctx = Context()
 
 

@@ -62,6 +62,7 @@ class Seg(NamedTuple):
     cache: list  # that sequence's target cache (advanced by r)
     record: bool  # a verify pass: record GDN inputs for a later rollback
     logits: str  # "all" | "last" | "none": which rows' logits to compute
+    row: "Row | None" = None  # its place in the batch's shared K/V (``BatchKV``), when it has one
 
 
 class SegOut(NamedTuple):
@@ -70,8 +71,8 @@ class SegOut(NamedTuple):
     records: dict  # GDN layer index -> hybrid.GDNRecord (record=True on a hybrid target)
 
 
-def _same(a, b) -> bool:
-    return a.shape == b.shape and bool(mx.allclose(a, b, rtol=1e-5, atol=1e-5))
+def _same(a, b, tol: float = 1e-5) -> bool:
+    return a.shape == b.shape and bool(mx.allclose(a, b, rtol=tol, atol=tol))
 
 
 def _mirrors_attention(attn: nn.Module, norm: nn.Module) -> bool:
@@ -93,10 +94,12 @@ def _mirrors_attention(attn: nn.Module, norm: nn.Module) -> bool:
         return False
 
 
-def _attention(attn, x, bounds, caches, masks, pos=None):
+def _attention(attn, x, bounds, caches, masks, pos=None, rows=None, layer=None):
     """The attention of a llama/qwen2/qwen3-style module over packed rows ``x`` (1, R, D): the
     projections, norms and RoPE once over all rows (each row at its own position ``pos``, rows on
-    RoPE's batch axis), then per sequence only its cache update and SDPA."""
+    RoPE's batch axis), then the cache update and SDPA: for the first ``rows.n`` sequences (a
+    ``RowsPlan``: sequences in the batch's shared K/V) one scatter and one SDPA for all of them,
+    for the others per sequence against its own cache."""
     R = x.shape[1]
     if pos is None:
         pos = mx.array([c.offset + j for (a, b), c in zip(bounds, caches) for j in range(b - a)], mx.int32)
@@ -107,14 +110,209 @@ def _attention(attn, x, bounds, caches, masks, pos=None):
         qs, ks = attn.q_norm(qs), attn.k_norm(ks)
     qs = attn.rope(qs.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)  # (1, nh, R, hd)
     ks = attn.rope(ks.transpose(1, 2, 0, 3), offset=pos).transpose(2, 1, 0, 3)
-    one = len(bounds) == 1
-    outs = []
-    for (a, b), c, m in zip(bounds, caches, masks):
+    outs, skip = [], 0
+    if rows is not None and rows.n:
+        outs.append(rows.attend(layer, qs, ks, vs, attn.scale))
+        skip = rows.n
+    one = len(bounds) == 1 and not skip
+    for (a, b), c, m in zip(bounds[skip:], caches[skip:], masks[skip:]):
         q, k, v = (qs, ks, vs) if one else (qs[:, :, a:b], ks[:, :, a:b], vs[:, :, a:b])
         k, v = c.update_and_fetch(k, v)
-        outs.append(scaled_dot_product_attention(q, k, v, cache=c, scale=attn.scale, mask=m))
-    o = outs[0] if one else mx.concatenate(outs, axis=2)  # (1, nh, R, hd)
-    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, R, -1))
+        o = scaled_dot_product_attention(q, k, v, cache=c, scale=attn.scale, mask=m)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(1, b - a, -1))
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # (1, R, nh * hd)
+    return attn.o_proj(o)
+
+
+# --------------------------------------------------------------------------------------------
+# The batch's shared K/V: one buffer per attention layer, one row per decoding sequence
+
+
+@dataclass(eq=False)
+class Row:
+    """A decoding sequence's place in ``BatchKV``: its slot and how many positions it holds."""
+
+    slot: int
+    offset: int
+
+
+class RowsPlan(NamedTuple):
+    """One step's writes and attention over the rows of ``BatchKV`` (built once per step)."""
+
+    kv: "BatchKV"
+    n: int  # rows (sequences), slots 0..n-1
+    R: int  # packed query rows they bring (their blocks, in slot order)
+    L: int  # the longest block
+    T: int  # key positions read: max(offset + block)
+    slots: mx.array | None  # (R,) slot of each packed row (None: one row, a slice write)
+    cols: mx.array | None  # (R,) its position
+    gather: mx.array | None  # (n * L,) packed row of each (sequence, block position); None: uniform blocks
+    back: mx.array | None  # (R,) inverse of gather
+    mask: mx.array | str | None
+    start: int  # one row: its offset before the step
+
+    def attend(self, layer: int, qs, ks, vs, scale: float) -> mx.array:
+        """Write this step's keys / values into every row and attend, all rows in one SDPA:
+        (1, R, nh * hd) for the packed query rows ``qs[:, :, :R]``."""
+        K, V = self.kv.keys[layer], self.kv.values[layer]
+        n, R, L, T = self.n, self.R, self.L, self.T
+        nh, hd = qs.shape[1], qs.shape[3]
+        k, v = ks[:, :, :R], vs[:, :, :R]
+        if self.slots is None:  # one row: a slice write, as KVCache does
+            K[:1, :, self.start:self.start + R] = k
+            V[:1, :, self.start:self.start + R] = v
+            q = qs[:, :, :R]
+        else:
+            K[self.slots, :, self.cols] = k[0].transpose(1, 0, 2)
+            V[self.slots, :, self.cols] = v[0].transpose(1, 0, 2)
+            q = qs[0, :, :R] if self.gather is None else qs[0][:, self.gather]
+            q = q.reshape(nh, n, L, hd).transpose(1, 0, 2, 3)
+        o = mx.fast.scaled_dot_product_attention(q, K[:n, :, :T], V[:n, :, :T], scale=scale, mask=self.mask)
+        o = o.transpose(0, 2, 1, 3).reshape(1, n * L, nh * hd)
+        return o if self.back is None else o[:, self.back]
+
+
+class BatchKV:
+    """The K/V of every decoding sequence for the layers whose attention runs batched: per layer
+    one buffer (slots, n_kv, T, hd), a sequence's keys in its slot at positions 0..offset-1.
+
+    Rows are ragged on the right: each sequence has its own offset, a rollback only lowers it
+    (the stale positions above are masked, then overwritten), so speculative sequences accept
+    different numbers of drafts without holes. Slots stay dense (0..n-1): a sequence that
+    leaves hands its slot to the last one. A sequence joins after its prefill (its own
+    ``KVCache``s are copied in and parked) and gets them back, exactly its positions, when it
+    leaves."""
+
+    step = 256
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = tuple(sorted(layers))
+        self.keys: dict[int, mx.array] = {}
+        self.values: dict[int, mx.array] = {}
+        self.rows: list[Row] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for d in (self.keys, self.values) for a in d.values())
+
+    def _reserve(self, slots: int, length: int, like: dict | None = None) -> None:
+        for i in self.layers:
+            for store in (self.keys, self.values):
+                a = store.get(i)
+                if a is None:
+                    ref = like[i] if store is self.keys else like[-i - 1]
+                    shape = (slots, ref.shape[1], -(-length // self.step) * self.step, ref.shape[3])
+                    store[i] = mx.zeros(shape, ref.dtype)
+                    continue
+                S, nk, T, hd = a.shape
+                if slots > S:
+                    a = mx.concatenate([a, mx.zeros((slots - S, nk, T, hd), a.dtype)], axis=0)
+                if length > T:
+                    grow = -(-(length - T) // self.step) * self.step
+                    a = mx.concatenate([a, mx.zeros((a.shape[0], nk, grow, hd), a.dtype)], axis=2)
+                store[i] = a
+
+    def join(self, cache: list) -> Row:
+        """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied)."""
+        off = cache[self.layers[0]].offset
+        if off < 1 or any(cache[i].offset != off for i in self.layers):
+            raise MlxSpecError("a sequence joins the batch's K/V with its caches at one common offset")
+        like = {i: cache[i].keys for i in self.layers} | {-i - 1: cache[i].values for i in self.layers}
+        row = Row(len(self.rows), off)
+        self._reserve(row.slot + 1, off, like)
+        for i in self.layers:
+            c = cache[i]
+            self.keys[i][row.slot:row.slot + 1, :, :off] = c.keys[..., :off, :]
+            self.values[i][row.slot:row.slot + 1, :, :off] = c.values[..., :off, :]
+            c.keys = c.values = None  # parked: the K/V live here until the sequence leaves
+        self.rows.append(row)
+        return row
+
+    def leave(self, row: Row, cache: list | None) -> None:
+        """Drop a row; with ``cache``, first hand its K/V back into those (parked) caches."""
+        j, off = row.slot, row.offset
+        if cache is not None:
+            back = []
+            for i in self.layers:
+                c = cache[i]
+                c.keys = mx.contiguous(self.keys[i][j:j + 1, :, :off])
+                c.values = mx.contiguous(self.values[i][j:j + 1, :, :off])
+                c.offset = off
+                back += [c.keys, c.values]
+            mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
+        last = self.rows.pop()
+        if last is not row:
+            n = last.offset
+            for store in (self.keys, self.values):
+                for i in self.layers:
+                    store[i][j:j + 1, :, :n] = store[i][last.slot:last.slot + 1, :, :n]
+            last.slot = j
+            self.rows[j] = last
+        row.slot = -1
+        if not self.rows:
+            self.keys, self.values = {}, {}
+
+    def trim(self, row: Row, n: int) -> None:
+        row.offset -= min(n, row.offset)
+
+    def plan(self, blocks: Sequence[int]) -> RowsPlan:
+        """This step's plan for blocks of ``blocks[b]`` query rows for row b (slot order); the
+        rows' offsets advance by their blocks (``trim`` takes back what is rejected)."""
+        n = len(self.rows)
+        if len(blocks) != n:
+            raise MlxSpecError(f"a step over the batch's K/V needs a block for each of its {n} rows")
+        offs = [r.offset for r in self.rows]
+        T = max(o + L for o, L in zip(offs, blocks))
+        self._reserve(n, T)
+        L, R = max(blocks), sum(blocks)
+        if n == 1:  # the masks a single stream uses (mlx-lm's), so a batch of one is exact
+            plan = RowsPlan(self, 1, R, L, T, None, None, None, None, None if L == 1 else "causal", offs[0])
+        else:
+            slots = mx.array([b for b, k in enumerate(blocks) for _ in range(k)], mx.int32)
+            cols = mx.array([o + j for o, k in zip(offs, blocks) for j in range(k)], mx.int32)
+            gather = back = None
+            if any(k != L for k in blocks):
+                starts = list(itertools.accumulate(blocks, initial=0))
+                gather = mx.array([a + min(j, k - 1) for a, k in zip(starts, blocks) for j in range(L)], mx.int32)
+                back = mx.array([b * L + j for b, k in enumerate(blocks) for j in range(k)], mx.int32)
+            # query j of row b (position offs[b] + j) sees keys 0..offs[b] + j
+            see = mx.array(offs, mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
+            mask = mx.arange(T, dtype=mx.int32)[None, None, None] <= see[:, None, :, None]
+            plan = RowsPlan(self, n, R, L, T, slots, cols, gather, back, mask, 0)
+        for r, k in zip(self.rows, blocks):
+            r.offset += k
+        return plan
+
+
+def _mirrors_rows(attn: nn.Module, norm: nn.Module) -> bool:
+    """True when the batched attention over ``BatchKV`` rows (two sequences at different
+    offsets, ragged blocks) computes what this attention module computes on each alone."""
+    w = norm.weight
+    x = mx.random.normal((1, 8, w.shape[0]), key=mx.random.key(3)).astype(w.dtype)
+    try:
+        real = [KVCache(), KVCache()]
+        attn(x[:, :3], "causal", real[0])
+        attn(x[:, 3:5], "causal", real[1])
+        want = [attn(x[:, 5:7], "causal", real[0]), attn(x[:, 7:], None, real[1])]
+        kv = BatchKV([0])
+        for a, b in ((0, 3), (3, 5)):
+            c = KVCache()
+            attn(x[:, a:b], "causal", c)
+            kv.join([c])
+        rows = list(kv.rows)
+        pos = mx.array([3, 4, 2], mx.int32)
+        plan = kv.plan([2, 1])
+        got = _attention(attn, x[:, 5:], [(0, 2), (2, 3)], [None, None], [None, None], pos, plan, 0)
+        # (a masked SDPA over the longest row's keys: the same sums, rounded in another order)
+        ok = _same(want[0], got[:, :2], 1e-4) and _same(want[1], got[:, 2:], 1e-4)
+        kv.leave(rows[0], None)
+        kv.leave(rows[1], None)
+        return ok
+    except (AttributeError, TypeError, ValueError, RuntimeError, MlxSpecError):
+        return False
 
 
 class _Rows(NamedTuple):
@@ -163,10 +361,20 @@ class PackedTarget:
                     "have the residual / mixer / MLP shape the packed forward uses")
         self.packed = {i for i, layer in enumerate(target.layers)
                        if i not in target.gdn and _mirrors_attention(layer.self_attn, layer.input_layernorm)}
+        # layers whose attention runs for all decoding sequences at once (``BatchKV``): packed
+        # ones with a plain KVCache, when the batched path matches mlx-lm's module
+        plain = [i for i, c in enumerate(target.make_cache()) if i in self.packed and type(c) is KVCache]
+        ok = bool(plain) and _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
+        self.slotted = set(plain) if ok else set()
 
-    def __call__(self, segs: Sequence[Seg], taps: bool = True) -> list[SegOut]:
+    def __call__(self, segs: Sequence[Seg], taps: bool = True, kv: BatchKV | None = None) -> list[SegOut]:
+        """``kv``: the batch's shared K/V; the segments with a ``row`` come first, one per row of
+        ``kv`` in slot order (their attention layers in ``slotted`` run all rows in one call)."""
         t = self.t
         sizes = [int(s.ids.shape[0]) for s in segs]
+        nrows = sum(1 for s in segs if s.row is not None)
+        if nrows and (kv is None or nrows != len(kv.rows) or any(s.row is not r for s, r in zip(segs, kv.rows))):
+            raise MlxSpecError("a packed forward over the batch's K/V needs every row's segment first, in slot order")
         bounds, a = [], 0
         for n in sizes:
             bounds.append((a, a + n))
@@ -182,14 +390,17 @@ class PackedTarget:
             ssm = [create_ssm_mask(r, c[t.inner.ssm_idx]) for r, c in zip(rows, caches)]
         else:
             fa, ssm = [create_attention_mask(r, c[0]) for r, c in zip(rows, caches)], None
-        pos = mx.array([c[first].offset + j for (a, b), c in zip(bounds, caches) for j in range(b - a)], mx.int32)
+        offs = [s.row.offset if s.row is not None else s.cache[first].offset for s in segs]
+        pos = mx.array([o + j for (a, b), o in zip(bounds, offs) for j in range(b - a)], mx.int32)
+        plan = kv.plan(sizes[:nrows]) if nrows else None
         records = [dict() for _ in segs]
         want = set(t.taps) if taps else set()
         feats = {}
         for i, layer in enumerate(t.layers):
             x = layer.input_layernorm(h)
             if i in self.packed:
-                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa, pos)
+                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa, pos,
+                               plan if i in self.slotted else None, i)
             else:
                 outs = []
                 for k, ((a, b), s) in enumerate(zip(bounds, segs)):
@@ -228,15 +439,18 @@ class PackedTarget:
             out.append(SegOut(lg, hid, records[k]))
         return out
 
-    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int) -> None:
+    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
         """Keep the first ``n_keep`` of the last ``n_verified`` rows of one sequence's cache
-        (attention trimmed; GDN state rebuilt from that sequence's records of the pass)."""
+        (attention trimmed, in its ``row`` of the batch's K/V for the slotted layers; GDN state
+        rebuilt from that sequence's records of the pass)."""
         n = n_verified - n_keep
         if n <= 0:
             return
         t = self.t
+        if row is not None:
+            row.offset -= min(n, row.offset)
         for i, c in enumerate(cache):
-            if i not in t.gdn:
+            if i not in t.gdn and (row is None or i not in self.slotted):
                 c.trim(n)
         if t.gdn:
             gdn = sorted(t.gdn)
@@ -481,6 +695,7 @@ class _Seq:
     plain_run: int = 0
     probe_every: int = 8
     ctx: Context | None = None  # this step's lookup context (policy sequences)
+    row: Row | None = None  # its place in the batch's shared K/V once decoding (``BatchKV``)
 
     def final(self, drafter) -> Prefill | None:
         """The caches and the ids they hold (flushing pending features into the drafter's)."""
@@ -514,6 +729,8 @@ class BatchDecoder:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
         self.target, self.drafter = target, drafter
         self.packed = PackedTarget(target)
+        # decoding sequences' K/V for the batched attention layers (None: attention per sequence)
+        self.kv = BatchKV(self.packed.slotted) if self.packed.slotted else None
         # one drafter pass for all drafting sequences when our mirror of its layers checks out
         self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
         self.block_size = block_size if drafter is not None else 1
@@ -572,7 +789,14 @@ class BatchDecoder:
         """Drop a sequence now (between steps); its caches go to its ``on_exit``."""
         s = self._seqs.pop(sid, None)
         if s is not None:
+            self._release(s)
             _hand_over(s.on_exit, lambda: s.final(self.drafter))
+
+    def _release(self, s: _Seq) -> None:
+        """Its row of the batch's K/V goes (its own caches get their K/V back if kept)."""
+        if s.row is not None:
+            self.kv.leave(s.row, s.cache if s.on_exit is not None else None)
+            s.row = None
 
     def close(self) -> None:
         for sid in list(self._seqs):
@@ -627,6 +851,8 @@ class BatchDecoder:
     def _step(self) -> list[tuple[int, Step]]:
         t0 = time.perf_counter()
         decoding = [s for s in self._seqs.values() if s.anchor is not None]
+        if self.kv is not None:  # the rows' segments first, in slot order
+            decoding.sort(key=lambda s: s.row.slot)
         prefilling = [s for s in self._seqs.values() if s.anchor is None]
         budget = self.prefill_chunk if decoding else self.prefill_step
         chunks = []
@@ -683,12 +909,12 @@ class BatchDecoder:
 
         segs = []
         for s in decoding:
-            segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all"))
+            segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
         for s, n in chunks:
             last = s.done + n == len(s.prompt)
             segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
                             "last" if last else "none"))
-        outs = self.packed(segs, taps=self.drafter is not None)
+        outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # Greedy sequences' target choices: one argmax over all their rows, one host transfer.
         greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy]
         choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
@@ -713,7 +939,7 @@ class BatchDecoder:
                 a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
             tr0 = time.perf_counter()
             verify_ms = max(verify_ms, (tr0 - td) * 1e3)
-            self.packed.rollback(s.cache, out.records, L, a + 1)
+            self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
             rollback_s += time.perf_counter() - tr0
             if s.dcache is not None:
                 s.pending.append(out.hidden[:, : a + 1])
@@ -767,6 +993,10 @@ class BatchDecoder:
         if chunks:  # evaluate the prefill chunks' caches now (bounded graphs, as decode._prefill does)
             mx.eval([c.state for s, _ in chunks for c in s.cache],
                     [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
+            if self.kv is not None:  # prefilled: its K/V join the batch's rows
+                for s, _ in chunks:
+                    if s.anchor is not None and s not in finished:
+                        s.row = self.kv.join(s.cache)
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)
         rows = sum(blocks) + extra
@@ -789,6 +1019,7 @@ class BatchDecoder:
             out_steps.append((sid, st))
         for s in finished:
             self._seqs.pop(s.id, None)
+            self._release(s)
             _hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
         self._since_clear += sum(len(st.tokens) for _, st in out_steps)
         if self._since_clear >= 256:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, Sequence
 
+from .adaptive import MAX_LOOKUP
 from .costs import Costs, CostMeter, Progress, ceiling, efficiency, measure_costs  # noqa: F401 (re-exported)
 from .decode import Step, plain_steps, spec_steps
 from .progress import Bar as ProgressBar  # noqa: F401 (one progress bar: label, bar, ETA, note)
@@ -48,18 +49,54 @@ def spread(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- one generation
 
-def copy_share(prompt: Sequence[int], reply: Sequence[int], n: int = 4) -> float:
-    """Share of ``reply``'s tokens covered by n-grams (``n`` tokens or longer spans) that also
-    occur in ``prompt``: how much of the reply repeats the prompt, the ceiling that lookup
-    drafting from the prompt can reach."""
-    if not reply:
-        return 0.0
+def _covered(prompt: Sequence[int], reply: Sequence[int], n: int) -> list[bool]:
+    """Per reply token: inside a span of >= ``n`` tokens that also occurs in ``prompt``."""
     grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
     covered = [False] * len(reply)
     for i in range(len(reply) - n + 1):
         if tuple(reply[i:i + n]) in grams:
             covered[i:i + n] = [True] * n
-    return sum(covered) / len(reply)
+    return covered
+
+
+def copy_share(prompt: Sequence[int], reply: Sequence[int], n: int = 4) -> float:
+    """Share of ``reply``'s tokens covered by n-grams (``n`` tokens or longer spans) that also
+    occur in ``prompt``: how much of the reply repeats the prompt, the ceiling that lookup
+    drafting from the prompt can reach."""
+    return sum(_covered(prompt, reply, n)) / len(reply) if reply else 0.0
+
+
+def copy_oracle(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4,
+                max_draft: int = MAX_LOOKUP) -> tuple[int, float]:
+    """(tokens, ms): the model time an oracle needs for the reply's tokens after the first (the
+    first comes from the prefill). The oracle drafts every copied token (``copy_share``'s spans)
+    right, in blocks of up to ``max_draft`` drafts verified at the cost curve's Tt(L), and takes
+    a plain step (T1) for every other token; it splits the reply into cycles by dynamic
+    programming (the least time)."""
+    N = len(reply)
+    if N < 2:
+        return 0, 0.0
+    covered = _covered(prompt, reply, n)
+    run = [0] * (N + 1)  # run[i]: covered tokens from i on, without a gap
+    for i in range(N - 1, -1, -1):
+        run[i] = run[i + 1] + 1 if covered[i] else 0
+    tt = [0.0] + [costs.verify(L) for L in range(1, max_draft + 2)]
+    best = [0.0] * (N + 1)  # best[i]: least time to commit reply[i:] with reply[i - 1] the anchor
+    for i in range(N - 1, 0, -1):
+        t = costs.t1_ms + best[i + 1]
+        for k in range(1, min(run[i], max_draft) + 1):  # k drafts + the target's bonus token
+            t = min(t, tt[k + 1] + best[min(i + k + 1, N)])
+        best[i] = t
+    return N - 1, best[1]
+
+
+def copy_ceiling(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4,
+                 max_draft: int = MAX_LOOKUP) -> float:
+    """The decode speedup over plain steps that the reply's repetition of the prompt allows:
+    ``tokens * T1 / time`` of ``copy_oracle`` (1.0 for a reply with nothing to copy, nan for a
+    reply of one token)."""
+    tokens, ms = copy_oracle(prompt, reply, costs, n=n, max_draft=max_draft)
+    return tokens * costs.t1_ms / ms if ms > 0 else math.nan
 
 
 COPY_SUBSET = 0.5  # replies with copy_share >= this count as "repeat their prompt"
@@ -464,11 +501,15 @@ class PromptRow:
     tau: dict = field(default_factory=dict)  # method label -> mean acceptance length
     speedup: dict = field(default_factory=dict)  # method label -> decode speedup vs our plain
     speedup_mlx: dict = field(default_factory=dict)  # ... vs mlx-lm's plain decoding
+    ceiling: float | None = None  # copy_ceiling of the reply at the bench's cost curve
+    oracle: tuple | None = None  # copy_oracle: (tokens, ms), to add prompts up
+    of_ceiling: dict = field(default_factory=dict)  # method label -> speedup vs our plain / ceiling
 
 
 def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[int]]],
-                  eos: Sequence[int] = ()) -> list[PromptRow]:
-    """Per prompt: the reply's ``copy_share`` of the prompt, and every method's tau and speedups."""
+                  eos: Sequence[int] = (), costs: Costs | None = None) -> list[PromptRow]:
+    """Per prompt: the reply's ``copy_share`` of the prompt, and every method's tau and speedups;
+    with ``costs`` also the reply's ``copy_ceiling`` and each method's share of it."""
     eos = set(eos)
     out = []
     base = {k: {p: _per_repeat([s for s in samples if s.method.kind == k], prompts={p}) for p, _, _ in prompts}
@@ -480,6 +521,9 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
             continue
         reply = [t for t in ref.run.tokens if t not in eos]
         row = PromptRow(pid, kind, len(ids), len(reply), round(copy_share(ids, reply), 3))
+        if costs is not None and len(reply) > 1:
+            tokens, ms = copy_oracle(ids, reply, costs)
+            row.oracle, row.ceiling = (tokens, round(ms, 1)), _r(tokens * costs.t1_ms / ms)
         for m in dict.fromkeys(s.method for s in mine):
             runs = [s for s in mine if s.method == m]
             if m.speculative:
@@ -490,8 +534,17 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
                 x = _median_ratio(rates, base[k][pid], 0) if base[k][pid] else None
                 if x is not None:
                     target[m.label] = x
+            if m.speculative and row.ceiling and m.label in row.speedup:
+                row.of_ceiling[m.label] = _r(row.speedup[m.label] / row.ceiling)
         out.append(row)
     return out
+
+
+def pooled_ceiling(rows: Sequence[PromptRow], t1_ms: float) -> float | None:
+    """The copy ceiling of several prompts together: their oracle tokens * T1 / oracle time."""
+    got = [r.oracle for r in rows if r.oracle]
+    ms = sum(t for _, t in got)
+    return _r(sum(n for n, _ in got) * t1_ms / ms) if ms > 0 else None
 
 
 def subset_speedups(samples: list[Sample], prompt_ids: set[str]) -> dict[str, tuple[float | None, float | None]]:
@@ -502,4 +555,19 @@ def subset_speedups(samples: list[Sample], prompt_ids: set[str]) -> dict[str, tu
     for m in dict.fromkeys(s.method for s in keep):
         rates = _per_repeat([s for s in keep if s.method == m])
         out[m.label] = tuple(_median_ratio(rates, base[k], 0) if base[k] else None for k in ("plain", "mlx-lm"))
+    return out
+
+
+def pass_costs(pair, sizes: Sequence[int], context: Sequence[int], reps: int, group=None) -> dict:
+    """The pass costs alone (``bench --costs-only``; what `bench` reports for a group): T1, Td(B),
+    Tt(B) at ``context`` tokens, medians of ``reps`` rounds. With ``group`` (every rank calls
+    this at the same point, the target sharded over it) also what the link adds on its own:
+    the all-reduce chain of one verify pass and the per-step message (``distributed.link_costs``)."""
+    from .distributed import group_info, link_costs
+
+    costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=reps)
+    out = {"group": group_info(group).as_dict(), "target": pair.target_id, "drafter": pair.drafter_id,
+           "context": len(context), "reps": reps, "costs": costs.as_dict()}
+    if group is not None:
+        out.update(link_costs(group, pair.target.num_layers, pair.target.hidden_size, sizes, reps))
     return out

@@ -125,6 +125,61 @@ def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PR
                         f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
 
 
+LAUNCH_DESTS = ("ranks", "hosts", "hostfile", "backend", "ring_port")
+
+
+def add_launch_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--ranks/--hosts/--hostfile/--backend/--ring-port``: run ``what`` on a group that
+    mlx_spec starts with mlx.launch itself (docs/distributed.md)."""
+    g = p.add_argument_group(f"a target sharded over a group (mlx_spec runs mlx.launch: {what})")
+    g.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="processes in the group: N on this machine (127.0.0.1), or checked against "
+                        "--hosts/--hostfile (default: one process, no group)")
+    g.add_argument("--hosts", default=None, metavar="H1,H2",
+                   help="one rank per host, in rank order (mlx.launch --hosts; the ring wants IPs)")
+    g.add_argument("--hostfile", default=None, metavar="FILE", help="mlx.launch hostfile (JSON), one rank per host")
+    g.add_argument("--backend", default=None,
+                   help="mlx.launch backend: ring (TCP) or jaccl (RDMA over Thunderbolt) (default: the "
+                        "hostfile's, else ring)")
+    g.add_argument("--ring-port", type=int, default=None, metavar="P",
+                   help="the ring's first port, one more per rank (default: free ports on 127.0.0.1, "
+                        "else mlx.launch's 32323)")
+
+
+def launch_of(args: argparse.Namespace):
+    """The group ``add_launch_args`` flags ask for (``distributed.Launch``), None for one process."""
+    from .distributed import launch_plan
+
+    return launch_plan(getattr(args, "ranks", None), getattr(args, "hosts", None), getattr(args, "hostfile", None),
+                       getattr(args, "backend", None), getattr(args, "ring_port", None))
+
+
+def flags_of(args: argparse.Namespace, parser: argparse.ArgumentParser, skip=()) -> list[str]:
+    """The command line for the same settings: every non-default option of ``parser`` (its dest
+    not in ``skip``), as a child process (``serve --detach``, a launched group) is given them."""
+    skip = {"help", *skip}
+    out, seen = [], set()
+    for action in parser._actions:
+        dest = action.dest
+        if dest in skip or dest in seen or not action.option_strings or not hasattr(args, dest):
+            continue
+        seen.add(dest)
+        value = getattr(args, dest)
+        if value is None or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse.BooleanOptionalAction):  # --think / --no-think
+            out.append(action.option_strings[0] if value else action.option_strings[1])
+        elif action.nargs == 0:
+            out.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def load_config(args: argparse.Namespace):
     """The command's model flags as a ``config.LoadConfig``: the one place flags become the
     loading configuration (it checks its values, so bad flags fail before anything loads).

@@ -177,6 +177,23 @@ def spec_steps(
         pending.clear()
         return features
 
+    def context(room: int) -> Context:
+        look, match = index.propose(min(policy.max_lookup, room - 1)) if index is not None else ([], 0)
+        return Context(tuple(look), match, room, greedy)
+
+    def plain_pass(token: mx.array, key: mx.array):
+        """Queue one plain step fed ``token`` (on the host or still lazy): (key, its token, its
+        features), evaluated asynchronously."""
+        out = target(token.reshape(1, 1), cache)
+        logits = out.logits[0, -1:]
+        if greedy:
+            y = mx.argmax(logits[0], axis=-1)
+        else:
+            key, sub = mx.random.split(key)
+            y = sample_target(logits, sampling, sub)[0]
+        mx.async_eval(y, out.hidden)
+        return key, y, out.hidden
+
     def final() -> Prefill:
         for f in pending:
             drafter.add_context(f, dcache)
@@ -206,8 +223,7 @@ def spec_steps(
                 ctx = None
                 if policy is not None:
                     policy.observe(untimed(prev) if seeded else prev)
-                    look, match = index.propose(min(policy.max_lookup, room - 1)) if index is not None else ([], 0)
-                    ctx = Context(tuple(look), match, room, greedy)
+                    ctx = context(room)
                     dec = policy.choose(ctx)
                 elif controller is not None:
                     dec = Decision(DFLASH, controller(prev))
@@ -215,24 +231,71 @@ def spec_steps(
                     dec = Decision(DFLASH, block_size)
                 L = max(1, min(dec.length, room))
                 source = dec.source if L > 1 else PLAIN
+                consistent = False
+                if source == PLAIN and policy is not None:
+                    # A run of plain steps, pipelined as mlx-lm's generate_step: the next step is
+                    # queued (fed the token still being computed) before this one is read, for as
+                    # long as the policy would stay plain (asked one token ahead, so its lookup
+                    # context lags one token). Every queued step's token joins `fed` and its
+                    # features `pending` as soon as the token is known, so the caches agree with
+                    # them at every yield; a step queued when the reply ends (EOS) stays fed.
+                    key, y, h = plain_pass(anchor, key)
+                    fed.append(anchor_id)
+                    pending.append(h)
+                    while True:
+                        more = n + 1 < max_tokens and policy.stays_plain(ctx)
+                        if more:
+                            policy.choose(ctx)
+                            key, y_next, h_next = plain_pass(y, key)
+                        tok = y.item()  # this step's pass ends here
+                        tv = time.perf_counter()
+                        if more:
+                            fed.append(tok)
+                            pending.append(h_next)
+                        committed, reason = _finish([tok], n, max_tokens, eos)
+                        n += 1
+                        if index is not None:
+                            index.extend(committed)
+                        if n % 256 == 0:
+                            mx.clear_cache()
+                        if len(pending) >= 32:  # keep the drafter's context fed (queued, not waited for)
+                            drafter.add_context(take_pending(), dcache)
+                            mx.async_eval([c.state for c in dcache])
+                        prev = Step((tok,), block_size=1, verify_ms=(tv - tc) * 1e3,
+                                    elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
+                                    source=PLAIN)
+                        consistent = True
+                        yield prev
+                        if not more or reason is not None:
+                            break
+                        tc = time.perf_counter()
+                        policy.observe(untimed(prev) if seeded else prev)
+                        ctx = context(max_tokens - n)
+                        y, h = y_next, h_next
+                    anchor, anchor_id = mx.array(tok, mx.int32), tok
+                    continue
                 kd = ka = None
                 if not greedy:  # greedy never evaluates keys: splitting would grow a lazy chain
                     key, kd, ka = mx.random.split(key, 3)
-                consistent = False
-                proposal, drafts = None, []
+                proposal, drafts, out = None, [], None
                 tq = time.perf_counter()
                 ran_drafter = source == DFLASH  # (its pass is booked even if pick() drops its draft)
                 if source == DFLASH:
                     conf = greedy and ctx is not None and bool(ctx.lookup)  # pick() may use the lookup
                     kw = {"confidence": True} if conf else {}
                     proposal = drafter.propose(anchor, take_pending(), dcache, L, sampling, kd, **kw)
-                    mx.eval([x for x in proposal if x is not None])  # the draft pass ends here
-                    drafts = proposal.tokens.tolist()
-                    if conf:
+                    if conf:  # the verify input waits for pick()
+                        mx.eval([x for x in proposal if x is not None])  # the draft pass ends here
+                        drafts = proposal.tokens.tolist()
                         dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx)
                         if dec.source == LOOKUP:
                             source, proposal = LOOKUP, None
-                elif len(pending) >= 32:  # a long run of lookup / plain cycles: keep the drafter's context fed
+                    else:  # start drafting and build the verify graph while it runs
+                        mx.async_eval(proposal.tokens if proposal.q is None else (proposal.tokens, proposal.q))
+                        verify_in = mx.concatenate([anchor.reshape(1), proposal.tokens.astype(mx.int32)])[None]
+                        out = target(verify_in, cache, record=True)
+                        drafts = proposal.tokens.tolist()  # the draft pass ends here
+                elif len(pending) >= 32:  # a long run of lookup cycles: keep the drafter's context fed
                     drafter.add_context(take_pending(), dcache)
                 if source == LOOKUP:
                     drafts = list(ctx.lookup[: min(dec.length, room) - 1])
@@ -240,7 +303,8 @@ def spec_steps(
                     if not greedy:
                         proposal = Proposal(mx.array(drafts, mx.int32), None)  # q = point mass
                 td = time.perf_counter()
-                out = target(mx.array([[anchor_id] + drafts], mx.int32), cache, record=True)
+                if out is None:
+                    out = target(mx.array([[anchor_id] + drafts], mx.int32), cache, record=True)
                 if greedy:
                     choice = mx.argmax(out.logits[0], axis=-1)
                     mx.async_eval(choice, out.hidden)

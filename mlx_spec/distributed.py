@@ -302,7 +302,9 @@ class SharedPolicy:
     The policy learns from local timings, so two ranks running their own would choose different
     sources or lengths and their collectives would no longer pair up. Rank 0 wraps its policy
     (``inner``); the others pass None and the ``sources`` / ``max_lookup`` from the header. Each
-    ``choose`` / ``pick`` costs one three-int message."""
+    ``choose`` / ``pick`` costs one three-int message, each ``stays_plain`` one int. A decision
+    method the loop calls that this class does not share fails loudly on the followers
+    (AttributeError), never silently diverging."""
 
     def __init__(self, wire: "Wire", inner=None, sources=(), max_lookup: int = 0):
         self.wire, self.inner = wire, inner
@@ -331,6 +333,12 @@ class SharedPolicy:
 
     def choose(self, ctx):
         return self._share(self.inner.choose(ctx) if self.inner is not None else None)
+
+    def stays_plain(self, ctx) -> bool:
+        """Rank 0's answer (the loop queues the next plain step on it): one one-int message."""
+        mine = None if self.inner is None else [int(bool(self.inner.stays_plain(ctx)))]
+        (stay,), _ = self.wire.exchange(mine, 1, what="plain run")
+        return bool(stay)
 
     def pick(self, decision, drafts, confidence, ctx=None):
         return self._share(self.inner.pick(decision, drafts, confidence, ctx) if self.inner is not None else None)
@@ -548,5 +556,180 @@ def follow_session(session, *, timeout: float | None = None) -> int:
     return follow(session.group, run_steps, timeout=timeout)
 
 
-__all__ = ["follow_session", "GroupInfo", "SINGLE", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
+# -- measuring the link: what a verify pass adds on a group ----------------------------------------
+
+
+def timed_ms(fn: Callable[[], None], reps: int) -> float:
+    """Median wall time of ``fn`` in ms over ``reps`` calls after one warm-up call."""
+    import statistics
+
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(out), 3)
+
+
+def link_costs(group, layers: int, hidden: int, sizes, reps: int = 5) -> dict:
+    """What the group adds to a pass, timed alone (every rank must call this at the same point):
+    ``allreduce_ms[B]``, a chain of 2 x ``layers`` all_sums of (1, B, hidden) float32 (the traffic
+    of one verify pass of B positions: attention out + MLP down in every layer), and
+    ``message_ms``, one all_sum of one int32 (the per-step flag rank 0 sends). Medians in ms."""
+    allreduce = {}
+    for B in sorted({1, *sizes}):
+        x0 = mx.ones((1, B, hidden), mx.float32)
+        mx.eval(x0)
+
+        def chain(x0=x0):
+            x = x0
+            for _ in range(2 * layers):
+                x = mx.distributed.all_sum(x, group=group) * 0.5
+            mx.eval(x)
+        allreduce[B] = timed_ms(chain, reps)
+    flag = mx.ones((1,), mx.int32)
+    message = timed_ms(lambda: mx.eval(mx.distributed.all_sum(flag, group=group, stream=mx.cpu)), 5 * reps)
+    return {"allreduce_ms": allreduce, "message_ms": message}
+
+
+# -- starting a group: mlx.launch run by mlx_spec itself -----------------------------------------
+
+BACKENDS = ("ring", "jaccl")
+LOCAL = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A group ``mlx_spec serve/bench --ranks/--hosts/--hostfile`` starts with ``mlx.launch``:
+    ``ranks`` processes on ``hosts`` (one rank per entry, in rank order; a single host repeated
+    ``ranks`` times), or the hosts of ``hostfile``; ``port``: the ring's first port."""
+
+    ranks: int
+    hosts: tuple[str, ...] = (LOCAL,)
+    hostfile: str | None = None
+    backend: str = "ring"
+    port: int | None = None
+
+    @property
+    def local(self) -> bool:
+        """Every rank runs on this machine (so ``mlx_spec stop`` can signal each one)."""
+        return self.hostfile is None and set(self.hosts) == {LOCAL}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        where = f"hostfile {self.hostfile}" if self.hostfile else (
+            f"{self.ranks} x {self.hosts[0]}" if len(self.hosts) == 1 else ", ".join(self.hosts))
+        return f"{self.ranks} ranks ({self.backend}; {where})"
+
+    def command(self, argv: list[str], env: dict | None = None) -> list[str]:
+        """The mlx.launch command line that runs ``argv`` on every rank (``env``: variables
+        mlx.launch sets on every rank, remote ones included)."""
+        cmd = [launcher(), "--backend", self.backend]
+        for k, v in (env or {}).items():
+            cmd += ["--env", f"{k}={v}"]
+        if self.hostfile:
+            cmd += ["--hostfile", self.hostfile]
+        elif len(self.hosts) == 1:
+            cmd += ["--hosts", self.hosts[0], "-n", str(self.ranks)]
+        else:
+            cmd += ["--hosts", ",".join(self.hosts)]
+        if self.port is not None:
+            cmd += ["--starting-port", str(self.port)]
+        return cmd + ["--", *argv]
+
+
+def launcher() -> str:
+    """The ``mlx.launch`` of this Python environment (the mlx package installs it)."""
+    import shutil
+    from pathlib import Path
+
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if here.exists() else shutil.which("mlx.launch")
+    if not found:
+        raise MlxSpecError("mlx.launch is not installed next to this Python (it comes with the mlx package)")
+    return found
+
+
+def _free_run(n: int, tries: int = 50) -> int:
+    """A first port P with P .. P+n-1 free on 127.0.0.1 (a local ring needs one per rank)."""
+    import socket
+
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind((LOCAL, 0))
+            p = s.getsockname()[1]
+        if p + n > 65535:
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((LOCAL, q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise MlxSpecError(f"found no {n} consecutive free ports on {LOCAL} for the ring")
+
+
+def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: str | None = None,
+                backend: str | None = None, port: int | None = None, environ=os.environ) -> Launch | None:
+    """The group ``--ranks/--hosts/--hostfile/--backend/--ring-port`` ask for (None: none of them,
+    one process). Checked before anything loads; a local ring gets free ports."""
+    from .errors import BadRequest
+
+    if ranks is None and hosts is None and hostfile is None:
+        return None
+    if launched(environ):
+        raise BadRequest("--ranks/--hosts/--hostfile start mlx.launch themselves; this process is already "
+                         "a rank of an mlx.launch group (drop them, or run mlx_spec without mlx.launch)")
+    if hosts is not None and hostfile is not None:
+        raise BadRequest("give --hosts or --hostfile, not both")
+    if port is not None and not 1024 <= port <= 65535:
+        raise BadRequest(f"--ring-port must be in 1024..65535 (got {port})")
+    names: tuple[str, ...] = (LOCAL,)
+    if hostfile is not None:
+        from pathlib import Path
+
+        from mlx._distributed_utils.common import Hostfile
+
+        if not Path(hostfile).is_file():
+            raise BadRequest(f"--hostfile {hostfile}: no such file")
+        try:
+            parsed = Hostfile.from_file(hostfile)
+        except (ValueError, KeyError, TypeError) as e:
+            raise BadRequest(f"--hostfile {hostfile} is not an mlx.launch hostfile: {e}") from None
+        names = tuple(h.ssh_hostname for h in parsed.hosts)
+        backend = backend or parsed.backend or None  # the hostfile may name its backend
+        hostfile = str(Path(hostfile).resolve())
+        n = len(names)
+    elif hosts is not None:
+        names = tuple(h.strip() for h in hosts.split(",") if h.strip())
+        if not names:
+            raise BadRequest("--hosts wants host names or IPs separated by commas")
+        n = len(names) if len(names) > 1 else (ranks or 1)
+    else:
+        n = ranks
+    backend = backend or "ring"
+    if backend not in BACKENDS:
+        raise BadRequest(f"--backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+    if backend == "jaccl" and hostfile is None:
+        raise BadRequest("--backend jaccl needs --hostfile (it lists each Mac's RDMA devices)")
+    if ranks is not None and ranks != n:
+        raise BadRequest(f"--ranks {ranks} but {n} hosts are given (one rank per host)")
+    if n < 2:
+        raise BadRequest(f"a group needs at least 2 ranks (got {n}); one process needs no --ranks")
+    plan = Launch(n, names, hostfile, backend, port)
+    if port is None and backend == "ring" and plan.local:
+        plan = replace(plan, port=_free_run(n))
+    return plan
+
+
+__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupInfo", "SINGLE", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
            "shard_target", "shard_problems", "timeout_s", "Wire"]

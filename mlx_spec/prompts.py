@@ -130,6 +130,53 @@ _PACKAGE = '''{
   }
 }
 '''
+_SHAPES = '''import math
+
+
+class Circle:
+    def __init__(self, radius):
+        self.radius = radius
+
+    def area(self):
+        return math.pi * self.radius ** 2
+
+    def perimeter(self):
+        return 2 * math.pi * self.radius
+
+
+class Rectangle:
+    def __init__(self, width, height):
+        self.width = width
+        self.height = height
+
+    def area(self):
+        return self.width * self.height
+
+    def perimeter(self):
+        return 2 * (self.width + self.height)
+
+
+def total_area(shapes):
+    total = 0
+    for shape in shapes:
+        total += shape.area()
+    return total
+'''
+_SETTINGS = '''[server]
+host = 127.0.0.1
+port = 8080
+workers = 4
+timeout = 30
+
+[database]
+name = orders
+user = shop
+pool_size = 10
+
+[logging]
+level = info
+file = server.log
+'''
 
 
 def _edit(pid: str, file: str, ask: str, lang: str = "python") -> Prompt:
@@ -157,6 +204,11 @@ AGENT = (
          "nothing else.", _DURATION),
     _one("agent-6", "Change the version to 1.5.0 and add \"click\": \"8.1\" to the dependencies. Reply "
          "with the complete JSON.", _PACKAGE, "json"),
+    # verbatim re-emission of a longer file with a small change (long copying replies)
+    _one("agent-7", "In this file, change the area of Circle to use `self.radius * self.radius` instead of "
+         "`self.radius ** 2`. Reply with the complete file and nothing else.", _SHAPES),
+    _edit("agent-8", _SETTINGS, "Change the port to 9090 and the log level to debug. Reply with the complete "
+          "file, unchanged otherwise.", "ini"),
 )
 BUILTIN = BUILTIN + AGENT
 

@@ -237,7 +237,7 @@ def _stored_result(cfg: LoadConfig, drafter: str):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         key = result.key
-        if result.format != tuner.FORMAT or key.get("machine") != machine:
+        if result.format not in tuner.READ_FORMATS or key.get("machine") != machine:
             continue
         if any((key.get(k, {}).get("id"), key.get(k, {}).get("hash")) != v for k, v in want.items()):
             continue
@@ -345,11 +345,14 @@ def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = l
     from . import distributed
 
     if distributed.launched() and not group_aware:  # every rank refuses alike, before joining
-        raise BadRequest("this command does not run under mlx.launch; `mlx_spec serve` and `mlx_spec "
-                         "generate` do (docs/distributed.md; pass costs: scripts/distributed_costs.py)")
+        raise BadRequest("this command does not run under mlx.launch: `chat` reads one terminal (serve the "
+                         "group and use any OpenAI client), `tune` and `verify` measure or check one process "
+                         "(a group takes --block-size; its greedy output equals one process's). Under "
+                         "mlx.launch run `mlx_spec serve`, `generate` or `bench` (the group's pass costs), or "
+                         "let them start the group: `serve --ranks N`, `bench --ranks N` (docs/distributed.md)")
     group = distributed.init_group()  # None unless launched by mlx.launch
     if group is not None:
-        cfg = replace(cfg, ranks=group.size())
+        cfg = replace(cfg, ranks=group.size(), prefix_cache=0)  # a group prefills every request in full
         tuning = "none"
         log(f"rank {group.rank()} of {group.size()} ({distributed.backend_name()}): the target is sharded")
     planned = plan_session(cfg, log)

@@ -1,20 +1,31 @@
 """Block-size tuner: measure on this machine, store the best (or "off") per machine and pair.
 
-``tune`` runs a bounded sweep over (block size, BLAS thread count): the pass costs Tt(B), Td(B)
-for every candidate block at all cores and at the reference block for every other thread count
-(interleaved rounds), one acceptance probe at the checkpoint's block (acceptance by position gives
-tau for every smaller block), a cost model that ranks the candidates, then ``race``: plain
-decoding, the predicted best few, always the predicted runner-up and the neighbours of the
-predicted leader, and the runner-up thread count, end to end on the built-in chat mix, every
-round every candidate once in rotated order (interleaved, ABAB, never one candidate after
-another), warm-up discarded. After each whole cycle of prompt kinds the race drops clearly worse
-candidates, adds the neighbours of the measured leader (next block up and down, next thread count
-up and down) if they were not timed yet, and stops on
-a clear margin; otherwise it runs until the budget is spent (at least ``min_rounds`` rounds).
-``choose`` / ``pick`` (pure) pick the winner. The result is stored as JSON under
-``<cache>/tuning/`` keyed by everything that changes the answer (``tune_key``, thread count not
-included: it is part of the answer); ``ensure_tuned`` is what generate/chat/serve call on start,
-and it applies the stored thread count.
+The choice is made to be the same run after run. At greedy on fixed prompts the acceptance is
+deterministic; only timings are noisy. So ``tune`` decides from
+
+1. the **pass-cost curve**: T1, Td(B), Tt(B) for every candidate block (and T1 and the reference
+   block at every other BLAS thread count), each pass timed alone many times in interleaved,
+   rotated rounds, medians (``costs.CostMeter``), with the standard error of each median;
+2. the **acceptance by position** of one deterministic probe (DFlash at the checkpoint's block on
+   a fixed, balanced set of built-in prompts): E(B) = 1 + sum of the first B-1 positions, for
+   every block;
+3. the **per-cycle overhead** (loop and host time beyond the two passes) and the plain loop's
+   overhead beyond T1, each pooled (a median of per-run residuals) over every end-to-end run of
+   ``race``: plain decoding, the predicted best few, always the predicted runner-up and the
+   neighbours of the leader, and the runner-up thread count, interleaved (every round every
+   candidate once, the order rotated: ABAB, never one candidate's runs back to back), dropping
+   clear losers, adding the measured leader's neighbours, stopping on a clear margin.
+
+The model speedup of a block is E(B) * (T1 + plain overhead) / (Td(B) + Tt(B) + overhead).
+``decide`` (pure) picks from it: candidates within the noise of the best (twice the combined
+standard error, at least ``NOISE_FLOOR``) are a tie, broken by a fixed rule (the largest block
+that still buys expected tokens; the default thread count) and the result says so. The race only
+calibrates and checks: it overrides the model only when a candidate beat the model's choice in
+every one of at least ``CHECK_ROUNDS`` rounds (``race_check``).
+
+The result is stored as JSON under ``<cache>/tuning/`` keyed by everything that changes the
+answer (``tune_key``, thread count not included: it is part of the answer); ``ensure_tuned`` is
+what generate/chat/serve call on start, and it applies the stored thread count.
 """
 
 from __future__ import annotations
@@ -41,7 +52,10 @@ from .errors import MlxSpecError
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_S = 90.0
-FORMAT = 2  # 2: the BLAS thread count is part of the answer
+FORMAT = 3  # 2: the BLAS thread count is part of the answer; 3: chosen by the model (noise, why)
+READ_FORMATS = (2, 3)  # a format-2 result has all the engine uses (block, threads, curve, prior): it loads
+NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small the measured noise
+CHECK_ROUNDS = 5  # the race overrides the model only with this many rounds on both sides
 
 
 class TuneSkipped(MlxSpecError):
@@ -143,16 +157,17 @@ def key_hash(key: dict) -> str:
 @dataclass(frozen=True)
 class Candidate:
     block: int  # 1 = off (plain decoding)
-    measured: bool  # raced end to end (else ranked out by the cost model)
-    median_tps: float | None = None  # committed tok/s end to end
+    measured: bool  # raced end to end (else only modelled)
+    median_tps: float | None = None  # committed tok/s after the first step (prefill excluded), median
     spread: float | None = None  # (max - min) / median over rounds: of the speedup (off: of tok/s)
-    speedup: float | None = None  # median over rounds of tok/s / plain tok/s (same prompt)
-    tau: float | None = None
-    predicted: float | None = None  # cost-model speedup
+    speedup: float | None = None  # race: median over rounds of tok/s / plain tok/s (same prompt)
+    tau: float | None = None  # E(B) from the deterministic probe (expected tokens per cycle)
+    predicted: float | None = None  # model speedup over plain (the score ``decide`` compares)
     rounds: int = 0
     note: str = ""
-    final: bool = False  # still in the race at the end (only these can win)
+    final: bool = False  # still in the race at the end
     threads: int | None = None  # BLAS threads it ran with (None: no thread knob here)
+    noise: float | None = None  # relative standard error of ``predicted`` (from the pass timings)
 
     @property
     def label(self) -> str:
@@ -177,6 +192,8 @@ class TuneResult:
     elapsed_s: float = 0.0
     format: int = FORMAT
     threads: int | None = None  # BLAS threads chosen with the block (None: no thread knob here)
+    why: str = ""  # how ``decide`` chose (ties named), shown by `mlx_spec tune`
+    overhead_ms: float | None = None  # per-cycle time beyond the two passes, pooled over the race
 
     @property
     def block_size(self) -> int:
@@ -188,9 +205,9 @@ class TuneResult:
                                 if self.threads else "")
         if self.best > 1:
             return f"tuned {day}"
-        spec = [c for c in self.candidates if c.block > 1 and c.speedup is not None]
-        best = max(spec, key=lambda c: c.speedup, default=None)
-        why = f"; best DFlash B={best.block} x{best.speedup:.2f}" if best else ""
+        spec = [c for c in self.candidates if c.block > 1 and (c.predicted or c.speedup) is not None]
+        best = max(spec, key=lambda c: c.predicted or c.speedup, default=None)
+        why = f"; best DFlash B={best.block} x{best.predicted or best.speedup:.2f}" if best else ""
         return f"tuned {day}: off — plain decoding faster on this machine{why}"
 
     def as_dict(self) -> dict:
@@ -198,12 +215,13 @@ class TuneResult:
                 "source": self.source, "key": self.key,
                 "candidates": [{"block": c.label, **{k: getattr(c, k) for k in (
                     "measured", "median_tps", "spread", "speedup", "tau", "predicted", "rounds", "note", "final",
-                    "threads")}}
+                    "threads", "noise")}}
                     for c in self.candidates],
                 "costs": self.costs.as_dict() if self.costs else None,
                 "acceptance_by_position": list(self.acceptance_by_position),
                 "prompt_kinds": list(self.prompt_kinds), "tokens_per_run": self.tokens_per_run,
-                "budget_s": self.budget_s, "elapsed_s": self.elapsed_s, "threads": self.threads}
+                "budget_s": self.budget_s, "elapsed_s": self.elapsed_s, "threads": self.threads,
+                "why": self.why, "overhead_ms": self.overhead_ms}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TuneResult":
@@ -212,14 +230,15 @@ class TuneResult:
 
         cands = tuple(Candidate(block(c["block"]), bool(c["measured"]), c.get("median_tps"), c.get("spread"),
                                 c.get("speedup"), c.get("tau"), c.get("predicted"), int(c.get("rounds", 0)),
-                                c.get("note", ""), bool(c.get("final", False)), _opt_int(c.get("threads")))
+                                c.get("note", ""), bool(c.get("final", False)), _opt_int(c.get("threads")),
+                                c.get("noise"))
                       for c in d["candidates"])
         return cls(d["key"], block(d["best"]), str(d["date"]), cands,
                    Costs.from_dict(d["costs"]) if d.get("costs") else None,
                    tuple(float(x) for x in d.get("acceptance_by_position", ())),
                    tuple(d.get("prompt_kinds", ())), int(d.get("tokens_per_run", 0)),
                    float(d.get("budget_s", 0)), float(d.get("elapsed_s", 0)), int(d.get("format", FORMAT)),
-                   _opt_int(d.get("threads")))
+                   _opt_int(d.get("threads")), str(d.get("why", "")), d.get("overhead_ms"))
 
 
 def _opt_int(x) -> int | None:
@@ -251,47 +270,147 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("ignoring unreadable tuning result %s (%s); re-tuning", path, e)
         return None
-    if result.format != FORMAT or result.key != key:
+    if result.format not in READ_FORMATS or result.key != key:
         return None
     return result
 
 
 # ---------------------------------------------------------------- pure choice
 
-def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, overhead_ms: float = 0.0) -> float:
-    """Cost-model speedup of DFlash at ``block`` over plain decoding."""
+def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, overhead_ms: float = 0.0,
+            plain_ms: float | None = None) -> float:
+    """Model speedup of DFlash at ``block`` over plain decoding: E(B) * plain step / cycle, the
+    plain step ``plain_ms`` (default T1) and the cycle Td(B) + Tt(B) + ``overhead_ms``."""
     if block <= 1:
         return 1.0
     cost = costs.draft(block) + costs.verify(block) + overhead_ms
-    return expected_tokens(acceptance_by_position, block) * costs.t1_ms / cost
+    return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / cost
 
 
-def pick(trials: Sequence[Candidate], margin: float = 0.02, tie: float = 0.01) -> tuple[int, int | None]:
-    """The winning (block, threads) (block 1 = off) from the final candidates' median speedups
-    over the race's baseline (plain decoding at the leading thread count).
+@dataclass(frozen=True)
+class Decision:
+    block: int  # 1 = off
+    threads: int | None
+    why: str  # one line: the tie (if any) and the rule that broke it
+    tied: tuple[int, ...] = ()  # blocks within noise of the best at the chosen thread count
 
-    Speculation must beat the best plain candidate by ``margin`` (else "off": same output, less
-    memory); among candidates within ``tie`` of the best, the smallest block wins (cheaper,
-    steadier), and within a block the faster thread count.
+
+def _tol(a: Candidate, b: Candidate, floor: float) -> float:
+    """How far apart two model speedups must be to count as different: twice their combined
+    standard error, at least ``floor``."""
+    return max(floor, 2 * math.hypot(a.noise or 0.0, b.noise or 0.0))
+
+
+def _pooled(cands: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates with one noise each: the median of theirs. Their passes were timed in the
+    same rounds on the same machine; one block's median absolute deviation over a dozen rounds
+    is itself noisy, and one wide estimate must not widen every comparison."""
+    xs = [c.noise for c in cands if c.noise is not None and math.isfinite(c.noise)]
+    n = statistics.median(xs) if xs else None
+    return [replace(c, noise=n) for c in cands]
+
+
+def _lbl(c: Candidate) -> str:
+    return "plain" if c.block == 1 else f"B={c.block}"
+
+
+def _names(xs: Sequence[str]) -> str:
+    return xs[0] if len(xs) == 1 else f"{', '.join(xs[:-1])} and {xs[-1]}"
+
+
+def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, margin: float = 0.02,
+           floor: float = NOISE_FLOOR, min_gain: float = 0.02) -> Decision:
+    """The (block, threads) to store, from the model speedups (``predicted``, with ``noise``) and
+    the deterministic expected tokens per cycle (``tau`` = E(B)). Pure: the same inputs always
+    give the same answer, and inputs within noise give the same answer by rule, not by chance.
+
+    - Thread count: the one whose best candidate (plain or a block) scores highest; if the
+      ``default_threads`` count (all cores, what a machine never tuned runs) is within noise of
+      it, the default.
+    - Off: no block beats plain at that thread count by ``margin``.
+    - Block: the blocks within noise of the best are a tie. It goes to the largest block that
+      still buys expected tokens (E(B) at least ``min_gain`` above the next smaller tied block's):
+      the per-cycle policy shortens its own drafts when acceptance falls but never drafts past
+      its block, so among blocks that cost the same on the mix the larger leaves it room on
+      code and agent edits; a block past the drafter's trained positions buys nothing and
+      never wins a tie.
     """
-    ok = [c for c in trials if c.final and c.speedup is not None and not math.isnan(c.speedup)]
-    off = [c for c in ok if c.block == 1]
-    best_off = max(off, key=lambda c: c.speedup, default=None)
-    plain = (1, best_off.threads if best_off else None)
-    spec = [c for c in ok if c.block > 1]
-    if not spec:
-        return plain
-    best = max(c.speedup for c in spec)
-    if best < (best_off.speedup if best_off else 1.0) * (1 + margin):
-        return plain
-    near = [c for c in spec if c.speedup >= best * (1 - tie)]
-    win = min(near, key=lambda c: (c.block, -c.speedup))
-    return win.block, win.threads
+    ok = [c for c in cands if c.predicted is not None and not math.isnan(c.predicted)]
+    plains = [c for c in ok if c.block == 1]
+    plain = max(plains, key=lambda c: c.predicted, default=None)
+    if plain is not None and plain.threads != default_threads:  # a faster plain count must be clearly faster
+        dflt = next((c for c in plains if c.threads == default_threads), None)
+        if dflt is not None and dflt.predicted >= plain.predicted * (1 - _tol(dflt, plain, floor)):
+            plain = dflt
+    by_t: dict = {}
+    for c in ok:
+        if c.block > 1:
+            by_t.setdefault(c.threads, []).append(c)
+    by_t = {t: _pooled(cs) for t, cs in by_t.items()}
+    if not by_t:
+        t = plain.threads if plain else default_threads
+        return Decision(1, t, "off: no block to draft with" if plain else "nothing could be measured: plain decoding")
+    tops = {t: max(cs, key=lambda c: (c.predicted, -c.block)) for t, cs in by_t.items()}
+    lead_t = max(tops, key=lambda t: (tops[t].predicted, t == default_threads))
+    words = []
+    if len(tops) > 1:
+        lead = tops[lead_t]
+        others = sorted((t for t in tops if t != lead_t), key=lambda t: -tops[t].predicted)
+        near = [t for t in others if tops[t].predicted >= lead.predicted * (1 - _tol(tops[t], lead, floor))]
+        if default_threads in near:
+            gap = 1 - tops[default_threads].predicted / lead.predicted
+            words.append(f"{lead_t} and {default_threads} threads within noise ({gap:.1%}); kept {default_threads}, "
+                         "the default (all cores)")
+            lead_t = default_threads
+        else:
+            nxt = tops[others[0]]
+            words.append(f"{lead_t} threads (x{lead.predicted:.2f}) over {others[0]} (x{nxt.predicted:.2f})")
+    spec = sorted(by_t[lead_t], key=lambda c: c.block)
+    best = tops[lead_t]
+    base = plain.predicted if plain else 1.0
+    if best.predicted < base * (1 + margin):
+        why = (f"off: the best block {_lbl(best)} x{best.predicted:.2f} does not beat plain"
+               f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
+               f"(x{base:.2f}) by {margin:.0%}")
+        return Decision(1, plain.threads if plain else lead_t, why)
+    tol = _tol(best, best, floor)
+    tied = [c for c in spec if c.predicted >= best.predicted * (1 - tol)]
+    kept, gain_of = [], {}
+    for c in tied:  # smallest first: a larger block must buy expected tokens over the last kept one
+        prev = kept[-1] if kept else None
+        if prev is None or c.tau is None or prev.tau is None or c.tau >= prev.tau + min_gain:
+            kept.append(c)
+        else:
+            gain_of[c.block] = prev.block
+    win = kept[-1]
+    if len(tied) == 1:
+        rest = [c for c in spec if c is not best]
+        nxt = max(rest, key=lambda c: c.predicted, default=None)
+        why = f"{_lbl(best)} x{best.predicted:.2f}" + (
+            f", next {_lbl(nxt)} x{nxt.predicted:.2f} ({1 - nxt.predicted / best.predicted:.1%} below, "
+            f"tolerance {tol:.1%})" if nxt else "")
+    else:
+        width = max(1 - c.predicted / best.predicted for c in tied)
+        names = _names([_lbl(c) for c in tied]) if len(tied) <= 4 else \
+            f"B={tied[0].block} to B={tied[-1].block} ({len(tied)} blocks)"
+        why = (f"{names} within noise ({width:.1%} apart, tolerance "
+               f"{tol:.1%}); chose {win.block}: the largest that still buys "
+               "expected tokens (the per-cycle policy shortens its drafts itself, never past its block)")
+        for a in dict.fromkeys(gain_of.values()):
+            bs = [f"B={b}" for b, x in gain_of.items() if x == a]
+            why += f"; {_names(bs)} add{'s' if len(bs) == 1 else ''} no expected tokens over B={a}"
+    return Decision(win.block, lead_t, "; ".join([why] + words), tuple(c.block for c in tied))
 
 
-def choose(trials: Sequence[Candidate], margin: float = 0.02, tie: float = 0.01) -> int:
-    """The winning block (1 = off); see ``pick``."""
-    return pick(trials, margin, tie)[0]
+def race_check(ratio: dict, chosen: Key, rounds: int = CHECK_ROUNDS) -> Key | None:
+    """The raced candidate that beat ``chosen`` in every one of at least ``rounds`` rounds (its
+    worst speedup above the chosen's best; the best such by median), else None. Under noise alone
+    two equal candidates do this in 1 of C(2n, n) race pairs: 1 in 252 at n = 5."""
+    mine = ratio.get(chosen) or []
+    if len(mine) < rounds:
+        return None
+    beat = [k for k, xs in ratio.items() if k != chosen and len(xs) >= rounds and min(xs) > max(mine)]
+    return max(beat, key=lambda k: statistics.median(ratio[k]), default=None)
 
 
 def default_candidates(checkpoint_block: int) -> list[int]:
@@ -404,14 +523,32 @@ def _label(key: Key) -> str:
     return ("plain" if B == 1 else f"B={B}") + (f" {t}T" if t else "")
 
 
+def median_se(xs: Sequence[float]) -> float:
+    """Standard error of the median of ``xs`` (robust: from the median absolute deviation)."""
+    if len(xs) < 2:
+        return math.inf
+    m = statistics.median(xs)
+    return 1.2533 * 1.4826 * statistics.median(abs(x - m) for x in xs) / math.sqrt(len(xs))
+
+
+def _decode_rate(r) -> float:
+    """Committed tokens per second after the first step (the prefill is the same for every
+    candidate and only adds noise); the whole run's rate when the reply ended at once."""
+    n = len(r.tokens) - r.first_tokens
+    return n / r.decode_s if n > 0 and r.decode_s > 0 else len(r.tokens) / r.total_s
+
+
 def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None = None, prompts=None,
          tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
          clear_margin: float = 0.15, candidates: Sequence[int] | None = None,
-         threads: Sequence[int | None] | None = None, blas=None,
+         threads: Sequence[int | None] | None = None, blas=None, probe_prompts: int = 6,
+         cost_share: float = 0.3, cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
          clock: Callable[[], float] = time.perf_counter) -> TuneResult:
     """Measure and choose the block size and BLAS thread count for this pair on this machine
     (see the module docstring). ``threads``: thread counts to try (default: 1, powers of two,
-    all cores; one value where the user pinned it; None where there is no knob)."""
+    all cores; one value where the user pinned it; None where there is no knob).
+    ``cost_share``: the share of the budget for timing passes (at least ``cost_rounds[0]`` and at
+    most ``cost_rounds[1]`` timed rounds); ``probe_prompts``: prompts in the acceptance probe."""
     from . import BLAS
     from .prompts import CHAT_KINDS, builtin_prompts, interleave
 
@@ -437,47 +574,108 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     # Probe at the trained block: more masks than the drafter saw in training lower the early
     # positions too. Positions past it are untrained (counted as never accepted).
     probe_block = min(pair.drafter.args.block_size, cands[-1])
-    # Pass costs: every candidate block at the main thread count, the probe block at the others;
-    # the meters' rounds interleave (same machine state for every thread count).
+
+    # 1. Pass costs: every candidate block at the main thread count, the probe block at the
+    # others; many short rounds, interleaved across thread counts and rotated within a meter.
     meters = {t: CostMeter(pair.model, pair.target, pair.drafter, cands if t == main_t else [probe_block], context)
               for t in tlist}
-    for r in range(3):  # a warm-up round and two timed ones
+    lo, hi = cost_rounds
+    r = 0
+    while r <= hi and (r <= lo or clock() - t0 < cost_share * budget_s):
         for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
             use(t)
-            meters[t].round(lambda d, n, m, r=r, j=j: frac(0.15 * (r * len(tlist) + j + d / n) / (3 * len(tlist)), m),
-                            f"pass costs{'' if t is None else f' at {t} threads'}")
+
+            def step(d, n, m, j=j):
+                done = max((clock() - t0) / (cost_share * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
+                frac(cost_share * min(1.0, done), m)
+            meters[t].round(step, f"pass costs{'' if t is None else f' at {t} threads'} (round {r + 1})")
+        r += 1
     all_costs = {t: m.costs() for t, m in meters.items()}
     costs = all_costs[main_t]
-    use(main_t)
-    runner = Runner(pair, costs=costs)
-    probe = [runner.run(Method("dflash", probe_block), ids, tokens) for _, _, ids in encoded[:3]]
-    frac(0.3, "acceptance probe")
-    st = merge_stats([r.stats for r in probe])
-    acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
-    passes = sum(model_ms(Method("dflash", probe_block), r.blocks, costs) for r in probe)
-    overhead = max(0.0, (sum(r.decode_s for r in probe) * 1e3 - passes) / max(1, st.cycles))
     smooth = costs.smoothed()
+    use(main_t)
 
-    def cycle(c: Costs, B: int) -> float:
-        return c.draft(B) + c.verify(B)
+    # 2. Acceptance: deterministic at greedy on fixed prompts (a balanced mix of the kinds).
+    runner = Runner(pair, costs=costs)
+    probe = []
+    for n, (_, _, ids) in enumerate(encoded[:max(1, probe_prompts)]):
+        probe.append(runner.run(Method("dflash", probe_block), ids, tokens))
+        frac(cost_share + 0.15 * (n + 1) / max(1, probe_prompts), "acceptance probe")
+    st = merge_stats([p.stats for p in probe])
+    acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
+    E = {B: expected_tokens(acc, B) for B in cands}
 
-    # Predicted speedup of (B, t) over plain decoding at the main thread count: the main curve,
-    # scaled by how the probe block's cycle (or the plain step) costs at t.
-    predicted: dict[Key, float] = {}
-    for t, c in all_costs.items():
-        scale = cycle(c, probe_block) / cycle(costs, probe_block) if cycle(costs, probe_block) else 1.0
-        predicted[(1, t)] = costs.t1_ms / c.t1_ms if c.t1_ms else 1.0
-        for B in cands:
-            predicted[(B, t)] = predict(smooth, acc, B, overhead) / scale
-    by_thread = sorted(tlist, key=lambda t: -max(predicted[(B, t)] for B in [1] + cands))
+    def cycle_ms(t, B: int) -> float:
+        """Td(B) + Tt(B) at ``t`` threads: the main curve (smoothed), scaled by how the probe
+        block's cycle (or the plain step) costs at ``t``."""
+        c = all_costs[t]
+        if B == 1:
+            return c.t1_ms
+        ref = costs.draft(probe_block) + costs.verify(probe_block)
+        scale = (c.draft(probe_block) + c.verify(probe_block)) / ref if t != main_t and ref else 1.0
+        return (smooth.draft(B) + smooth.verify(B)) * scale
+
+    def residuals(t, runs, spec: bool) -> list[float]:
+        """Per run: measured time per cycle after the first step minus the passes' model time."""
+        out = []
+        for run_ in runs:
+            n = sum(run_.blocks.values())
+            if n:
+                model = sum(k * cycle_ms(t, L if spec else 1) for L, k in run_.blocks.items())
+                out.append((run_.decode_s * 1e3 - model) / n)
+        return out
+
+    o_probe = max(0.0, statistics.median(residuals(main_t, probe[1:] or probe, True) or [0.0]))
+
+    def se(t, name: str, B: int) -> float:
+        return median_se(meters[t].times.get((name, B)) or [])
+
+    def noise(key: Key) -> float:
+        """Relative standard error of a key's model speedup from its own pass timings: blocks at
+        one thread count share T1 and the overhead, so only Td(B) and Tt(B) tell them apart."""
+        B, t = key
+        c = all_costs[t]
+        if B == 1:
+            return 0.0 if t == main_t else math.hypot(se(t, "t1", 1) / c.t1_ms, se(main_t, "t1", 1) / costs.t1_ms)
+        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / (cycle_ms(main_t, B) + o_probe)
+        if t == main_t:
+            return main
+        ref = c.draft(probe_block) + c.verify(probe_block)
+        return math.hypot(main, math.hypot(se(t, "td", probe_block), se(t, "tt", probe_block)) / ref)
+
+    def model(o: dict, op: dict) -> dict[Key, float]:
+        """Speedup over plain at the main thread count: E(B) * plain step / cycle."""
+        def step(t):  # the plain loop may beat a synced T1 (it overlaps the next step): never below half
+            return max(all_costs[t].t1_ms / 2, all_costs[t].t1_ms + op.get(t, 0.0))
+
+        plain = step(main_t)
+        out = {}
+        for t in tlist:
+            out[(1, t)] = plain / step(t)
+            for B in cands:
+                out[(B, t)] = E[B] * plain / (cycle_ms(t, B) + o.get(t, o_probe))
+        return out
+
+    def candidates_of(predicted: dict[Key, float]) -> list[Candidate]:
+        return [Candidate(B, False, tau=round(E[B], 3) if B > 1 else None, predicted=round(x, 4), threads=t,
+                          noise=round(noise((B, t)), 4)) for (B, t), x in predicted.items()]
+
+    # 3. The race: which candidates the first model (the probe's overhead) puts in front, timed
+    # end to end to calibrate the overheads and to check the model.
+    predicted = model({}, {})
+    by_thread = sorted(tlist, key=lambda t: (-max(predicted[(B, t)] for B in [1] + cands), t != main_t))
     lead_t = by_thread[0]
-    ranked = sorted(cands, key=lambda B: -predicted[(B, lead_t)])
+    ranked = sorted(cands, key=lambda B: (-predicted[(B, lead_t)], -B))
     top = ranked[:max(2, finalists)]  # the predicted runner-up is always timed
     i = cands.index(ranked[0])
     near = cands[max(0, i - 1):i + 2]  # and the neighbours of the predicted leader
     keys = [(1, lead_t)] + [(B, lead_t) for B in sorted(set(top) | set(near))]
     if len(by_thread) > 1:  # the runner-up thread count: plain and the predicted leader
         keys += [(1, by_thread[1]), (ranked[0], by_thread[1])]
+    dflt = main_t if len(tlist) > 1 else None
+    first = decide(candidates_of(predicted), default_threads=dflt, floor=noise_floor)
+    keys += [(first.block, first.threads)]  # what the tie rule would choose: the race checks it too
+    keys = list(dict.fromkeys(keys))
 
     def neighbours(key: Key) -> list[Key]:
         """The next smaller and larger block at its thread count, and its block at the next
@@ -497,48 +695,70 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         use(t)
         runner.run(method(B), encoded[0][2], 8)
 
+    runs: dict[Key, list] = {}
+
     def run(key: Key, i: int) -> float:
         B, t = key
         use(t)
         r = runner.run(method(B), encoded[i][2], tokens)
-        taus.setdefault(key, []).append(r.stats)
-        return len(r.tokens) / r.total_s
+        runs.setdefault(key, []).append(r)
+        return _decode_rate(r)
 
-    taus: dict[Key, list] = {}
     start = clock()
+    race_share = 1 - cost_share - 0.15
 
     def timing(rnd: int, key: Key) -> None:
-        done = clock() - t0
-        frac(0.3 + 0.7 * done / budget_s, f"round {rnd + 1}: timing {_label(key)}")
+        done = (clock() - start) / max(1e-9, deadline - start)
+        frac(1 - race_share + race_share * min(1.0, done), f"round {rnd + 1}: timing {_label(key)}")
 
     res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
                clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
                clear_margin=clear_margin, note=timing)
     log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
+
+    # 4. Calibrate: the per-cycle overhead pooled over every drafted run at a thread count (the
+    # main one's where another has too few), the plain loop's beyond T1 likewise.
+    o, op = {}, {}
+    for t in tlist:
+        spec_res = [x for k, rs in runs.items() if k[1] == t and k[0] > 1 for x in residuals(t, rs, True)]
+        plain_res = [x for k, rs in runs.items() if k == (1, t) for x in residuals(t, rs, False)]
+        if len(spec_res) >= 3:
+            o[t] = max(0.0, statistics.median(spec_res))
+        if plain_res:
+            op[t] = statistics.median(plain_res)
+    if main_t not in o:
+        o[main_t] = o_probe
+    for t in tlist:
+        o.setdefault(t, o[main_t])
+        op.setdefault(t, op.get(main_t, 0.0))
+    predicted = model(o, op)
+
     out = []
-    shown = [(B, lead_t) for B in [1] + cands] + [k for k in res.tps if k[1] != lead_t] \
-        + [(1, t) for t in tlist if (1, t) not in res.tps]
+    shown = [(B, lead_t) for B in [1] + cands] + [k for k in predicted if k[1] != lead_t]
     for key in dict.fromkeys(shown):
         B, t = key
         other = "" if t == lead_t or t is None else f"{t} threads"
-        if key in res.tps and res.tps[key]:
-            s = merge_stats(taus[key]) if B > 1 and taus.get(key) else None
-            why = res.dropped.get(key, "")
+        tau = round(E[B], 3) if B > 1 else None
+        common = dict(tau=tau, predicted=round(predicted[key], 4), threads=t, noise=round(noise(key), 4))
+        if res.tps.get(key):
             out.append(Candidate(B, True, round(statistics.median(res.tps[key]), 3),
                                  round(spread(res.ratio[key] if B > 1 else res.tps[key]), 4),
-                                 round(statistics.median(res.ratio[key]), 4),
-                                 round(s.mean_acceptance_length, 3) if s else None,
-                                 round(predicted.get(key, 1.0), 4), len(res.tps[key]),
-                                 "; ".join(x for x in (other, why) if x), key in res.final, t))
+                                 round(statistics.median(res.ratio[key]), 4), rounds=len(res.tps[key]),
+                                 note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
+                                 final=key in res.final, **common))
         else:
-            out.append(Candidate(B, False, predicted=round(predicted[key], 4),
-                                 tau=round(expected_tokens(acc, B), 3) if B > 1 else None,
-                                 note="; ".join(x for x in (other, "ranked out by the cost model") if x), threads=t))
-    best, best_t = pick(out)
+            out.append(Candidate(B, False, note="; ".join(x for x in (other, "not raced") if x), **common))
+    d = decide(out, default_threads=dflt, floor=noise_floor)
+    best, best_t, why = d.block, d.threads, d.why
+    over = race_check(res.ratio, (best, best_t))
+    if over is not None:
+        why = (f"the race overrode the model ({d.why}): {_label(over)} beat {_label((best, best_t))} in every one "
+               f"of {min(len(res.ratio[over]), len(res.ratio[(best, best_t)]))} rounds")
+        best, best_t = over
     use(best_t)
     return TuneResult(tune_key(pair), best, datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       tuple(out), costs, tuple(round(x, 4) for x in acc), tuple(kinds),
-                      tokens, budget_s, round(clock() - t0, 2), FORMAT, best_t)
+                      tokens, budget_s, round(clock() - t0, 2), FORMAT, best_t, why, round(o[main_t], 3))
 
 
 def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None = None, *,

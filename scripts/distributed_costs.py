@@ -1,5 +1,8 @@
 """Pass costs with the target sharded over a group, next to one process (docs/distributed.md).
 
+`mlx_spec bench --costs-only --ranks 2` reports T1, Td(B), Tt(B), the all-reduce chain and the
+per-step message side by side; this script adds the two ways a group can draft (below).
+
     python scripts/distributed_costs.py                      # one process
     mlx.launch --backend ring -n 2 --hosts 127.0.0.1 python scripts/distributed_costs.py
     (add --target DIR --drafter DIR for a real pair; default: a synthetic qwen3 target, random
@@ -16,9 +19,7 @@ Every rank runs the same passes in the same order; rank 0 prints one JSON line:
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -64,16 +65,6 @@ def synthetic(root: Path) -> tuple[str, str]:
     return str(t), str(d)
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(out), 3)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target")
@@ -104,28 +95,16 @@ def main() -> int:
     costs = measure_costs(model, target, drafter, sizes, ctx, reps=args.reps)
 
     H, L = target.hidden_size, target.num_layers
-    allreduce = {}
-    for B in [1, *sizes]:
-        x0 = mx.ones((1, B, H), mx.float32)
-        mx.eval(x0)
-
-        def chain(x0=x0):
-            x = x0
-            for _ in range(2 * L):  # attention out + MLP down in every layer
-                x = mx.distributed.all_sum(x, group=group) * 0.5 if group else x * 0.5
-            mx.eval(x)
-        allreduce[B] = timed(chain, args.reps) if group else 0.0
-
-    flag = mx.ones((1,), mx.int32)  # the one-int message rank 0 sends after every step
-    message = timed(lambda: mx.eval(mx.distributed.all_sum(flag, group=group, stream=mx.cpu)), 5 * args.reps) \
-        if group else 0.0
+    link = distributed.link_costs(group, L, H, sizes, args.reps) if group is not None else {}
+    allreduce = link.get("allreduce_ms", {B: 0.0 for B in [1, *sizes]})
+    message = link.get("message_ms", 0.0)
 
     dcache = drafter.make_cache()
     feats = target(mx.array([ctx]), target.make_cache()).hidden
     drafter.add_context(feats, dcache)
     anchor = mx.array(ctx[-1], mx.int32)
     B = max(sizes)
-    replicated = timed(lambda: mx.eval(drafter.propose(anchor, None, dcache, B).tokens), args.reps)
+    replicated = distributed.timed_ms(lambda: mx.eval(drafter.propose(anchor, None, dcache, B).tokens), args.reps)
 
     def broadcast():
         if rank == 0:
@@ -135,7 +114,7 @@ def main() -> int:
         if group is not None:
             toks = mx.distributed.all_sum(toks, group=group, stream=mx.cpu)
         mx.eval(toks)
-    bcast = timed(broadcast, args.reps)
+    bcast = distributed.timed_ms(broadcast, args.reps)
     if rank == 0:
         print(json.dumps({
             "group": distributed.group_info(group).as_dict(), "target": tpath, "drafter": dpath,

@@ -90,6 +90,8 @@ def main(job_path: str) -> int:
                     from mlx_spec.costs import Costs
 
                     costs = Costs(1.0, {2: 0.5, 4: 0.6, 8: 0.8}, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}, 64)
+                    if case["policy"] == "plain":  # drafting never pays: runs of pipelined plain steps
+                        costs = Costs(1.0, {2: 50.0, 4: 60.0, 8: 80.0}, {1: 1.0, 2: 40.0, 4: 60.0, 8: 90.0}, 64)
                     policy = leader.share(DraftPolicy(costs, case["block"]))
                 steps = leader.lead(run_steps(pair, case["prompt"], cfg, method, case["block"], None, policy),
                                     case["prompt"], cfg, info, policy)
@@ -102,7 +104,7 @@ def main(job_path: str) -> int:
                         break
             except Exception as e:
                 err = f"{type(e).__name__}: {e}"
-            results.append({"phase": k, "block": case["block"], "policy": bool(case.get("policy")),
+            results.append({"phase": k, "block": case["block"], "policy": case.get("policy") or False,
                             "tokens": toks, "error": err,
                             "s": time.perf_counter() - t0, "healthy": leader.healthy,
                             "health": leader.health(), "wire": dict(leader.wire.stats)})

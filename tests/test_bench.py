@@ -6,8 +6,9 @@ import math
 import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
-from mlx_spec.bench import (Costs, Method, ProgressBar, Run, Sample, ceiling, copy_share, efficiency, engaged,
-                            merge_stats, prompt_report, subset_speedups, summarize)
+from mlx_spec.bench import (Costs, Method, PromptRow, ProgressBar, Run, Sample, ceiling, copy_ceiling, copy_oracle,
+                            copy_share, efficiency, engaged, merge_stats, pooled_ceiling, prompt_report,
+                            subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.lookup import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
 from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
@@ -92,6 +93,28 @@ def test_copy_share_counts_reply_tokens_in_spans_of_the_prompt():
     assert copy_share(prompt, [1, 2, 3, 4, 5, 6], n=6) == 1.0 and copy_share(prompt, [1, 2, 3, 4, 5], n=6) == 0.0
 
 
+def test_copy_ceiling_is_an_oracle_over_the_copied_spans():
+    """A fake cost curve: T1 100 ms, Tt(L) = 100 + 5 (L - 1). The oracle drafts copied tokens in
+    blocks of up to 32 drafts (+ the bonus), plain steps elsewhere; the first token is the prefill's."""
+    linear = Costs(100.0, {}, {1: 100.0, 33: 260.0}, 0)
+    file = list(range(100, 200))
+    assert copy_oracle(file, file, linear) == (99, pytest.approx(3 * 260.0))  # 3 blocks of 33
+    assert copy_ceiling(file, file, linear) == pytest.approx(9900 / 780)
+    assert copy_ceiling([1, 2, 3], list(range(50, 90)), linear) == 1.0  # nothing to copy: plain steps
+    assert math.isnan(copy_ceiling(file, file[:1], linear))
+    # 20 new tokens (19 plain steps after the prefill's), then 40 copied ones: 2 cycles of 38 drafts
+    reply = list(range(20)) + file[:40]
+    assert copy_oracle(file, reply, linear) == (59, pytest.approx(19 * 100 + 2 * 100 + 5 * 38))
+    # a curve that jumps past 9 rows: the oracle keeps to blocks of 9 (not the longest one)
+    step = Costs(100.0, {}, {1: 100.0, 9: 100.0, 10: 1000.0, 33: 1000.0}, 0)
+    assert copy_oracle(file, file[:40], step) == (39, pytest.approx(500.0))
+    assert copy_ceiling(file, file, linear, max_draft=8) == pytest.approx(9900 / (11 * 140))  # 11 blocks of 9
+    rows = [PromptRow("a", "agent", 100, 100, 1.0, oracle=(99, 780.0)),
+            PromptRow("b", "agent", 3, 40, 0.0, oracle=(39, 3900.0)), PromptRow("c", "agent", 3, 1, 0.0)]
+    assert pooled_ceiling(rows, 100.0) == pytest.approx(round(138 * 100 / 4680, 3))
+    assert pooled_ceiling(rows[2:], 100.0) is None
+
+
 def test_two_baselines_per_kind_and_the_worst_prompt():
     """Every speedup against our plain path and against mlx-lm's; the worst single prompt."""
     mlx, plain, spec = Method("mlx-lm"), Method("plain"), Method("dflash", 4)
@@ -115,6 +138,12 @@ def test_two_baselines_per_kind_and_the_worst_prompt():
     assert pr["c1"].copy_share == pytest.approx(6 / 25)  # tokens 0..5 of the reply repeat the prompt
     assert pr["c2"].copy_share == 0.0 and pr["p1"].tau["dflash B=4"] == 3.0
     assert pr["c1"].speedup["dflash B=4"] == pytest.approx(6.0) and pr["p1"].speedup_mlx["dflash B=4"] == pytest.approx(1.2)
+    costs = Costs(0.1e3, {}, {1: 100.0, 33: 260.0}, 0)  # with a cost curve: the copy ceiling, each row's share
+    pr = {x.prompt_id: x for x in prompt_report(samples, prompts, costs=costs)}
+    c1 = pr["c1"]
+    assert c1.oracle == (24, pytest.approx(125.0 + 18 * 100)) and c1.ceiling == pytest.approx(2400 / 1925, abs=1e-3)
+    assert c1.of_ceiling == {"dflash B=4": pytest.approx(6.0 / c1.ceiling, abs=1e-3)}  # speculative rows only
+    assert pr["c2"].ceiling == 1.0
     sub = subset_speedups(samples, {"c1"})
     assert sub["dflash B=4"] == (pytest.approx(6.0), pytest.approx(4.8))
 

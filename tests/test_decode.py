@@ -111,3 +111,49 @@ def test_taps_are_layer_outputs(target_model):
     assert mx.allclose(out.hidden[..., H:], outs[2], atol=1e-5)
     assert not mx.allclose(out.hidden[..., H:], outs[1], atol=1e-3)
     assert mx.allclose(out.logits, model(ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_pipelined_plain_runs_keep_caches_consistent(kind):
+    """A policy that never drafts runs pipelined plain steps (the next step queued before the
+    current token is read). Output equals the target alone; the caches handed to ``on_exit`` hold
+    exactly the ids they name (target and drafter context), whether the reply ends at
+    max_tokens, at EOS with a step in flight, or the generator is closed mid-run; a next turn
+    from those caches equals a fresh run."""
+    from test_hybrid import build
+
+    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.costs import Costs
+    from mlx_spec.prefix import Prefill
+
+    model, cfg = tiny_model(kind) if kind == "qwen3" else build(kind)
+    target, drafter, _ = tiny_drafter(model, cfg, v2=True)
+    ref = greedy_reference(model, LONG, N)
+
+    def policy():
+        return DraftPolicy(Costs(1.0, {2: 0.1, 4: 0.12}, {1: 1.0, 2: 1.06, 4: 1.18}, 0), 4, sources=())
+
+    def check(pf: Prefill):
+        kv = [c.offset for c in pf.target if hasattr(c, "offset")]  # (hybrid: the attention layers)
+        assert kv and set(kv) == {len(pf.tokens)} and pf.drafter[0].offset == len(pf.tokens)
+
+    kept = []
+    steps = list(spec_steps(target, drafter, LONG, block_size=4, max_tokens=N, policy=policy(), on_exit=kept.append))
+    assert _tokens(steps) == ref and all(s.source == "plain" for s in steps[1:]) and len(steps) == N
+    check(kept[-1])
+    assert list(kept[-1].tokens) == LONG + ref[:-1]
+    eos = ref[12]
+    steps = list(spec_steps(target, drafter, LONG, block_size=4, max_tokens=N, eos_ids=[eos], policy=policy(),
+                            on_exit=kept.append))
+    assert _tokens(steps) == ref[: ref.index(eos) + 1] and steps[-1].finish_reason == "stop"
+    check(kept[-1])  # the step queued with the EOS token stays fed: the caches hold it too
+    gen = spec_steps(target, drafter, LONG, block_size=4, max_tokens=N, policy=policy(), on_exit=kept.append)
+    got = [t for _, s in zip(range(6), gen) for t in s.tokens]
+    gen.close()
+    check(kept[-1])
+    assert got == ref[:6] and list(kept[-1].tokens[: len(LONG) + 5]) == LONG + ref[:5]
+    turn2 = list(kept[-1].tokens) + [3, 5, 7]
+    fresh = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12))
+    reused = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12, prefill=kept[-1],
+                                policy=policy()))
+    assert reused == fresh

@@ -142,6 +142,8 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
             cases = [{"prompt": PROMPT, "block": b, "max_tokens": N} for b in blocks]
             if name == "dflash2":  # the adaptive draft policy (DFlash + lookup): rank 0 decides
                 cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": True})
+                # and one whose costs make it stay plain: rank 0's stays_plain answers are shared
+                cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": "plain"})
             phases.append({"target": pair["target"], "drafter": pair[name], "kind": kind, "name": name,
                            "cases": cases})
     got, codes, took, logs = launch(tmp_path, {"phases": phases})
@@ -156,6 +158,7 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
         plain = greedy_reference(model, PROMPT, N)
         assert by[(kind, "dflash1", 1, False)] == plain, kind  # 2-rank plain == 1-process plain
         assert by[(kind, "dflash2", 8, True)] == plain, kind  # with the shared adaptive policy
+        assert by[(kind, "dflash2", 8, "plain")] == plain, kind  # a policy that stays plain
         for name in ("dflash1", "dflash2"):
             for b in BLOCKS:
                 assert by[(kind, name, b, False)] == plain, (kind, name, b)
@@ -340,3 +343,113 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _cli(*argv, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_spec", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_detached_group_is_stopped_with_every_rank(tmp_path):
+    """`serve --ranks 2 --detach` runs mlx.launch in the background (ring on 127.0.0.1): the
+    state file holds mlx.launch's pid and both ranks', `status --json` shows the group, a request
+    runs on it, and `mlx_spec stop` ends mlx.launch and every rank within its bounded wait."""
+    import httpx
+    import psutil
+
+    pair = _save(tmp_path, "qwen3", no_eos=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RANK") and k not in distributed.LAUNCH_ENV}
+    env.update(MLX_SPEC_STATE_DIR=str(tmp_path / "state"), MLX_SPEC_GROUP_TIMEOUT="30", OPENBLAS_NUM_THREADS="1")
+    (http,) = _free_ports(1)
+    pids: list[int] = []
+    try:
+        r = _cli("serve", "--target", pair["target"], "--drafter", pair["dflash2"], "--block-size", "4",
+                 "--port", str(http), "--ranks", "2", "--detach", env=env, timeout=LAUNCH_S)
+        assert r.returncode == 0, r.stderr
+        assert "rank 0 pid" in r.stdout and "rank 1 pid" in r.stdout, r.stdout
+        state = json.loads((tmp_path / "state" / f"server-{http}.json").read_text())
+        group = state["group"]
+        pids = [state["pid"]] + [x["pid"] for x in group["ranks"]]
+        assert [x["rank"] for x in group["ranks"]] == [0, 1] and group["size"] == 2 and group["backend"] == "ring"
+        assert all(psutil.pid_exists(p) for p in pids)
+
+        st = _cli("status", "--json", env=env, timeout=60)
+        (srv,) = json.loads(st.stdout)["servers"]
+        g = srv["group"]
+        assert srv["health"] == "ready" and g["size"] == 2 and g["sharded"] is True and g["healthy"] is True
+        assert g["launcher_pid"] == state["pid"] and all(x["alive"] for x in g["ranks"]), g
+        ok = httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hi", "max_tokens": 6},
+                        timeout=60)
+        assert ok.status_code == 200 and ok.json()["speculation"]["group"]["size"] == 2
+
+        t = time.monotonic()
+        stop = _cli("stop", "--timeout", "15", env=env, timeout=60)
+        assert stop.returncode == 0 and "stopped group server" in stop.stdout, stop.stdout + stop.stderr
+        assert time.monotonic() - t < 40
+        gone = lambda p: not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+        assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
+        assert json.loads(_cli("status", "--json", env=env, timeout=60).stdout)["servers"] == []
+    finally:
+        for p in pids:
+            try:
+                psutil.Process(p).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_bench_reports_two_rank_pass_costs_beside_one_process(pairs, tmp_path):
+    """`bench --costs-only --ranks 2`: T1, Td(B), Tt(B) measured in one process, then on two
+    ranks that mlx.launch starts (ring, 127.0.0.1), with the all-reduce chain of one verify pass
+    and the per-step message; side by side in one report."""
+    pair = pairs["qwen3"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there " * 8}) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RANK") and k not in distributed.LAUNCH_ENV}
+    env.update(OPENBLAS_NUM_THREADS="1")
+    r = _cli("bench", "--target", pair["target"], "--drafter", pair["dflash2"], "--costs-only", "--ranks", "2",
+             "--block-sizes", "2,4", "--repeats", "1", "--prompts", str(prompts), "--time-budget", "120", "--json",
+             env=env, timeout=LAUNCH_S + 60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    one, two = rep["single"], rep["ranks"]
+    assert one["group"]["size"] == 1 and two["group"] == {"size": 2, "rank": 0, "backend": "ring", "sharded": True}
+    assert rep["launch"]["ranks"] == 2 and rep["launch"]["hosts"] == ["127.0.0.1"]
+    for c in (one, two):
+        assert c["context"] == one["context"] > 8
+        assert c["costs"]["t1_ms"] > 0 and set(c["costs"]["td_ms"]) == {"2", "4"}
+        assert set(c["costs"]["tt_ms"]) == {"1", "2", "4"}
+    assert set(two["allreduce_ms"]) == {"1", "2", "4"} and two["message_ms"] > 0
+    assert "allreduce_ms" not in one
+    from mlx_spec.commands.bench import costs_table
+
+    text = costs_table([("single", one), ("ranks", two)])
+    assert "1 process" in text and "2 ranks (ring)" in text and "Tt(4) (verify)" in text and "ratio" in text
+
+
+def test_launch_plan_checks_the_group_flags(tmp_path):
+    """`--ranks/--hosts/--hostfile/--backend/--ring-port`, checked before anything loads, and the
+    mlx.launch command they make."""
+    from mlx_spec.errors import BadRequest
+
+    assert distributed.launch_plan(environ={}) is None
+    local = distributed.launch_plan(2, environ={})
+    assert local.local and local.ranks == 2 and local.backend == "ring" and local.port is not None
+    cmd = local.command(["python", "-m", "mlx_spec", "serve"])
+    assert cmd[1:7] == ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
+    assert cmd[cmd.index("--"):] == ["--", "python", "-m", "mlx_spec", "serve"]
+    two = distributed.launch_plan(hosts="10.0.0.1,10.0.0.2", environ={})
+    assert two.ranks == 2 and not two.local and two.port is None
+    assert "--hosts" in two.command([]) and "10.0.0.1,10.0.0.2" in two.command([])
+    hf = tmp_path / "hosts.json"
+    hf.write_text(json.dumps({"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "x"]},
+                                                            {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["x", None]}]}))
+    plan = distributed.launch_plan(hostfile=str(hf), environ={})
+    assert plan.ranks == 2 and plan.backend == "jaccl" and plan.hosts == ("a", "b")
+    for kw, msg in [({"ranks": 1}, "at least 2 ranks"), ({"ranks": 3, "hosts": "a,b"}, "--ranks 3 but 2 hosts"),
+                    ({"hosts": "a", "hostfile": str(hf)}, "not both"), ({"ranks": 2, "backend": "mpi"}, "--backend"),
+                    ({"hosts": "a,b", "backend": "jaccl"}, "jaccl needs --hostfile"),
+                    ({"hostfile": str(tmp_path / "none.json")}, "no such file")]:
+        with pytest.raises(BadRequest, match=msg):
+            distributed.launch_plan(**kw, environ={})
+    with pytest.raises(BadRequest, match="already a rank"):
+        distributed.launch_plan(2, environ={"MLX_RANK": "0", "MLX_HOSTFILE": "/x"})

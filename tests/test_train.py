@@ -15,7 +15,7 @@ from mlx_spec.target import Target
 from mlx_spec.train.data import DataConfig, Dataset, build_dataset, export_tokens, featurize_tokens
 from mlx_spec.train.prompts import builtin_prompts
 from mlx_spec.train.trainer import (
-    TrainConfig, block_attention_mask, block_hidden, build_drafter, drafter_config, identity_init,
+    RECIPE_FIELDS, Recipe, TrainConfig, block_attention_mask, block_hidden, build_drafter, drafter_config, identity_init,
     load_checkpoint, loss_fn, loss_weights, make_batch, make_optimizer, sample_anchors,
     save_checkpoint, to_mx, train, train_step,
 )
@@ -38,11 +38,13 @@ def env(tmp_path_factory):
 
 
 def _cfg(root, tdir, **kw):
+    """A TrainConfig; keyword arguments that name a Recipe field go to its recipe."""
     base = dict(data=str(root / "data"), out=str(root / "run"), target=str(tdir), layers=1,
                 intermediate_size=64, selector_rank=16, selector_top_k=8, mask_token_id=MASK,
                 steps=4, seqs_per_step=2, anchors=6, checkpoint_every=2, eval_prompts=0, lr=3e-3)
     base.update(kw)
-    return TrainConfig(**base)
+    recipe = Recipe(**{k: base.pop(k) for k in list(base) if k in RECIPE_FIELDS})
+    return TrainConfig(**base, recipe=recipe)
 
 
 def _drafter(target, cfg, seed=0):
@@ -97,7 +99,7 @@ def test_decay_weights():
 def test_training_forward_equals_inference_and_blocks_are_isolated(env, causal):
     """Each training block == the drafter's own inference pass over the context before its anchor."""
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir, attention="causal" if causal else "bidirectional")
+    cfg = _cfg(root, tdir, attention="causal" if causal else "bidirectional").recipe
     d = _drafter(target, cfg)
     # Random (non-identity) conv and selector weights so DFlash 2 paths are exercised.
     mx.random.seed(3)
@@ -129,7 +131,7 @@ def test_training_forward_equals_inference_and_blocks_are_isolated(env, causal):
 
 def test_loss_reduction_matches_brute_force(env):
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir, no_selector=True)
+    cfg = _cfg(root, tdir, no_selector=True).recipe
     d = _drafter(target, cfg)
     batch = make_batch(Dataset.load(root / "data"), np.random.default_rng(2), cfg, MASK)
     b = to_mx(batch, cfg)
@@ -152,7 +154,7 @@ def test_loss_reduction_matches_brute_force(env):
 
 def test_identity_init_equals_dflash1_backbone(env):
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir)
+    cfg = _cfg(root, tdir).recipe
     d2 = _drafter(target, cfg)
     c1 = drafter_config(target.args, replace(cfg, no_conv=True, no_selector=True), TAPS, MASK)
     assert c1["architectures"] == [DFLASH1]
@@ -172,9 +174,9 @@ def test_identity_init_equals_dflash1_backbone(env):
 
 def test_training_lowers_loss(env):
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir)
+    cfg = _cfg(root, tdir).recipe
     d = _drafter(target, cfg)
-    opt = make_optimizer(replace(cfg, steps=30))
+    opt = make_optimizer(cfg, 30)
     b = to_mx(make_batch(Dataset.load(root / "data"), np.random.default_rng(0), cfg, MASK), cfg)
     first = loss_fn(d, b, cfg)[0].item()
     for _ in range(15):
@@ -184,11 +186,11 @@ def test_training_lowers_loss(env):
 
 def test_checkpoint_resume_is_exact(env, tmp_path):
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir, out=str(tmp_path / "run"), steps=5)
+    cfg = _cfg(root, tdir, out=str(tmp_path / "run"), steps=5).recipe
     data = Dataset.load(root / "data")
 
     def fresh():
-        return _drafter(target, cfg), make_optimizer(cfg), np.random.default_rng(cfg.seed)
+        return _drafter(target, cfg), make_optimizer(cfg, 5), np.random.default_rng(0)
 
     def step(d, opt, rng):
         return train_step(d, opt, to_mx(make_batch(data, rng, cfg, MASK), cfg), cfg)[0].item()
@@ -244,7 +246,7 @@ def test_draft_vocab_with_every_id_equals_full_softmax(env):
     from mlx_spec.train.trainer import base_vocab, head_weight, step_vocab
 
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir, draft_vocab=16, vocab_negatives=4)
+    cfg = _cfg(root, tdir, draft_vocab=16, vocab_negatives=4).recipe
     d = _drafter(target, cfg)
     data = Dataset.load(root / "data")
     rng = np.random.default_rng(0)

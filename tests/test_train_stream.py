@@ -18,7 +18,7 @@ from helpers import save_tiny_pair
 from mlx_spec.errors import BadRequest
 from mlx_spec.train.replay import ReplayBuffer
 from mlx_spec.train.stream import StreamConfig, held_out_by_kind, lr_at, run_stream, stream_prompts
-from mlx_spec.train.trainer import TrainConfig
+from mlx_spec.train.trainer import Recipe
 
 MASK = 127
 KINDS = ("code", "prose", "math")
@@ -35,11 +35,11 @@ def pair(tmp_path_factory):
 
 
 def _cfg(root, tdir, out, **kw):
-    recipe = TrainConfig(data="", out="", layers=1, intermediate_size=64, selector_rank=16, selector_top_k=8,
-                         mask_token_id=MASK, seqs_per_step=2, anchors=4, lr=3e-3, block_size=4)
+    recipe = Recipe(layers=1, intermediate_size=64, selector_rank=16, selector_top_k=8,
+                    mask_token_id=MASK, seqs_per_step=2, anchors=4, lr=3e-3, block_size=4)
     base = dict(out=str(out), target=str(tdir), prompts=str(root / "prompts.jsonl"), tokens=120,
-                batch_size=3, max_tokens=10, top_k=4, replay_mb=0.06, steps_per_batch=2, checkpoint_every=2,
-                eval_per_kind=1, eval_prompts=0, eval_max_tokens=6, seed=0, train=recipe)
+                batch_size=3, max_tokens=10, top_k=4, replay_mb=0.06, steps_per_batch=2, checkpoint_batches=2,
+                eval_per_kind=1, eval_prompts=0, eval_max_tokens=6, seed=0, recipe=recipe)
     base.update(kw)
     return StreamConfig(**base)
 
@@ -85,6 +85,10 @@ def test_train_run_bounded_checkpointed_and_resume_is_exact(pair, tmp_path):
     ex = export_tokens(run, tmp_path / "tokens.npz")
     assert ex["sequences"] == 3 * full["batches"] - full["skipped"]
     assert (run / "loss.png").exists() and (run / "tau.png").exists() and full["evals"][0]["tau"] >= 1.0
+    from mlx_spec.prompts import load_prompts
+
+    held = load_prompts(run / "eval_prompts.jsonl")  # for `train eval --prompts`: the run's held-out set
+    assert held == stream_prompts(_cfg(root, tdir, run))[1]
     pair2 = load_pair(str(tdir), str(run / "ckpt"))  # loads strictly, decodes
     assert pair2.drafter.args.block_size == 4
 
@@ -124,7 +128,7 @@ def test_trainer_forward_equals_inference_after_two_steps(pair, tmp_path):
     d = p.drafter
     buf = ReplayBuffer(2**20)
     buf.load(tmp_path / "run" / "ckpt" / "replay.npz")
-    tcfg = cfg.train
+    tcfg = cfg.recipe
     import mlx.optimizers as optim
 
     opt = optim.AdamW(learning_rate=1e-2)
@@ -159,6 +163,11 @@ def test_held_out_prompts_by_kind_are_never_trained_on(pair):
     assert set(kinds) == {"code", "prose", "math", "chat", "agent"} and set(kinds.values()) == {2}
     trained = {tuple(p.encode(tok)) for p in train}
     assert not trained & {tuple(p.encode(tok)) for p in evals}  # by token ids
+    from mlx_spec.prompts import load_prompts
+    from mlx_spec.train.stream import write_eval_prompts
+
+    write_eval_prompts(root / "held.jsonl", evals)  # chat and agent turns keep their messages
+    assert load_prompts(root / "held.jsonl") == evals
     assert len(trained) == len(train)  # drawn without repeats
     assert [p.id for p in stream_prompts(cfg)[0][:20]] == [p.id for p in train[:20]]  # deterministic
     dup = held_out_by_kind([p for p in train[:5]] + [replace(train[0], id="copy")], 1)
@@ -189,7 +198,7 @@ def test_chat_data_directory_drops_trailing_assistant_turns(tmp_path):
 
 
 def test_lr_follows_the_budget():
-    t = TrainConfig(data="", out="", lr=1.0, warmup=0.1)
+    t = Recipe(lr=1.0, warmup=0.1)
     assert lr_at(t, 0.0) == pytest.approx(0.01) and lr_at(t, 0.1) == pytest.approx(1.0)
     assert lr_at(t, 1.0) == pytest.approx(0.1) and lr_at(t, 2.0) == pytest.approx(0.1)
 
@@ -293,3 +302,123 @@ def test_memory_plan_counts_the_replay_buffer():
     check_plan(rows, 4 * 2**30, "physical memory")
     with pytest.raises(PlanError, match="lower --replay-mb"):
         check_plan(rows, 2**30, "physical memory")
+
+
+# ---- hybrid (GatedDeltaNet + attention) targets --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(pair, tmp_path_factory):
+    """A tiny qwen3_5 target (GatedDeltaNet and attention layers) with the tiny tokenizer."""
+    from helpers import save_tiny_tokenizer
+    from mlx_lm.utils import save_config, save_model
+    from test_hybrid import build
+
+    root = tmp_path_factory.mktemp("hybrid")
+    model, cfg = build("qwen3_5", num_hidden_layers=6)  # default taps 1, 2, 3: GDN and attention
+    save_model(root / "target", model)
+    save_config(dict(cfg), root / "target" / "config.json")
+    save_tiny_tokenizer(root / "target")
+    return pair[0], root / "target", model
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_batched_generation_on_a_hybrid_target_equals_single_sequences(kind):
+    """Left-padded batched generation through GDN layers (padding masked out of the conv window
+    and the recurrent state; finished rows dropped from both cache kinds) gives each prompt the
+    plain greedy reply and the features of an unpadded forward; `--from-tokens` features agree."""
+    from helpers import greedy_reference
+    from test_hybrid import build
+
+    from mlx_spec.target import Target
+    from mlx_spec.train.data import DataConfig, featurize_batch, generate_batch
+
+    model, _ = build(kind, num_hidden_layers=6)
+    target = Target(model, [0, 3, 4])
+    assert {0, 4} <= target.gdn and 3 not in target.gdn  # GDN and attention layers tapped
+    prompts = [[1, 5, 9, 17, 33, 2, 8], [4, 40, 77], [3, 9, 12, 50, 6]]
+    refs = [greedy_reference(model, p, 12) for p in prompts]
+    eos = [refs[1][3]]  # the second prompt stops early: its row leaves the batch
+    res = generate_batch(target, prompts, DataConfig(max_tokens=12, top_k=4), eos, pad_id=0)
+    for p, ref, (resp, feats, ti, tl) in zip(prompts, refs, res):
+        want = ref[: ref.index(eos[0]) + 1] if eos[0] in ref else ref
+        assert resp == want
+        seq = p + resp
+        full = target(mx.array([seq[:-1]]), target.make_cache()).hidden[0]
+        assert feats.shape == (len(seq), full.shape[-1]) and not feats[-1].any()
+        assert np.allclose(feats[:-1], np.array(full), atol=2e-2, rtol=1e-2)
+        again, _, _ = featurize_batch(target, [seq], [len(p)], 4, pad_id=0)[0]
+        assert np.allclose(again[:-1], feats[:-1], atol=2e-2, rtol=1e-2)
+    assert len(res[1][0]) < len(res[0][0])
+
+
+def test_train_run_on_a_hybrid_target_end_to_end_and_resume_is_exact(hybrid_pair, tmp_path):
+    """`train run` on a qwen3_5 target: generation, taps of GDN and attention layers, training,
+    checkpoint with held-out tau (real hybrid speculative decoding), and an exact resume."""
+    from mlx_spec.loading import load_pair
+
+    root, tdir, _ = hybrid_pair
+    kw = dict(tokens=60, eval_prompts=0)
+    full = run_stream(_cfg(root, tdir, tmp_path / "full", **kw | {"eval_prompts": 2}))
+    assert not full["stopped"] and full["step"] == 2 * full["batches"] and full["evals"][0]["tau"] >= 1.0
+    p = load_pair(str(tdir), str(tmp_path / "full" / "ckpt"))
+    assert p.target.gdn and set(p.drafter.args.target_layer_ids) & p.target.gdn
+    stop = threading.Event()
+    part = run_stream(_cfg(root, tdir, tmp_path / "part", **kw), stop=stop,
+                      progress=lambda pr: pr.steps == 3 and stop.set())
+    assert part["stopped"] and part["step"] == 3
+    rest = run_stream(_cfg(root, tdir, tmp_path / "part", resume=True, **kw))
+    assert rest["step"] == full["step"]
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "part")
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+
+
+def test_one_meaning_per_setting_and_resume_of_an_older_run_config(pair, tmp_path):
+    """The recipe lives once (``StreamConfig.recipe``, ``TrainConfig.recipe``); the seed once per
+    config; checkpoints count batches in `train run` (``checkpoint_batches``) and steps in `train
+    drafter` (``checkpoint_every``); both use the same eval defaults. A run_config.json of the
+    older layout (recipe under "train" with a second, unused seed; ``checkpoint_every`` counting
+    batches) still resumes, compared field by field; unknown layouts are refused by name."""
+    from dataclasses import asdict, fields
+
+    from mlx_spec.errors import CheckpointError
+    from mlx_spec.train.trainer import RECIPE_FIELDS, TrainConfig
+
+    stream = {f.name for f in fields(StreamConfig)}
+    drafter = {f.name for f in fields(TrainConfig)}
+    assert not (stream | drafter) & RECIPE_FIELDS and "checkpoint_every" not in stream
+    assert StreamConfig(out="", target="").eval_prompts == TrainConfig(data="", out="").eval_prompts
+    assert StreamConfig(out="", target="").eval_max_tokens == TrainConfig(data="", out="").eval_max_tokens
+
+    root, tdir, _ = pair
+    cfg = _cfg(root, tdir, tmp_path / "r", tokens=20)
+    run_stream(cfg)
+    new = json.loads((tmp_path / "r" / "run_config.json").read_text())
+    old = {k: v for k, v in new.items() if k not in ("recipe", "checkpoint_batches")}
+    old["checkpoint_every"] = new["checkpoint_batches"]
+    old["train"] = {**new["recipe"], "data": "", "out": "", "steps": 1000, "seed": 7, "checkpoint_every": 100,
+                    "eval_prompts": 4, "eval_max_tokens": 96}
+    (tmp_path / "r" / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(BadRequest, match=r"recipe\.lr"):
+        run_stream(replace(cfg, resume=True, tokens=30, recipe=replace(cfg.recipe, lr=1e-3)))
+    with pytest.raises(BadRequest, match=r"'checkpoint_batches'|steps_per_batch"):
+        run_stream(replace(cfg, resume=True, tokens=30, steps_per_batch=3))
+    out = run_stream(replace(cfg, resume=True, tokens=30))
+    assert out["tokens"] >= 30
+    assert json.loads((tmp_path / "r" / "run_config.json").read_text()) == json.loads(
+        json.dumps(asdict(replace(cfg, resume=True, tokens=30))))  # rewritten in the current layout
+    (tmp_path / "r" / "run_config.json").write_text(json.dumps({**new, "replay_policy": "fifo"}))
+    with pytest.raises(CheckpointError, match="replay_policy"):
+        run_stream(replace(cfg, resume=True, tokens=40))
+
+
+def test_train_drafter_reads_an_older_flat_train_config():
+    from mlx_spec.train.trainer import Recipe, TrainConfig, settings, settings_diff
+
+    cfg = TrainConfig(data="d", out="o", recipe=Recipe(layers=3))
+    from dataclasses import asdict
+
+    flat = {k: v for k, v in asdict(cfg).items() if k != "recipe"} | asdict(cfg.recipe)
+    assert settings(flat) == settings(asdict(cfg))
+    assert settings_diff(settings(flat), settings(asdict(replace(cfg, recipe=Recipe(layers=2)))), set()) == [
+        "recipe.layers"]

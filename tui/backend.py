@@ -146,8 +146,8 @@ def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0
 # -- the tuner (mlx_spec/tuner.py) and the losslessness check (mlx_spec/verify.py) -------------
 def tune_view(result) -> TuneView:
     """A ``tuner.TuneResult`` as the UI shows it."""
-    rows = tuple(TuneRow(c.block, c.median_tps, c.speedup if c.measured else c.predicted, c.tau,
-                         c.note or ("" if c.measured else "predicted")) for c in result.candidates)
+    rows = tuple(TuneRow(c.block, c.median_tps, c.predicted if c.predicted is not None else c.speedup, c.tau,
+                         c.note or ("" if c.measured else "predicted")) for c in result.candidates)  # the model decides
     plain = next((c.median_tps for c in result.candidates if c.block == 1 and c.measured), None)
     return TuneView(result.best, plain, rows, result.date[:10], result.source)
 

@@ -57,6 +57,15 @@ def add_arguments(p) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
+    p.add_argument("--costs-only", action="store_true",
+                   help="only the pass costs T1, Td(B), Tt(B) (at the longest prompt's context, median of "
+                        "--repeats rounds), no generation rows; what bench measures on a group (a group "
+                        "started with --ranks must finish within --time-budget)")
+    from ..cli import add_launch_args
+
+    add_launch_args(p, "the group's pass costs beside one process's; under mlx.launch bench measures "
+                       "the group's alone")
+    p.set_defaults(bench_parser=p)  # --ranks rebuilds the ranks' flags from it
     g = p.add_argument_group("many clients at once (mlx_spec serve vs mlx_lm.server; mlx_spec/loadtest.py)")
     g.add_argument("--concurrency", default=None, metavar="LEVELS",
                    help="e.g. 1,2,4,8: start both servers on 127.0.0.1 and report aggregate tok/s and p50/p95 "
@@ -127,27 +136,38 @@ def table(rows, kinds) -> str:
     return "\n".join(out)
 
 
-def copy_table(prompt_rows, rows, subset) -> str:
-    """Agent prompts: the share of each reply that repeats its prompt, next to every drafting
-    method's tau and speedups (vs our plain / vs mlx-lm), and the speedups over the replies that
-    do repeat their prompt."""
+def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
+    """Agent prompts: the share of each reply that repeats its prompt and the speedup that allows
+    (the copy ceiling), next to every drafting method's tau and speedups (vs our plain / vs
+    mlx-lm) and its share of the ceiling; then the speedups over the replies that do repeat their
+    prompt. ``ceilings``: {"agent": pooled ceiling of all agent prompts, "copying": of those}."""
     from ..bench import COPY_SUBSET
 
+    ceilings = ceilings or {}
     labels = [r.label for r in rows if r.status == "ok" and r.tau is not None]
-    head = ["prompt", "prompt tok", "reply tok", "copy share", *[f"{m} tau x/x-mlx" for m in labels]]
-    lines = [[p.prompt_id, str(p.prompt_tokens), str(p.reply_tokens), _fmt(p.copy_share, ".0%"),
-              *[f"{_fmt(p.tau.get(m))} {_fmt(p.speedup.get(m))}/{_fmt(p.speedup_mlx.get(m))}" for m in labels]]
+    head = ["prompt", "prompt tok", "reply tok", "copy share", "ceiling",
+            *[f"{m} tau x/x-mlx %ceil" for m in labels]]
+    lines = [[p.prompt_id, str(p.prompt_tokens), str(p.reply_tokens), _fmt(p.copy_share, ".0%"), _fmt(p.ceiling),
+              *[f"{_fmt(p.tau.get(m))} {_fmt(p.speedup.get(m))}/{_fmt(p.speedup_mlx.get(m))} "
+                f"{_fmt(p.of_ceiling.get(m), '.0%')}" for m in labels]]
              for p in prompt_rows]
-    out = ["agent prompts: copy share = reply tokens covered by spans of >= 4 tokens that occur in the prompt "
-           "(the ceiling for drafting by lookup); per method: tau, speedup vs our plain / vs mlx-lm plain"]
+    out = ["agent prompts: copy share = reply tokens covered by spans of >= 4 tokens that occur in the prompt; "
+           "ceiling = the speedup an oracle reaches that drafts every such token right (blocks up to 32 at the "
+           "measured Tt(L), plain steps elsewhere); per method: tau, speedup vs our plain / vs mlx-lm plain, "
+           "share of the ceiling"]
     out += _grid(head, lines)
     ids = [p.prompt_id for p in prompt_rows if p.copy_share >= COPY_SUBSET]
     if subset:
-        out.append(f"\nreplies that repeat their prompt (copy share >= {COPY_SUBSET:.0%}: {', '.join(ids)}): "
-                   + "; ".join(f"{m} x{_fmt(a)} / x{_fmt(b)} mlx-lm" for m, (a, b) in subset.items()
-                               if m in labels))
+        c = ceilings.get("copying")
+        out.append(f"\nreplies that repeat their prompt (copy share >= {COPY_SUBSET:.0%}: {', '.join(ids)}; "
+                   f"ceiling x{_fmt(c)}): "
+                   + "; ".join(f"{m} x{_fmt(a)} / x{_fmt(b)} mlx-lm"
+                               + (f" ({_fmt(a / c, '.0%')} of the ceiling)" if a and c else "")
+                               for m, (a, b) in subset.items() if m in labels))
     else:
         out.append(f"\nno reply repeats its prompt (copy share >= {COPY_SUBSET:.0%})")
+    if ceilings.get("agent"):
+        out.append(f"all agent prompts: ceiling x{_fmt(ceilings['agent'])}")
     return "\n".join(out)
 
 
@@ -198,10 +218,15 @@ def run(args) -> int:
 
     if args.concurrency:
         return concurrency(args)
+    from .. import distributed
+    from ..cli import launch_of
+
+    if distributed.launched() or args.costs_only or launch_of(args) is not None:
+        return costs_run(args)
 
     from .. import adaptive
-    from ..bench import (COPY_SUBSET, CostMeter, Method, ProgressBar, Runner, bench, prompt_report, subset_speedups,
-                         summarize)
+    from ..bench import (COPY_SUBSET, CostMeter, Method, ProgressBar, Runner, bench, pooled_ceiling, prompt_report,
+                         subset_speedups, summarize)
     from ..blas import default_threads
     from ..errors import BadRequest
     from ..cli import load_config
@@ -260,7 +285,9 @@ def run(args) -> int:
         if args.peer:
             methods += [Method("peer", B) for B in sizes]
     cost_sizes = sorted({*sizes, args.lookup_block if args.lookup_block >= 2 else 2,
-                         args.ar_draft_tokens + 1, *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else [])})
+                         args.ar_draft_tokens + 1, *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else []),
+                         # the copy ceiling's blocks (agent prompts): Tt(L) up to a full lookup draft
+                         *([16, 24, adaptive.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else [])})
     context = max((ids for _, _, ids in encoded), key=len)
     bar = ProgressBar(err, "bench")
     meter = CostMeter(pair.model, pair.target, pair.drafter, [s for s in cost_sizes if s <= 64], context,
@@ -288,10 +315,12 @@ def run(args) -> int:
     rows = summarize(samples, costs, failed, methods)
     apply_threads(tuned)
     kinds = list(dict.fromkeys(k for _, k, _ in encoded))
-    per_prompt = prompt_report(samples, encoded, pair.tokenizer.eos_token_ids)
+    per_prompt = prompt_report(samples, encoded, pair.tokenizer.eos_token_ids, costs)
     agent = [p for p in per_prompt if p.kind == "agent"]
     copying = {p.prompt_id for p in agent if p.copy_share >= COPY_SUBSET}
     subset = subset_speedups(samples, copying) if copying else {}
+    ceilings = {"agent": pooled_ceiling(agent, costs.t1_ms),
+                "copying": pooled_ceiling([p for p in agent if p.prompt_id in copying], costs.t1_ms)}
     fixed = [r for r in rows if r.kind == "dflash" and r.status == "ok" and r.decode_tps]
     best_fixed = max(fixed, key=lambda r: r.e2e_speedup or 0).label if fixed else None
     report = {
@@ -304,8 +333,9 @@ def run(args) -> int:
                                              "threads": tuned.threads, "source": tuned.source},
         "failed": [r.label for r in rows if r.status != "ok"], "blas_threads": threads,
         "per_prompt": [asdict(p) for p in per_prompt], "copy_subset": {
-            "min_share": COPY_SUBSET, "prompts": sorted(copying),
+            "min_share": COPY_SUBSET, "prompts": sorted(copying), "ceiling": ceilings["copying"],
             "speedup": {m: {"plain": a, "mlx-lm": b} for m, (a, b) in subset.items()}},
+        "agent_ceiling": ceilings["agent"],
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -321,7 +351,7 @@ def run(args) -> int:
         print(table(rows, kinds))
         if agent:
             print()
-            print(copy_table(agent, rows, subset))
+            print(copy_table(agent, rows, subset, ceilings))
         if best_fixed:
             by = {r.label: r for r in rows}
             line = f"\nbest fixed block: {best_fixed} (e2e x{_fmt(by[best_fixed].e2e_speedup)})"
@@ -332,3 +362,168 @@ def run(args) -> int:
                 line += f" | tuner's choice: B={report['tuned']['best']} ({report['tuned']['source']})"
             print(line)
     return 1 if report["failed"] else 0
+
+
+# -- pass costs alone, and on a group (docs/distributed.md) ---------------------------------------
+
+GROUP_SKIP = {"json", "json_out", "costs_only", "concurrency", "ranks", "hosts", "hostfile", "backend", "ring_port"}
+
+
+def _costs_prompts(args, tokenizer) -> list[int]:
+    """The context the passes are timed at: the longest prompt of the set bench would run."""
+    from ..prompts import WORKLOADS, builtin_prompts, load_prompts
+
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    else:
+        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else WORKLOADS[args.workload]
+        prompts = builtin_prompts(kinds, args.per_kind)
+    return max((p.encode(tokenizer) for p in prompts), key=len)
+
+
+def _measure(args, cfg, sizes, group_aware: bool = False) -> dict:
+    from ..bench import pass_costs
+    from ..session import open_session
+
+    session = open_session(cfg, log=lambda m: print(m, file=sys.stderr), tuning="none", group_aware=group_aware)
+    pair = session.pair
+    return pass_costs(pair, sizes, _costs_prompts(args, pair.tokenizer), max(args.repeats, 1), session.group)
+
+
+def costs_run(args) -> int:
+    """``--costs-only``, under mlx.launch (every rank measures its sharded passes; rank 0
+    reports), or ``--ranks/--hosts/--hostfile`` (one process here, then the group through
+    mlx.launch, side by side)."""
+    from dataclasses import replace
+
+    from .. import distributed
+    from ..cli import launch_of, load_config
+    from ..errors import MlxSpecError
+
+    if args.repeats < 1:
+        from ..errors import BadRequest
+
+        raise BadRequest("--repeats must be >= 1")
+    sizes = _ints(args.block_sizes)
+    launch = launch_of(args)
+    if distributed.launched():
+        if not args.costs_only:
+            print("bench under mlx.launch measures the group's pass costs only (--costs-only)", file=sys.stderr)
+        report = _measure(args, load_config(args), sizes, group_aware=True)
+        if report["group"]["rank"] == 0:
+            _report(args, report)
+        return 0
+    try:
+        single = _measure(args, replace(load_config(args), ranks=1), sizes)
+    except MlxSpecError as e:  # a target bigger than one machine: the group's column alone
+        if launch is None:
+            raise
+        single = {"error": f"{type(e).__name__}: {e}"}
+    if launch is None:
+        _report(args, single)
+        return 0
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    group = _launch_costs(args, launch)
+    report = {"single": single, "ranks": group, "launch": launch.as_dict()}
+    _report(args, report)
+    return 0 if "error" not in group else 1
+
+
+def _launch_costs(args, launch) -> dict:
+    """Run ``bench --costs-only --json`` on the group with mlx.launch; rank 0's JSON (or why not)."""
+    import os
+    import signal
+    import subprocess
+
+    from ..cli import flags_of
+
+    child = [sys.executable, "-m", "mlx_spec", "bench", "--costs-only", "--json"]
+    child += flags_of(args, args.bench_parser, GROUP_SKIP)
+    cmd = launch.command(child)
+    print(f"measuring on {launch.describe()}: {' '.join(cmd[:cmd.index('--')])}", file=sys.stderr, flush=True)
+    r, w = os.pipe()  # stdin that never ends: mlx.launch's stdin loop spins on /dev/null
+    try:
+        proc = subprocess.Popen(cmd, stdin=r, stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=args.time_budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mlx.launch and the ranks it started here
+            proc.communicate()
+            return {"error": f"the group did not finish within --time-budget {args.time_budget:g} s"}
+    finally:
+        os.close(r)
+        os.close(w)
+    for line in reversed(out.decode(errors="replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    return {"error": f"mlx.launch exited with code {proc.returncode} without rank 0's report (see stderr above)"}
+
+
+def _report(args, report: dict) -> None:
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+        return
+    cols = [("single", report)] if "ranks" not in report else [("single", report["single"]), ("ranks", report["ranks"])]
+    print(costs_table(cols))
+
+
+def costs_table(cols: list[tuple[str, dict]]) -> str:
+    """Pass costs side by side: one column per report (one process, a group), and the ratio of
+    the last to the first when both ran."""
+    def name(rep):
+        g = rep.get("group") or {}
+        return "1 process" if g.get("size", 1) == 1 else f"{g['size']} ranks ({g.get('backend')})"
+
+    ok = [(k, r) for k, r in cols if "error" not in r]
+    head = ["pass (ms, median)"] + [name(r) if "error" not in r else k for k, r in cols]
+    ratio = len(ok) == 2 and len(cols) == 2
+    if ratio:
+        head.append("ratio")
+    rows: list[tuple[str, list]] = []
+
+    def get(rep, path):
+        x = rep
+        for p in path:
+            x = (x or {}).get(p) if isinstance(x, dict) else None
+        return x
+
+    first = next((r for _, r in ok), {})
+    keys = sorted({*map(int, get(first, ["costs", "tt_ms"]) or {}), *[int(k) for _, r in ok for k in
+                                                                       (get(r, ["costs", "tt_ms"]) or {})]})
+    rows.append(("T1 (plain step)", [get(r, ["costs", "t1_ms"]) for _, r in cols]))
+    for B in keys:
+        if B > 1:
+            rows.append((f"Td({B}) (draft)", [get(r, ["costs", "td_ms", str(B)]) for _, r in cols]))
+    for B in keys:
+        rows.append((f"Tt({B}) (verify)", [get(r, ["costs", "tt_ms", str(B)]) for _, r in cols]))
+    link = [r for _, r in cols if "allreduce_ms" in r]
+    if link:
+        for B in sorted(int(k) for k in link[0]["allreduce_ms"]):
+            rows.append((f"all-reduces of one Tt({B})", [(r.get("allreduce_ms") or {}).get(str(B), (r.get(
+                "allreduce_ms") or {}).get(B)) for _, r in cols]))
+        rows.append(("one-int message", [r.get("message_ms") for _, r in cols]))
+    lines = []
+    for label, vals in rows:
+        cells = [label] + [_fmt(v, ".1f") if isinstance(v, (int, float)) else "-" for v in vals]
+        if ratio:
+            a, b = vals[0], vals[1]
+            cells.append(f"x{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0
+                         else "-")
+        lines.append(cells)
+    out = [f"target {first.get('target')} | drafter {first.get('drafter')} | context {first.get('context')} "
+           f"tokens | median of {first.get('reps')} rounds"]
+    out += _grid(head, lines)
+    for k, r in cols:
+        if "error" in r:
+            out.append(f"{k}: {r['error']}")
+    return "\n".join(out)

@@ -14,8 +14,9 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 
-from ..cli import add_model_args, add_prefix_cache_arg, load_config
+from ..cli import LAUNCH_DESTS, add_launch_args, add_model_args, add_prefix_cache_arg, flags_of, launch_of, load_config
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
@@ -39,7 +40,9 @@ def add_arguments(p) -> None:
                    help="alias of --context: max prompt + completion tokens per request, which the "
                         "memory plan must fit (capped at the target's trained context)")
     p.add_argument("--detach", action="store_true",
-                   help="run in the background (see `mlx_spec status`, `mlx_spec stop`)")
+                   help="run in the background (see `mlx_spec status`, `mlx_spec stop`); with --ranks/--hosts/"
+                        "--hostfile, the whole group (`mlx_spec stop` stops every rank)")
+    add_launch_args(p, "rank 0 serves, the others follow it")
     g = p.add_argument_group("defaults for requests that omit a field (as mlx_lm.server and llama-server)")
     g.add_argument("--temp", "--temperature", dest="default_temperature", type=float, default=None, metavar="T",
                    help="sampling temperature (default: 1, the APIs' own default)")
@@ -61,6 +64,7 @@ def run(args) -> int:
     request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
     from ..session import check
 
+    launch = launch_of(args)  # --ranks/--hosts/--hostfile: mlx_spec runs mlx.launch itself
     cfg = load_config(args)
     drafter = check(cfg)  # a missing target or drafter is refused before listening (or detaching)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
@@ -68,11 +72,15 @@ def run(args) -> int:
 
     if distributed.launched():  # under mlx.launch: rank 0 serves, the others follow it
         if args.detach:
-            raise BadRequest("--detach cannot run under mlx.launch: start mlx.launch itself in the background")
+            raise BadRequest("--detach cannot run under mlx.launch (it would detach one rank from its group): "
+                             "run `mlx_spec serve --detach` with --ranks N, --hosts or --hostfile instead; it "
+                             "starts mlx.launch in the background, and `mlx_spec stop` stops every rank")
         if distributed.follower_process():
             return distributed.run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
-        return _detach(args, api_key, drafter)
+        return _detach(args, api_key, drafter, launch)
+    if launch is not None:
+        return _launch(args, api_key, launch)
     return _serve(args, cfg, api_key)
 
 
@@ -176,28 +184,51 @@ def _server_class():
 
 def _flags(args) -> list[str]:
     """The command line for the same settings (every non-default option of this parser, except
-    the ones the detached child gets another way)."""
-    skip = {"help", "detach", "api_key", "host", "port"}
-    out, seen = [], set()
-    for action in args.serve_parser._actions:
-        dest = action.dest
-        if dest in skip or dest in seen or not action.option_strings or not hasattr(args, dest):
-            continue
-        seen.add(dest)
-        value = getattr(args, dest)
-        if value is None or value == action.default:
-            continue
-        flag = max(action.option_strings, key=len)
-        if isinstance(action, argparse.BooleanOptionalAction):  # --think / --no-think
-            out.append(action.option_strings[0] if value else action.option_strings[1])
-        elif action.nargs == 0:
-            out.append(flag)
-        elif isinstance(value, list):
-            for v in value:
-                out += [flag, str(v)]
-        else:
-            out += [flag, str(value)]
-    return out
+    the ones the detached child or the group's ranks get another way)."""
+    return flags_of(args, args.serve_parser, {"detach", "api_key", "host", "port", *LAUNCH_DESTS})
+
+
+def _child(args, port: int, api_key: str | None, launch=None) -> tuple[list[str], dict]:
+    """The serving process's command line and environment (with ``launch``: mlx.launch running
+    it on every rank; the API key travels in the environment, never on a command line that
+    ``ps`` shows, except through mlx.launch --env to a rank 0 on another machine)."""
+    cmd = [sys.executable, "-m", "mlx_spec"] + (["--verbose"] if getattr(args, "verbose", False) else [])
+    cmd += ["serve", "--host", args.host, "--port", str(port)] + _flags(args)
+    env = {k: v for k, v in os.environ.items() if k != "MLX_SPEC_API_KEY"}
+    if api_key:
+        env["MLX_SPEC_API_KEY"] = api_key
+    if launch is not None:
+        cmd = launch.command(cmd, {} if launch.local or not api_key else {"MLX_SPEC_API_KEY": api_key})
+    return cmd, env
+
+
+def _launch(args, api_key: str | None, launch) -> int:
+    """``serve --ranks/--hosts/--hostfile`` in the foreground: mlx.launch runs the group (in
+    its own session, so Ctrl-C reaches this process only) until Ctrl-C or SIGTERM, which stop
+    it as `mlx_spec stop` does: rank 0 first (it shuts the group down), then the rest."""
+    import psutil
+
+    from ..server import process
+
+    cmd, env = _child(args, args.port, api_key, launch)
+    print(f"starting {launch.describe()}: {' '.join(cmd[:cmd.index('--')])}", file=sys.stderr, flush=True)
+    child = process.spawn(cmd, None, env, quiet_stdin=True)  # output to this terminal
+    asked: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _f: asked.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while child.poll() is None and not asked:
+            time.sleep(0.2)
+        if asked:
+            print("stopping the group (rank 0 first)", file=sys.stderr, flush=True)
+            try:
+                me = psutil.Process(child.pid)
+                process.terminate_group(process.group_ranks(me), me, timeout=10.0)
+            except psutil.NoSuchProcess:
+                pass
+        return child.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _free_port(host: str) -> int:
@@ -205,8 +236,10 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _detach(args, api_key: str | None, drafter: str | None) -> int:
-    """``drafter``: the one the child will load (the bundled one filled in), as status shows it."""
+def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
+    """``drafter``: the one the child will load (the bundled one filled in), as status shows it.
+    ``launch``: a group: mlx.launch runs in the background, the state file holds its pid and
+    every rank it started on this machine (``mlx_spec stop`` stops them all)."""
     import psutil
 
     from ..server import process
@@ -217,21 +250,23 @@ def _detach(args, api_key: str | None, drafter: str | None) -> int:
         if state.port == port:
             raise MlxSpecError(f"a server is already running on port {port} (pid {state.pid}); "
                                f"`mlx_spec stop --port {port}` first")
-    cmd = [sys.executable, "-m", "mlx_spec"] + (["--verbose"] if getattr(args, "verbose", False) else [])
-    cmd += ["serve", "--host", args.host, "--port", str(port)] + _flags(args)
-    env = {k: v for k, v in os.environ.items() if k != "MLX_SPEC_API_KEY"}
-    if api_key:  # through the environment: never visible in `ps`
-        env["MLX_SPEC_API_KEY"] = api_key
+    cmd, env = _child(args, port, api_key, launch)
     log_path = directory / f"server-{port}.log"
-    child = process.spawn(cmd, log_path, env)
+    child = process.spawn(cmd, log_path, env, quiet_stdin=launch is not None)
     try:
-        create_time = psutil.Process(child.pid).create_time()
+        me = psutil.Process(child.pid)
+        create_time = me.create_time()
     except psutil.NoSuchProcess:
-        create_time = 0.0
+        me, create_time = None, 0.0
+    group = None
+    if launch is not None:
+        group = {**launch.as_dict(), "size": launch.ranks, "launcher_pid": child.pid, "ranks": []}
+        local = launch.ranks if launch.local else sum(h == "127.0.0.1" for h in launch.hosts)
     state = process.ServerState(child.pid, create_time, args.host, port, args.target, drafter, str(log_path), time.time(),
-                                auth=api_key is not None)
+                                auth=api_key is not None, group=group)
     path = process.write_state(state, directory)
-    print(f"started server pid {child.pid} on {state.url}; loading (log: {log_path})", file=sys.stderr)
+    what = f"group of {launch.describe()} under mlx.launch pid" if launch else "server pid"
+    print(f"started {what} {child.pid} on {state.url}; loading (log: {log_path})", file=sys.stderr)
     deadline = time.monotonic() + DETACH_WAIT_S
     while True:
         code = child.poll()
@@ -239,11 +274,20 @@ def _detach(args, api_key: str | None, drafter: str | None) -> int:
             path.unlink(missing_ok=True)
             raise MlxSpecError(f"the server exited (code {code}) before it was ready; last lines of "
                                f"{log_path}:\n{process.tail(log_path)}")
+        if group is not None and me is not None and len(group["ranks"]) < local:
+            ranks = process.group_ranks(me)  # the ranks appear as mlx.launch starts them
+            if len(ranks) > len(group["ranks"]):
+                group["ranks"] = ranks
+                state = replace(state, group=dict(group))
+                process.write_state(state, directory)
         status, body = process.health(state.url, timeout=1.0)
         if status == 200:
             spec = body.get("speculation") or {}
             what = (f"{spec.get('method')} block {spec.get('block_size')}" if spec.get("enabled")
                     else "plain decoding (--no-draft)")
+            if launch is not None:
+                pids = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in group["ranks"])
+                what += f"; {launch.describe()}: {pids or 'no rank on this machine'}"
             print(f"ready: {state.url}/v1 (pid {child.pid}, {what}); stop with `mlx_spec stop`")
             return 0
         if time.monotonic() > deadline:

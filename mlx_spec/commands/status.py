@@ -29,7 +29,7 @@ def run(args) -> int:
         servers.append({"pid": state.pid, "url": state.url, "health": health, "target": target,
                         "drafter": drafter, "speculation": spec,
                         "uptime_s": round(time.time() - state.started_at, 1), "log": state.log,
-                        "auth": state.auth})
+                        "auth": state.auth, "group": _group(state, body)})
     if args.json:
         print(json.dumps({"state_dir": str(directory), "servers": servers,
                           "stale_removed": [{"file": str(p), "reason": r} for p, r in found.stale]}))
@@ -46,7 +46,28 @@ def run(args) -> int:
                   else "engine unknown")
         print(f"pid {s['pid']}  {s['url']}  {s['health']}  up {_ago(s['uptime_s'])}  "
               f"target {s['target']}  {engine}  log {s['log']}")
+        g = s["group"]
+        if g["size"] > 1:
+            ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}{'' if r['alive'] else ' (gone)'}"
+                              for r in g.get("ranks", []))
+            print(f"  group of {g['size']} ({g['backend']}), "
+                  f"{'healthy' if g.get('healthy') else 'unhealthy' if g.get('healthy') is False else 'health unknown'}"
+                  f"; mlx.launch pid {g.get('launcher_pid', '-')}; {ranks or 'no rank on this machine'}")
     return 0
+
+
+def _group(state, body: dict) -> dict:
+    """The server's group: what it says on /health (size, rank, backend, sharded, healthy,
+    error) over what it was started with (the launch, mlx.launch's pid, the ranks started on
+    this machine, each alive or not). One process: size 1."""
+    from ..server import process
+
+    said = body.get("group") or {}
+    if state.group is None:
+        return {"size": 1, "sharded": False, **said}
+    alive = process.rank_processes(state.group.get("ranks", []))
+    ranks = [{**r, "alive": r["rank"] in alive} for r in state.group.get("ranks", [])]
+    return {**state.group, **said, "ranks": ranks}
 
 
 def _ago(seconds: float) -> str:

@@ -1,4 +1,6 @@
 """`mlx_spec stop`: stop detached servers (SIGTERM, wait, SIGKILL if needed; children too).
+A detached group (``serve --ranks/--hosts --detach``): rank 0 first, so it shuts the group
+down, then mlx.launch and every rank it started here (process.terminate_group).
 
 Servers are identified by pid and process start time, never by command line. Stopping when
 nothing runs says so and exits 0; the exit code is non-zero only if a server could not be stopped.
@@ -31,7 +33,10 @@ def run(args) -> int:
     failed = 0
     for path, state, proc in targets:
         try:
-            left = process.terminate(proc, timeout=args.timeout)
+            if state.group is not None:  # rank 0 first (it shuts the group down), then the rest
+                left = process.terminate_group(state.group.get("ranks", []), proc, timeout=args.timeout)
+            else:
+                left = process.terminate(proc, timeout=args.timeout)
         except psutil.AccessDenied:
             print(f"cannot stop pid {state.pid}: permission denied", file=sys.stderr)
             failed += 1
@@ -41,5 +46,10 @@ def run(args) -> int:
             failed += 1
             continue
         path.unlink(missing_ok=True)
-        print(f"stopped server pid {state.pid} ({state.url})")
+        if state.group is not None:
+            ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in state.group.get("ranks", []))
+            print(f"stopped group server: mlx.launch pid {state.pid} and {ranks or 'no rank on this machine'} "
+                  f"({state.url})")
+        else:
+            print(f"stopped server pid {state.pid} ({state.url})")
     return 1 if failed else 0

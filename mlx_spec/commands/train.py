@@ -10,7 +10,7 @@ import sys
 
 
 def _add_recipe(t) -> None:
-    """The drafter recipe flags shared by `train drafter` and `train run` (TrainConfig fields)."""
+    """The drafter recipe flags shared by `train drafter` and `train run` (``trainer.Recipe`` fields)."""
     t.add_argument("--layers", type=int, default=2, help="drafter transformer layers")
     t.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width")
     t.add_argument("--block-size", type=int, default=8, help="training block size incl. the anchor")
@@ -30,7 +30,7 @@ def _add_recipe(t) -> None:
     t.add_argument("--seqs-per-step", type=int, default=4, help="sequences per optimizer step")
     t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
-    t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
+    t.add_argument("--warmup", type=float, default=0.04, help="warm-up share of the steps (train run: of the budget)")
     t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
 
@@ -41,6 +41,14 @@ def _add_generation(p, batch_size: int) -> None:
     p.add_argument("--batch-size", type=int, default=batch_size, help="prompts generated together")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=8, help="target top-K log-probs kept per token (for --loss kl)")
+
+
+def _add_eval(p) -> None:
+    """The held-out tau evaluation at each checkpoint (`train drafter` and `train run`)."""
+    from ..train.trainer import EVAL_MAX_TOKENS, EVAL_PROMPTS
+
+    p.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS, help="held-out prompts in each tau eval (0 = off)")
+    p.add_argument("--eval-max-tokens", type=int, default=EVAL_MAX_TOKENS, help="tokens per prompt in the tau eval")
 
 
 def add_arguments(p) -> None:
@@ -64,12 +72,12 @@ def add_arguments(p) -> None:
     r.add_argument("--replay-mb", type=float, default=256.0,
                    help="replay buffer of features (MiB, in memory and in the checkpoint); counted in the memory plan")
     r.add_argument("--steps-per-batch", type=int, default=8, help="optimizer steps after each generated batch")
-    r.add_argument("--checkpoint-every", type=int, default=8, help="batches between checkpoints (each with a tau eval)")
+    r.add_argument("--checkpoint-batches", type=int, default=8,
+                   help="generated batches between checkpoints (each with a tau eval)")
     r.add_argument("--num-prompts", type=int, default=20000, help="size of a built-in mix")
     r.add_argument("--eval-per-kind", type=int, default=4, help="prompts of each kind held out of training")
-    r.add_argument("--eval-prompts", type=int, default=5, help="held-out prompts in each tau eval (0 = off)")
-    r.add_argument("--eval-max-tokens", type=int, default=64, help="tokens per prompt in the tau eval")
-    r.add_argument("--seed", type=int, default=0, help="random seed (prompts, init, anchors)")
+    _add_eval(r)
+    r.add_argument("--seed", type=int, default=0, help="random seed (prompts, init, anchors, generation)")
     _add_recipe(r)
     r.set_defaults(anchors=16)
     d = sub.add_parser("data", formatter_class=p.formatter_class, help="generate training data (target responses + features)")
@@ -101,10 +109,9 @@ def add_arguments(p) -> None:
     _add_recipe(t)
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--seed", type=int, default=0, help="random seed (init, anchors, batches)")
-    t.add_argument("--checkpoint-every", type=int, default=100, help="steps")
+    t.add_argument("--checkpoint-every", type=int, default=100, help="optimizer steps between checkpoints")
     t.add_argument("--checkpoint-minutes", type=float, default=None, help="also checkpoint after this many minutes")
-    t.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for the real tau eval (0 = off)")
-    t.add_argument("--eval-max-tokens", type=int, default=96, help="tokens per prompt in the tau eval")
+    _add_eval(t)
     t.add_argument("--eval-file", default=None,
                    help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
                         "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name")
@@ -179,9 +186,9 @@ def _data(args) -> int:
 
 
 def _drafter(args) -> int:
-    from ..train.trainer import TrainConfig, train
+    from ..train.trainer import Recipe, TrainConfig, train
 
-    cfg = train_config(TrainConfig, args)
+    cfg = train_config(TrainConfig, args, recipe=train_config(Recipe, args))
     result = train(cfg, progress=_log)
     print(json.dumps(result))
     return 0
@@ -254,16 +261,9 @@ def _run(args) -> int:
     import threading
 
     from ..train.stream import StreamConfig, run_stream
-    from ..train.trainer import TrainConfig
+    from ..train.trainer import Recipe
 
-    recipe = train_config(TrainConfig, args, data="", out=args.out)
-    cfg = StreamConfig(out=args.out, target=_catalog_target(args.target), prompts=args.prompts, tokens=args.tokens,
-                       minutes=args.minutes, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                       temperature=args.temperature, top_k=args.top_k, replay_mb=args.replay_mb,
-                       steps_per_batch=args.steps_per_batch, checkpoint_every=args.checkpoint_every,
-                       num_prompts=args.num_prompts, eval_per_kind=args.eval_per_kind,
-                       eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens, init=args.init,
-                       resume=args.resume, seed=args.seed, train=recipe)
+    cfg = train_config(StreamConfig, args, target=_catalog_target(args.target), recipe=train_config(Recipe, args))
     stop = threading.Event()
     tty = sys.stderr.isatty()
 
@@ -311,8 +311,9 @@ def _catalog_target(name: str) -> str:
 
 
 def train_config(cls, args, **changes):
-    """The flags that name ``cls``'s fields (a TrainConfig), with ``changes`` on top: the one place
-    training flags become a config (nothing below commands/ reads an argparse Namespace)."""
+    """The flags that name ``cls``'s fields (a Recipe, TrainConfig or StreamConfig), with ``changes``
+    on top: the one place training flags become a config (nothing below commands/ reads an
+    argparse Namespace)."""
     from dataclasses import fields
 
     given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}

@@ -12,7 +12,7 @@ def add_arguments(p) -> None:
     add_model_args(p, tuning=False)  # tuning is the point here: no --no-tune / --block-size / --tune-budget
     p.add_argument("--budget", type=float, default=None, help="time budget in seconds (default 90)")
     p.add_argument("--candidates", default=None, help="block sizes to consider, e.g. 2,3,4,8 (default 2..max(ckpt,16))")
-    p.add_argument("--tokens", type=int, default=24, help="tokens per timed run")
+    p.add_argument("--tokens", type=int, default=24, help="tokens per timed run (the probe's and the race's)")
     p.add_argument("--json", action="store_true", help="print the stored result as JSON")
 
 
@@ -21,14 +21,16 @@ def _f(x, spec):
 
 
 def table(result) -> str:
-    lines = [f"{'block':>5}  {'threads':>7}  {'measured':>8}  {'tok/s e2e':>9}  {'spread':>6}  {'speedup':>7}  "
-             f"{'tau':>5}  {'model':>6}  {'rounds':>6}  note"]
+    """One row per candidate: the model's speedup (what decides) and its noise first, then what
+    the race measured (what calibrates and checks it)."""
+    lines = [f"{'block':>5}  {'threads':>7}  {'tau':>5}  {'model':>6}  {'noise':>5}  {'raced':>5}  "
+             f"{'tok/s':>6}  {'speedup':>7}  {'spread':>6}  {'rounds':>6}  note"]
     for c in result.candidates:
         mark = "*" if (c.block, c.threads) == (result.best, result.threads) else " "
-        lines.append(f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {'yes' if c.measured else 'no':>8}  "
-                     f"{_f(c.median_tps, '.2f'):>9}  "
-                     f"{_f(c.spread, '.0%'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.tau, '.2f'):>5}  "
-                     f"{_f(c.predicted, '.2f'):>6}  {c.rounds:>6}  {c.note}")
+        lines.append(f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {_f(c.tau, '.2f'):>5}  "
+                     f"{_f(c.predicted, '.3f'):>6}  {_f(c.noise, '.1%'):>5}  {'yes' if c.measured else 'no':>5}  "
+                     f"{_f(c.median_tps, '.2f'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.spread, '.0%'):>6}  "
+                     f"{c.rounds:>6}  {c.note}")
     return "\n".join(lines)
 
 
@@ -70,5 +72,5 @@ def run(args) -> int:
     print(table(result))
     best = ("off (plain decoding)" if result.best == 1 else f"block size {result.best}") \
         + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
-    print(f"\nchoice: {best} — {result.source}\nstored: {path}")
+    print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}\nstored: {path}")
     return 0

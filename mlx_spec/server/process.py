@@ -43,6 +43,10 @@ class ServerState:
     log: str
     started_at: float
     auth: bool = False  # an API key is required (the key itself is never written)
+    # a group (``serve --ranks/--hosts --detach``): ``pid`` is mlx.launch's; this holds the
+    # launch (size, backend, hosts) and "ranks": [{"rank", "pid", "create_time"}] of the ranks
+    # started on this machine (remote ranks run under mlx.launch's ssh sessions)
+    group: dict | None = None
 
     @property
     def url(self) -> str:
@@ -65,9 +69,14 @@ def write_state(state: ServerState, directory: Path | None = None) -> Path:
 
 def process_for(state: ServerState) -> psutil.Process | None:
     """The live process this state describes, or None (gone, zombie, or pid reused)."""
+    return alive(state.pid, state.create_time)
+
+
+def alive(pid: int, create_time: float) -> psutil.Process | None:
+    """The live process with this pid and start time, or None (gone, zombie, or pid reused)."""
     try:
-        proc = psutil.Process(state.pid)
-        if abs(proc.create_time() - state.create_time) > START_TIME_TOLERANCE_S:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > START_TIME_TOLERANCE_S:
             return None
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
@@ -96,7 +105,9 @@ def scan(directory: Path | None = None, clean: bool = True) -> Found:
             if proc is not None:
                 running.append((path, state, proc))
                 continue
-            if psutil.pid_exists(state.pid):
+            if _zombie(state.pid):
+                why = f"pid {state.pid} has exited (a zombie not yet reaped)"
+            elif psutil.pid_exists(state.pid):
                 why = f"pid {state.pid} now belongs to another process (start time differs)"
             else:
                 why = f"pid {state.pid} is no longer running"
@@ -104,6 +115,13 @@ def scan(directory: Path | None = None, clean: bool = True) -> Found:
         if clean:
             path.unlink(missing_ok=True)
     return Found(running, stale)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _gone(proc: psutil.Process) -> bool:
@@ -132,12 +150,17 @@ def terminate(proc: psutil.Process, timeout: float = 10.0) -> list[psutil.Proces
         family = [proc] + proc.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    for p in family:
+    return _end(family, timeout)
+
+
+def _end(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """SIGTERM each, wait up to ``timeout``, SIGKILL the rest; the ones still alive after 5 s."""
+    for p in procs:
         try:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    alive = _wait(family, timeout)
+    alive = _wait(procs, timeout)
     for p in alive:
         try:
             p.kill()
@@ -146,14 +169,85 @@ def terminate(proc: psutil.Process, timeout: float = 10.0) -> list[psutil.Proces
     return _wait(alive, 5.0)
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict | None = None):
-    """Start ``cmd`` in its own session (it survives the terminal), output to ``log_path``."""
+def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, quiet_stdin: bool = False):
+    """Start ``cmd`` in its own session (it survives the terminal), output to ``log_path``
+    (None: to this process's stdout and stderr).
+
+    ``quiet_stdin``: stdin is a pipe that never ends (the child holds its write end) instead of
+    /dev/null: mlx.launch forwards stdin to its ranks in a select() loop that would spin on an
+    always-readable /dev/null."""
     import subprocess
 
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env, close_fds=True)
+    import contextlib
+
+    r = w = None
+    if quiet_stdin:
+        r, w = os.pipe()
+    try:
+        with contextlib.ExitStack() as stack:
+            log = None
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = stack.enter_context(open(log_path, "ab"))
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL if r is None else r, stdout=log,
+                                    stderr=None if log is None else subprocess.STDOUT, start_new_session=True,
+                                    env=env, close_fds=True, pass_fds=() if w is None else (w,))
+    finally:
+        for fd in (r, w):
+            if fd is not None:
+                os.close(fd)
+
+
+def group_ranks(launcher: psutil.Process) -> list[dict]:
+    """The ranks mlx.launch started on this machine: its descendants that carry ``MLX_RANK``
+    (each rank's launch script execs the command, so the rank is the script's process)."""
+    out = []
+    try:
+        procs = launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            rank = p.environ().get("MLX_RANK")
+            if rank is not None and p.name() != "ssh":
+                out.append({"rank": int(rank), "pid": p.pid, "create_time": p.create_time()})
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            continue
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def rank_processes(ranks: list[dict]) -> dict[int, psutil.Process]:
+    """The recorded ranks (``group_ranks``) still alive (same pid and start time), by rank."""
+    out = {}
+    for r in ranks:
+        proc = alive(r["pid"], r["create_time"])
+        if proc is not None:
+            out[r["rank"]] = proc
+    return out
+
+
+def terminate_group(ranks: list[dict], launcher: psutil.Process | None,
+                    timeout: float = 10.0) -> list[psutil.Process]:
+    """Stop a group mlx.launch runs: SIGTERM rank 0 first (it tells the other ranks to exit,
+    and mlx.launch ends with them), wait up to ``timeout``; then SIGTERM what is left
+    (mlx.launch, its children, every rank in ``ranks``, as ``group_ranks`` recorded them), wait,
+    SIGKILL. Returns the processes still alive."""
+    ranks = rank_processes(ranks)
+    family: list[psutil.Process] = list(ranks.values())
+    if launcher is not None:
+        try:
+            family = [launcher] + [p for p in launcher.children(recursive=True) if p.pid not in
+                                   {q.pid for q in family}] + family
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + timeout
+    if 0 in ranks:
+        try:
+            ranks[0].terminate()
+        except psutil.NoSuchProcess:
+            pass
+        _wait(family, timeout)
+    return _end([p for p in family if not _gone(p)], max(1.0, deadline - time.monotonic()))
 
 
 def health(url: str, timeout: float = 2.0) -> tuple[int | None, dict]:

@@ -57,12 +57,15 @@ class Sample:
     topk_logp: np.ndarray  # (T, K) float16
 
 
-def _run_layers(target: Target, ids: mx.array, cache, mask: mx.array):
-    """Target forward with an explicit (B, 1, T, S) boolean mask; returns (last logits, feats)."""
+def _run_layers(target: Target, ids: mx.array, cache, mask: mx.array, valid: mx.array | None = None):
+    """Target forward with an explicit (B, 1, T, S) boolean attention mask; GatedDeltaNet layers
+    of a hybrid target get ``valid`` (B, T), the positions that are tokens (left padding is
+    skipped: it neither enters the conv window nor updates the recurrent state). Returns
+    (last hidden states, tapped features)."""
     h = target.embed(ids)
     feats = {}
     for i, (layer, c) in enumerate(zip(target.inner.layers, cache)):
-        h = layer(h, mask, cache=c)
+        h = layer(h, valid if i in target.gdn else mask, cache=c)
         if i in target.taps:
             feats[i] = h
     hidden = mx.concatenate([feats[j] for j in target.taps], axis=-1)  # (B, T, F)
@@ -110,7 +113,7 @@ def generate_batch(
     mask = causal[None] & valid[:, None, :]
     mask |= np.eye(P, dtype=bool)[None]  # pad queries see themselves (no empty rows)
     cache = target.make_cache()
-    h, hidden = _run_layers(target, mx.array(ids), cache, mx.array(mask[:, None]))
+    h, hidden = _run_layers(target, mx.array(ids), cache, mx.array(mask[:, None]), mx.array(valid))
     logits = target.head(target.inner.norm(h[:, -1]))  # (B, V)
     feats = [[np.array(hidden[b, P - len(p) :].astype(mx.float16))] for b, p in enumerate(prompts)]
     resp: list[list[int]] = [[] for _ in range(B)]
@@ -140,7 +143,10 @@ def generate_batch(
         if len(keep) < len(rows):
             sel = mx.array(keep)
             for c in cache:
-                c.keys, c.values = c.keys[sel], c.values[sel]
+                if hasattr(c, "keys"):
+                    c.keys, c.values = c.keys[sel], c.values[sel]
+                else:  # a GatedDeltaNet layer's conv window and recurrent state
+                    c.filter(sel)
             valid = valid[keep]
             rows = [rows[j] for j in keep]
             tok = tok[sel]
@@ -172,7 +178,7 @@ def featurize_batch(target: Target, seqs: Sequence[list[int]], prompt_lens: Sequ
         ids[b, T - len(s) :] = s
         valid[b, T - len(s) :] = True
     mask = (np.tril(np.ones((T, T), bool))[None] & valid[:, None, :]) | np.eye(T, dtype=bool)[None]
-    h, hidden = _run_layers(target, mx.array(ids), target.make_cache(), mx.array(mask[:, None]))
+    h, hidden = _run_layers(target, mx.array(ids), target.make_cache(), mx.array(mask[:, None]), mx.array(valid))
     out = []
     for b, (s, p) in enumerate(zip(seqs, prompt_lens)):
         n = len(s)

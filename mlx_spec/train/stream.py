@@ -4,12 +4,13 @@ Each round generates one batch of responses (``data.generate_batch``: the tapped
 for free from the generation passes), pushes the sequences into a bounded replay buffer
 (``replay.ReplayBuffer``), keeps their token ids under ``<out>/tokens/`` (small: a later run can
 rebuild features with ``train data --from-tokens``), then runs ``steps_per_batch`` optimizer steps
-on blocks sampled from the buffer. Features are never written out as a data set: memory and disk
+on blocks sampled from the buffer (the drafter and its training: ``StreamConfig.recipe``, the same
+``trainer.Recipe`` as `train drafter`'s). Features are never written out as a data set: memory and disk
 stay bounded by the buffer, whatever the budget. The learning rate follows the share of the
 budget spent (warm-up, then cosine to 10%).
 
 A checkpoint (``<out>/ckpt/``: weights, optimizer, trainer state, the buffer) is written every
-``checkpoint_every`` batches, at the end, and when ``stop`` is set (Ctrl+C); ``resume`` continues
+``checkpoint_batches`` batches, at the end, and when ``stop`` is set (Ctrl+C); ``resume`` continues
 from it exactly: same buffer, same random state, same weights after the same steps (tested).
 Nothing here is tied to a backend: it runs wherever MLX runs (CPU, Metal, CUDA).
 """
@@ -21,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,9 +36,10 @@ from ..prompts import Prompt, interleave
 from .data import DataConfig, generate_batch
 from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
 from .trainer import (
-    STEP_SUMS, TrainConfig, add_step, base_vocab, build_drafter, calibrate_head_scale, drafter_config, evaluate_tau,
-    freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token, save_checkpoint,
-    scale_fc_init, step_means, step_vocab, to_mx, train_step, write_curves,
+    EVAL_MAX_TOKENS, EVAL_PROMPTS, STEP_SUMS, Recipe, add_step, base_vocab, build_drafter, calibrate_head_scale,
+    drafter_config, evaluate_tau, freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token,
+    save_checkpoint,
+    scale_fc_init, settings, settings_diff, step_means, step_vocab, to_mx, train_step, write_curves,
 )
 
 log = logging.getLogger(__name__)
@@ -61,20 +63,21 @@ class StreamConfig:
     top_k: int = 8
     replay_mb: float = 256.0
     steps_per_batch: int = 8
-    checkpoint_every: int = 8
-    """Batches between checkpoints (each one also measures held-out tau)."""
+    checkpoint_batches: int = 8
+    """Generated batches between checkpoints (each one also measures held-out tau)."""
     num_prompts: int = 20000
     """Size of a built-in mix (training part)."""
     eval_per_kind: int = 4
     """Prompts of each kind held out of the training prompts."""
-    eval_prompts: int = 5
-    eval_max_tokens: int = 64
+    eval_prompts: int = EVAL_PROMPTS
+    eval_max_tokens: int = EVAL_MAX_TOKENS
     init: str | None = None
     """Warm start: a drafter directory (its architecture and weights)."""
     resume: bool = False
     seed: int = 0
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(data="", out=""))
-    """The recipe (layers, block size, loss, lr, anchors, ...); its data/out/steps are unused."""
+    """The one seed: prompt mix, drafter init, sampling of anchors and batches, generation."""
+    recipe: Recipe = Recipe(anchors=16)
+    """The drafter and how it learns (layers, block size, loss, lr, anchors, ...)."""
 
     @property
     def budget_label(self) -> str:
@@ -135,13 +138,13 @@ def check_plan(rows: list[PlanRow], budget: int, source: str) -> None:
                         f"{budget / 2**30:.2f} GiB; lower --replay-mb")
 
 
-def lr_at(tcfg: TrainConfig, frac: float) -> float:
+def lr_at(recipe: Recipe, frac: float) -> float:
     """Linear warm-up over the first ``warmup`` share of the budget, then cosine to 10%."""
     frac = min(max(frac, 0.0), 1.0)
-    if tcfg.warmup > 0 and frac < tcfg.warmup:
-        return tcfg.lr * (0.01 + 0.99 * frac / tcfg.warmup)
-    t = (frac - tcfg.warmup) / max(1e-9, 1 - tcfg.warmup)
-    return tcfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    if recipe.warmup > 0 and frac < recipe.warmup:
+        return recipe.lr * (0.01 + 0.99 * frac / recipe.warmup)
+    t = (frac - recipe.warmup) / max(1e-9, 1 - recipe.warmup)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 # ---- prompts -----------------------------------------------------------------------------
@@ -209,6 +212,18 @@ def stream_prompts(cfg: StreamConfig) -> tuple[list[Prompt], list[Prompt]]:
     return held_out_by_kind(allp, cfg.eval_per_kind)
 
 
+EVAL_FILE = "eval_prompts.jsonl"
+"""The run's held-out prompts (``<out>/eval_prompts.jsonl``), for `train eval --prompts`."""
+
+
+def write_eval_prompts(path: Path, prompts: list[Prompt]) -> None:
+    """Held-out prompts as JSONL that ``prompts.load_prompts`` reads back to equal prompts."""
+    rows = [{"id": p.id, "kind": p.kind, **({"messages": list(p.messages)} if p.messages is not None
+                                            else {"prompt": p.text}), **({} if p.chat else {"chat": False})}
+            for p in prompts]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 # ---- the run -----------------------------------------------------------------------------
 
 
@@ -245,19 +260,35 @@ def _trained_prompt_ids(run: Path, upto: int) -> set[bytes]:
     return seen
 
 
-def _compare_settings(run: Path, cfg: StreamConfig) -> None:
-    def flat(d: dict) -> dict:
-        train = {f"train.{k}": v for k, v in d.pop("train", {}).items()}
-        return {**d, **train}
+RESUME_FREE = frozenset({"tokens", "minutes", "checkpoint_batches", "eval_prompts", "eval_max_tokens", "resume",
+                         "out", "init"})
+"""StreamConfig fields a resume may change (the budget, checkpoint and eval cadence, paths)."""
 
-    saved = flat(json.loads((run / "run_config.json").read_text()))
-    now = flat(json.loads(json.dumps(asdict(cfg))))
-    free = {"tokens", "minutes", "checkpoint_every", "eval_prompts", "eval_max_tokens", "resume", "out", "init"}
-    free |= {f"train.{k}" for k in ("data", "out", "target", "resume", "init", "steps", "checkpoint_every",
-                                    "checkpoint_minutes", "eval_prompts", "eval_max_tokens", "eval_file", "export")}
-    diff = sorted(k for k in now if k not in free and saved.get(k) != now[k])
+
+def _compare_settings(run: Path, cfg: StreamConfig) -> None:
+    """Refuse a resume whose settings differ from the run's ``run_config.json`` (except
+    ``RESUME_FREE``). A file from before the recipe had its own field (the recipe under
+    ``"train"``, ``checkpoint_every`` counting batches) is read as such and rewritten."""
+    path = run / "run_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read the run's settings ({e}); start a new run "
+                              "(another --out)") from None
+    legacy = "recipe" not in raw
+    if legacy and "checkpoint_every" in raw:
+        raw["checkpoint_batches"] = raw.pop("checkpoint_every")
+    saved = settings(raw, legacy_nest="train")
+    now = settings(json.loads(json.dumps(asdict(cfg))))
+    unknown = sorted(set(saved) - set(now))
+    if unknown:
+        raise CheckpointError(f"{path} has settings this version does not know ({unknown}); it was written by "
+                              "another version of mlx_spec: resume it with that version, or start a new run")
+    diff = settings_diff(saved, now, set(RESUME_FREE))
     if diff:
         raise BadRequest(f"--resume with different settings than the run in {run}: {diff}")
+    if legacy:
+        path.write_text(json.dumps(asdict(cfg), indent=2))
 
 
 def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | None = None,
@@ -283,7 +314,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     run.mkdir(parents=True, exist_ok=True)
     if resume:
         _compare_settings(run, cfg)
-    tcfg = replace(cfg.train, out=str(run))
+    recipe = cfg.recipe
 
     model, tokenizer = load_target_model(cfg.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -300,18 +331,18 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
         mask_id = int(dc.get("mask_token_id", config.get("mask_token_id")))
     else:
         taps = build_target_layer_ids(n_layers, 5)
-        mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else pick_mask_token(tokenizer)
+        mask_id = recipe.mask_token_id if recipe.mask_token_id is not None else pick_mask_token(tokenizer)
     target = Target(model, taps)
     if config is None:
-        config = drafter_config(target.args, tcfg, taps, mask_id)
-    if config.get("block_size") != tcfg.block_size:
-        config = {**config, "block_size": tcfg.block_size,
-                  "dflash_config": {**(config.get("dflash_config") or {}), "block_size": tcfg.block_size}}
+        config = drafter_config(target.args, recipe, taps, mask_id)
+    if config.get("block_size") != recipe.block_size:
+        config = {**config, "block_size": recipe.block_size,
+                  "dflash_config": {**(config.get("dflash_config") or {}), "block_size": recipe.block_size}}
     mx.random.seed(cfg.seed)
     drafter = build_drafter(config, target)
     if init is not None:
         drafter.load_weights(tree_flatten(init.parameters()), strict=True)
-    freeze_disabled(drafter, tcfg)
+    freeze_disabled(drafter, recipe)
 
     # The memory plan: refuse a buffer that does not fit next to the models.
     n_feat = len(taps) * target.args.hidden_size
@@ -322,7 +353,8 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     say("train run: plan " + ", ".join(f"{r.what} {r.bytes / 2**20:.0f} MiB" for r in rows))
 
     train_prompts, evals = stream_prompts(cfg)
-    opt = optim.AdamW(learning_rate=lr_at(tcfg, 0.0), weight_decay=tcfg.weight_decay)
+    write_eval_prompts(run / EVAL_FILE, evals)
+    opt = optim.AdamW(learning_rate=lr_at(recipe, 0.0), weight_decay=recipe.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     replay = ReplayBuffer(int(cfg.replay_mb * 2**20))
     state = {"step": 0, "batch": 0, "prompt": 0, "tokens": 0, "seconds": 0.0, "pending": 0,
@@ -339,11 +371,11 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     # --draft-vocab: the training softmax's base ids (and the checkpoint's draft_vocab.json): the
     # run's own, the warm start's, or the first batch's most frequent ids.
     vocab = None
-    if tcfg.draft_vocab and resume and (run / "ckpt" / "draft_vocab.json").exists():
+    if recipe.draft_vocab and resume and (run / "ckpt" / "draft_vocab.json").exists():
         vocab = np.asarray(json.loads((run / "ckpt" / "draft_vocab.json").read_text())["ids"], np.int32)
-    elif tcfg.draft_vocab and init is not None and init.shipped_vocab is not None:
+    elif recipe.draft_vocab and init is not None and init.shipped_vocab is not None:
         vocab = np.asarray(init.shipped_vocab, np.int32)
-    head_w = head_weight(target) if tcfg.draft_vocab else None
+    head_w = head_weight(target) if recipe.draft_vocab else None
 
     eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -351,7 +383,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                       seed=cfg.seed, top_k=cfg.top_k)
     eval_target = Target(model, taps)
     say(f"train run: {len(train_prompts)} training prompts ({cfg.prompts}), {len(evals)} held out; "
-        f"{config['architectures'][0]}, block {tcfg.block_size}, {n_params / 1e6:.1f}M parameters; "
+        f"{config['architectures'][0]}, block {recipe.block_size}, {n_params / 1e6:.1f}M parameters; "
         f"budget {cfg.budget_label}; replay {cfg.replay_mb:g} MiB")
 
     t_start = time.perf_counter() - state["seconds"]
@@ -387,7 +419,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 say(f"train run: {len(evals) - len(prompts)} held-out prompts were also trained on; not used")
             report("eval")
             drafter.eval()
-            ev = evaluate_tau(eval_target, drafter, tokenizer, prompts[: cfg.eval_prompts], tcfg.block_size,
+            ev = evaluate_tau(eval_target, drafter, tokenizer, prompts[: cfg.eval_prompts], recipe.block_size,
                               cfg.eval_max_tokens)
             ev["step"], ev["tokens"] = state["step"], state["tokens"]
             state["evals"].append(ev)
@@ -397,7 +429,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
         state["rng"] = rng.bit_generator.state
         state["replay_evicted"] = replay.evicted
         save_checkpoint(run, drafter, config, opt, state, vocab, extra=lambda d: replay.save(d / REPLAY_FILE))
-        write_curves(run, state, tcfg.block_size)
+        write_curves(run, state, recipe.block_size)
 
     def spent() -> bool:
         # a time budget ends early rather than start a round (batch + steps) it cannot half finish
@@ -452,8 +484,8 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                     rms = scale_fc_init(drafter, replay)
                     say(f"train run: fc init scaled by feature RMS (median {np.median(rms):.2f}); final norm "
                         f"scaled by {calibrate_head_scale(drafter):.3g}")
-                if tcfg.draft_vocab and vocab is None and len(replay):
-                    vocab = base_vocab(replay, tcfg.draft_vocab)
+                if recipe.draft_vocab and vocab is None and len(replay):
+                    vocab = base_vocab(replay, recipe.draft_vocab)
                 state["tokens"] += n_new
                 state["prompt"] += len(todo)
                 state["batch"] += 1
@@ -463,11 +495,11 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 if stop.is_set():
                     raise _Stopped
                 t0 = time.perf_counter()
-                nb = make_batch(replay, rng, tcfg, mask_id)
-                sv = step_vocab(nb, vocab, target.vocab_size, tcfg.vocab_negatives, rng) if vocab is not None else None
-                opt.learning_rate = lr_at(tcfg, frac())
+                nb = make_batch(replay, rng, recipe, mask_id)
+                sv = step_vocab(nb, vocab, target.vocab_size, recipe.vocab_negatives, rng) if vocab is not None else None
+                opt.learning_rate = lr_at(recipe, frac())
                 drafter.train()
-                loss, (ce, sel, wsum, hits), _ = train_step(drafter, opt, to_mx(nb, tcfg, sv, head_w), tcfg)
+                loss, (ce, sel, wsum, hits), _ = train_step(drafter, opt, to_mx(nb, recipe, sv, head_w), recipe)
                 state["step"] += 1
                 state["pending"] -= 1
                 dt = time.perf_counter() - t0
@@ -480,7 +512,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                     acc = dict.fromkeys(acc, 0.0)
                 report("train")
             rate["round"] = time.perf_counter() - t_round
-            if state["batch"] % cfg.checkpoint_every == 0 and not spent():
+            if state["batch"] % cfg.checkpoint_batches == 0 and not spent():
                 checkpoint(evaluate=True)
     except _Stopped:  # a second Ctrl+C (KeyboardInterrupt) leaves the last checkpoint as it is
         stopped = True
@@ -499,5 +531,6 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     return summary
 
 
-__all__ = ["StreamConfig", "StreamProgress", "PlanRow", "run_stream", "stream_prompts", "held_out_by_kind",
+__all__ = ["StreamConfig", "RESUME_FREE", "EVAL_FILE", "write_eval_prompts", "StreamProgress", "PlanRow",
+           "run_stream", "stream_prompts", "held_out_by_kind",
            "memory_rows", "lr_at"]

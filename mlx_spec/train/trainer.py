@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -40,14 +40,18 @@ Progress = Callable[[str], None]
 MASK_CANDIDATES = ("<|mask|>", "<|MASK|>", "<mask>", "<empty_output>", "<reponame>")
 
 
+EVAL_PROMPTS = 5
+"""Held-out prompts per tau evaluation (`train drafter` and `train run`): one of each built-in kind."""
+EVAL_MAX_TOKENS = 64
+"""Tokens generated per held-out prompt in a tau evaluation."""
+
+
 @dataclass(frozen=True, slots=True)
-class TrainConfig:
-    data: str
-    out: str
-    target: str = "smollm2-135m-instruct"
-    resume: bool = False
-    init: str | None = None
-    init_target_layers: bool = False
+class Recipe:
+    """The drafter and how it learns: architecture, loss, blocks per step, optimizer. Shared by
+    `train drafter` (``TrainConfig.recipe``) and `train run` (``StreamConfig.recipe``); resuming
+    a run requires the same recipe."""
+
     layers: int = 2
     intermediate_size: int = 1536
     block_size: int = 8
@@ -66,21 +70,13 @@ class TrainConfig:
     target top-K + ``vocab_negatives`` random others (0 = full vocab). The saved drafter always
     uses the full head; this only makes training steps cheaper."""
     vocab_negatives: int = 1024
-    steps: int = 1000
     seqs_per_step: int = 4
     anchors: int = 32
     lr: float = 6e-4
     warmup: float = 0.04
+    """Warm-up share of the schedule (of the steps, or of `train run`'s budget)."""
     weight_decay: float = 0.01
     clip: float = 1.0
-    seed: int = 0
-    checkpoint_every: int = 100
-    checkpoint_minutes: float | None = None
-    eval_prompts: int = 4
-    eval_max_tokens: int = 96
-    eval_file: str | None = None
-    """JSONL of held-out prompts (default: the first data dir's eval_prompts.jsonl)."""
-    export: str | None = None
 
     @property
     def decay(self) -> float:
@@ -91,6 +87,58 @@ class TrainConfig:
     @property
     def v1(self) -> bool:
         return self.no_conv and self.no_selector
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """`train drafter`: train on stored data sets for a number of optimizer steps."""
+
+    data: str
+    out: str
+    target: str = "smollm2-135m-instruct"
+    resume: bool = False
+    init: str | None = None
+    init_target_layers: bool = False
+    steps: int = 1000
+    seed: int = 0
+    checkpoint_every: int = 100
+    """Optimizer steps between checkpoints."""
+    checkpoint_minutes: float | None = None
+    eval_prompts: int = EVAL_PROMPTS
+    eval_max_tokens: int = EVAL_MAX_TOKENS
+    eval_file: str | None = None
+    """JSONL of held-out prompts (default: the first data dir's eval_prompts.jsonl)."""
+    export: str | None = None
+    recipe: Recipe = Recipe()
+
+
+RECIPE_FIELDS = frozenset(f.name for f in fields(Recipe))
+
+
+def settings(config: dict, legacy_nest: str | None = None) -> dict:
+    """A saved run config (``train_config.json`` / ``run_config.json``) as flat ``name`` /
+    ``recipe.name`` keys, for resume checks. Files written before the recipe had its own
+    dataclass held the recipe fields flat (``train_config.json``) or inside ``legacy_nest``
+    (``run_config.json``'s ``"train"``, beside a second ``seed`` that was never used): those
+    fields are read as the recipe, the rest is dropped."""
+    config = dict(config)
+    if "recipe" in config:
+        recipe = config.pop("recipe")
+    elif legacy_nest is not None and isinstance(config.get(legacy_nest), dict):
+        old = config.pop(legacy_nest)
+        recipe = {k: v for k, v in old.items() if k in RECIPE_FIELDS}
+    else:
+        recipe = {k: config.pop(k) for k in list(config) if k in RECIPE_FIELDS}
+    if not recipe:
+        raise CheckpointError("the saved run config holds no drafter recipe; it was not written by "
+                              "`mlx_spec train`: start a new run (another --out)")
+    return {**config, **{f"recipe.{k}": v for k, v in recipe.items()}}
+
+
+def settings_diff(saved: dict, now: dict, free: set[str]) -> list[str]:
+    """The settings (flat keys, ``settings``) that differ between a saved run and this one,
+    except those in ``free`` (allowed to change on resume)."""
+    return sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
 
 
 def loss_weights(block_size: int, gamma: float) -> np.ndarray:
@@ -107,7 +155,7 @@ def pick_mask_token(tokenizer) -> int:
     raise BadRequest("the tokenizer has no spare special token to use as MASK; pass --mask-token-id")
 
 
-def drafter_config(target_args, cfg: TrainConfig, taps: list[int], mask_id: int) -> dict:
+def drafter_config(target_args, cfg: Recipe, taps: list[int], mask_id: int) -> dict:
     """The official checkpoint config for a drafter of this target."""
     H = target_args.hidden_size
     n_heads = target_args.num_attention_heads
@@ -199,7 +247,7 @@ def calibrate_head_scale(drafter: Drafter, n: int = 64) -> float:
     return factor
 
 
-def freeze_disabled(drafter: Drafter, cfg: TrainConfig) -> None:
+def freeze_disabled(drafter: Drafter, cfg: Recipe) -> None:
     """--no-conv / --no-selector on a DFlash 2 keep those parts frozen at identity."""
     if cfg.no_conv:
         for layer in drafter.layers:
@@ -230,7 +278,7 @@ def sample_anchors(prompt_len: int, n_tokens: int, n: int, rng: np.random.Genera
     return np.sort(rng.choice(cands, n, replace=False))
 
 
-def make_batch(data: Dataset, rng: np.random.Generator, cfg: TrainConfig, mask_id: int) -> Batch:
+def make_batch(data: Dataset, rng: np.random.Generator, cfg: Recipe, mask_id: int) -> Batch:
     B = cfg.block_size
     rows = rng.choice(len(data), min(cfg.seqs_per_step, len(data)), replace=False)
     w = loss_weights(B, cfg.decay)
@@ -309,7 +357,7 @@ def step_means(acc: dict) -> dict:
             "step_s": round(acc["t"] / acc["n"], 3)}
 
 
-def loss_fn(drafter: Drafter, batch: dict, cfg: TrainConfig):
+def loss_fn(drafter: Drafter, batch: dict, cfg: Recipe):
     """(loss, (ce_sum, sel_sum, weight_sum, top1_hits)) for one batch of mx arrays."""
     h = block_hidden(drafter, batch["features"], batch["blocks"], batch["anchors"],
                      batch["seq"], batch["mask"])[:, 1:]  # (N, B-1, H)
@@ -383,7 +431,7 @@ def step_vocab(batch: Batch, base: np.ndarray, vocab_size: int, negatives: int,
     return need.astype(np.int32)
 
 
-def to_mx(batch: Batch, cfg: TrainConfig, vocab: np.ndarray | None = None, head_w: mx.array | None = None) -> dict:
+def to_mx(batch: Batch, cfg: Recipe, vocab: np.ndarray | None = None, head_w: mx.array | None = None) -> dict:
     B = cfg.block_size
     idx = np.nonzero(batch.weights.reshape(-1) > 0)[0].astype(np.int32)
     mask = block_attention_mask(batch.anchors, batch.features.shape[1], B, cfg.attention == "causal")
@@ -403,15 +451,15 @@ def to_mx(batch: Batch, cfg: TrainConfig, vocab: np.ndarray | None = None, head_
     }
 
 
-def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
-    warm = max(1, int(cfg.warmup * cfg.steps))
+def make_optimizer(cfg: Recipe, steps: int) -> optim.Optimizer:
+    warm = max(1, int(cfg.warmup * steps))
     sched = optim.join_schedules(
         [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
-         optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * 0.1)], [warm])
+         optim.cosine_decay(cfg.lr, max(1, steps - warm), cfg.lr * 0.1)], [warm])
     return optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
 
 
-def train_step(drafter: Drafter, opt: optim.Optimizer, batch: dict, cfg: TrainConfig):
+def train_step(drafter: Drafter, opt: optim.Optimizer, batch: dict, cfg: Recipe):
     """One optimizer step; returns (loss, aux) after evaluation."""
     vg = nn.value_and_grad(drafter, lambda m: loss_fn(m, batch, cfg))
     (loss, aux), grads = vg(drafter)
@@ -549,25 +597,26 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     from ..target import Target
 
     say = progress or log.info
+    r = cfg.recipe
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
     data, taps = load_datasets(cfg.data)  # "a,b": several data sets made with the same taps
     data_dir = Path(str(cfg.data).split(",")[0])  # held-out prompts come from the first
     model, tokenizer = load_target_model(cfg.target)
     target = Target(model, taps)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
+    mask_id = r.mask_token_id if r.mask_token_id is not None else pick_mask_token(tokenizer)
     if any((t == mask_id).any() for t in data.tokens):
         raise BadRequest(f"mask token {mask_id} occurs in the training data; choose another --mask-token-id")
     if cfg.resume and (run / "ckpt" / "config.json").exists():
         config = json.loads((run / "ckpt" / "config.json").read_text())
-        saved = json.loads((run / "train_config.json").read_text())
-        keep = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "eval_file", "export",
-                "resume", "data"}
-        diff = {k for k, v in asdict(cfg).items() if k not in keep and saved.get(k) != v}
+        saved = settings(json.loads((run / "train_config.json").read_text()))
+        free = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "eval_max_tokens", "eval_file",
+                "export", "resume", "data", "init"}
+        diff = settings_diff(saved, settings(asdict(cfg)), free)
         if diff:
-            raise BadRequest(f"--resume with different settings than the run: {sorted(diff)}")
+            raise BadRequest(f"--resume with different settings than the run: {diff}")
     else:
-        config = drafter_config(target.args, cfg, taps, mask_id)
+        config = drafter_config(target.args, r, taps, mask_id)
     drafter = build_drafter(config, target)
     if cfg.init and not cfg.resume:
         init, _ = load_drafter(cfg.init, dtype=mx.float32)
@@ -578,8 +627,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         if cfg.init_target_layers:
             say(f"train: initialised {len(init_from_target(drafter, target))} tensors from the target")
         say(f"train: final norm scaled by {calibrate_head_scale(drafter):.3g} (logit std 1 at init)")
-    freeze_disabled(drafter, cfg)
-    opt = make_optimizer(cfg)
+    freeze_disabled(drafter, r)
+    opt = make_optimizer(r, cfg.steps)
     rng = np.random.default_rng(cfg.seed)
     state = {"step": 0, "history": [], "evals": []}
     if cfg.resume and (run / "ckpt" / "state.json").exists():
@@ -589,12 +638,12 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     (run / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     n_params = sum(v.size for _, v in tree_flatten(drafter.trainable_parameters()))
     say(f"train: {len(data)} sequences, {sum(len(t) - p for t, p in zip(data.tokens, data.prompt_lens))} "
-        f"response tokens; {config['architectures'][0]} {cfg.layers} layers, {n_params / 1e6:.1f}M trainable; "
-        f"mask {mask_id}; loss {cfg.loss}, {cfg.attention}, corruption {cfg.corruption}, gamma {cfg.decay}")
-    base = base_vocab(data, cfg.draft_vocab) if cfg.draft_vocab else None
-    head_w = head_weight(target) if cfg.draft_vocab else None
-    if cfg.draft_vocab:
-        say(f"train: training softmax over {len(base)} frequent ids + labels + {cfg.vocab_negatives} negatives")
+        f"response tokens; {config['architectures'][0]} {r.layers} layers, {n_params / 1e6:.1f}M trainable; "
+        f"mask {mask_id}; loss {r.loss}, {r.attention}, corruption {r.corruption}, gamma {r.decay}")
+    base = base_vocab(data, r.draft_vocab) if r.draft_vocab else None
+    head_w = head_weight(target) if r.draft_vocab else None
+    if r.draft_vocab:
+        say(f"train: training softmax over {len(base)} frequent ids + labels + {r.vocab_negatives} negatives")
         # the same ids serve as the checkpoint's reduced draft vocabulary at inference (opt-out:
         # --draft-vocab full): draft_vocab.json beside the checkpoint, which stays official
     prompts, trained = drop_trained(eval_prompts(Path(cfg.eval_file) if cfg.eval_file else data_dir,
@@ -608,11 +657,11 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     last = {}
     while state["step"] < cfg.steps:
         t0 = time.perf_counter()
-        nb = make_batch(data, rng, cfg, mask_id)
-        vocab = step_vocab(nb, base, target.vocab_size, cfg.vocab_negatives, rng) if cfg.draft_vocab else None
-        batch = to_mx(nb, cfg, vocab, head_w)
+        nb = make_batch(data, rng, r, mask_id)
+        vocab = step_vocab(nb, base, target.vocab_size, r.vocab_negatives, rng) if r.draft_vocab else None
+        batch = to_mx(nb, r, vocab, head_w)
         drafter.train()
-        loss, (ce, sel, wsum, hits), gnorm = train_step(drafter, opt, batch, cfg)
+        loss, (ce, sel, wsum, hits), gnorm = train_step(drafter, opt, batch, r)
         state["step"] += 1
         dt = time.perf_counter() - t0
         add_step(acc, (loss, ce, sel, wsum, hits), dt)
@@ -628,14 +677,14 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         if due:
             drafter.eval()
             if prompts:
-                ev = evaluate_tau(eval_target, drafter, tokenizer, prompts, cfg.block_size, cfg.eval_max_tokens)
+                ev = evaluate_tau(eval_target, drafter, tokenizer, prompts, r.block_size, cfg.eval_max_tokens)
                 ev["step"] = step
                 state["evals"].append(ev)
                 say(f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
                     f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
             state["rng"] = rng.bit_generator.state
             save_checkpoint(run, drafter, config, opt, state, base)
-            write_curves(run, state, cfg.block_size)
+            write_curves(run, state, r.block_size)
             if cfg.export:
                 export_checkpoint(run, cfg.export)
             t_last_ckpt = time.perf_counter()
@@ -655,6 +704,7 @@ def write_curves(run: Path, state: dict, block_size: int) -> None:
                        title=f"tau (held-out, block {block_size})")
 
 
-__all__ = ["TrainConfig", "train", "loss_weights", "make_batch", "sample_anchors",
+__all__ = ["Recipe", "TrainConfig", "train", "settings", "settings_diff", "EVAL_PROMPTS", "EVAL_MAX_TOKENS",
+           "loss_weights", "make_batch", "sample_anchors",
            "block_attention_mask", "block_hidden", "loss_fn", "identity_init", "drafter_config",
            "save_checkpoint", "load_checkpoint", "export_checkpoint", "evaluate_tau", "pick_mask_token"]

@@ -1,0 +1,166 @@
+"""Where does a batched step's time go? ``batch.BatchDecoder`` on the default target + drafter
+at batch sizes 1, 2, 4, 8 (code prompts, greedy), against the single-stream loop
+(``decode.spec_steps``) for the batch of one. Per batch size: decode tok/s (prefill excluded),
+ms per step, and the step split into its phases (drafter pass, packed target forward + the
+host transfer of the choices, the rest: acceptance, rollback, bookkeeping), read from the
+steps' own timings; with ``--cprofile`` the Python functions that cost most at the largest
+batch. With ``--attention`` also the packed target forward alone at the largest batch, attention
+for all sequences in one call (``batch.BatchKV``) against one call per sequence, same inputs.
+
+    python scripts/batch_profile.py [--sizes 1,2,4,8] [--tokens 48] [--policy auto|always|plain]
+                                    [--cprofile] [--attention]
+
+Prints one table; nothing is stored. Timings on a loaded machine are noisy: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_spec.batch import BatchDecoder, BatchPolicy, batched_steps
+from mlx_spec.decode import spec_steps
+from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
+from mlx_spec.generation import policies
+from mlx_spec.loading import load_pair
+from mlx_spec.prompts import builtin_prompts
+
+
+class Always(BatchPolicy):
+    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+        return list(wants)
+
+
+class Never(BatchPolicy):
+    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+        return [1] * len(wants)
+
+
+def run_batch(pair, make_policy, prompts, n, batch_policy, fast=True):
+    dec = BatchDecoder(pair.target, pair.drafter, block_size=4, max_batch=len(prompts), policy=batch_policy())
+    if not fast:
+        dec.kv = None  # attention per sequence, each against its own KVCache
+    jobs = [dict(prompt=p, max_tokens=n, policy=make_policy() if make_policy else None) for p in prompts]
+    steps, tokens, t0, t_first = [], 0, None, None
+    for _, st in batched_steps(dec, jobs):
+        if st.prefill:
+            continue
+        if t_first is None:
+            t_first = time.perf_counter()
+        steps.append(st)
+        tokens += len(st.tokens)
+    wall = time.perf_counter() - t_first
+    return dec, steps, tokens, wall
+
+
+def summarize(label, dec, steps, tokens, wall):
+    # one entry per batched step: steps of one step share elapsed_ms
+    per = {}
+    for st in steps:
+        per.setdefault(id(st) if False else (st.elapsed_ms, st.verify_ms), st)
+    el = [k[0] for k in per]
+    ver = [k[1] for k in per]
+    drf = [s.draft_ms for s in per.values()]
+    n = max(1, len(el))
+    drafted = sum(1 for s in steps if s.drafted)
+    acc = sum(s.accepted for s in steps) / max(1, sum(s.drafted for s in steps))
+    print(f"{label:<28} {tokens / wall:7.1f} tok/s  {sum(el) / n:6.1f} ms/step  steps {n:4d}  "
+          f"draft {statistics.fmean(drf) if drf else 0:5.1f}  verify {statistics.fmean(ver) if ver else 0:5.1f}  "
+          f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
+
+
+def attention_bench(pair, prompts, reps=12):
+    """The packed forward alone: the sequences decoding, 4 rows each, attention batched over the
+    rows of ``BatchKV`` vs per sequence against its own caches (same inputs)."""
+    from mlx_spec.batch import BatchKV, Seg
+
+    t = pair.target
+    dec = BatchDecoder(t, None, max_batch=len(prompts))
+    out = {}
+    for fast in (True, False):
+        kv = BatchKV(dec.packed.slotted) if fast else None
+        caches, rows = [], []
+        for p in prompts:
+            c = t.make_cache()
+            dec.packed([Seg(mx.array(p, mx.int32), c, False, "last")], taps=False)
+            mx.eval([x.state for x in c])
+            caches.append(c)
+            if kv is not None:
+                rows.append(kv.join(c))
+        ids = [mx.array([5, 6, 7, 8], mx.int32) for _ in prompts]
+        times = []
+        for r in range(reps):
+            t0 = time.perf_counter()
+            o = dec.packed([Seg(i, c, True, "all", rows[k] if rows else None) for k, (i, c) in enumerate(zip(ids, caches))],
+                           taps=True, kv=kv)
+            mx.eval([x.logits for x in o], [x.hidden for x in o])
+            times.append((time.perf_counter() - t0) * 1e3)
+            for k, c in enumerate(caches):
+                dec.packed.rollback(c, {}, 4, 0, rows[k] if rows else None)
+        out[fast] = statistics.median(times[2:])
+    print(f"packed forward, {len(prompts)} x 4 rows: attention in one call {out[True]:.1f} ms, "
+          f"per sequence {out[False]:.1f} ms (x{out[False] / out[True]:.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=DEFAULT_TARGET_ID)
+    ap.add_argument("--drafter", default="models/smollm2-135m-dflash2")
+    ap.add_argument("--sizes", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--policy", default="auto", choices=("auto", "always", "plain"))
+    ap.add_argument("--compare", action="store_true", help="also run each size with attention per sequence")
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--attention", action="store_true")
+    a = ap.parse_args()
+    pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
+    from mlx_spec.session import choose_block, info_for  # noqa: F401  (the engine's policies)
+    from mlx_spec.engine import EngineInfo  # noqa: F401
+
+    make = None
+    try:
+        from mlx_spec.adaptive import Policies
+        from mlx_spec.tuner import load_result, tune_key
+
+        make = Policies(pair, load_result(tune_key(pair)), block_size=None, max_block=8)
+    except Exception as e:  # noqa: BLE001
+        print(f"(no per-sequence policy: {e})")
+    bp = {"auto": BatchPolicy, "always": Always, "plain": Never}[a.policy]
+    prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(("code",))]
+    sizes = [int(x) for x in a.sizes.split(",")]
+    run_batch(pair, make, prompts[:2], 8, bp)  # warm-up
+    for B in sizes:
+        ps = [prompts[i % len(prompts)] for i in range(B)]
+        summarize(f"batch {B}", *run_batch(pair, make, ps, a.tokens, bp))
+        if a.compare:
+            summarize(f"batch {B} (attn per seq)", *run_batch(pair, make, ps, a.tokens, bp, fast=False))
+        if B == 1:
+            t0 = None
+            toks = 0
+            for st in spec_steps(pair.target, pair.drafter, ps[0], block_size=4, max_tokens=a.tokens,
+                                 policy=make() if make else None):
+                if st.prefill:
+                    t0 = time.perf_counter()
+                    continue
+                toks += len(st.tokens)
+            print(f"{'spec_steps (single stream)':<28} {toks / (time.perf_counter() - t0):7.1f} tok/s")
+    if a.cprofile:
+        B = sizes[-1]
+        ps = [prompts[i % len(prompts)] for i in range(B)]
+        pr = cProfile.Profile()
+        pr.enable()
+        run_batch(pair, make, ps, a.tokens, bp)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    if a.attention:
+        B = sizes[-1]
+        attention_bench(pair, [prompts[i % len(prompts)] for i in range(B)])
+
+
+if __name__ == "__main__":
+    main()
