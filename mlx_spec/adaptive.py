@@ -82,7 +82,13 @@ class Acceptance:
 
     def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9,
                  prior_decay: float = 0.8):
-        p = [min(1.0, max(0.0, float(x))) for x in prior[:n]]
+        p, cond = [], 1.0
+        for x in prior[:n]:  # a measured prior's tail (few samples) may rise: its conditional
+            last = p[-1] if p else 1.0  # acceptance is held non-increasing with the position
+            q = min(1.0, max(0.0, float(x)), last * cond)
+            if p:
+                cond = q / last if last > 0 else 0.0
+            p.append(q)
         while len(p) < n:  # extrapolate geometrically (a neutral guess without a prior)
             r = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else (p[-1] if p else 0.5)
             p.append((p[-1] if p else 1.0) * min(r, 0.95))
@@ -99,6 +105,11 @@ class Acceptance:
         for k in range(len(self.reached)):
             self.reached[k] = d * self.reached[k] + (k < reached)
             self.hits[k] = d * self.hits[k] + (k < hits)
+
+    def fade(self, f: float) -> None:
+        """A cycle this source did not draft: its evidence ages by ``f`` (the prior does not)."""
+        self.hits = [f * x for x in self.hits]
+        self.reached = [f * x for x in self.reached]
 
     def curve(self) -> list[float]:
         """The counts (prior included) where there is evidence, else an extrapolation of the
@@ -172,7 +183,8 @@ class Copy:
 
 class Line:
     """Decayed least squares of verify time on rows: ``y = a + b * (L - 1)`` from the cycles this
-    reply ran (plain steps and drafts of several lengths); None until the lengths seen spread."""
+    reply ran (plain steps and drafts of several lengths; it prices the drafts, a plain step has
+    its own scale); None until the lengths seen spread."""
 
     def __init__(self, decay: float = 0.95):
         self.decay, self.s = decay, [0.0] * 5  # sum w, w x, w x^2, w y, w x y
@@ -211,19 +223,31 @@ class DraftPolicy:
         sources: the draft sources allowed ("dflash", "lookup").
         measured: True when ``costs`` were measured on this machine (the tuner's), False for an
             estimate: then the first measured cycle sets the scale outright.
+        margin: a draft is chosen only when its expected rate beats a plain step's by this share
+            (plain is the safe choice: a draft that barely pays on its estimate loses on a reply
+            whose acceptance is a little below the estimate).
+        first_probe: the first DFlash probe of a reply comes after this many cycles without a
+            DFlash draft, the spacing doubling after each failed probe (3, 6, 12, ... up to
+            ``max_probe_every``; back to ``probe_every`` after one that pays): a prior that does
+            not beat plain by the margin is tried early on the reply's own text.
+        rest_decay: per cycle without a DFlash draft, the drafter's evidence ages by this factor,
+            so a probe that succeeds after a long plain stretch is not outweighed by old failures.
     """
 
     def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), *,
                  sources: Sequence[str] = SOURCES, pinned: int | None = None, max_lookup: int = MAX_LOOKUP,
                  measured: bool = True, decay: float = 0.9, prior_weight: float = 3.0,
                  probe_every: int = 8, max_probe_every: int = 64, probe_block: int = 3, fail_limit: int = 3,
-                 fail_odds: float = 0.002):
+                 fail_odds: float = 0.002, margin: float = 0.05, first_probe: int = 3, rest_decay: float = 0.97):
         bad = set(sources) - set(SOURCES)
         if bad:
             raise ValueError(f"unknown draft sources {sorted(bad)} (known: {', '.join(SOURCES)})")
         if pinned is not None and pinned < 2:
             raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
         self.costs = costs.smoothed()
+        # Tt(1) unsmoothed: on a CPU the step from one row to two is far above the blocks' slope
+        # (a line through all blocks puts a plain step ~15 % above its measured cost)
+        self.t1 = min(costs.verify(1), self.costs.verify(1))
         self._tables: dict[int, tuple[float, float]] = {}
         self.line = Line()
         self.sources = tuple(sources)
@@ -234,16 +258,23 @@ class DraftPolicy:
         # by match length (Copy): accepted copies lengthen the lookup drafts at once.
         self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay, prior_decay=decay)
         self.copy = Copy(decay=decay)
-        self.scale = {"verify": 1.0 if measured else None, "draft": 1.0 if measured else None}
+        self.scale = {k: 1.0 if measured else None for k in ("plain", "verify", "draft")}
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
         self.base_probe = self.probe_every = probe_every
         self.max_probe, self.probe_block = max_probe_every, max(2, probe_block)
-        self.plain_run = 0
+        self.margin, self.rest_decay = max(0.0, margin), rest_decay
+        # cycles since the last DFlash draft (plain and lookup cycles): a probe is due at probe_every,
+        # the first one early (then the spacing doubles from there while probes fail)
+        self.plain_run, self.probe_every = 0, max(1, min(first_probe, probe_every))
         self.fail_limit, self.fail_odds = fail_limit, fail_odds
         # DFLASH or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
         self.fails: dict[object, tuple[int, float]] = {}
         self._ctx = Context()
         self._peek: tuple[Context, dict] | None = None  # stays_plain's options, reused by choose
+        self._probing = False  # the last decision was a probe (observe sets the next spacing)
+        # the drafter lost to a plain step: only a probe that pays lets the estimate choose it again
+        # (its evidence fades while it rests, which alone must not bring back long blocks)
+        self.resting = False
         self.trace: list[Decision] = []
 
     # ---------------------------------------------------------------- costs
@@ -251,16 +282,20 @@ class DraftPolicy:
     def _table(self, L: int) -> tuple[float, float]:
         """(Tt(L), Td(L)) of the stored curve, computed once per L."""
         got = self._tables.get(L)
-        if got is None:
-            got = self._tables[L] = (self.costs.verify(L), self.costs.draft(L))
+        if got is None:  # a plain step as measured: the line through the blocks misprices it
+            got = self._tables[L] = (self.t1 if L == 1 else self.costs.verify(L), self.costs.draft(L))
         return got
 
     def verify_ms(self, L: int) -> float:
+        if L == 1:
+            return self._table(1)[0] * (self.scale["plain"] or self.scale["verify"] or 1.0)
         fit = self.line.at(L)  # this reply's own verify times, once they tell a slope
-        return fit if fit is not None and fit > 0 else self._table(L)[0] * (self.scale["verify"] or 1.0)
+        if fit is not None and fit > 0:
+            return fit
+        return self._table(L)[0] * (self.scale["verify"] or self.scale["plain"] or 1.0)
 
     def draft_ms(self, L: int) -> float:
-        return self._table(L)[1] * (self.scale["draft"] or self.scale["verify"] or 1.0)
+        return self._table(L)[1] * (self.scale["draft"] or self.scale["verify"] or self.scale["plain"] or 1.0)
 
     def cycle_ms(self, source: str, L: int) -> float:
         ms = self.verify_ms(L) + self.overhead[source] + (self.draft_ms(L) if source == DFLASH else 0.0)
@@ -315,6 +350,22 @@ class DraftPolicy:
 
     # ---------------------------------------------------------------- the interface
 
+    def _plan(self, ctx: Context, every: dict[str, tuple[int, float]]) -> Decision:
+        """The decision for ``ctx`` (nothing changed): the unbenched draft with the best rate if it
+        beats plain by the margin (DFlash only when not resting), else a DFlash probe when one
+        is due, else a plain step."""
+        plain = every[PLAIN][1] * (1.0 + self.margin)
+        drafts = {s: v for s, v in every.items()
+                  if s != PLAIN and v[1] > plain and not self._is_benched(s, ctx)
+                  and not (s == DFLASH and self.resting)}
+        if drafts:
+            s = max(drafts, key=lambda k: drafts[k][1])
+            return Decision(s, drafts[s][0])
+        if DFLASH in every and self.plain_run + 1 >= self.probe_every:  # does the drafter pay again?
+            best = every[DFLASH][0]
+            return Decision(DFLASH, best if self.pinned else min(best, self.probe_block), probe=True)
+        return Decision(PLAIN, 1)
+
     def stays_plain(self, ctx: Context) -> bool:
         """Would ``choose(ctx)`` take a plain step (not a probe)? Changes nothing but the context
         the next ``observe`` scores the lookup by: the loop asks it one token ahead, to queue the
@@ -323,31 +374,24 @@ class DraftPolicy:
         self._ctx = ctx
         every = self.options(ctx)
         self._peek = (ctx, every)
-        opts = {s: v for s, v in every.items() if not self._is_benched(s, ctx)}
-        if max(opts, key=lambda s: opts[s][1]) != PLAIN:
-            return False
-        return len(every) == 1 or self.plain_run + 1 < self.probe_every
+        return self._plan(ctx, every).source == PLAIN
 
     def choose(self, ctx: Context) -> Decision:
-        """Before a cycle: plain, or the source and length with the best expected rate."""
+        """Before a cycle: plain, or the source and length with the best expected rate (see
+        ``_plan``). Probes are DFlash drafts only: the lookup is scored on every cycle for free."""
         self._ctx = ctx
         peek, self._peek = self._peek, None
         every = peek[1] if peek is not None and peek[0] is ctx else self.options(ctx)  # once per cycle
-        opts = {s: v for s, v in every.items() if not self._is_benched(s, ctx)}
-        source = max(opts, key=lambda s: opts[s][1])
-        if source != PLAIN:
-            self.plain_run, self.probe_every = 0, self.base_probe
-            d = Decision(source, opts[source][0])
+        d = self._plan(ctx, every)
+        self._probing = d.probe
+        if d.source == DFLASH:
+            self.plain_run = 0
+            if not d.probe:  # the estimate says the drafter pays: probes start over from the base
+                self.probe_every = self.base_probe
         else:
             self.plain_run += 1
-            d = Decision(PLAIN, 1)
-            drafts = {s: v for s, v in every.items() if s != PLAIN}
-            if drafts and self.plain_run >= self.probe_every:  # probe: does drafting pay again?
-                self.plain_run = 0
-                self.probe_every = min(self.max_probe, self.probe_every * 2)
-                s = max(drafts, key=lambda k: drafts[k][1])
-                short = drafts[s][0] if s == DFLASH and self.pinned else min(drafts[s][0], self.probe_block)
-                d = Decision(s, short, probe=True)
+            if d.source == PLAIN and DFLASH in self.sources:  # the drafter did not pay: it rests
+                self.resting = True
         self.trace.append(d)
         return d
 
@@ -391,8 +435,9 @@ class DraftPolicy:
             return
         L = step.drafted + 1
         source = step.source or (DFLASH if step.drafted else PLAIN)
-        if step.verify_ms > 0:
-            self.scale["verify"] = _ema(self.scale["verify"], step.verify_ms / max(self._table(L)[0], 1e-6))
+        if step.verify_ms > 0:  # a plain step (pipelined in the loop) has its own scale
+            kind = "plain" if L == 1 else "verify"
+            self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             self.line.add(L, step.verify_ms)
         if source == DFLASH and step.draft_ms > 0:
             self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(L)[1], 1e-6))
@@ -401,6 +446,12 @@ class DraftPolicy:
                       else self.cycle_ms(source, L) - self.overhead[source])  # no timings: the model's
             rest = step.elapsed_ms - passes
             self.overhead[source] = _ema(self.overhead[source], max(0.0, rest), 0.2)
+        if source == DFLASH and self._probing:  # a probe that failed doubles the spacing to the next
+            self.probe_every = self.base_probe if step.accepted else min(self.max_probe, 2 * self.probe_every)
+            self.resting = self.resting and not step.accepted  # one that paid wakes the drafter
+        self._probing = False
+        if source != DFLASH:  # the drafter's evidence ages while it rests (stale failures fade)
+            self.dflash.fade(self.rest_decay)
         if source == DFLASH:
             self._judge(DFLASH, self.dflash.curve()[0], step.accepted > 0)
             self.dflash.update(step.drafted, step.accepted)

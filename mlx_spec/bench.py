@@ -138,6 +138,7 @@ class Run:
     first_tokens: int
     stats: Stats
     blocks: dict[int, int]  # cycles per block size L (drafted + 1), prefill excluded
+    drafter_blocks: dict[int, int] = field(default_factory=dict)  # of those, the cycles the drafter ran in
 
     @property
     def decode_s(self) -> float:
@@ -219,7 +220,7 @@ class Runner:
             self.pair.drafter.set_vocab(prev)
 
     def _run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
-        stats, tokens, blocks = Stats(), [], {}
+        stats, tokens, blocks, drafter = Stats(), [], {}, {}
         first_s, first_tokens = None, 0
         t0 = time.perf_counter()
         for step in self.steps(method, ids, max_tokens):
@@ -230,8 +231,10 @@ class Runner:
                 first_s, first_tokens = now - t0, len(step.tokens)
             if not step.prefill:
                 blocks[step.drafted + 1] = blocks.get(step.drafted + 1, 0) + 1
+                if step.source == "dflash" or step.draft_ms > 0:  # (pick() may then have taken the lookup)
+                    drafter[step.drafted + 1] = drafter.get(step.drafted + 1, 0) + 1
         total = time.perf_counter() - t0
-        return Run(tokens, total, first_s or total, first_tokens, stats, blocks)
+        return Run(tokens, total, first_s or total, first_tokens, stats, blocks, drafter)
 
 
 def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_at_eos: bool = True) -> Iterator[Step]:
@@ -257,10 +260,16 @@ def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_
         first, t = False, now
 
 
-def model_ms(method: Method, blocks: dict[int, int], costs: Costs) -> float:
-    """The two passes' time over a run's cycles by the cost curve (nan where unknown)."""
+def model_ms(method: Method, blocks: dict[int, int], costs: Costs,
+             drafter_blocks: dict[int, int] | None = None) -> float:
+    """The two passes' time over a run's cycles by the cost curve (nan where unknown). A
+    per-cycle policy's cycles: Tt(L) each (a plain step: T1), plus Td(L) for those the drafter
+    ran in (``drafter_blocks``)."""
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
+    if method.kind in POLICY_SOURCES and drafter_blocks is not None:
+        return (sum(n * (costs.t1_ms if L == 1 else costs.verify(L)) for L, n in blocks.items())
+                + sum(n * costs.draft(L) for L, n in drafter_blocks.items()))
     total = 0.0
     for L, n in blocks.items():
         if method.kind in ("plain", "mlx-lm"):
@@ -480,7 +489,7 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
                 row.td_ms, row.tt_ms = 0.0, _r(costs.verify(m.block_size), 2)
             elif m.kind == "ar-draft" and costs.t1_draft_ms:
                 row.td_ms, row.tt_ms = _r((m.block_size - 1) * costs.t1_draft_ms, 2), _r(costs.verify(m.block_size), 2)
-            passes = sum(model_ms(m, s.run.blocks, costs) for s in mine)
+            passes = sum(model_ms(m, s.run.blocks, costs, s.run.drafter_blocks) for s in mine)
             if m.speculative and passes and not math.isnan(passes):
                 # committed tokens * T1 / model time: tau * T1 / (Td + Tt(B)) when B is fixed
                 row.ceiling = _r(ceiling(committed / st.cycles, costs.t1_ms, passes / st.cycles, 0.0))

@@ -5,7 +5,8 @@ chat requests that make a small instruct model write a few hundred tokens. They 
 from the training prompts (mlx_spec/train/prompts.py) so a drafter is not benched on its own data.
 The agent kind is what coding agents ask: a conversation that hands the model a file or a
 function and asks for it back with one change (rename, docstrings, a method, type hints, a JSON
-field), so most of the reply repeats the prompt. The tuner races on the chat kinds only
+field, a config value), so most of the reply repeats the prompt; agent-7 and agent-8 hand over
+longer files for longer copying replies. The tuner races on the chat kinds only
 (``CHAT_KINDS``): agent prompts are long and their prefill would dominate its short runs.
 A user's set (for bench, verify and ``train data``) comes from a JSONL file: one JSON string per
 line, or an object with ``prompt`` (or ``text``, or ``messages``) and optionally ``kind`` (else
@@ -205,8 +206,7 @@ AGENT = (
     _one("agent-6", "Change the version to 1.5.0 and add \"click\": \"8.1\" to the dependencies. Reply "
          "with the complete JSON.", _PACKAGE, "json"),
     # verbatim re-emission of a longer file with a small change (long copying replies)
-    _one("agent-7", "In this file, change the area of Circle to use `self.radius * self.radius` instead of "
-         "`self.radius ** 2`. Reply with the complete file and nothing else.", _SHAPES),
+    _edit("agent-7", _SHAPES, "Rename the function total_area to sum_areas. Reply with the complete file."),
     _edit("agent-8", _SETTINGS, "Change the port to 9090 and the log level to debug. Reply with the complete "
           "file, unchanged otherwise.", "ini"),
 )

@@ -205,7 +205,8 @@ class TuneResult:
                                 if self.threads else "")
         if self.best > 1:
             return f"tuned {day}"
-        spec = [c for c in self.candidates if c.block > 1 and (c.predicted or c.speedup) is not None]
+        spec = [c for c in self.candidates if c.block > 1 and (c.predicted or c.speedup) is not None
+                and c.threads == self.threads]
         best = max(spec, key=lambda c: c.predicted or c.speedup, default=None)
         why = f"; best DFlash B={best.block} x{best.predicted or best.speedup:.2f}" if best else ""
         return f"tuned {day}: off — plain decoding faster on this machine{why}"
@@ -280,11 +281,14 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
 def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, overhead_ms: float = 0.0,
             plain_ms: float | None = None) -> float:
     """Model speedup of DFlash at ``block`` over plain decoding: E(B) * plain step / cycle, the
-    plain step ``plain_ms`` (default T1) and the cycle Td(B) + Tt(B) + ``overhead_ms``."""
+    plain step ``plain_ms`` (default T1) and the cycle Td(B) + Tt(B) + ``overhead_ms``. The
+    overhead may be negative (a loop that overlaps passes runs cheaper than the passes alone);
+    a cycle is never taken below half its passes."""
     if block <= 1:
         return 1.0
-    cost = costs.draft(block) + costs.verify(block) + overhead_ms
-    return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / cost
+    passes = costs.draft(block) + costs.verify(block)
+    return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / \
+        max(passes / 2, passes + overhead_ms)
 
 
 @dataclass(frozen=True)
@@ -329,11 +333,11 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
       it, the default.
     - Off: no block beats plain at that thread count by ``margin``.
     - Block: the blocks within noise of the best are a tie. It goes to the largest block that
-      still buys expected tokens (E(B) at least ``min_gain`` above the next smaller tied block's):
-      the per-cycle policy shortens its own drafts when acceptance falls but never drafts past
-      its block, so among blocks that cost the same on the mix the larger leaves it room on
-      code and agent edits; a block past the drafter's trained positions buys nothing and
-      never wins a tie.
+      still buys expected tokens (E(B) at least ``min_gain`` above the next smaller tied block's).
+      A tie's lower end moves with the timings; where E(B) stops growing (the drafter's trained
+      block) does not, so this lands on the same block run after run. It also leaves the fixed
+      engine (``--no-adaptive``) the longer drafts that code and agent edits accept; the per-cycle
+      policy chooses each cycle's length itself.
     """
     ok = [c for c in cands if c.predicted is not None and not math.isnan(c.predicted)]
     plains = [c for c in ok if c.block == 1]
@@ -394,8 +398,8 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
         names = _names([_lbl(c) for c in tied]) if len(tied) <= 4 else \
             f"B={tied[0].block} to B={tied[-1].block} ({len(tied)} blocks)"
         why = (f"{names} within noise ({width:.1%} apart, tolerance "
-               f"{tol:.1%}); chose {win.block}: the largest that still buys "
-               "expected tokens (the per-cycle policy shortens its drafts itself, never past its block)")
+               f"{tol:.1%}); chose {win.block}: the largest that still buys expected tokens (where E(B) stops "
+               "growing is set by the deterministic acceptance, not by timings)")
         for a in dict.fromkeys(gain_of.values()):
             bs = [f"B={b}" for b, x in gain_of.items() if x == a]
             why += f"; {_names(bs)} add{'s' if len(bs) == 1 else ''} no expected tokens over B={a}"
@@ -518,6 +522,10 @@ def _threads_to_try(blas) -> list[int | None]:
     return thread_candidates()
 
 
+def _threads(t: int) -> str:
+    return f"{t} thread{'s' if t != 1 else ''}"
+
+
 def _label(key: Key) -> str:
     B, t = key
     return ("plain" if B == 1 else f"B={B}") + (f" {t}T" if t else "")
@@ -588,7 +596,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             def step(d, n, m, j=j):
                 done = max((clock() - t0) / (cost_share * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
                 frac(cost_share * min(1.0, done), m)
-            meters[t].round(step, f"pass costs{'' if t is None else f' at {t} threads'} (round {r + 1})")
+            meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
         r += 1
     all_costs = {t: m.costs() for t, m in meters.items()}
     costs = all_costs[main_t]
@@ -605,15 +613,20 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
     E = {B: expected_tokens(acc, B) for B in cands}
 
-    def cycle_ms(t, B: int) -> float:
-        """Td(B) + Tt(B) at ``t`` threads: the main curve (smoothed), scaled by how the probe
-        block's cycle (or the plain step) costs at ``t``."""
+    def curve(t) -> Costs:
+        """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the probe
+        block's cycle costs at ``t``; T1 as measured at ``t``."""
         c = all_costs[t]
-        if B == 1:
-            return c.t1_ms
         ref = costs.draft(probe_block) + costs.verify(probe_block)
-        scale = (c.draft(probe_block) + c.verify(probe_block)) / ref if t != main_t and ref else 1.0
-        return (smooth.draft(B) + smooth.verify(B)) * scale
+        k = (c.draft(probe_block) + c.verify(probe_block)) / ref if t != main_t and ref else 1.0
+        return Costs(c.t1_ms, {B: v * k for B, v in smooth.td_ms.items()},
+                     {B: v * k for B, v in smooth.tt_ms.items()}, c.context)
+
+    curves = {t: curve(t) for t in tlist}
+
+    def cycle_ms(t, B: int) -> float:
+        c = curves[t]
+        return c.t1_ms if B == 1 else c.draft(B) + c.verify(B)
 
     def residuals(t, runs, spec: bool) -> list[float]:
         """Per run: measured time per cycle after the first step minus the passes' model time."""
@@ -625,7 +638,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                 out.append((run_.decode_s * 1e3 - model) / n)
         return out
 
-    o_probe = max(0.0, statistics.median(residuals(main_t, probe[1:] or probe, True) or [0.0]))
+    o_probe = statistics.median(residuals(main_t, probe[1:] or probe, True) or [0.0])
 
     def se(t, name: str, B: int) -> float:
         return median_se(meters[t].times.get((name, B)) or [])
@@ -637,7 +650,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         c = all_costs[t]
         if B == 1:
             return 0.0 if t == main_t else math.hypot(se(t, "t1", 1) / c.t1_ms, se(main_t, "t1", 1) / costs.t1_ms)
-        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / (cycle_ms(main_t, B) + o_probe)
+        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / max(cycle_ms(main_t, B) / 2,
+                                                                          cycle_ms(main_t, B) + o_probe)
         if t == main_t:
             return main
         ref = c.draft(probe_block) + c.verify(probe_block)
@@ -653,7 +667,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         for t in tlist:
             out[(1, t)] = plain / step(t)
             for B in cands:
-                out[(B, t)] = E[B] * plain / (cycle_ms(t, B) + o.get(t, o_probe))
+                out[(B, t)] = predict(curves[t], acc, B, o.get(t, o_probe), plain)
         return out
 
     def candidates_of(predicted: dict[Key, float]) -> list[Candidate]:
@@ -723,7 +737,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         spec_res = [x for k, rs in runs.items() if k[1] == t and k[0] > 1 for x in residuals(t, rs, True)]
         plain_res = [x for k, rs in runs.items() if k == (1, t) for x in residuals(t, rs, False)]
         if len(spec_res) >= 3:
-            o[t] = max(0.0, statistics.median(spec_res))
+            o[t] = statistics.median(spec_res)
         if plain_res:
             op[t] = statistics.median(plain_res)
     if main_t not in o:
@@ -737,7 +751,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     shown = [(B, lead_t) for B in [1] + cands] + [k for k in predicted if k[1] != lead_t]
     for key in dict.fromkeys(shown):
         B, t = key
-        other = "" if t == lead_t or t is None else f"{t} threads"
+        other = "" if t == lead_t or t is None else _threads(t)
         tau = round(E[B], 3) if B > 1 else None
         common = dict(tau=tau, predicted=round(predicted[key], 4), threads=t, noise=round(noise(key), 4))
         if res.tps.get(key):

@@ -1,6 +1,7 @@
-"""Cycle traces of the per-cycle policy on the agent prompts: per cycle its source (p plain, D
-DFlash, L lookup), verify rows, accepted drafts (* a probe) and the lookup's match length (/m),
-so a reader sees where the drafts are short or wasted. Also the reply's copy share (bench.copy_share) and, with --costs, the verify pass cost
+"""Cycle traces of the per-cycle policy on the agent prompts: per cycle its source (p plain,
+D DFlash, L lookup), verify rows, accepted drafts (* a probe, ^ the drafter ran and pick() took
+the lookup) and the lookup's match length (/m), so a reader sees where the drafts are short or
+wasted. Also the reply's copy share (bench.copy_share) and, with --costs, the verify pass cost
 Tt(L) for L up to 33 at the prompts' context.
 
     python scripts/agent_trace.py [--tokens 128] [--prompts agent-1,agent-3] [--sources dflash,lookup] [--costs]
@@ -47,6 +48,15 @@ def main() -> None:
             return choose(ctx)
 
         policy.choose = noting
+        switched, pick = set(), policy.pick
+
+        def picking(dec, *args, pick=pick, switched=switched, matches=matches):  # pick() took the lookup
+            got = pick(dec, *args)
+            if got.source != dec.source:
+                switched.add(len(matches) - 1)
+            return got
+
+        policy.pick = picking
         trace, toks = [], []
         t0 = time.perf_counter()
         for s in spec_steps(pair.target, pair.drafter, ids, block_size=8, max_tokens=a.tokens, eos_ids=eos,
@@ -59,9 +69,10 @@ def main() -> None:
         print(f"\n{p.id}: prompt {len(ids)} tok, reply {len(reply)} tok, copy share {copy_share(ids, reply):.0%}, "
               f"{len(trace)} cycles, {ms:.0f} ms")
         line = []
-        for s, d, m in zip(trace, policy.trace, matches):
+        for i, (s, d, m) in enumerate(zip(trace, policy.trace, matches)):
             tag = {"plain": "p", "dflash": "D", "lookup": "L"}.get(s.source, "?")
-            line.append(f"{tag}{s.block_size}:{s.accepted}" + ("*" if d.probe else "") + f"/m{m}")
+            line.append(f"{tag}{s.block_size}:{s.accepted}" + ("*" if d.probe else "") + ("^" if i in switched else "")
+                        + f"/m{m}")
         print(" ".join(line))
     if a.costs:
         ids = prompts[0].encode(pair.tokenizer)

@@ -3,8 +3,11 @@ the passes timed alone (costs.CostMeter at the reply's context) for the same blo
 
     sum(draft_ms) vs Td(B) * cycles,  sum(verify_ms) vs Tt(B) * cycles   (want within 15 %)
 
-and the cost of a plain step inside the speculative loop (the policy allowed no drafts) against
-mlx-lm's ``generate_step`` (``plain_steps``), alternated. Prints one table; nothing is stored.
+(the fixed block builds its verify graph while the drafter runs: ``draft_ms`` still ends when the
+drafts are on the host), and the cost of a plain step inside the speculative loop (the policy
+allowed no drafts: one pipelined run of plain steps, taps and the drafter's context included)
+against mlx-lm's ``generate_step`` (``plain_steps``), alternated. Prints one table; nothing is
+stored.
 
     python scripts/cycle_timings.py [--prompt TEXT] [--tokens 64] [--block 5] [--repeats 3]
 """

@@ -92,6 +92,7 @@ def test_batched_equals_alone_dense(dense, v2, policy):
     dec = BatchDecoder(target, d, block_size=4, max_batch=8, prefill_chunk=16, policy=policy())
     # the packed paths are what is under test here, not the per-sequence fallbacks
     assert dec.packed_drafter and dec.packed.packed
+    assert dec.kv is not None and dec.packed.slotted == dec.packed.packed  # attention batched
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS], joins={3: 2, 4: 5, 5: 9})
     for i, p in enumerate(PROMPTS):
         assert got[i] == alone[i], f"prompt {i}"
@@ -119,6 +120,7 @@ def test_ragged_acceptance_is_exact(kind):
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in prompts], joins={3: 1, 4: 3})
     for i in range(len(prompts)):
         assert got[i] == refs[i], f"prompt {i}"
+    assert (dec.kv is not None) == (not target.gdn)  # attention batched over BatchKV rows (MoE)
     acc = {i: sum(s.accepted for s in steps[i]) / max(1, len(steps[i]) - 1) for i in steps}
     assert acc[0] > acc[3] > acc[2] > acc[1] == 0  # ragged acceptance really happened
 
@@ -141,6 +143,19 @@ def test_plain_batch_equals_greedy(dense):
     for i, p in enumerate(PROMPTS):
         assert got[i] == greedy_reference(model, p, N)
         assert all(s.drafted == 0 for s in steps[i])
+
+
+def test_rows_leave_and_join_mid_batch(dense):
+    """Sequences of different lengths leave the batch's K/V (their slots handed to the last
+    row) while others join: every output is still plain greedy, and the buffers go at the end."""
+    model, _ = dense
+    dec = BatchDecoder(Target(model), None, max_batch=4, prefill_chunk=8)
+    lengths = [5, 20, 3, 12, 9, 16]
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, lengths)],
+                        joins={4: 4, 5: 7})
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        assert got[i] == greedy_reference(model, p, n), f"prompt {i}"
+    assert dec.kv is not None and len(dec.kv) == 0 and dec.kv.nbytes == 0
 
 
 def test_cancel_leaves_the_others_alone(dense):

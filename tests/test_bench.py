@@ -115,6 +115,33 @@ def test_copy_ceiling_is_an_oracle_over_the_copied_spans():
     assert pooled_ceiling(rows[2:], 100.0) is None
 
 
+def test_a_policy_rows_model_time_charges_the_draft_pass_only_where_the_drafter_ran():
+    from mlx_spec.bench import model_ms
+
+    costs = Costs(100.0, {4: 20.0, 8: 30.0}, {1: 100.0, 4: 130.0, 8: 160.0}, 32)
+    blocks, drafter = {1: 2, 4: 3, 8: 1}, {4: 2}  # 2 plain steps, 3 + 1 drafted cycles, 2 of them by DFlash
+    assert model_ms(Method("hybrid", 8), blocks, costs, drafter) == pytest.approx(2 * 100 + 3 * 130 + 160 + 2 * 20)
+    assert model_ms(Method("lookup-policy", 8), blocks, costs, {}) == pytest.approx(2 * 100 + 3 * 130 + 160)
+    assert model_ms(Method("dflash", 4), {4: 3}, costs) == pytest.approx(3 * 150)
+
+
+def test_copy_table_shows_the_ceiling_and_each_rows_share():
+    from mlx_spec.bench import Row
+    from mlx_spec.commands.bench import copy_table
+
+    rows = [Row("plain (ours)", "plain", 1), Row("hybrid (default)", "hybrid", 8, tau=5.0)]
+    prompts = [PromptRow("agent-1", "agent", 150, 100, 0.9, tau={"hybrid (default)": 5.0},
+                         speedup={"hybrid (default)": 3.0}, speedup_mlx={"hybrid (default)": 3.1}, ceiling=6.0,
+                         oracle=(99, 1000.0), of_ceiling={"hybrid (default)": 0.5}),
+               PromptRow("agent-5", "agent", 120, 60, 0.2, ceiling=1.1, oracle=(59, 5000.0))]
+    text = copy_table(prompts, rows, {"hybrid (default)": (3.0, 3.1)}, {"agent": 2.0, "copying": 6.0})
+    assert "ceiling" in text.splitlines()[1] and "hybrid (default) tau x/x-mlx %ceil" in text
+    assert "5.00 3.00/3.10 50%" in text and "6.00" in text
+    assert ("copy share >= 50%: agent-1; ceiling x6.00): hybrid (default) x3.00 / x3.10 mlx-lm "
+            "(50% of the ceiling)") in text
+    assert "all agent prompts: ceiling x2.00" in text
+
+
 def test_two_baselines_per_kind_and_the_worst_prompt():
     """Every speedup against our plain path and against mlx-lm's; the worst single prompt."""
     mlx, plain, spec = Method("mlx-lm"), Method("plain"), Method("dflash", 4)
@@ -138,7 +165,7 @@ def test_two_baselines_per_kind_and_the_worst_prompt():
     assert pr["c1"].copy_share == pytest.approx(6 / 25)  # tokens 0..5 of the reply repeat the prompt
     assert pr["c2"].copy_share == 0.0 and pr["p1"].tau["dflash B=4"] == 3.0
     assert pr["c1"].speedup["dflash B=4"] == pytest.approx(6.0) and pr["p1"].speedup_mlx["dflash B=4"] == pytest.approx(1.2)
-    costs = Costs(0.1e3, {}, {1: 100.0, 33: 260.0}, 0)  # with a cost curve: the copy ceiling, each row's share
+    costs = Costs(0.1e3, {}, {1: 100.0, 33: 260.0}, 0)  # a cost curve: the copy ceiling, each row's share
     pr = {x.prompt_id: x for x in prompt_report(samples, prompts, costs=costs)}
     c1 = pr["c1"]
     assert c1.oracle == (24, pytest.approx(125.0 + 18 * 100)) and c1.ceiling == pytest.approx(2400 / 1925, abs=1e-3)
@@ -264,6 +291,7 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["speedup_mlx"] > 0 and r["worst"] and r["worst_mlx"] for r in out["rows"] if r["status"] == "ok")
     assert [p["prompt_id"] for p in out["per_prompt"]] == out["prompts"]
     assert all(0.0 <= p["copy_share"] <= 1.0 for p in out["per_prompt"]) and "ours" in out["blas_threads"]
+    assert all(p["ceiling"] is None or p["ceiling"] >= 1.0 for p in out["per_prompt"]) and "agent_ceiling" in out
 
 
 def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):

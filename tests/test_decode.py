@@ -157,3 +157,30 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     reused = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12, prefill=kept[-1],
                                 policy=policy()))
     assert reused == fresh
+
+
+def test_pipelined_plain_runs_sample_the_targets_law():
+    """T > 0: the steps of a pipelined plain run (the second and third tokens, each fed the
+    previous one while it was still lazy) are drawn from the target's distribution given the
+    tokens before them (chi-square against the mixture of the exact conditionals)."""
+    import numpy as np
+    from test_sampling import gof_pvalue
+
+    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.costs import Costs
+    from mlx_spec.sampling import SamplingConfig, target_probs
+
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg, v2=True)
+    costs = Costs(1.0, {2: 0.1, 4: 0.12}, {1: 1.0, 2: 1.06, 4: 1.18}, 0)
+    n = 240
+    for pos in (1, 2):
+        counts, expect = np.zeros(VOCAB), np.zeros(VOCAB)
+        for seed in range(n):
+            sc = SamplingConfig(1.0, top_k=5, seed=1000 * pos + seed)
+            toks = _tokens(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=3, sampling=sc,
+                                      policy=DraftPolicy(costs, 4, sources=())))
+            counts[toks[pos]] += 1
+            logits = model(mx.array([SHORT + toks[:pos]]))[0, -1:]
+            expect += np.array(target_probs(logits, sc)[0])
+        assert gof_pvalue(counts, expect / n) > 0.001, pos

@@ -28,12 +28,12 @@ from mlx_spec.target import Target
 COSTS = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
 
 
-def _cycle(policy, decision, accepted, tokens=None):
+def _cycle(policy, decision, accepted, tokens=None, costs=COSTS):
     L = decision.length
-    draft = COSTS.draft(L) if decision.source == DFLASH else 0.0
+    draft = costs.draft(L) if decision.source == DFLASH else 0.0
     toks = tuple(tokens) if tokens is not None else tuple(range(accepted + 1))
     return Step(toks, drafted=L - 1, accepted=accepted, block_size=L, source=decision.source,
-                verify_ms=COSTS.verify(L), draft_ms=draft, elapsed_ms=COSTS.verify(L) + draft)
+                verify_ms=costs.verify(L), draft_ms=draft, elapsed_ms=costs.verify(L) + draft)
 
 
 # ---------------------------------------------------------------- the policy, scripted
@@ -117,8 +117,8 @@ def test_pick_after_the_drafter_pass():
     # the drafter agrees with the lookup on its whole block: the lookup's longer copy wins
     got = p.pick(d, [1, 2, 3], [0.9, 0.9, 0.9], ctx)
     assert got.source == LOOKUP and got.length > 4
-    # they disagree at once and the drafter is sure: keep the drafter's block
-    assert p.pick(d, [7, 8, 9], [0.99, 0.99, 0.99], ctx) == d
+    # they disagree at once, the drafter is sure and the lookup's match is short: keep the drafter's block
+    assert p.pick(d, [7, 8, 9], [0.99, 0.99, 0.99], Context(lookup=ctx.lookup, match=2)) == d
     assert p.pick(Decision(PLAIN, 1), [], None, ctx).source == PLAIN
 
 
@@ -563,3 +563,94 @@ def test_long_lookup_drafts_are_lossless(dense):
         toks, stats = _run(target, drafter, prompt, policy, n=90)
         assert toks == want
         assert max(L for s, L, _ in stats.trace if s == LOOKUP) == 33
+
+
+# ---------------------------------------------------------------- never slower than plain (H17p)
+
+# The tuner's curve and prior on a 2-core CPU (float32 SmolLM2-135M + the shipped drafter): a
+# verify of 2+ rows costs ~1.3x a plain step, so a draft pays only at tau well above 1.4.
+CPU = Costs(65.2, {2: 9.6, 3: 8.6, 4: 10.2, 5: 12.3, 6: 11.0, 8: 11.2, 10: 13.5, 12: 16.8, 16: 14.8},
+            {1: 62.5, 2: 79.1, 3: 80.5, 4: 89.1, 5: 100.5, 6: 101.7, 8: 101.9, 10: 117.8, 12: 140.8, 16: 136.0}, 70)
+CPU_PRIOR = [0.32, 0.15, 0.094, 0.097, 0.10, 0.077, 0.044]
+
+
+def _scripted(p0, cond, seed, n=64, costs=CPU, **kw):
+    """A DFlash-only reply of ``n`` tokens whose first draft is accepted with chance ``p0`` and
+    each later one with ``cond``: (tokens per ms / plain's, trace)."""
+    rng, p = random.Random(seed), DraftPolicy(costs, 16, CPU_PRIOR, sources=(DFLASH,), **kw)
+    toks, ms = 0, 0.0
+    while toks < n:
+        d = p.choose(Context())
+        a = 0
+        while a < d.length - 1 and rng.random() < (p0 if a == 0 else cond):
+            a += 1
+        L, draft = d.length, costs.draft(d.length) if d.source == DFLASH else 0.0
+        step = Step(tuple(range(a + 1)), drafted=L - 1, accepted=a, block_size=L, source=d.source,
+                    verify_ms=costs.verify(L), draft_ms=draft, elapsed_ms=costs.verify(L) + draft)
+        toks, ms = toks + a + 1, ms + step.elapsed_ms
+        p.observe(step)
+    return toks / ms * costs.verify(1), p.trace
+
+
+def test_a_low_acceptance_reply_runs_at_plain_speed_and_a_good_one_drafts():
+    """Prose on a CPU (first draft accepted 20-30 %): every scripted 64-token reply runs at
+    >= 0.96x plain; code-like acceptance still drafts long blocks at >= 1.5x plain on average."""
+    for p0, cond in ((0.2, 0.4), (0.3, 0.45)):
+        rates = [_scripted(p0, cond, seed)[0] for seed in range(12)]
+        assert min(rates) >= 0.96 and sum(rates) / len(rates) >= 0.975, (p0, rates)
+    rates = [_scripted(0.8, 0.85, seed)[0] for seed in range(12)]
+    assert sum(rates) / len(rates) >= 1.5
+
+
+def test_plain_is_priced_as_measured_and_drafts_must_beat_it_by_the_margin():
+    p = DraftPolicy(CPU, 16, CPU_PRIOR, sources=(DFLASH,))
+    assert p.verify_ms(1) == pytest.approx(62.5)  # not the smoothed line through the blocks (~73)
+    opts = p.options(Context())
+    gain = opts[DFLASH][1] / opts[PLAIN][1]
+    assert gain < 1.05 and p.choose(Context()).source == PLAIN  # the tuner's prior barely pays: plain
+    loose = DraftPolicy(CPU, 16, CPU_PRIOR, sources=(DFLASH,), margin=0.0)
+    assert (loose.choose(Context()).source == DFLASH) == (gain > 1.0)
+    good = DraftPolicy(CPU, 16, [0.8, 0.6, 0.45, 0.3], sources=(DFLASH,))
+    assert good.choose(Context()).source == DFLASH and not good.trace[-1].probe
+
+
+def test_probes_are_dflash_only_early_then_doubling_and_reset_by_one_that_pays():
+    p = DraftPolicy(CPU, 16, CPU_PRIOR)  # both sources; the prior does not beat plain
+    look = Context(lookup=tuple(range(40)), match=30)
+    seq = []
+    for i in range(40):
+        ctx = look if 5 <= i < 9 else Context(lookup=(1, 2), match=1)
+        d = p.choose(ctx)
+        seq.append(d)
+        if d.source == LOOKUP:  # the long copies are accepted: lookup cycles do not reset the probes
+            p.observe(_cycle(p, d, d.length - 1, tokens=range(40)[: d.length], costs=CPU))
+        else:
+            p.observe(_cycle(p, d, 0, tokens=[99], costs=CPU))  # every probe fails
+    probes = [i for i, d in enumerate(seq) if d.probe]
+    assert all(seq[i].source == DFLASH and seq[i].length <= 3 for i in probes)
+    assert {d.source for d in seq} == {PLAIN, DFLASH, LOOKUP} and not any(d.source == DFLASH and not d.probe for d in seq)
+    assert probes[0] == 2  # the first after 3 cycles without a DFlash draft
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] >= 6 and gaps[-1] >= 12  # 3, 6, 12: doubling while probes fail
+    spacing = p.probe_every
+    d = p.choose(Context())
+    while not d.probe:
+        p.observe(_cycle(p, d, 0, costs=CPU))
+        d = p.choose(Context())
+    p.observe(_cycle(p, d, 2, costs=CPU))  # a probe that pays: the spacing is back to the base
+    assert spacing > p.base_probe == p.probe_every
+
+
+def test_stays_plain_agrees_with_choose():
+    """The loop asks stays_plain one token ahead and then chooses with the same context: the two
+    must agree on every scripted cycle (else a pipelined plain step is queued for a draft)."""
+    rng = random.Random(4)
+    p = DraftPolicy(CPU, 16, CPU_PRIOR)
+    for i in range(300):
+        ctx = rng.choice([Context(), Context(lookup=tuple(range(20)), match=rng.randrange(40)),
+                          Context(lookup=(3,), match=1, room=rng.randrange(1, 9))])
+        plain = p.stays_plain(ctx)
+        d = p.choose(ctx)
+        assert plain == (d.source == PLAIN), (i, d)
+        a = rng.randrange(d.length) if rng.random() < 0.5 else 0
+        p.observe(_cycle(p, d, a, tokens=tuple(range(a + 1)), costs=CPU))

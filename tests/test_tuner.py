@@ -119,6 +119,8 @@ def test_predict_and_candidates():
     assert expected_tokens(acc, 1) == 1.0 and expected_tokens(acc, 3) == pytest.approx(2.4)
     assert predict(costs, acc, 8) == pytest.approx((1 + sum(acc)) * 100 / 180)
     assert predict(costs, acc, 1) == 1.0
+    assert predict(costs, acc, 8, -20.0, plain_ms=90.0) == pytest.approx((1 + sum(acc)) * 90 / 160)
+    assert predict(costs, acc, 8, -1000.0) == pytest.approx((1 + sum(acc)) * 100 / 90)  # never below half
     assert default_candidates(16) == [2, 3, 4, 5, 6, 8, 10, 12, 16]
     assert default_candidates(8)[-1] == 16 and default_candidates(24)[-1] == 24
 
