@@ -21,6 +21,7 @@ import pstats
 import statistics
 import time
 
+import mlx_spec  # noqa: F401  (before MLX: it loads OpenBLAS)
 import mlx.core as mx
 
 from mlx_spec.batch import BatchDecoder, BatchPolicy, batched_steps

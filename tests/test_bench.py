@@ -248,6 +248,21 @@ def test_prompts_builtin_and_jsonl(tmp_path):
         load_prompts(f)
 
 
+def test_bench_prompts_are_not_training_prompts():
+    """The built-in bench set (agent edits included) stays out of the training mixes: no prompt
+    text in common, and no agent file's lines inside a training prompt."""
+    from mlx_spec.train import prompts as train
+
+    mixes = train.builtin_prompts(1500) + train.wide_prompts(3000) + train.broad_prompts(3000)
+    keys = {train.prompt_key(p) for p in mixes}
+    assert not [p.id for p in BUILTIN if train.prompt_key(p) in keys]
+    text = "\n".join(keys)
+    for p in (p for p in BUILTIN if p.kind == "agent"):
+        body = p.messages[0]["content"]
+        file = body[body.index("```"):]
+        assert not [ln for ln in file.splitlines() if len(ln) > 24 and ln in text], p.id
+
+
 def test_progress_bar_off_a_tty_says_one_line():
     import io
 
