@@ -10,13 +10,17 @@ steps. Each ``step()`` runs, for every sequence in the batch:
 - per sequence: its own acceptance (greedy or rejection sampling), its own rollback (attention
   K/V trimmed, hybrid GDN state rebuilt from the pass's records), its own drafter context.
 
-Exactness: every sequence keeps its own ordinary mlx-lm caches (``KVCache`` / ``ArraysCache``)
-and its own ``ContextCache``. The linear layers (projections, MLP / MoE, head), which dominate
-the cost, run once over all packed rows; attention and the GDN recurrence run per sequence
-against that sequence's cache, so ragged acceptance rolls back exactly as a single sequence
-does (mlx-lm's ``BatchKVCache`` left-pads sequences into one tensor and trims all rows by the
-same amount: a ragged rollback would leave holes). A packed row sees exactly the computation it
-would alone; only float32 rounding of a matmul over a different row count can differ.
+Exactness: the linear layers (projections, MLP / MoE, head), which dominate the cost, run once
+over all packed rows. Attention runs for all decoding sequences in one call over ``BatchKV``,
+the batch's shared K/V: one slot per sequence, ragged on the right (each row its own offset, so
+a ragged rollback only lowers that row's offset; mlx-lm's ``BatchKVCache`` left-pads sequences
+into one tensor written at one shared column and trims all rows by the same amount: a ragged
+rollback would leave holes). A sequence prefills in its own ordinary mlx-lm caches and gets
+them back, exactly its positions, when it leaves. The GDN recurrence (and the attention of
+hybrid targets) runs per sequence against that sequence's own caches (``KVCache`` /
+``ArraysCache``), rolled back exactly as a single sequence does. A packed row sees exactly the
+computation it would alone; only float32 rounding (a matmul over a different row count, a
+masked SDPA over the longest row's keys) can differ.
 
 The per-step controller (``BatchPolicy``) chooses, from the batch size, each sequence's running
 acceptance and a step-cost model fitted online (``t = a + b*rows + c*drafting``), which
@@ -234,15 +238,21 @@ class BatchKV:
     def leave(self, row: Row, cache: list | None) -> None:
         """Drop a row; with ``cache``, first hand its K/V back into those (parked) caches."""
         j, off = row.slot, row.offset
-        if cache is not None:
-            back = []
-            for i in self.layers:
-                c = cache[i]
-                c.keys = mx.contiguous(self.keys[i][j:j + 1, :, :off])
-                c.values = mx.contiguous(self.values[i][j:j + 1, :, :off])
-                c.offset = off
-                back += [c.keys, c.values]
-            mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
+        try:
+            if cache is not None:
+                back = []
+                for i in self.layers:
+                    c = cache[i]
+                    c.keys = mx.contiguous(self.keys[i][j:j + 1, :, :off])
+                    c.values = mx.contiguous(self.values[i][j:j + 1, :, :off])
+                    c.offset = off
+                    back += [c.keys, c.values]
+                mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
+        finally:  # the row goes even when handing its K/V back failed
+            self._drop(row)
+
+    def _drop(self, row: Row) -> None:
+        j = row.slot
         last = self.rows.pop()
         if last is not row:
             n = last.offset
@@ -255,12 +265,10 @@ class BatchKV:
         if not self.rows:
             self.keys, self.values = {}, {}
 
-    def trim(self, row: Row, n: int) -> None:
-        row.offset -= min(n, row.offset)
-
     def plan(self, blocks: Sequence[int]) -> RowsPlan:
         """This step's plan for blocks of ``blocks[b]`` query rows for row b (slot order); the
-        rows' offsets advance by their blocks (``trim`` takes back what is rejected)."""
+        rows' offsets advance by their blocks (``PackedTarget.rollback`` takes back what is
+        rejected)."""
         n = len(self.rows)
         if len(blocks) != n:
             raise MlxSpecError(f"a step over the batch's K/V needs a block for each of its {n} rows")
@@ -343,10 +351,11 @@ def _layer_form_ok(layer, make_cache, i: int) -> bool:
 class PackedTarget:
     """One forward over the rows of many sequences, each against its own cache.
 
-    Linear layers and the head run once over all packed rows; attention runs per sequence (its
-    projections packed when the module matches the llama/qwen pattern, checked at build time;
-    otherwise the module itself per sequence); GDN layers run per sequence (recording for
-    rollback on verify rows).
+    Linear layers and the head run once over all packed rows; attention (its projections packed
+    when the module matches the llama/qwen pattern, checked at build time; otherwise the module
+    itself per sequence) runs for the decoding sequences in one call over ``BatchKV`` on the
+    ``slotted`` layers, per sequence against its own cache elsewhere (prefill chunks); GDN
+    layers run per sequence (recording for rollback on verify rows).
     """
 
     def __init__(self, target: Target):
@@ -1053,4 +1062,4 @@ def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, 
         t += 1
 
 
-__all__ = ["Seg", "SegOut", "PackedTarget", "Acceptance", "BatchPolicy", "BatchDecoder", "batched_steps"]
+__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "BatchPolicy", "BatchDecoder", "batched_steps"]

@@ -36,8 +36,15 @@ from .stats import Stats
 
 # ---------------------------------------------------------------- pure arithmetic
 
-def engaged(drafted: int, accepted: int) -> bool:
-    """A speculative row counts only if it drafted and at least one draft was accepted."""
+POLICY_KINDS = ("adaptive", "lookup-policy", "hybrid")  # rows whose engine decides per cycle
+
+
+def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0) -> bool:
+    """A fixed-source speculative row counts only if it drafted and at least one draft was
+    accepted. A per-cycle policy row counts once the policy decided its cycles: staying plain
+    where drafts do not pay is its mechanism working (the table shows drafted / accepted)."""
+    if policy:
+        return cycles > 0
     return drafted > 0 and accepted > 0
 
 
@@ -455,7 +462,7 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             row.acceptance = _r(st.acceptance_rate)
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
-            if not engaged(st.drafted, st.accepted):
+            if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_KINDS, cycles=st.cycles):
                 row.status = f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted})"
                 rows.append(row)
                 continue

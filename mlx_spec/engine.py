@@ -468,7 +468,10 @@ class Engine:
                 log.exception("batched step failed")
                 for sid in list(self._live):
                     lv = self._live.pop(sid)
-                    dec.cancel(sid)
+                    try:
+                        dec.cancel(sid)
+                    except Exception:  # its caches may be half-written: drop them, fail the request
+                        log.exception("could not release a failed sequence's caches")
                     self._finish(None, 0)
                     self._add("errors")
                     lv.handle._put(Failed(lv.rid, str(e), type(e).__name__))
@@ -509,7 +512,8 @@ class Engine:
                 raise PlanError(f"this request (prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens) needs "
                                 f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
                                 f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences")
-            if self._room is not None and self._live and reserved + need > self._room.room:
+            if self._room is not None and self._live and self._batch_need(len(ids) + cfg.max_tokens, reserved,
+                                                                          need) > self._room.room:
                 return None
         except Exception as e:
             self._finish(None, 0)
@@ -538,6 +542,15 @@ class Engine:
         with self._lock:
             self._live[sid] = _Live(handle, rid, info, ids, cfg, pair.tokenizer, need)
         return need
+
+    def _batch_need(self, positions: int, reserved: int, need: int) -> int:
+        """Bytes the batch's sequences may hold once this one (``positions``, ``need`` bytes)
+        joins. Where attention runs over the batch's shared K/V (``batch.BatchKV``) every row is
+        as long as the longest, so that is what each sequence counts."""
+        if self._decoder.kv is None:
+            return reserved + need
+        longest = max([positions] + [len(lv.ids) + lv.cfg.max_tokens for lv in self._live.values()])
+        return (len(self._live) + 1) * self._room.need(longest)
 
     def _leave(self, sid: int, finish: str) -> int:
         """End a batched request (finished, stopped by a stop string, or cancelled): Done, and
@@ -607,7 +620,7 @@ class _Live:
         from .generation import Result
         from .text import stream_text
 
-        self.handle, self.rid, self.info, self.ids, self.need = handle, rid, info, ids, need
+        self.handle, self.rid, self.info, self.ids, self.cfg, self.need = handle, rid, info, ids, cfg, need
         self.result = Result()
         self._q: list = []
         self._chunks = stream_text(self._feed(), tokenizer, cfg.stop, tuple(tokenizer.eos_token_ids))

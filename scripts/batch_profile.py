@@ -73,6 +73,12 @@ def summarize(label, dec, steps, tokens, wall, cpu):
     print(f"{label:<28} {tokens / wall:7.1f} tok/s {tokens / cpu:7.1f} tok/CPU-s  {sum(el) / n:6.1f} ms/step  steps {n:4d}  "
           f"draft {statistics.fmean(drf) if drf else 0:5.1f}  verify {statistics.fmean(ver) if ver else 0:5.1f}  "
           f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
+    pol = dec.policy
+    if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
+        errs = [abs(pol.cost(r, d) - ms) / ms for r, d, ms in pol.obs]
+        a_, b_, c_, e_ = pol.theta
+        print(f"{'':<28} cost line: {a_:.1f} + {b_:.2f}*rows + {c_:.2f}*drafting + {e_:.1f}*[draft pass] ms, "
+              f"median error {100 * statistics.median(errs):.0f} %")
 
 
 def attention_bench(pair, prompts, reps=12):

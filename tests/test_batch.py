@@ -158,6 +158,32 @@ def test_rows_leave_and_join_mid_batch(dense):
     assert dec.kv is not None and len(dec.kv) == 0 and dec.kv.nbytes == 0
 
 
+def test_batch_kv_rows_hand_back_exactly_their_positions():
+    """A row that leaves gets back exactly its positions; the last row moves into its slot intact."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_spec.batch import BatchKV
+
+    kv, caches, want = BatchKV([0]), [], []
+    for n in (3, 7, 5):
+        c = KVCache()
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(n))
+        c.update_and_fetch(k, k + 1)
+        want.append(k)
+        caches.append([c])
+        kv.join(caches[-1])
+    rows = list(kv.rows)
+    assert [r.offset for r in rows] == [3, 7, 5] and all(c[0].keys is None for c in caches)  # parked
+    kv.leave(rows[0], caches[0])
+    c = caches[0][0]
+    assert c.offset == 3 and mx.array_equal(c.keys, want[0]) and mx.array_equal(c.values, want[0] + 1)
+    assert rows[2].slot == 0 and kv.rows == [rows[2], rows[1]]
+    assert mx.array_equal(kv.keys[0][0:1, :, :5], want[2]) and mx.array_equal(kv.keys[0][1:2, :, :7], want[1])
+    kv.leave(rows[1], None)
+    kv.leave(rows[2], None)
+    assert len(kv) == 0 and kv.nbytes == 0
+
+
 def test_cancel_leaves_the_others_alone(dense):
     model, cfg = dense
     target, d, _ = tiny_drafter(model, cfg)

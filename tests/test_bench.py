@@ -27,6 +27,8 @@ def test_ceiling_and_efficiency():
 
 def test_engaged():
     assert not engaged(0, 0) and not engaged(40, 0) and engaged(40, 1)
+    # a per-cycle policy that stayed plain on a weak set still ran (its decisions are the mechanism)
+    assert engaged(0, 0, policy=True, cycles=30) and not engaged(0, 0, policy=True, cycles=0)
 
 
 def test_costs_interpolate_and_round_trip():
