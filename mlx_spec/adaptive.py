@@ -22,15 +22,18 @@ paid, its proposal unused); after the cycle, ``observe(step)``. Everything it kn
 
 Rates: plain ``1 / (Tt(1) + o)``; DFlash ``E(L) / (Td(L) + Tt(L) + o)``; lookup
 ``E(L) / (Tt(L) + o)`` with ``E(L) = 1 + sum_{k < L-1} P(first k+1 drafts accepted)``. A
-source whose last drafts were all rejected outright, a streak its own estimate made unlikely
-(chance below ``fail_odds``; at least ``fail_limit`` drafts), is benched at once (before its
-decayed estimate catches up); while no unbenched draft beats plain the policy takes plain
-steps, and every ``probe_every`` plain steps it tries one short draft (at most ``probe_block``
-rows) from the source with the best estimate; the spacing doubles after each probe up to
-``max_probe_every`` and resets once drafting pays again. So a reply whose drafts keep failing
-costs at most one short draft every N plain steps. The lookup's guesses are also scored on the
-cycles it did not draft (its proposal against the tokens the target committed), so it is
-benched and recovered without paying for probes.
+draft is chosen only when its rate beats plain's by ``margin``. A source whose last drafts were
+all rejected outright, a streak its own estimate made unlikely (chance below ``fail_odds``; at
+least ``fail_limit`` drafts), is benched at once (before its decayed estimate catches up). When
+the drafter loses to a plain step it rests: the estimate no longer chooses it, and only probes
+run, one short DFlash draft (at most ``probe_block`` rows) once ``probe_every`` cycles have
+passed without a DFlash draft (lookup cycles count), the first after ``first_probe`` cycles;
+the spacing doubles after each probe rejected outright (up to ``max_probe_every``) and goes
+back to ``probe_every`` after one that is accepted, which also ends the rest. While it rests
+(on every cycle without a DFlash draft) its evidence fades by ``rest_decay``. So a reply whose
+drafts keep failing costs at most one short draft every N plain steps. The lookup is never
+probed: its guesses are scored on the cycles it did not draft too (its proposal against the
+tokens the target committed), so it is benched and recovered for free.
 """
 
 from __future__ import annotations
@@ -82,13 +85,9 @@ class Acceptance:
 
     def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9,
                  prior_decay: float = 0.8):
-        p, cond = [], 1.0
-        for x in prior[:n]:  # a measured prior's tail (few samples) may rise: its conditional
-            last = p[-1] if p else 1.0  # acceptance is held non-increasing with the position
-            q = min(1.0, max(0.0, float(x)), last * cond)
-            if p:
-                cond = q / last if last > 0 else 0.0
-            p.append(q)
+        p = []
+        for x in prior[:n]:  # a measured tail (few samples) may rise: P(first k+1 accepted) is
+            p.append(min(max(0.0, float(x)), p[-1] if p else 1.0))  # held non-increasing, nothing more
         while len(p) < n:  # extrapolate geometrically (a neutral guess without a prior)
             r = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else (p[-1] if p else 0.5)
             p.append((p[-1] if p else 1.0) * min(r, 0.95))
@@ -162,11 +161,7 @@ class Copy:
 
     def curve(self, match: int, n: int) -> list[float]:
         """P(the first k+1 draft tokens accepted), k < n."""
-        out, run = [], 1.0
-        for c in self.conditional(match, n):
-            run *= c
-            out.append(run)
-        return out
+        return _cumprod(self.conditional(match, n))
 
     def update(self, match: int, reached: int, hits: int) -> None:
         """One cycle's judgement of a draft found at ``match``: positions < ``reached`` were
@@ -183,8 +178,8 @@ class Copy:
 
 class Line:
     """Decayed least squares of verify time on rows: ``y = a + b * (L - 1)`` from the cycles this
-    reply ran (plain steps and drafts of several lengths; it prices the drafts, a plain step has
-    its own scale); None until the lengths seen spread."""
+    reply drafted (blocks of several lengths; plain steps run pipelined, a regime of their own
+    with its own scale, so they are not points of it); None until the lengths seen spread."""
 
     def __init__(self, decay: float = 0.95):
         self.decay, self.s = decay, [0.0] * 5  # sum w, w x, w x^2, w y, w x y
@@ -245,8 +240,9 @@ class DraftPolicy:
         if pinned is not None and pinned < 2:
             raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
         self.costs = costs.smoothed()
-        # Tt(1) unsmoothed: on a CPU the step from one row to two is far above the blocks' slope
-        # (a line through all blocks puts a plain step ~15 % above its measured cost)
+        # Tt(1) as measured where that is below the smoothed line: on a CPU the step from one row
+        # to two is far above the blocks' slope (a line through all blocks puts a plain step ~15 %
+        # above its measured cost)
         self.t1 = min(costs.verify(1), self.costs.verify(1))
         self._tables: dict[int, tuple[float, float]] = {}
         self.line = Line()
@@ -260,7 +256,7 @@ class DraftPolicy:
         self.copy = Copy(decay=decay)
         self.scale = {k: 1.0 if measured else None for k in ("plain", "verify", "draft")}
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
-        self.base_probe = self.probe_every = probe_every
+        self.base_probe = probe_every
         self.max_probe, self.probe_block = max_probe_every, max(2, probe_block)
         self.margin, self.rest_decay = max(0.0, margin), rest_decay
         # cycles since the last DFlash draft (plain and lookup cycles): a probe is due at probe_every,
@@ -402,10 +398,10 @@ class DraftPolicy:
         millisecond (the draft pass is paid either way). The drafter's per-position chance is
         the mean of its own top probability (``confidence``) and its running conditional
         acceptance; the lookup's is its copy model's (``Copy``); where the two proposals agree,
-        the better of both counts."""
+        the better of both counts. A probe is kept: it is there to judge the drafter."""
         ctx = self._ctx if ctx is None else ctx
         n = min(len(ctx.lookup), self.max_lookup, max(1, ctx.room) - 1)
-        if decision.source != DFLASH or LOOKUP not in self.sources or n <= 0:
+        if decision.source != DFLASH or decision.probe or LOOKUP not in self.sources or n <= 0:
             return decision
         dcur = _conditional(self.dflash.curve())
         conf = list(confidence) if confidence is not None else []
@@ -423,7 +419,7 @@ class DraftPolicy:
             if r > rate_l:
                 best, rate_l = L, r
         if rate_l > rate_d:
-            d = Decision(LOOKUP, best, decision.probe)
+            d = Decision(LOOKUP, best)
             if self.trace and self.trace[-1] is decision:
                 self.trace[-1] = d
             return d
@@ -438,9 +434,11 @@ class DraftPolicy:
         if step.verify_ms > 0:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
             self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
-            self.line.add(L, step.verify_ms)
-        if source == DFLASH and step.draft_ms > 0:
-            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(L)[1], 1e-6))
+            if L > 1:  # the line prices drafts: pipelined plain steps are another regime
+                self.line.add(L, step.verify_ms)
+        if step.draft_ms > 0:  # (also a pass whose block pick() then dropped for the lookup's)
+            ran = step.draft_block or L
+            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(ran)[1], 1e-6))
         if source in self.overhead:
             passes = (step.verify_ms + step.draft_ms if step.verify_ms > 0
                       else self.cycle_ms(source, L) - self.overhead[source])  # no timings: the model's
@@ -464,8 +462,7 @@ class DraftPolicy:
             a = 0
             while a < min(len(look), len(step.tokens)) and look[a] == step.tokens[a]:
                 a += 1
-            if a or a < len(step.tokens):  # (else: nothing committed to judge its first guess by)
-                self._judge(b, self.copy.cond(m), a > 0)
+            self._judge(b, self.copy.cond(m), a > 0)  # (its first guess against the first token)
             self.copy.update(m, min(a + 1, len(look), len(step.tokens)), a)
         self._ctx = Context()
 
@@ -478,13 +475,18 @@ def _conditional(curve: Sequence[float]) -> list[float]:
     return out
 
 
+def _cumprod(xs: Sequence[float]) -> list[float]:
+    """The running products: P(the first k+1 accepted) from per-position conditional chances."""
+    out, run = [], 1.0
+    for x in xs:
+        run *= x
+        out.append(run)
+    return out
+
+
 def _expected(cond: Sequence[float]) -> float:
     """1 + sum_k prod_{j <= k} cond[j]: committed tokens for per-position conditional chances."""
-    total, run = 1.0, 1.0
-    for c in cond:
-        run *= c
-        total += run
-    return total
+    return sum(_cumprod(cond), 1.0)
 
 
 # ---------------------------------------------------------------- construction

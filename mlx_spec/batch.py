@@ -19,8 +19,10 @@ rollback would leave holes). A sequence prefills in its own ordinary mlx-lm cach
 them back, exactly its positions, when it leaves. The GDN recurrence (and the attention of
 hybrid targets) runs per sequence against that sequence's own caches (``KVCache`` /
 ``ArraysCache``), rolled back exactly as a single sequence does. A packed row sees exactly the
-computation it would alone; only float32 rounding (a matmul over a different row count, a
-masked SDPA over the longest row's keys) can differ.
+computation it would alone; only float rounding (a matmul over a different row count, a
+masked SDPA over the longest row's keys) can differ: greedy output is tested equal token for
+token in float32; in 16-bit a near-tie between two tokens can round the other way. Which
+attention path runs (``BatchDecoder.attention``) is checked at build time and logged.
 
 The per-step controller (``BatchPolicy``) chooses, from the batch size, each sequence's running
 acceptance and a step-cost model fitted online (``t = a + b*rows + c*drafting``), which
@@ -34,6 +36,7 @@ single stream. Everything runs on the engine thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +57,8 @@ from .lookup import SuffixIndex
 from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
 from .target import Target
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # The packed target forward
@@ -202,22 +207,52 @@ class BatchKV:
     def nbytes(self) -> int:
         return sum(a.nbytes for d in (self.keys, self.values) for a in d.values())
 
+    @property
+    def slots(self) -> int:
+        """Rows the buffers hold room for now."""
+        return self.keys[self.layers[0]].shape[0] if self.keys else 0
+
+    @property
+    def length(self) -> int:
+        """Positions every row of the buffers holds room for now (what admission charges each)."""
+        return self.keys[self.layers[0]].shape[2] if self.keys else 0
+
+    def _round(self, n: int) -> int:
+        return -(-n // self.step) * self.step
+
     def _reserve(self, slots: int, length: int, like: dict | None = None) -> None:
         for i in self.layers:
             for store in (self.keys, self.values):
                 a = store.get(i)
                 if a is None:
                     ref = like[i] if store is self.keys else like[-i - 1]
-                    shape = (slots, ref.shape[1], -(-length // self.step) * self.step, ref.shape[3])
-                    store[i] = mx.zeros(shape, ref.dtype)
+                    store[i] = mx.zeros((slots, ref.shape[1], self._round(length), ref.shape[3]), ref.dtype)
                     continue
                 S, nk, T, hd = a.shape
                 if slots > S:
                     a = mx.concatenate([a, mx.zeros((slots - S, nk, T, hd), a.dtype)], axis=0)
                 if length > T:
-                    grow = -(-(length - T) // self.step) * self.step
-                    a = mx.concatenate([a, mx.zeros((a.shape[0], nk, grow, hd), a.dtype)], axis=2)
+                    a = mx.concatenate([a, mx.zeros((a.shape[0], nk, self._round(length - T), hd), a.dtype)], axis=2)
                 store[i] = a
+
+    def _fit(self) -> None:
+        """Shrink the buffers to the rows left and (when that frees a step or more) to the longest
+        of them, rounded up to a step: a long row that left must not keep every later row at its
+        length (admission charges each row the buffers' length). Fresh buffers: the old ones go."""
+        n, T = len(self.rows), self._round(max(r.offset for r in self.rows))
+        if T > self.length - self.step:
+            T = self.length
+        if n == self.slots and T == self.length:
+            return
+        fresh = []
+        for store in (self.keys, self.values):
+            for i in self.layers:
+                a = store[i]
+                b = mx.zeros((n, a.shape[1], T, a.shape[3]), a.dtype)
+                b[:] = a[:n, :, :T]
+                store[i] = b
+                fresh.append(b)
+        mx.eval(fresh)
 
     def join(self, cache: list) -> Row:
         """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied)."""
@@ -264,6 +299,8 @@ class BatchKV:
         row.slot = -1
         if not self.rows:
             self.keys, self.values = {}, {}
+        else:
+            self._fit()
 
     def plan(self, blocks: Sequence[int]) -> RowsPlan:
         """This step's plan for blocks of ``blocks[b]`` query rows for row b (slot order); the
@@ -295,11 +332,21 @@ class BatchKV:
         return plan
 
 
-def _mirrors_rows(attn: nn.Module, norm: nn.Module) -> bool:
-    """True when the batched attention over ``BatchKV`` rows (two sequences at different
-    offsets, ragged blocks) computes what this attention module computes on each alone."""
+def _rows_tol(dtype) -> float:
+    """How close the batched attention must come to the module's (relative and absolute): a
+    masked SDPA over the longest row's keys sums in another order than mlx-lm's own call, so
+    16-bit weights (one bf16 ulp ~0.4 %) get a 16-bit tolerance, float32 a float32 one."""
+    return 1e-4 if dtype == mx.float32 else 2e-2
+
+
+def _mirrors_rows(attn: nn.Module, norm: nn.Module) -> str | None:
+    """None when the batched attention over ``BatchKV`` rows (two sequences at different
+    offsets, ragged blocks) computes what this attention module computes on each alone, else
+    the reason it does not (the largest difference, or why it could not run). A module that does
+    not fit the pattern is a reason; any other error (a device error, out of memory) propagates."""
     w = norm.weight
     x = mx.random.normal((1, 8, w.shape[0]), key=mx.random.key(3)).astype(w.dtype)
+    tol = _rows_tol(w.dtype)
     try:
         real = [KVCache(), KVCache()]
         attn(x[:, :3], "causal", real[0])
@@ -315,12 +362,17 @@ def _mirrors_rows(attn: nn.Module, norm: nn.Module) -> bool:
         plan = kv.plan([2, 1])
         got = _attention(attn, x[:, 5:], [(0, 2), (2, 3)], [None, None], [None, None], pos, plan, 0)
         # (a masked SDPA over the longest row's keys: the same sums, rounded in another order)
-        ok = _same(want[0], got[:, :2], 1e-4) and _same(want[1], got[:, 2:], 1e-4)
+        pairs = ((want[0], got[:, :2]), (want[1], got[:, 2:]))
         kv.leave(rows[0], None)
         kv.leave(rows[1], None)
-        return ok
-    except (AttributeError, TypeError, ValueError, RuntimeError, MlxSpecError):
-        return False
+    except (AttributeError, TypeError, ValueError, MlxSpecError) as e:
+        return f"the module does not fit the batched path ({type(e).__name__}: {e})"
+    if all(_same(a, b, tol) for a, b in pairs):
+        return None
+    if any(a.shape != b.shape for a, b in pairs):
+        return "the batched path's output has another shape than the module's"
+    diff = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in pairs)
+    return f"differs from the module by up to {diff:.2g} in {w.dtype} (tolerance {tol:g})"
 
 
 class _Rows(NamedTuple):
@@ -373,8 +425,11 @@ class PackedTarget:
         # layers whose attention runs for all decoding sequences at once (``BatchKV``): packed
         # ones with a plain KVCache, when the batched path matches mlx-lm's module
         plain = [i for i, c in enumerate(target.make_cache()) if i in self.packed and type(c) is KVCache]
-        ok = bool(plain) and _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
-        self.slotted = set(plain) if ok else set()
+        why = "no packed attention layer with a plain KVCache" if not plain else \
+            _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
+        self.slotted = set(plain) if why is None else set()
+        # which attention path the batch runs, said (logged by BatchDecoder, shown by the engine)
+        self.attention = f"shared K/V over {len(plain)} layers" if why is None else f"per sequence ({why})"
 
     def __call__(self, segs: Sequence[Seg], taps: bool = True, kv: BatchKV | None = None) -> list[SegOut]:
         """``kv``: the batch's shared K/V; the segments with a ``row`` come first, one per row of
@@ -742,6 +797,9 @@ class BatchDecoder:
         self.kv = BatchKV(self.packed.slotted) if self.packed.slotted else None
         # one drafter pass for all drafting sequences when our mirror of its layers checks out
         self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
+        self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
+        log.info("batched attention: %s; drafter: %s", self.attention,
+                 "none" if drafter is None else "one pass for all" if self.packed_drafter else "per sequence")
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
@@ -794,10 +852,13 @@ class BatchDecoder:
             probe_every=self.policy.probe_every)
         return sid
 
-    def cancel(self, sid: int) -> None:
-        """Drop a sequence now (between steps); its caches go to its ``on_exit``."""
+    def cancel(self, sid: int, keep: bool = True) -> None:
+        """Drop a sequence now (between steps); its caches go to its ``on_exit`` (``keep=False``:
+        dropped, e.g. after a failed step left them half-written)."""
         s = self._seqs.pop(sid, None)
         if s is not None:
+            if not keep:
+                s.on_exit = None
             self._release(s)
             _hand_over(s.on_exit, lambda: s.final(self.drafter))
 

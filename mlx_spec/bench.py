@@ -36,15 +36,14 @@ from .stats import Stats
 
 # ---------------------------------------------------------------- pure arithmetic
 
-POLICY_KINDS = ("adaptive", "lookup-policy", "hybrid")  # rows whose engine decides per cycle
-
-
-def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0) -> bool:
+def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0, probes: bool = False) -> bool:
     """A fixed-source speculative row counts only if it drafted and at least one draft was
-    accepted. A per-cycle policy row counts once the policy decided its cycles: staying plain
-    where drafts do not pay is its mechanism working (the table shows drafted / accepted)."""
+    accepted. A per-cycle policy row counts once the policy decided its cycles (staying plain
+    where drafts do not pay is its mechanism working; the table shows drafted / accepted), but a
+    policy that ``probes`` (DFlash among its sources: a probe is due by its third cycle) must have
+    drafted once a run went past 3 cycles. ``cycles``: the most cycles one run of the row had."""
     if policy:
-        return cycles > 0
+        return cycles > 0 and (drafted > 0 or cycles <= 3 or not probes)
     return drafted > 0 and accepted > 0
 
 
@@ -145,7 +144,7 @@ class Run:
     first_tokens: int
     stats: Stats
     blocks: dict[int, int]  # cycles per block size L (drafted + 1), prefill excluded
-    drafter_blocks: dict[int, int] = field(default_factory=dict)  # of those, the cycles the drafter ran in
+    drafter_blocks: dict[int, int] = field(default_factory=dict)  # cycles the drafter ran in, per its own block
 
     @property
     def decode_s(self) -> float:
@@ -238,8 +237,8 @@ class Runner:
                 first_s, first_tokens = now - t0, len(step.tokens)
             if not step.prefill:
                 blocks[step.drafted + 1] = blocks.get(step.drafted + 1, 0) + 1
-                if step.source == "dflash" or step.draft_ms > 0:  # (pick() may then have taken the lookup)
-                    drafter[step.drafted + 1] = drafter.get(step.drafted + 1, 0) + 1
+                if step.draft_block:  # the drafter ran, at its own block (pick() may then have verified the lookup's)
+                    drafter[step.draft_block] = drafter.get(step.draft_block, 0) + 1
         total = time.perf_counter() - t0
         return Run(tokens, total, first_s or total, first_tokens, stats, blocks, drafter)
 
@@ -274,14 +273,14 @@ def model_ms(method: Method, blocks: dict[int, int], costs: Costs,
     ran in (``drafter_blocks``)."""
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
-    if method.kind in POLICY_SOURCES and drafter_blocks is not None:
+    if method.kind in POLICY_SOURCES:
         return (sum(n * (costs.t1_ms if L == 1 else costs.verify(L)) for L, n in blocks.items())
-                + sum(n * costs.draft(L) for L, n in drafter_blocks.items()))
+                + sum(n * costs.draft(L) for L, n in (drafter_blocks or {}).items()))
     total = 0.0
     for L, n in blocks.items():
         if method.kind in ("plain", "mlx-lm"):
             c = costs.t1_ms
-        elif method.kind in ("lookup", "lookup-policy"):
+        elif method.kind == "lookup":
             c = costs.verify(L)
         elif method.kind == "ar-draft":
             c = (L - 1) * costs.t1_draft_ms + costs.verify(L) if costs.t1_draft_ms else math.nan
@@ -462,7 +461,9 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             row.acceptance = _r(st.acceptance_rate)
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
-            if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_KINDS, cycles=st.cycles):
+            longest = max((s.run.stats.cycles for s in mine), default=0)
+            if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_SOURCES, cycles=longest,
+                           probes="dflash" in POLICY_SOURCES.get(m.kind, ())):
                 row.status = f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted})"
                 rows.append(row)
                 continue
@@ -538,7 +539,8 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
         reply = [t for t in ref.run.tokens if t not in eos]
         row = PromptRow(pid, kind, len(ids), len(reply), round(copy_share(ids, reply), 3))
         if costs is not None and len(reply) > 1:
-            tokens, ms = copy_oracle(ids, reply, costs)
+            # blocks up to the longest measured verify: Tt past it would be extrapolated
+            tokens, ms = copy_oracle(ids, reply, costs, max_draft=min(MAX_LOOKUP, max(costs.tt_ms, default=1) - 1))
             row.oracle, row.ceiling = (tokens, round(ms, 1)), _r(tokens * costs.t1_ms / ms)
         for m in dict.fromkeys(s.method for s in mine):
             runs = [s for s in mine if s.method == m]

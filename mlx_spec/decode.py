@@ -11,8 +11,10 @@ accepted rows' features for the drafter's context cache (pushed at its next pass
 source of this cycle).
 
 Timings are taken where each pass really finishes: ``draft_ms`` ends when the draft tokens are
-on the host, ``verify_ms`` when the target's choice is; the host's own work in between is
-``elapsed_ms`` minus those.
+on the host, ``verify_ms`` when the target's choice is (it starts when its graph is built; a
+verify graph built while the drafter runs is booked to ``verify_ms``, not ``draft_ms``); a
+pipelined plain step's ``verify_ms`` is the wait for its token when it is read. The host's own
+work (the policy, ``pick``, the lookup, bookkeeping) is ``elapsed_ms`` minus those.
 
 Both loops can start from a ``Prefill`` (caches already holding a prefix of the prompt, from the
 prefix cache) and hand their final caches to ``on_exit`` when they end or are closed, so the next
@@ -46,8 +48,12 @@ class Step:
     drafted: int = 0  # draft tokens proposed this cycle (block_size - 1)
     accepted: int = 0  # of those, accepted (tokens = accepted + 1 bonus, before truncation)
     block_size: int = 1
-    draft_ms: float = 0.0  # the drafter's pass, until its tokens are on the host (0 for lookup/plain)
-    verify_ms: float = 0.0  # the target's pass, until its choice is on the host
+    # the drafter's pass, until its tokens are on the host, less the target's verify graph built
+    # while it ran (0 for lookup/plain)
+    draft_ms: float = 0.0
+    # the target's pass: from building its graph until its choice is on the host; a pipelined
+    # plain step: the wait for its token when it is read (its pass partly overlapped host work)
+    verify_ms: float = 0.0
     rollback_ms: float = 0.0  # target cache rollback (hybrid targets: GDN state rebuild)
     elapsed_ms: float = 0.0  # wall time of the whole step, host work included
     prefill: bool = False
@@ -55,6 +61,8 @@ class Step:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill step)
     finish_reason: str | None = None  # "stop" (EOS) | "length" | None
     source: str = ""  # "plain" | "dflash" | "lookup" for a cycle of spec_steps ("" otherwise)
+    draft_block: int = 0  # the block the drafter ran at this cycle (0: it did not run); pick() may
+    # then have verified the lookup's draft, so block_size is the lookup's
 
 
 log = logging.getLogger(__name__)
@@ -200,6 +208,28 @@ def spec_steps(
         pending.clear()
         return Prefill(tuple(fed), cache, dcache)
 
+    def learn(step: Step) -> None:
+        policy.observe(untimed(step) if seeded else step)
+
+    def commit(tokens: list[int]) -> tuple[list[int], str | None]:
+        """Truncate ``tokens`` (EOS, max_tokens), count them and add them to the lookup index:
+        (committed, finish_reason)."""
+        nonlocal n
+        committed, reason = _finish(tokens, n, max_tokens, eos)
+        n += len(committed)
+        if index is not None:
+            index.extend(committed)
+        if n % 256 < len(committed):  # every 256 tokens
+            mx.clear_cache()
+        return committed, reason
+
+    def feed_drafter() -> None:
+        """A long run of cycles without the drafter: push the queued features into its context
+        cache (queued, not waited for), so they do not pile up for its next pass."""
+        if len(pending) >= 32:
+            drafter.add_context(take_pending(), dcache)
+            mx.async_eval([c.state for c in dcache])
+
     # Like mlx-lm, run on its generation stream (measured faster here than the default stream).
     with mx.stream(generation_stream):
         try:
@@ -208,21 +238,19 @@ def spec_steps(
             key, sub = mx.random.split(key)
             anchor = sample_target(logits[None], sampling, sub)[0]  # first token comes from the target
             anchor_id = anchor.item()
-            toks, reason = _finish([anchor_id], 0, max_tokens, eos)
+            n = 0
+            toks, reason = commit([anchor_id])
             ms = (time.perf_counter() - t0) * 1e3
             consistent = True
             yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
                        prompt_tokens=len(prompt), cached_tokens=done, finish_reason=reason)
-            n = len(toks)
-            if index is not None:
-                index.extend(toks)
             prev = Step(tuple(toks), prefill=True)
             while reason is None:
                 tc = time.perf_counter()
                 room = max_tokens - n
                 ctx = None
                 if policy is not None:
-                    policy.observe(untimed(prev) if seeded else prev)
+                    learn(prev)
                     ctx = context(room)
                     dec = policy.choose(ctx)
                 elif controller is not None:
@@ -239,6 +267,8 @@ def spec_steps(
                     # context lags one token). Every queued step's token joins `fed` and its
                     # features `pending` as soon as the token is known, so the caches agree with
                     # them at every yield; a step queued when the reply ends (EOS) stays fed.
+                    # verify_ms is the wait for the token at its read (the pass ran on while the
+                    # host queued the next one); the host's work since the last yield is overhead.
                     key, y, h = plain_pass(anchor, key)
                     fed.append(anchor_id)
                     pending.append(h)
@@ -247,21 +277,15 @@ def spec_steps(
                         if more:
                             policy.choose(ctx)
                             key, y_next, h_next = plain_pass(y, key)
+                        tw = time.perf_counter()
                         tok = y.item()  # this step's pass ends here
                         tv = time.perf_counter()
                         if more:
                             fed.append(tok)
                             pending.append(h_next)
-                        committed, reason = _finish([tok], n, max_tokens, eos)
-                        n += 1
-                        if index is not None:
-                            index.extend(committed)
-                        if n % 256 == 0:
-                            mx.clear_cache()
-                        if len(pending) >= 32:  # keep the drafter's context fed (queued, not waited for)
-                            drafter.add_context(take_pending(), dcache)
-                            mx.async_eval([c.state for c in dcache])
-                        prev = Step((tok,), block_size=1, verify_ms=(tv - tc) * 1e3,
+                        committed, reason = commit([tok])
+                        feed_drafter()
+                        prev = Step((tok,), block_size=1, verify_ms=(tv - tw) * 1e3,
                                     elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason,
                                     source=PLAIN)
                         consistent = True
@@ -269,40 +293,50 @@ def spec_steps(
                         if not more or reason is not None:
                             break
                         tc = time.perf_counter()
-                        policy.observe(untimed(prev) if seeded else prev)
-                        ctx = context(max_tokens - n)
-                        y, h = y_next, h_next
+                        learn(prev)
+                        # (the last token's step is already queued: no context to ask with)
+                        ctx = context(max_tokens - n) if n + 1 < max_tokens else None
+                        y = y_next
                     anchor, anchor_id = mx.array(tok, mx.int32), tok
                     continue
                 kd = ka = None
                 if not greedy:  # greedy never evaluates keys: splitting would grow a lazy chain
                     key, kd, ka = mx.random.split(key, 3)
                 proposal, drafts, out = None, [], None
-                tq = time.perf_counter()
+                # draft_ms: from the drafter's call until its tokens are on the host, less the
+                # verify graph built meanwhile (booked to verify_ms, as on the other paths); pick()
+                # and the rest of the host's work are the cycle's overhead
+                tq = td = time.perf_counter()
+                build = 0.0
                 ran_drafter = source == DFLASH  # (its pass is booked even if pick() drops its draft)
+                Ld = L  # the drafter's block (L becomes the lookup's length if pick() switches)
                 if source == DFLASH:
                     conf = greedy and ctx is not None and bool(ctx.lookup)  # pick() may use the lookup
                     kw = {"confidence": True} if conf else {}
                     proposal = drafter.propose(anchor, take_pending(), dcache, L, sampling, kd, **kw)
                     if conf:  # the verify input waits for pick()
-                        mx.eval([x for x in proposal if x is not None])  # the draft pass ends here
-                        drafts = proposal.tokens.tolist()
+                        mx.eval([x for x in proposal if x is not None])
+                        drafts = proposal.tokens.tolist()  # the draft pass ends here
+                        td = time.perf_counter()
                         dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx)
                         if dec.source == LOOKUP:
                             source, proposal = LOOKUP, None
                     else:  # start drafting and build the verify graph while it runs
                         mx.async_eval(proposal.tokens if proposal.q is None else (proposal.tokens, proposal.q))
+                        tb = time.perf_counter()
                         verify_in = mx.concatenate([anchor.reshape(1), proposal.tokens.astype(mx.int32)])[None]
                         out = target(verify_in, cache, record=True)
+                        build = time.perf_counter() - tb
                         drafts = proposal.tokens.tolist()  # the draft pass ends here
-                elif len(pending) >= 32:  # a long run of lookup cycles: keep the drafter's context fed
-                    drafter.add_context(take_pending(), dcache)
+                        td = time.perf_counter()
+                else:
+                    feed_drafter()
                 if source == LOOKUP:
                     drafts = list(ctx.lookup[: min(dec.length, room) - 1])
                     L = len(drafts) + 1
                     if not greedy:
                         proposal = Proposal(mx.array(drafts, mx.int32), None)  # q = point mass
-                td = time.perf_counter()
+                ts = time.perf_counter()
                 if out is None:
                     out = target(mx.array([[anchor_id] + drafts], mx.int32), cache, record=True)
                 if greedy:
@@ -318,23 +352,18 @@ def spec_steps(
                 pending.append(out.hidden[:, : a + 1])
                 fed.append(anchor_id)
                 fed.extend(drafts[:a])
-                committed, reason = _finish(drafts[:a] + [bonus], n, max_tokens, eos)
-                n += len(committed)
-                if index is not None:
-                    index.extend(committed)
+                committed, reason = commit(drafts[:a] + [bonus])
                 anchor, anchor_id = mx.array(bonus, mx.int32), bonus
-                if n % 256 < len(committed):
-                    mx.clear_cache()
                 prev = Step(
                     tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-                    draft_ms=(td - tq) * 1e3 if ran_drafter else 0.0, verify_ms=(tv - td) * 1e3,
+                    draft_ms=(td - tq - build) * 1e3 if ran_drafter else 0.0, verify_ms=(tv - ts + build) * 1e3,
                     rollback_ms=(tr - tv) * 1e3, elapsed_ms=(time.perf_counter() - tc) * 1e3,
-                    finish_reason=reason, source=source,
+                    finish_reason=reason, source=source, draft_block=Ld if ran_drafter else 0,
                 )
                 consistent = True
                 yield prev
             if policy is not None:
-                policy.observe(untimed(prev) if seeded else prev)
+                learn(prev)
         except GeneratorExit:
             if consistent:
                 _hand_over(on_exit, final)

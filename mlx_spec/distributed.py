@@ -616,6 +616,13 @@ class Launch:
         """Every rank runs on this machine (so ``mlx_spec stop`` can signal each one)."""
         return self.hostfile is None and set(self.hosts) == {LOCAL}
 
+    @property
+    def local_ranks(self) -> int:
+        """How many ranks mlx.launch starts on this machine (as its own children, not over ssh)."""
+        if len(self.hosts) == 1:
+            return self.ranks if self.hosts[0] == LOCAL else 0
+        return sum(h == LOCAL for h in self.hosts)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -639,6 +646,13 @@ class Launch:
         if self.port is not None:
             cmd += ["--starting-port", str(self.port)]
         return cmd + ["--", *argv]
+
+    @staticmethod
+    def shown(cmd: list[str]) -> str:
+        """``command``'s mlx.launch part as it may be printed: every ``--env`` value masked."""
+        head = cmd[:cmd.index("--")] if "--" in cmd else cmd
+        return " ".join(f"{a.split('=', 1)[0]}=***" if i and head[i - 1] == "--env" else a
+                        for i, a in enumerate(head))
 
 
 def launcher() -> str:
@@ -685,6 +699,9 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
     from .errors import BadRequest
 
     if ranks is None and hosts is None and hostfile is None:
+        if backend is not None or port is not None:
+            raise BadRequest("--backend/--ring-port need --ranks, --hosts or --hostfile (they describe a group; "
+                             "without one, one process runs)")
         return None
     if launched(environ):
         raise BadRequest("--ranks/--hosts/--hostfile start mlx.launch themselves; this process is already "
@@ -725,6 +742,22 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
         raise BadRequest(f"--ranks {ranks} but {n} hosts are given (one rank per host)")
     if n < 2:
         raise BadRequest(f"a group needs at least 2 ranks (got {n}); one process needs no --ranks")
+    if port is not None and port + n - 1 > 65535:
+        raise BadRequest(f"--ring-port {port}: a ring of {n} ranks uses ports {port}..{port + n - 1}, past 65535")
+    if names[0] != LOCAL:
+        raise BadRequest(f"rank 0 must run on this machine: the first host must be {LOCAL} (got {names[0]!r}). "
+                         f"mlx.launch starts every other name, this machine's own name included, through ssh, "
+                         f"so mlx_spec could neither record rank 0 nor stop it first; in a hostfile, write "
+                         f"\"ssh\": \"{LOCAL}\" for the first entry and keep its ring \"ips\"")
+    if backend == "ring" and hostfile is None:
+        import ipaddress
+
+        for h in names:
+            try:
+                ipaddress.ip_address(h)
+            except ValueError:
+                raise BadRequest(f"--hosts {h!r}: the ring backend needs IP addresses (mlx.launch refuses host "
+                                 "names for it); give IPs, or a --hostfile with each host's \"ips\"") from None
     plan = Launch(n, names, hostfile, backend, port)
     if port is None and backend == "ring" and plan.local:
         plan = replace(plan, port=_free_run(n))

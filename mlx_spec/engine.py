@@ -162,6 +162,9 @@ class Engine:
         self._decoder = None  # batch.BatchDecoder when max_batch > 1
         self._live: dict = {}  # batched requests in flight: sequence id -> _Live
         self._batch = {"sizes": {}, "steps": {"plain": 0, "drafted": 0}}
+        # which attention path the batch runs: "shared K/V over N layers" | "per sequence (<reason>)"
+        # (None: no batching); in snapshot() and /health
+        self.batch_attention: str | None = None
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
         self.error: str | None = None
@@ -419,6 +422,9 @@ class Engine:
             log.warning("continuous batching is off for this target (%s); requests run one at a time", e)
             return None
         self.max_batch = asked
+        self.batch_attention = dec.attention
+        (log.info if dec.kv is not None else log.warning)("continuous batching of up to %d requests; attention: %s",
+                                                          asked, dec.attention)
         return dec
 
     def _batched(self) -> None:
@@ -469,8 +475,8 @@ class Engine:
                 for sid in list(self._live):
                     lv = self._live.pop(sid)
                     try:
-                        dec.cancel(sid)
-                    except Exception:  # its caches may be half-written: drop them, fail the request
+                        dec.cancel(sid, keep=False)  # its caches may be half-written: dropped, not cached
+                    except Exception:  # fail the request all the same
                         log.exception("could not release a failed sequence's caches")
                     self._finish(None, 0)
                     self._add("errors")
@@ -546,11 +552,15 @@ class Engine:
     def _batch_need(self, positions: int, reserved: int, need: int) -> int:
         """Bytes the batch's sequences may hold once this one (``positions``, ``need`` bytes)
         joins. Where attention runs over the batch's shared K/V (``batch.BatchKV``) every row is
-        as long as the longest, so that is what each sequence counts."""
-        if self._decoder.kv is None:
+        as long as the longest, so that is what each sequence counts: the longest live request's
+        positions, or the buffers' length now if longer (``BatchKV`` shrinks to its rows when a
+        long one leaves; ``reserved`` and ``need`` do not enter there)."""
+        kv = self._decoder.kv
+        if kv is None:
             return reserved + need
-        longest = max([positions] + [len(lv.ids) + lv.cfg.max_tokens for lv in self._live.values()])
-        return (len(self._live) + 1) * self._room.need(longest)
+        longest = max([positions, kv.length - self._room.block] +  # (need() adds the verify rows back)
+                      [len(lv.ids) + lv.cfg.max_tokens for lv in self._live.values()])
+        return max(len(self._live) + 1, kv.slots) * self._room.need(longest)
 
     def _leave(self, sid: int, finish: str) -> int:
         """End a batched request (finished, stopped by a stop string, or cancelled): Done, and
@@ -600,7 +610,8 @@ class Engine:
             st = merge_stats(parts) if parts else None
             c = dict(self._requests)
             batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
-                     "batch_active": len(self._live), "max_batch": self.max_batch}
+                     "batch_active": len(self._live), "max_batch": self.max_batch,
+                     "batch_attention": self.batch_attention}
         cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
                   "drafted_by_position": [], "plain_cycles": 0, "block_sizes": {}, "sources": {}}
         if st is not None:

@@ -141,16 +141,21 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
                 adaptive: bool = False, *, off: bool = False, pinned: bool = False) -> EngineInfo:
     """The one place that decides what runs (``EngineInfo.mode``).
 
-    No drafter: plain. ``off``: the tuner chose plain decoding for this pair (``source`` says
-    why). Else speculative at ``block_size`` (None: the checkpoint's). ``adaptive``: the online
+    No drafter: plain. ``off``: the tuner found fixed-block DFlash no faster than plain decoding
+    for this pair (``source`` says why): plain decoding with ``--no-adaptive``; with the per-cycle
+    policy (``adaptive``) still speculative, the tuner's result its prior. Else speculative at ``block_size`` (None: the checkpoint's). ``adaptive``: the online
     controller picks each cycle's block in 1..max(block size, the checkpoint's, 16); the fixed
     choice stays in ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
     it as its DFlash block)."""
     if pair.drafter is None:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
-    if off:
-        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
     ckpt = pair.drafter.args.block_size
+    if off and not adaptive:
+        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
+    if off:  # the per-cycle policy takes plain steps itself where drafting does not pay, and a lookup
+        # draft may still pay where DFlash does not (a reply copying its prompt): the tuner's "off"
+        # is its prior (its stored costs and acceptance start the DFlash source resting), not plain.
+        block_size, source = ckpt, f"{source or 'tuned: off'}; DFlash drafts start resting"
     if block_size is None:
         block_size, source = ckpt, "checkpoint"
     if block_size < 2:

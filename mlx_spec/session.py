@@ -10,7 +10,8 @@ The rules live here and nowhere else:
   ``no_draft``; nothing falls back to plain decoding on its own;
 - the block size: ``block_size`` (the flag) wins; else, with ``tune`` off, the checkpoint's;
   else the tuner's stored result for this machine and pair (tuned once, now, if there is none).
-  A tuner result of "off" gives ``mode`` "tuned-off" (``generation.engine_info`` decides).
+  A tuner result of "off" gives ``mode`` "tuned-off" with ``--no-adaptive``; the per-cycle
+  policy (the default) stays speculative with the result as its prior (``generation.engine_info``).
 """
 
 from __future__ import annotations

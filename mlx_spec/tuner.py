@@ -55,6 +55,7 @@ DEFAULT_BUDGET_S = 90.0
 FORMAT = 3  # 2: the BLAS thread count is part of the answer; 3: chosen by the model (noise, why)
 READ_FORMATS = (2, 3)  # a format-2 result has all the engine uses (block, threads, curve, prior): it loads
 NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small the measured noise
+NOISE_CAP = 0.10  # a tie tolerance above this: timings too noisy to separate blocks (no tie, best score)
 CHECK_ROUNDS = 5  # the race overrides the model only with this many rounds on both sides
 
 
@@ -177,6 +178,11 @@ class Candidate:
     def key(self) -> tuple[int, int | None]:
         return self.block, self.threads
 
+    @property
+    def score(self) -> float | None:
+        """The model speedup (what ``decide`` compares), else the race's (older results)."""
+        return self.predicted if self.predicted is not None else self.speedup
+
 
 @dataclass(frozen=True)
 class TuneResult:
@@ -205,10 +211,9 @@ class TuneResult:
                                 if self.threads else "")
         if self.best > 1:
             return f"tuned {day}"
-        spec = [c for c in self.candidates if c.block > 1 and (c.predicted or c.speedup) is not None
-                and c.threads == self.threads]
-        best = max(spec, key=lambda c: c.predicted or c.speedup, default=None)
-        why = f"; best DFlash B={best.block} x{best.predicted or best.speedup:.2f}" if best else ""
+        spec = [c for c in self.candidates if c.block > 1 and c.score is not None and c.threads == self.threads]
+        best = max(spec, key=lambda c: c.score, default=None)
+        why = f"; best DFlash B={best.block} x{best.score:.2f}" if best else ""
         return f"tuned {day}: off — plain decoding faster on this machine{why}"
 
     def as_dict(self) -> dict:
@@ -323,17 +328,20 @@ def _names(xs: Sequence[str]) -> str:
 
 
 def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, margin: float = 0.02,
-           floor: float = NOISE_FLOOR, min_gain: float = 0.02) -> Decision:
+           floor: float = NOISE_FLOOR, min_gain: float = 0.02, cap: float = NOISE_CAP) -> Decision:
     """The (block, threads) to store, from the model speedups (``predicted``, with ``noise``) and
     the deterministic expected tokens per cycle (``tau`` = E(B)). Pure: the same inputs always
     give the same answer, and inputs within noise give the same answer by rule, not by chance.
 
-    - Thread count: the one whose best candidate (plain or a block) scores highest; if the
-      ``default_threads`` count (all cores, what a machine never tuned runs) is within noise of
-      it, the default.
-    - Off: no block beats plain at that thread count by ``margin``.
-    - Block: the blocks within noise of the best are a tie. It goes to the largest block that
-      still buys expected tokens (E(B) at least ``min_gain`` above the next smaller tied block's).
+    - Thread count: the one whose best block scores highest; if the ``default_threads`` count
+      (all cores, what a machine never tuned runs) has a best block within noise of it, the
+      default. (Plain's own thread count is chosen the same way, and is where "off" runs.)
+    - Off: no block beats plain by ``margin``.
+    - Block: the blocks within noise of the best that also beat plain by ``margin`` are a tie (a
+      block the model puts below that never is). It goes to the largest block that still buys
+      expected tokens (E(B) at least ``min_gain`` above the last block kept, going up from the
+      smallest tied one). A tolerance above ``cap`` (timings too noisy to separate blocks) makes
+      no tie: the best score is taken, and ``why`` says so.
       A tie's lower end moves with the timings; where E(B) stops growing (the drafter's trained
       block) does not, so this lands on the same block run after run. It also leaves the fixed
       engine (``--no-adaptive``) the longer drafts that code and agent edits accept; the per-cycle
@@ -378,7 +386,12 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
                f"(x{base:.2f}) by {margin:.0%}")
         return Decision(1, plain.threads if plain else lead_t, why)
     tol = _tol(best, best, floor)
-    tied = [c for c in spec if c.predicted >= best.predicted * (1 - tol)]
+    if tol > cap:  # a tie this wide would be "the largest block" whatever the timings say
+        return Decision(best.block, lead_t, "; ".join(
+            [f"{_lbl(best)} x{best.predicted:.2f}: timings too noisy to separate blocks (tolerance {tol:.1%} "
+             f"above {cap:.0%}), took the best score"] + words), (best.block,))
+    # only blocks that beat plain by the margin themselves can be tied
+    tied = [c for c in spec if c.predicted >= max(best.predicted * (1 - tol), base * (1 + margin))]
     kept, gain_of = [], {}
     for c in tied:  # smallest first: a larger block must buy expected tokens over the last kept one
         prev = kept[-1] if kept else None
@@ -441,14 +454,16 @@ class RaceResult:
 def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: int, judge_every: int = 1,
          neighbours: Callable[[Key], Sequence[Key]] = lambda k: (), clock: Callable[[], float] = time.perf_counter,
          deadline: float = math.inf, min_rounds: int = 3, max_rounds: int = 12, clear_margin: float = 0.15,
-         drop_margin: float = 0.03, note: Callable[[int, Key], None] | None = None) -> RaceResult:
+         drop_margin: float = 0.03, note: Callable[[int, Key], None] | None = None,
+         keep: Sequence[Key] = ()) -> RaceResult:
     """Time ``keys`` end to end, interleaved: every round runs every candidate still in the race
     once on the round's prompt (``run(key, prompt_index)`` -> tok/s), the order rotated by one
     each round (A B C, B C A, ...), so all candidates see the same machine. ``keys[0]`` is the
     baseline (plain decoding): every ratio is against it in the same round.
 
     After every ``judge_every`` rounds (a whole cycle of the prompt kinds, which disagree), once
-    every candidate has ``min_rounds`` rounds: drop candidates whose best round is below the
+    every candidate has ``min_rounds`` rounds: drop candidates (never the baseline nor ``keep``,
+    the model's choice the race is there to check) whose best round is below the
     leader's median by ``drop_margin``; add the leader's ``neighbours`` not timed yet, while the
     budget has room for their own ``min_rounds``; stop when the leader's median is ``clear_margin`` above every
     other candidate's best round. Otherwise stop when the next round would pass ``deadline``
@@ -495,7 +510,7 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
             continue
         med, lead = standings()
         for key in list(alive):  # clearly worse: even its best round is below the leader's median
-            if key not in (base, lead) and max(ratio[key]) < med[lead] * (1 - drop_margin):
+            if key not in (base, lead, *keep) and max(ratio[key]) < med[lead] * (1 - drop_margin):
                 alive.remove(key)
                 dropped[key] = f"dropped after {rounds} rounds"
         new = [n for n in neighbours(lead) if n not in tps]
@@ -727,7 +742,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
 
     res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
                clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
-               clear_margin=clear_margin, note=timing)
+               clear_margin=clear_margin, note=timing, keep=[(first.block, first.threads)])
     log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
 
     # 4. Calibrate: the per-cycle overhead pooled over every drafted run at a thread count (the
@@ -769,6 +784,14 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         why = (f"the race overrode the model ({d.why}): {_label(over)} beat {_label((best, best_t))} in every one "
                f"of {min(len(res.ratio[over]), len(res.ratio[(best, best_t)]))} rounds")
         best, best_t = over
+    else:  # say when the race could not check the stored choice
+        n = len(res.ratio.get((best, best_t)) or [])
+        if not n:
+            why += "; not checked by the race (not raced)"
+        elif (best, best_t) in res.dropped:
+            why += f"; not checked by the race ({res.dropped[(best, best_t)]})"
+        elif n < CHECK_ROUNDS:
+            why += f"; the race ran it {n} rounds, too few to overrule it ({CHECK_ROUNDS})"
     use(best_t)
     return TuneResult(tune_key(pair), best, datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       tuple(out), costs, tuple(round(x, 4) for x in acc), tuple(kinds),

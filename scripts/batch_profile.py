@@ -8,7 +8,7 @@ batch. With ``--attention`` also the packed target forward alone at the largest 
 for all sequences in one call (``batch.BatchKV``) against one call per sequence, same inputs.
 
     python scripts/batch_profile.py [--sizes 1,2,4,8] [--tokens 48] [--policy auto|always|plain]
-                                    [--cprofile] [--attention]
+                                    [--compare] [--cprofile] [--attention]
 
 Prints one table; nothing is stored. Timings on a loaded machine are noisy: compare rows of one run.
 """
@@ -27,7 +27,6 @@ import mlx.core as mx
 from mlx_spec.batch import BatchDecoder, BatchPolicy, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
-from mlx_spec.generation import policies
 from mlx_spec.loading import load_pair
 from mlx_spec.prompts import builtin_prompts
 
@@ -47,7 +46,7 @@ def run_batch(pair, make_policy, prompts, n, batch_policy, fast=True):
     if not fast:
         dec.kv = None  # attention per sequence, each against its own KVCache
     jobs = [dict(prompt=p, max_tokens=n, policy=make_policy() if make_policy else None) for p in prompts]
-    steps, tokens, t0, t_first = [], 0, None, None
+    steps, tokens, t_first = [], 0, None
     for _, st in batched_steps(dec, jobs):
         if st.prefill:
             continue
@@ -63,7 +62,7 @@ def summarize(label, dec, steps, tokens, wall, cpu):
     # one entry per batched step: steps of one step share elapsed_ms
     per = {}
     for st in steps:
-        per.setdefault(id(st) if False else (st.elapsed_ms, st.verify_ms), st)
+        per.setdefault((st.elapsed_ms, st.verify_ms), st)
     el = [k[0] for k in per]
     ver = [k[1] for k in per]
     drf = [s.draft_ms for s in per.values()]
@@ -88,6 +87,9 @@ def attention_bench(pair, prompts, reps=12):
 
     t = pair.target
     dec = BatchDecoder(t, None, max_batch=len(prompts))
+    if not dec.packed.slotted:
+        print(f"no batched attention to compare: {dec.attention}")
+        return
     out = {}
     for fast in (True, False):
         kv = BatchKV(dec.packed.slotted) if fast else None
@@ -126,8 +128,6 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true")
     a = ap.parse_args()
     pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
-    from mlx_spec.session import choose_block, info_for  # noqa: F401  (the engine's policies)
-    from mlx_spec.engine import EngineInfo  # noqa: F401
 
     make = None
     try:
@@ -140,7 +140,8 @@ def main() -> None:
     bp = {"auto": BatchPolicy, "always": Always, "plain": Never}[a.policy]
     prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(("code",))]
     sizes = [int(x) for x in a.sizes.split(",")]
-    run_batch(pair, make, prompts[:2], 8, bp)  # warm-up
+    dec = run_batch(pair, make, prompts[:2], 8, bp)[0]  # warm-up
+    print(f"batched attention: {dec.attention}")
     for B in sizes:
         ps = [prompts[i % len(prompts)] for i in range(B)]
         summarize(f"batch {B}", *run_batch(pair, make, ps, a.tokens, bp))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,12 +73,21 @@ def costs(args) -> None:
     pair = load_pair(DEFAULT_TARGET_ID, args.drafter)
     context = max((p.encode(pair.tokenizer) for p in builtin_prompts()), key=len)
     sizes = list(range(2, args.max_block + 1))
-    c = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=args.reps)
-    d = {**c.as_dict(), "sizes": [1, *sizes], "reps": args.reps, "drafter": str(args.drafter),
-         "draft_vocab": pair.drafter.vocab_size_drafted or "full", "backend": backend(),
-         "seconds": round(time.perf_counter() - t, 1)}
-    (out / "costs.json").write_text(json.dumps(d, indent=2))
-    (out / "costs.md").write_text(costs_markdown(d))
+    if not sizes:
+        raise SystemExit("--max-block must be >= 2")
+    where = backend()
+    t1s, td, tt = [], {}, {}
+    for i, B in enumerate(sizes):  # one block size at a time, the files rewritten after each:
+        # a step stopped at its time limit (first compiles of each shape) still leaves the sizes done
+        c = measure_costs(pair.model, pair.target, pair.drafter, [B], context, reps=args.reps).as_dict()
+        t1s.append(c["t1_ms"])
+        td.update(c["td_ms"])
+        tt.update(c["tt_ms"])
+        d = {**c, "t1_ms": round(statistics.median(t1s), 3), "td_ms": td, "tt_ms": tt, "sizes": [1, *sizes[: i + 1]],
+             "reps": args.reps, "drafter": str(args.drafter), "draft_vocab": pair.drafter.vocab_size_drafted or "full",
+             "backend": where, "seconds": round(time.perf_counter() - t, 1)}
+        (out / "costs.json").write_text(json.dumps(d, indent=2))
+        (out / "costs.md").write_text(costs_markdown(d))
     print(costs_markdown(d))
 
 

@@ -81,7 +81,7 @@ def main(job_path: str) -> int:
             cfg = leader.seeded(GenConfig(max_tokens=case["max_tokens"], sampling=SamplingConfig(
                 case.get("temperature", 0.0), seed=case.get("seed"))))
             t0 = t_start[0] = time.perf_counter()
-            toks, err = [], None
+            toks, sources, err = [], [], None
             try:
                 method = "plain" if case["block"] == 1 else "spec"
                 policy = None
@@ -97,6 +97,7 @@ def main(job_path: str) -> int:
                                     case["prompt"], cfg, info, policy)
                 for s in steps:
                     toks.extend(s.tokens)
+                    sources.append(s.source)
                     if len(toks) >= job.get("leader_stop_step", 1 << 30):
                         os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 hangs, its watchdog too
                     if case.get("stop_after") and len(toks) >= case["stop_after"]:
@@ -105,7 +106,7 @@ def main(job_path: str) -> int:
             except Exception as e:
                 err = f"{type(e).__name__}: {e}"
             results.append({"phase": k, "block": case["block"], "policy": case.get("policy") or False,
-                            "tokens": toks, "error": err,
+                            "tokens": toks, "sources": sources, "error": err,
                             "s": time.perf_counter() - t0, "healthy": leader.healthy,
                             "health": leader.health(), "wire": dict(leader.wire.stats)})
             if err:

@@ -158,20 +158,27 @@ def test_rows_leave_and_join_mid_batch(dense):
     assert dec.kv is not None and len(dec.kv) == 0 and dec.kv.nbytes == 0
 
 
-def test_batch_kv_rows_hand_back_exactly_their_positions():
-    """A row that leaves gets back exactly its positions; the last row moves into its slot intact."""
+def _joined_kv(lengths):
+    """A one-layer ``BatchKV`` with a row per length joined (keys k, values k + 1): (kv, the rows'
+    parked caches, their keys)."""
     from mlx_lm.models.cache import KVCache
 
     from mlx_spec.batch import BatchKV
 
     kv, caches, want = BatchKV([0]), [], []
-    for n in (3, 7, 5):
+    for n in lengths:
         c = KVCache()
         k = mx.random.normal((1, 2, n, 4), key=mx.random.key(n))
         c.update_and_fetch(k, k + 1)
         want.append(k)
         caches.append([c])
         kv.join(caches[-1])
+    return kv, caches, want
+
+
+def test_batch_kv_rows_hand_back_exactly_their_positions():
+    """A row that leaves gets back exactly its positions; the last row moves into its slot intact."""
+    kv, caches, want = _joined_kv((3, 7, 5))
     rows = list(kv.rows)
     assert [r.offset for r in rows] == [3, 7, 5] and all(c[0].keys is None for c in caches)  # parked
     kv.leave(rows[0], caches[0])
@@ -182,6 +189,49 @@ def test_batch_kv_rows_hand_back_exactly_their_positions():
     kv.leave(rows[1], None)
     kv.leave(rows[2], None)
     assert len(kv) == 0 and kv.nbytes == 0
+
+
+def test_a_batched_attention_mismatch_is_reported(dense, monkeypatch, caplog):
+    """The self-check's fallback is never silent: a batched attention that differs from the
+    module (forced here) runs attention per sequence, and the decoder says so and why (logged,
+    ``attention``); the output stays plain greedy."""
+    import mlx_spec.batch as batch
+
+    model, _ = dense
+    real = batch.RowsPlan.attend
+    monkeypatch.setattr(batch.RowsPlan, "attend", lambda self, *a: real(self, *a) * 1.5)
+    with caplog.at_level("INFO", logger="mlx_spec.batch"):
+        dec = BatchDecoder(Target(model), None, max_batch=4, prefill_chunk=8)
+    assert dec.kv is None and not dec.packed.slotted
+    assert dec.attention.startswith("per sequence (differs from the module by up to")
+    assert "float32" in dec.attention and dec.attention in caplog.text
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=8) for p in PROMPTS[:3]])
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[i] == greedy_reference(model, p, 8)
+
+
+def test_batched_attention_checks_out_in_bfloat16():
+    """The self-check's tolerance follows the dtype: a bf16 model (the usual case) keeps the
+    batched attention rather than falling back on a rounding difference."""
+    from mlx_spec.batch import PackedTarget
+
+    model, _ = tiny_model("qwen3")
+    model.set_dtype(mx.bfloat16)
+    packed = PackedTarget(Target(model))
+    assert packed.slotted and packed.attention == f"shared K/V over {len(packed.slotted)} layers"
+
+
+def test_cancel_without_keep_drops_the_caches(dense):
+    """After a failed step the engine cancels with keep=False: half-written caches never reach
+    the prefix cache."""
+    model, _ = dense
+    kept = []
+    dec = BatchDecoder(Target(model), None, max_batch=2, prefill_chunk=8)
+    sid = dec.add(PROMPTS[0], max_tokens=8, on_exit=kept.append)
+    dec.step()
+    dec.step()
+    dec.cancel(sid, keep=False)
+    assert kept == [] and len(dec) == 0 and len(dec.kv) == 0
 
 
 def test_cancel_leaves_the_others_alone(dense):
@@ -368,6 +418,7 @@ def test_engine_batches_concurrent_requests_exactly(engines):
         assert b.prompt_tokens == a.prompt_tokens
     snap = batched.snapshot()
     assert max(snap["batch_sizes"]) >= 2 and snap["max_batch"] == 4
+    assert snap["batch_attention"].startswith("shared K/V over") and single.snapshot()["batch_attention"] is None
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 
 
@@ -435,6 +486,62 @@ def test_plan_refuses_a_sequence_that_would_not_fit_and_keeps_serving(tmp_path):
         hs = [e.submit(Request(prompt="abc", max_tokens=20)) for _ in range(8)]
         assert all(h.result().completion_tokens == 20 for h in hs)
         assert max(e.snapshot()["batch_sizes"]) <= 6
+
+
+def test_batch_kv_shrinks_to_the_rows_left():
+    """A long row leaves: the buffers shrink to the rows left and their longest offset (rounded
+    up to a step), and the rows keep exactly their K/V."""
+    kv, _, want = _joined_kv((600, 7, 5))
+    assert kv.slots == 3 and kv.length == 768
+    rows = list(kv.rows)
+    kv.leave(rows[0], None)  # the long one: the last row moves into its slot, the buffers shrink
+    assert kv.slots == 2 and kv.length == 256 and kv.nbytes == 2 * 2 * 2 * 256 * 4 * 4
+    assert mx.array_equal(kv.keys[0][0:1, :, :5], want[2]) and mx.array_equal(kv.values[0][1:2, :, :7], want[1] + 1)
+    kv.leave(rows[2], None)  # a short one: one slot less, the length stays (nothing to free)
+    assert kv.slots == 1 and kv.length == 256 and mx.array_equal(kv.keys[0][0:1, :, :7], want[1])
+
+
+def test_admission_after_a_long_request_leaves(tmp_path, monkeypatch):
+    """Long leaves, short ones arrive (an explicit --max-batch above what the plan holds at the
+    longest length): the shared K/V never holds more than the plan's room (rows x the buffers'
+    real length), and once the long request has left the short ones fill the room it freed."""
+    from helpers import save_tiny_pair
+
+    from mlx_spec.engine import Engine, Request
+    from mlx_spec.generation import engine_info
+    from mlx_spec.loading import load_pair
+    from mlx_spec.memory import Item, MemoryPlan, batch_room
+    from mlx_spec.session import Session
+
+    kv = 1000
+    plan = MemoryPlan((Item("target weights", 10**6), Item("target KV cache", 512 * kv)), 256, 4, 256,
+                      10**6 + 3 * 512 * kv, "test", 256)
+    room = batch_room(plan)
+    assert room.need(290) == 512 * kv and room.need(160) == 256 * kv  # 3 long rows fit, or 6 short
+    t, d = save_tiny_pair(tmp_path)
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return Session.of(pair, engine_info(pair, 4, "flag"), plan=plan)
+
+    held = []  # (rows, bytes the shared K/V's buffers stand for) after every step
+    real = BatchDecoder.step
+
+    def step(self):
+        out = real(self)
+        if self.kv is not None and self.kv.slots:
+            held.append((len(self.kv), self.kv.slots * room.need(self.kv.length - room.block)))
+        return out
+
+    monkeypatch.setattr(BatchDecoder, "step", step)
+    with Engine(loader, max_batch=8) as e:
+        e.wait_ready(60)
+        long = e.submit(Request(prompt="x", max_tokens=280))  # (prompts that meet no EOS early)
+        shorts = [e.submit(Request(prompt="q", max_tokens=150)) for _ in range(8)]
+        assert long.result().completion_tokens == 280
+        assert all(h.result().completion_tokens == 150 for h in shorts)
+    assert held and all(b <= room.room for _, b in held)
+    assert max(n for n, _ in held) >= 4  # more than 3 rows only once the long one left
 
 
 def test_server_concurrent_openai_clients_and_metrics(tmp_path):

@@ -29,6 +29,10 @@ def test_engaged():
     assert not engaged(0, 0) and not engaged(40, 0) and engaged(40, 1)
     # a per-cycle policy that stayed plain on a weak set still ran (its decisions are the mechanism)
     assert engaged(0, 0, policy=True, cycles=30) and not engaged(0, 0, policy=True, cycles=0)
+    # ... but one whose sources include DFlash probes by its third cycle: no draft at all past that
+    # is a broken engine (the probe path, or the drafter lost)
+    assert not engaged(0, 0, policy=True, cycles=4, probes=True) and engaged(0, 0, policy=True, cycles=3, probes=True)
+    assert engaged(2, 0, policy=True, cycles=30, probes=True)
 
 
 def test_costs_interpolate_and_round_trip():
@@ -125,6 +129,27 @@ def test_a_policy_rows_model_time_charges_the_draft_pass_only_where_the_drafter_
     assert model_ms(Method("hybrid", 8), blocks, costs, drafter) == pytest.approx(2 * 100 + 3 * 130 + 160 + 2 * 20)
     assert model_ms(Method("lookup-policy", 8), blocks, costs, {}) == pytest.approx(2 * 100 + 3 * 130 + 160)
     assert model_ms(Method("dflash", 4), {4: 3}, costs) == pytest.approx(3 * 150)
+
+
+def test_a_switched_cycle_charges_the_draft_pass_at_the_drafters_block(monkeypatch):
+    """pick() may verify the lookup's 32 drafts after the drafter ran at 8: the drafter's pass is
+    charged at Td(8), not Td(33)."""
+    from types import SimpleNamespace
+
+    from mlx_spec.bench import Runner, model_ms
+
+    runner = Runner(SimpleNamespace(tokenizer=SimpleNamespace(eos_token_ids=[])))
+    steps = [Step((0,), prefill=True), Step((1,), source="plain"),
+             Step(tuple(range(33)), drafted=32, accepted=32, block_size=33, source="lookup", draft_ms=5.0,
+                  draft_block=8),
+             Step((1, 2), drafted=7, accepted=1, block_size=8, source="dflash", draft_ms=5.0, draft_block=8),
+             Step((1, 2), drafted=3, accepted=1, block_size=4, source="lookup")]
+    monkeypatch.setattr(runner, "steps", lambda method, ids, n: iter(steps))
+    run = runner.run(Method("hybrid", 8), [1], 40)
+    assert run.blocks == {1: 1, 33: 1, 8: 1, 4: 1} and run.drafter_blocks == {8: 2}
+    costs = Costs(100.0, {8: 30.0, 33: 90.0}, {1: 100.0, 4: 130.0, 8: 160.0, 33: 300.0}, 32)
+    assert model_ms(Method("hybrid", 8), run.blocks, costs, run.drafter_blocks) == pytest.approx(
+        100 + 300 + 160 + 130 + 2 * 30)
 
 
 def test_copy_table_shows_the_ceiling_and_each_rows_share():

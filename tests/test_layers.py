@@ -18,7 +18,8 @@ PKG = ROOT / "mlx_spec"
 DOC = ROOT / "docs" / "architecture.md"
 LAYERS = ("base", "model", "decode", "session", "front end")
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([a-z ]+?)\s*\|\s*(.*?)\s*\|\s*$")
-STARTERS = {"commands/serve", "commands/status", "commands/stop", "commands/chat"}
+# (commands/bench: `bench --ranks` starts and stops its mlx.launch group with server/process)
+STARTERS = {"commands/serve", "commands/status", "commands/stop", "commands/chat", "commands/bench"}
 FIX = "add it to the table in docs/architecture.md (module | layer | what it is)"
 
 

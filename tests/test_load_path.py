@@ -150,6 +150,11 @@ def test_the_mode_is_decided_in_one_place(pair):
     assert not info_for(pair, BlockChoice(4, "tuned 2026-11-29")).pinned
     off = info_for(pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True))
     assert (off.mode, off.method, off.drafter, off.speculative) == ("tuned-off", "plain", pair.drafter_id, False)
+    # the per-cycle policy (the default) stays speculative: plain steps where drafts do not pay are
+    # its own choice, and lookup drafts may pay where DFlash does not
+    off_policy = info_for(pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True), adaptive=True)
+    assert off_policy.speculative and off_policy.adaptive_max >= 16 and off_policy.block_size == pair.drafter.args.block_size
+    assert "DFlash drafts start resting" in off_policy.describe()
     plain = engine_info(plain_view(pair))
     assert (plain.mode, plain.drafter) == ("plain", None)
     with pytest.raises(BadRequest):  # a block of 1 is never "plain" by accident: only the tuner's off is

@@ -357,40 +357,71 @@ def _clocked(monkeypatch, clock):
         monkeypatch.setattr(mx, name, paid)
 
 
-@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "dflash-overlapped"])
-def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
-    """With the lookup on, a DFlash pass is waited for before the verify graph is built (pick()
-    may switch); without it the verify graph is built while the drafter runs: either way the
-    drafter's pass is booked to draft_ms and the target's to verify_ms."""
+def _clocked_run(dense, monkeypatch, policy, right: int, max_tokens: int = N) -> list[Step]:
+    """The "repeat" prompt through spec_steps on the fake clock, the drafter right for ``right``
+    positions per block."""
     model, _, _, refs = dense
     clock = Clock()
     _clocked(monkeypatch, clock)
     prompt = PROMPTS["repeat"]
     target = ClockTarget(Target(model, [0]), clock)
-    drafter = ClockDrafter(clock, list(prompt) + refs["repeat"], VOCAB, right=1)
-    policy = _policy(SOURCE_SETS["hybrid" if lookup else "dflash"])
-    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=N, policy=policy))
+    drafter = ClockDrafter(clock, list(prompt) + refs["repeat"], VOCAB, right=right)
+    return list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=max_tokens, policy=policy))
+
+
+@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "dflash-overlapped"])
+def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
+    """With the lookup on, a DFlash pass is waited for before the verify graph is built (pick()
+    may switch); without it the verify graph is built while the drafter runs: either way the
+    drafter's pass is booked to draft_ms and the target's to verify_ms. A pipelined plain step
+    books the wait at its read (0 here: a fake pass is paid when it is queued), and the step
+    that queued the next one before reading its own token paid for both passes."""
+    steps = _clocked_run(dense, monkeypatch, _policy(SOURCE_SETS["hybrid" if lookup else "dflash"]), right=1)
     seen = set()
     plain = [s for s in steps[1:] if s.source == PLAIN]
     for s in steps[1:]:
         seen.add(s.source)
-        if s.source == PLAIN:  # pipelined: a step's time is paid when the next one is queued
-            assert s.draft_ms == 0 and s.rollback_ms == 0 and s.elapsed_ms == pytest.approx(s.verify_ms)
+        # the drafter ran (draft_block: its own block) exactly where its pass was booked
+        assert (s.draft_block > 0) == (s.draft_ms > 0) and (s.source != DFLASH or s.draft_block == s.block_size)
+        if s.source == PLAIN:
+            assert s.draft_ms == 0 and s.rollback_ms == 0 and s.verify_ms == 0
+            assert s.elapsed_ms in (0.0, pytest.approx(100.0), pytest.approx(200.0))
             continue
         assert s.verify_ms == pytest.approx(100 + 5 * (s.block_size - 1))
         # the drafter's pass (10 ms) is booked wherever it ran, also when pick() then chose the lookup
-        assert s.draft_ms == pytest.approx(10.0 if s.source == DFLASH else s.draft_ms)
-        assert s.draft_ms in (0.0, pytest.approx(10.0))
+        assert s.draft_ms in ((pytest.approx(10.0),) if s.source == DFLASH else (0.0, pytest.approx(10.0)))
         assert s.rollback_ms == pytest.approx(1.0)
         assert s.elapsed_ms == pytest.approx(s.verify_ms + s.draft_ms + s.rollback_ms)  # nothing else is timed
-    assert sum(s.verify_ms for s in plain) == pytest.approx(100.0 * len(plain))
+    assert sum(s.elapsed_ms for s in plain) == pytest.approx(100.0 * len(plain))
+    # a plain step that paid two passes queued the next (plain) step before reading its own token
+    assert all(b.source == PLAIN for a, b in zip(steps[1:], steps[2:])
+               if a.source == PLAIN and a.elapsed_ms == pytest.approx(200.0))
     assert ({DFLASH, LOOKUP} if lookup else {DFLASH, PLAIN}) <= seen
     st = Stats()
     for s in steps:
         st.add(s)
-    assert st.verify_ms == pytest.approx(sum(100 + 5 * (L - 1) for _, L, _ in st.trace))
+    assert st.verify_ms == pytest.approx(sum(100 + 5 * (L - 1) for src, L, _ in st.trace if src != PLAIN))
     assert st.draft_ms == pytest.approx(10.0 * sum(1 for s in steps[1:] if s.draft_ms > 0))
     assert st.draft_ms >= 10.0 * st.sources[DFLASH]["cycles"] - 1e-6
+
+
+def test_a_plain_run_queues_the_next_step_before_reading_the_current_one(dense, monkeypatch):
+    """A drafter that is always wrong: plain runs between failed probes. On the fake clock a run's
+    first step pays its own pass and the next one's (queued before its token is read), the middle
+    ones the next one's, the last one none (already paid); unpipelined steps would pay 100 each."""
+    policy = DraftPolicy(Costs(100.0, {2: 10.0, 4: 10.0}, {1: 100.0, 2: 105.0, 4: 115.0}, 0), 4, [0.0, 0.0, 0.0],
+                         sources=(DFLASH,))
+    steps = _clocked_run(dense, monkeypatch, policy, right=0, max_tokens=20)
+    assert [t for s in steps for t in s.tokens] == dense[3]["repeat"][:20]
+    runs, run = [], []
+    for s in steps[1:] + [Step((0,), source=DFLASH)]:  # (a sentinel ends the last run)
+        if s.source == PLAIN:
+            run.append(s.elapsed_ms)
+        else:
+            runs, run = runs + [run] * (len(run) >= 2), []
+    assert runs and sum(len(r) for r in runs) >= 10, runs
+    for r in runs:
+        assert r == [pytest.approx(200.0)] + [pytest.approx(100.0)] * (len(r) - 2) + [pytest.approx(0.0)], r
 
 
 def test_server_reports_what_the_policy_did():
@@ -466,11 +497,11 @@ def _replay(prompt, reply, sources, costs=FLAT, drafter_right=0.0, seed=0):
         look, m = idx.propose(min(MAX_LOOKUP, room - 1)) if LOOKUP in sources else ([], 0)
         ctx = Context(tuple(look), m, room)
         d = p.choose(ctx)
-        drafts, td = [], 0.0
+        drafts, td, Ld = [], 0.0, 0
         if d.source == DFLASH:
             drafts = [reply[n + k] if n + k < len(reply) and rng.random() < drafter_right else -1
                       for k in range(d.length - 1)]
-            td = costs.draft(d.length)
+            td, Ld = costs.draft(d.length), d.length
             if look:
                 d = p.pick(d, drafts, [0.5] * len(drafts), ctx)
         if d.source == LOOKUP:
@@ -480,7 +511,7 @@ def _replay(prompt, reply, sources, costs=FLAT, drafter_right=0.0, seed=0):
             a += 1
         L = len(drafts) + 1
         step = Step(tuple(reply[n:n + a + 1]), drafted=L - 1, accepted=a, block_size=L, source=d.source,
-                    draft_ms=td, verify_ms=costs.verify(L), elapsed_ms=td + costs.verify(L))
+                    draft_ms=td, verify_ms=costs.verify(L), elapsed_ms=td + costs.verify(L), draft_block=Ld)
         p.observe(step)
         ms += step.elapsed_ms
         n += len(step.tokens)
@@ -544,8 +575,8 @@ def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_b
     assert share["hybrid"] >= 0.6  # of the ceiling (mean over drafter seeds)
     assert share["hybrid"] > share["lookup"] and share["hybrid"] > 3 * share["dflash"]
     _, trace = _replay(prompt, reply, (DFLASH, LOOKUP), drafter_right=0.6)
-    long_ = [i for i, (s, L, a, m) in enumerate(trace) if s == LOOKUP and L == 33]
-    assert len(long_) >= 3  # full-length copies
+    long_ = [i for i, (s, L, a, m) in enumerate(trace) if s == LOOKUP and L >= 26]
+    assert len(long_) >= 3  # (near) full-length copies: 32 drafts at most, less where the copy runs out
     assert not any(s == DFLASH and m >= 8 for s, _, _, m in trace)  # a long match never pays a draft pass
 
 
@@ -584,9 +615,7 @@ def _scripted(p0, cond, seed, n=64, costs=CPU, **kw):
         a = 0
         while a < d.length - 1 and rng.random() < (p0 if a == 0 else cond):
             a += 1
-        L, draft = d.length, costs.draft(d.length) if d.source == DFLASH else 0.0
-        step = Step(tuple(range(a + 1)), drafted=L - 1, accepted=a, block_size=L, source=d.source,
-                    verify_ms=costs.verify(L), draft_ms=draft, elapsed_ms=costs.verify(L) + draft)
+        step = _cycle(p, d, a, costs=costs)
         toks, ms = toks + a + 1, ms + step.elapsed_ms
         p.observe(step)
     return toks / ms * costs.verify(1), p.trace
@@ -654,3 +683,54 @@ def test_stays_plain_agrees_with_choose():
         assert plain == (d.source == PLAIN), (i, d)
         a = rng.randrange(d.length) if rng.random() < 0.5 else 0
         p.observe(_cycle(p, d, a, tokens=tuple(range(a + 1)), costs=CPU))
+
+
+def test_the_prior_keeps_the_tuners_measured_acceptance():
+    """The DFlash prior is only held non-increasing (P(first k+1 accepted) never grows): the
+    tuner's CPU prior keeps its measured E(8) (1.88; 1.87 with its one small rise clamped), and a
+    conditional acceptance that rises after the first positions (DFlash's usual shape) is kept."""
+    from mlx_spec.adaptive import Acceptance, expected_tokens
+
+    prior = Acceptance(15, CPU_PRIOR).prior
+    assert prior[:7] == pytest.approx([0.32, 0.15, 0.094, 0.094, 0.094, 0.077, 0.044])
+    assert expected_tokens(prior, 8) == pytest.approx(1 + sum(CPU_PRIOR), rel=0.01)
+    assert all(a >= b for a, b in zip(prior, prior[1:]))
+    assert Acceptance(3, [0.63, 0.62, 0.62]).prior == pytest.approx([0.63, 0.62, 0.62])
+
+
+def test_the_verify_line_learns_from_drafts_only():
+    """Pipelined plain steps book only the wait at their read: they must not pull the line that
+    prices the drafts."""
+    p = DraftPolicy(COSTS, 8, sources=(DFLASH,))
+    for L in (1, 1, 4, 8, 1, 4, 8, 1):
+        ms = 10.0 if L == 1 else 100.0 + 25.0 * (L - 1)
+        p.observe(Step(tuple(range(L)), drafted=L - 1, accepted=L - 1, block_size=L, source=PLAIN if L == 1 else DFLASH,
+                       verify_ms=ms, elapsed_ms=ms + 50.0))
+    assert p.verify_ms(6) == pytest.approx(225.0)
+
+
+def test_a_probe_is_not_switched_to_the_lookup():
+    """pick() keeps a probe (it is there to judge the drafter); the same draft, not a probe,
+    goes to a long reliable lookup match."""
+    p = DraftPolicy(CPU, 16, CPU_PRIOR)
+    ctx = Context(lookup=tuple(range(40)), match=30)
+    probe = Decision(DFLASH, 3, probe=True)
+    assert p.pick(probe, [7, 7], [0.1, 0.1], ctx) is probe
+    assert p.pick(Decision(DFLASH, 3), [7, 7], [0.1, 0.1], ctx).source == LOOKUP
+
+
+def test_the_resting_drafters_evidence_fades_and_a_probe_that_pays_wakes_it():
+    p = DraftPolicy(CPU, 16, CPU_PRIOR, sources=(DFLASH,))
+    for _ in range(5):
+        p.observe(_cycle(p, Decision(DFLASH, 3), 0, costs=CPU))  # failed drafts
+    before = list(p.dflash.reached)
+    d = p.choose(Context())
+    assert d.source == PLAIN and p.resting
+    n = 0
+    while not d.probe:
+        p.observe(_cycle(p, d, 0, costs=CPU))
+        n += 1
+        d = p.choose(Context())
+    assert p.dflash.reached[0] == pytest.approx(before[0] * p.rest_decay ** n)  # aged while it rested
+    p.observe(_cycle(p, d, d.length - 1, costs=CPU))  # the probe is accepted
+    assert not p.resting

@@ -179,3 +179,90 @@ def test_refuses_to_serve_when_the_drafter_fails(pair_dirs, state_env, tmp_path)
     assert r.returncode == 1 and "exited (code 1) before it was ready" in r.stderr
     assert "not serving: the pair failed to load" in r.stderr and "no *.safetensors" in r.stderr
     assert not list(state_env.glob("server-*.json"))
+
+
+def test_ranks_of_a_dead_mlx_launch_are_kept_and_stopped(state_env, tmp_path):
+    """mlx.launch killed (or OOM-killed) while its ranks run on: `status` keeps the group's state
+    file and says mlx.launch is gone; `stop` ends the ranks without it, rank 0 first."""
+    launcher = subprocess.Popen(["sleep", "60"])
+    launcher_ct = psutil.Process(launcher.pid).create_time()
+    launcher.kill()
+    launcher.wait()
+    order = tmp_path / "order.txt"
+    code = ("import signal, sys, time\n"
+            "def bye(*_):\n"
+            "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "print('up', flush=True)\n"
+            "while True:\n"
+            "    time.sleep(0.05)\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(i), str(order)], stdout=subprocess.PIPE, text=True)
+             for i in (1, 0)]  # rank 1 first: stop must still signal rank 0 first
+    try:
+        for r in ranks:
+            assert r.stdout.readline().strip() == "up"
+        recorded = [{"rank": i, "pid": r.pid, "create_time": psutil.Process(r.pid).create_time()}
+                    for i, r in zip((1, 0), ranks)]
+        group = {"ranks": recorded, "hosts": ["127.0.0.1"], "hostfile": None, "backend": "ring", "port": None,
+                 "size": 2, "launcher_pid": launcher.pid}
+        process.write_state(process.ServerState(launcher.pid, launcher_ct, "127.0.0.1", 50030, "t", None, "log",
+                                                time.time(), group=group), state_env)
+        found = process.scan(state_env, clean=False)
+        assert not found.stale and found.running[0][2].pid == ranks[1].pid  # rank 0 stands for the group
+        r = cli("status")
+        assert r.returncode == 0 and f"mlx.launch pid {launcher.pid} (gone" in r.stdout, r.stdout
+        assert list(state_env.glob("server-*.json"))  # kept: its ranks still run
+        r = cli("stop", "--timeout", "2")
+        assert r.returncode == 0, r.stderr
+        assert "stopped group server" in r.stdout and "(already gone)" in r.stdout
+        for p in ranks:
+            assert p.wait(5) == 0
+        assert order.read_text().split() == ["0", "1"]  # rank 0 first, the rest after --timeout
+        assert not list(state_env.glob("server-*.json"))
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_spawned_group_is_stopped_rank_0_first(tmp_path):
+    """What `bench --ranks` and the foreground `serve --ranks` do on Ctrl-C, an error or a time
+    limit (``process.stop_launched``), on a fake mlx.launch: its ranks are found by ``MLX_RANK``
+    (the topmost process per rank: a rank's own subprocess inherits the variable), rank 0 gets
+    SIGTERM first, then everything left, helpers included."""
+    rank = ("import signal, subprocess, sys, time\n"
+            "def bye(*_):\n"
+            "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "if sys.argv[1] == '0':\n"
+            "    subprocess.Popen(['sleep', '60'])  # a helper: MLX_RANK=0 in its environment too\n"
+            "open(sys.argv[3] + '.' + sys.argv[1], 'w').close()\n"
+            "while True:\n"
+            "    time.sleep(0.05)\n")
+    launcher = ("import os, subprocess, sys, time\n"
+                f"RANK = {rank!r}\n"
+                "for i in (0, 1):\n"
+                "    subprocess.Popen([sys.executable, '-c', RANK, str(i), sys.argv[1], sys.argv[2]],\n"
+                "                     env={**os.environ, 'MLX_RANK': str(i)})\n"
+                "while True:\n"
+                "    time.sleep(0.05)\n")
+    order, ready = tmp_path / "order.txt", tmp_path / "ready"
+    child = process.spawn([sys.executable, "-c", launcher, str(order), str(ready)], None, quiet_stdin=True,
+                          stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready.{i}").exists() for i in (0, 1)):
+            assert time.monotonic() < deadline, "the fake ranks did not start"
+            time.sleep(0.05)
+        found = process.group_ranks(psutil.Process(child.pid))
+        assert [r["rank"] for r in found] == [0, 1] and all(psutil.Process(r["pid"]).name() != "sleep" for r in found)
+        family = psutil.Process(child.pid).children(recursive=True)
+        assert process.stop_launched(child, timeout=2) == []
+        assert order.read_text().split() == ["0", "1"]
+        assert child.wait(5) is not None
+        assert all(process._gone(p) for p in family)  # the helper too
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, 9)

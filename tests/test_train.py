@@ -344,3 +344,28 @@ def test_draft_vocab_training_ships_its_vocabulary(env, tmp_path):
     # a run trained over the full vocabulary ships none
     train(_cfg(root, tdir, out=str(tmp_path / "full"), steps=2, checkpoint_every=2))
     assert not (tmp_path / "full" / "ckpt" / "draft_vocab.json").exists()
+
+
+def test_train_resumes_from_a_literal_older_train_config(env, tmp_path):
+    """A train_config.json as the older TrainConfig wrote it (recipe fields flat, evals 4 x 96),
+    literally: `train --resume` accepts it (compared field by field) and refuses a recipe change
+    by its name."""
+    from mlx_spec.errors import BadRequest
+
+    root, tdir, *_ = env
+    out = tmp_path / "run"
+    cfg = _cfg(root, tdir, out=str(out), steps=2, checkpoint_every=2)
+    train(cfg)
+    old = {"data": cfg.data, "out": str(out), "target": str(tdir), "resume": False, "init": None,
+           "init_target_layers": False, "layers": 1, "intermediate_size": 64, "block_size": 8, "no_conv": False,
+           "no_selector": False, "selector_rank": 16, "selector_top_k": 8, "mask_token_id": MASK, "loss": "ce",
+           "attention": "bidirectional", "corruption": "full", "gamma": None, "selector_weight": 1.0,
+           "draft_vocab": 0, "vocab_negatives": 1024, "steps": 2, "seqs_per_step": 2, "anchors": 6, "lr": 3e-3,
+           "warmup": 0.04, "weight_decay": 0.01, "clip": 1.0, "seed": 0, "checkpoint_every": 2,
+           "checkpoint_minutes": None, "eval_prompts": 4, "eval_max_tokens": 96, "eval_file": None, "export": None}
+    (out / "train_config.json").write_text(json.dumps(old))
+    with pytest.raises(BadRequest, match=r"recipe\.lr"):
+        train(replace(cfg, resume=True, steps=4, recipe=replace(cfg.recipe, lr=1e-3)))
+    (out / "train_config.json").write_text(json.dumps(old))
+    assert train(replace(cfg, resume=True, steps=4))["step"] == 4
+    assert "recipe" in json.loads((out / "train_config.json").read_text())  # rewritten in the current layout

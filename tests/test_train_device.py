@@ -60,3 +60,17 @@ def test_device_run_dry_on_this_cpu(tmp_path):
     assert {"bundle/drafter/model.safetensors", "bundle/eval_new.json", "bundle/eval_shipped.json",
             "bundle/costs.md", "bundle/summary.json"} <= names
     assert "rc 0" in (out / "log.txt").read_text()
+
+
+def test_device_run_caps_every_step_by_the_time_left(tmp_path):
+    """With less time than the pack's reserve, no step runs past it: the probe is skipped at once
+    (a limit of 0 would mean no limit at all to `timeout`) and the script stops, in seconds."""
+    import time
+
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    t = time.monotonic()
+    r = subprocess.run(["bash", "scripts/device_run.sh", "--dry", "--budget-s", "45"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert r.returncode == 1 and "probe: skipped (no time left)" in log, log
+    assert time.monotonic() - t < 30

@@ -162,7 +162,7 @@ async def test_first_launch_tuning_retune_and_unavailable_state(tmp_path):
         await pilot.pause()
         text = screen_text(app)
         assert "Chosen: block size 8 (tuned 2026-01-01); plain decoding 10.0 tok/s" in text
-        assert "◀ chosen" in text and "1.95×" in text and "predicted" in text
+        assert "◀ chosen" in text and "1.95×" in text and "not raced; model" in text
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is app.chat)
         assert "block 8 (tuned 2026-01-01)" in screen_text(app).splitlines()[0]

@@ -68,8 +68,8 @@ class Memory:
 @dataclass(frozen=True)
 class TuneRow:
     block_size: int  # 1 = plain decoding
-    tokens_per_s: float | None  # None: ranked out by the cost model, not raced
-    speedup: float | None  # measured (or predicted, see note) against plain decoding
+    tokens_per_s: float | None  # None: not raced (the model's figure only)
+    speedup: float | None  # against plain decoding: the race's median, else the model's (note says "model")
     tau: float | None = None
     note: str = ""
 
@@ -145,9 +145,18 @@ def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0
 
 # -- the tuner (mlx_spec/tuner.py) and the losslessness check (mlx_spec/verify.py) -------------
 def tune_view(result) -> TuneView:
-    """A ``tuner.TuneResult`` as the UI shows it."""
-    rows = tuple(TuneRow(c.block, c.median_tps, c.predicted if c.predicted is not None else c.speedup, c.tau,
-                         c.note or ("" if c.measured else "predicted")) for c in result.candidates)  # the model decides
+    """A ``tuner.TuneResult`` as the UI shows it: the rows at the chosen thread count; a raced
+    row's speedup is the race's measured median (the model's figure, which decided, in its
+    note), a row the race did not time shows the model's figure, marked "model"."""
+    rows = []
+    for c in result.candidates:
+        if result.threads is not None and c.threads != result.threads:
+            continue
+        raced = c.measured and c.speedup is not None
+        model = "" if c.predicted is None else f"model x{c.predicted:.2f}" if raced else "model"
+        rows.append(TuneRow(c.block, c.median_tps, c.speedup if raced else c.predicted, c.tau,
+                            "; ".join(x for x in (c.note, model) if x)))
+    rows = tuple(rows)
     plain = next((c.median_tps for c in result.candidates if c.block == 1 and c.measured), None)
     return TuneView(result.best, plain, rows, result.date[:10], result.source)
 

@@ -173,6 +173,6 @@ class FakeBackend:
 
 def sample_tune(best: int = 8) -> TuneView:
     rows = (TuneRow(1, 10.0, 1.0), TuneRow(4, 16.0, 1.6, 2.8), TuneRow(8, 19.5, 1.95, 3.9),
-            TuneRow(16, None, 1.4, 4.2, "predicted"))
+            TuneRow(16, None, 1.4, 4.2, "not raced; model"))
     source = "tuned 2026-01-01" if best > 1 else "tuned 2026-01-01: off — plain decoding faster on this machine"
     return TuneView(best=best, baseline_tps=10.0, rows=rows, date="2026-01-01", source=source)

@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from ..cli import add_model_args
+from ..cli import LAUNCH_DESTS, add_model_args
 
 
 def _ints(text: str) -> list[int]:
@@ -216,6 +216,10 @@ def concurrency(args) -> int:
 def run(args) -> int:
     import mlx_spec
 
+    if args.time_budget <= 0:
+        from ..errors import BadRequest
+
+        raise BadRequest(f"--time-budget must be > 0 seconds (got {args.time_budget:g})")
     if args.concurrency:
         return concurrency(args)
     from .. import distributed
@@ -366,7 +370,7 @@ def run(args) -> int:
 
 # -- pass costs alone, and on a group (docs/distributed.md) ---------------------------------------
 
-GROUP_SKIP = {"json", "json_out", "costs_only", "concurrency", "ranks", "hosts", "hostfile", "backend", "ring_port"}
+GROUP_SKIP = {"json", "json_out", "costs_only", "concurrency", *LAUNCH_DESTS}
 
 
 def _costs_prompts(args, tokenizer) -> list[int]:
@@ -436,28 +440,26 @@ def costs_run(args) -> int:
 
 def _launch_costs(args, launch) -> dict:
     """Run ``bench --costs-only --json`` on the group with mlx.launch; rank 0's JSON (or why not)."""
-    import os
-    import signal
     import subprocess
 
     from ..cli import flags_of
+    from ..server import process
 
     child = [sys.executable, "-m", "mlx_spec", "bench", "--costs-only", "--json"]
     child += flags_of(args, args.bench_parser, GROUP_SKIP)
     cmd = launch.command(child)
-    print(f"measuring on {launch.describe()}: {' '.join(cmd[:cmd.index('--')])}", file=sys.stderr, flush=True)
-    r, w = os.pipe()  # stdin that never ends: mlx.launch's stdin loop spins on /dev/null
+    print(f"measuring on {launch.describe()}: {launch.shown(cmd)}", file=sys.stderr, flush=True)
+    # its own session, stdin a pipe that never ends (mlx.launch's stdin loop spins on /dev/null)
+    proc = process.spawn(cmd, None, quiet_stdin=True, stdout=subprocess.PIPE)
     try:
-        proc = subprocess.Popen(cmd, stdin=r, stdout=subprocess.PIPE, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=args.time_budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # mlx.launch and the ranks it started here
-            proc.communicate()
-            return {"error": f"the group did not finish within --time-budget {args.time_budget:g} s"}
-    finally:
-        os.close(r)
-        os.close(w)
+        out, _ = proc.communicate(timeout=args.time_budget)
+    except subprocess.TimeoutExpired:
+        process.stop_launched(proc)  # rank 0 first, then mlx.launch and the ranks it started here
+        proc.communicate()
+        return {"error": f"the group did not finish within --time-budget {args.time_budget:g} s"}
+    except BaseException:  # Ctrl-C (the group, in its own session, does not get it) or an error
+        process.stop_launched(proc)
+        raise
     for line in reversed(out.decode(errors="replace").splitlines()):
         if line.startswith("{"):
             try:
@@ -498,8 +500,7 @@ def costs_table(cols: list[tuple[str, dict]]) -> str:
         return x
 
     first = next((r for _, r in ok), {})
-    keys = sorted({*map(int, get(first, ["costs", "tt_ms"]) or {}), *[int(k) for _, r in ok for k in
-                                                                       (get(r, ["costs", "tt_ms"]) or {})]})
+    keys = sorted({int(k) for _, r in ok for k in (get(r, ["costs", "tt_ms"]) or {})})
     rows.append(("T1 (plain step)", [get(r, ["costs", "t1_ms"]) for _, r in cols]))
     for B in keys:
         if B > 1:

@@ -191,40 +191,39 @@ def _flags(args) -> list[str]:
 def _child(args, port: int, api_key: str | None, launch=None) -> tuple[list[str], dict]:
     """The serving process's command line and environment (with ``launch``: mlx.launch running
     it on every rank; the API key travels in the environment, never on a command line that
-    ``ps`` shows, except through mlx.launch --env to a rank 0 on another machine)."""
+    ``ps`` shows: rank 0, the one that serves, always runs here as mlx.launch's child and
+    inherits it, and the other ranks only follow rank 0)."""
     cmd = [sys.executable, "-m", "mlx_spec"] + (["--verbose"] if getattr(args, "verbose", False) else [])
     cmd += ["serve", "--host", args.host, "--port", str(port)] + _flags(args)
     env = {k: v for k, v in os.environ.items() if k != "MLX_SPEC_API_KEY"}
     if api_key:
         env["MLX_SPEC_API_KEY"] = api_key
     if launch is not None:
-        cmd = launch.command(cmd, {} if launch.local or not api_key else {"MLX_SPEC_API_KEY": api_key})
+        cmd = launch.command(cmd)
     return cmd, env
 
 
 def _launch(args, api_key: str | None, launch) -> int:
     """``serve --ranks/--hosts/--hostfile`` in the foreground: mlx.launch runs the group (in
-    its own session, so Ctrl-C reaches this process only) until Ctrl-C or SIGTERM, which stop
-    it as `mlx_spec stop` does: rank 0 first (it shuts the group down), then the rest."""
-    import psutil
-
+    its own session, so Ctrl-C reaches this process only) until Ctrl-C, SIGTERM or SIGHUP,
+    which stop it as `mlx_spec stop` does: rank 0 first (it shuts the group down), then the rest."""
     from ..server import process
 
     cmd, env = _child(args, args.port, api_key, launch)
-    print(f"starting {launch.describe()}: {' '.join(cmd[:cmd.index('--')])}", file=sys.stderr, flush=True)
-    child = process.spawn(cmd, None, env, quiet_stdin=True)  # output to this terminal
-    asked: list[int] = []
-    previous = {s: signal.signal(s, lambda n, _f: asked.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(f"starting {launch.describe()}: {launch.shown(cmd)}", file=sys.stderr, flush=True)
+    asked: list[int] = []  # handlers first: a signal right after the spawn still stops the group
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal or ssh link closed
+    previous = {s: signal.signal(s, lambda n, _f: asked.append(n)) for s in stops}
     try:
+        child = process.spawn(cmd, None, env, quiet_stdin=True)  # output to this terminal
         while child.poll() is None and not asked:
             time.sleep(0.2)
         if asked:
-            print("stopping the group (rank 0 first)", file=sys.stderr, flush=True)
             try:
-                me = psutil.Process(child.pid)
-                process.terminate_group(process.group_ranks(me), me, timeout=10.0)
-            except psutil.NoSuchProcess:
+                print("stopping the group (rank 0 first)", file=sys.stderr, flush=True)
+            except OSError:  # SIGHUP: the terminal is gone
                 pass
+            process.stop_launched(child, timeout=10.0)
         return child.wait()
     finally:
         for s, h in previous.items():
@@ -261,7 +260,7 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
     group = None
     if launch is not None:
         group = {**launch.as_dict(), "size": launch.ranks, "launcher_pid": child.pid, "ranks": []}
-        local = launch.ranks if launch.local else sum(h == "127.0.0.1" for h in launch.hosts)
+        local = launch.local_ranks
     state = process.ServerState(child.pid, create_time, args.host, port, args.target, drafter, str(log_path), time.time(),
                                 auth=api_key is not None, group=group)
     path = process.write_state(state, directory)

@@ -20,7 +20,7 @@ def run(args) -> int:
     directory = process.state_dir()
     found = process.scan(directory)
     servers = []
-    for _, state, _ in found.running:
+    for _, state, proc in found.running:
         status, body = process.health(state.url)
         health = {200: "ready", 503: body.get("status", "unavailable")}.get(status, "not answering")
         spec = body.get("speculation")
@@ -29,7 +29,7 @@ def run(args) -> int:
         servers.append({"pid": state.pid, "url": state.url, "health": health, "target": target,
                         "drafter": drafter, "speculation": spec,
                         "uptime_s": round(time.time() - state.started_at, 1), "log": state.log,
-                        "auth": state.auth, "group": _group(state, body)})
+                        "auth": state.auth, "group": _group(state, body, proc)})
     if args.json:
         print(json.dumps({"state_dir": str(directory), "servers": servers,
                           "stale_removed": [{"file": str(p), "reason": r} for p, r in found.stale]}))
@@ -52,14 +52,17 @@ def run(args) -> int:
                               for r in g.get("ranks", []))
             print(f"  group of {g['size']} ({g['backend']}), "
                   f"{'healthy' if g.get('healthy') else 'unhealthy' if g.get('healthy') is False else 'health unknown'}"
-                  f"; mlx.launch pid {g.get('launcher_pid', '-')}; {ranks or 'no rank on this machine'}")
+                  f"; mlx.launch pid {g.get('launcher_pid', '-')}"
+                  f"{'' if g.get('launcher_alive', True) else ' (gone: `mlx_spec stop` ends the ranks left)'}"
+                  f"; {ranks or 'no rank on this machine'}")
     return 0
 
 
-def _group(state, body: dict) -> dict:
+def _group(state, body: dict, proc=None) -> dict:
     """The server's group: what it says on /health (size, rank, backend, sharded, healthy,
     error) over what it was started with (the launch, mlx.launch's pid, the ranks started on
-    this machine, each alive or not). One process: size 1."""
+    this machine, each alive or not; whether mlx.launch, ``proc`` from ``scan``, still runs).
+    One process: size 1."""
     from ..server import process
 
     said = body.get("group") or {}
@@ -67,7 +70,8 @@ def _group(state, body: dict) -> dict:
         return {"size": 1, "sharded": False, **said}
     alive = process.rank_processes(state.group.get("ranks", []))
     ranks = [{**r, "alive": r["rank"] in alive} for r in state.group.get("ranks", [])]
-    return {**state.group, **said, "ranks": ranks}
+    launcher = proc is None or process.launcher_of(state, proc) is not None
+    return {**state.group, **said, "ranks": ranks, "launcher_alive": launcher}
 
 
 def _ago(seconds: float) -> str:

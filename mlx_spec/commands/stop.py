@@ -1,6 +1,7 @@
 """`mlx_spec stop`: stop detached servers (SIGTERM, wait, SIGKILL if needed; children too).
 A detached group (``serve --ranks/--hosts --detach``): rank 0 first, so it shuts the group
-down, then mlx.launch and every rank it started here (process.terminate_group).
+down, then mlx.launch and every rank it started here (process.terminate_group); ranks whose
+mlx.launch has died are still found (by their recorded pid and start time) and stopped.
 
 Servers are identified by pid and process start time, never by command line. Stopping when
 nothing runs says so and exits 0; the exit code is non-zero only if a server could not be stopped.
@@ -34,7 +35,8 @@ def run(args) -> int:
     for path, state, proc in targets:
         try:
             if state.group is not None:  # rank 0 first (it shuts the group down), then the rest
-                left = process.terminate_group(state.group.get("ranks", []), proc, timeout=args.timeout)
+                left = process.terminate_group(state.group.get("ranks", []), process.launcher_of(state, proc),
+                                               timeout=args.timeout)
             else:
                 left = process.terminate(proc, timeout=args.timeout)
         except psutil.AccessDenied:
@@ -48,7 +50,8 @@ def run(args) -> int:
         path.unlink(missing_ok=True)
         if state.group is not None:
             ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in state.group.get("ranks", []))
-            print(f"stopped group server: mlx.launch pid {state.pid} and {ranks or 'no rank on this machine'} "
+            gone = "" if process.launcher_of(state, proc) else " (already gone)"
+            print(f"stopped group server: mlx.launch pid {state.pid}{gone} and {ranks or 'no rank on this machine'} "
                   f"({state.url})")
         else:
             print(f"stopped server pid {state.pid} ({state.url})")

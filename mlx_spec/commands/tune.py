@@ -70,7 +70,8 @@ def run(args) -> int:
     print(f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
           f"{result.tokens_per_run} tokens per run | {result.elapsed_s:.0f} s of {budget:.0f} s")
     print(table(result))
-    best = ("off (plain decoding)" if result.best == 1 else f"block size {result.best}") \
+    best = ("off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
+            "starts DFlash resting and keeps its lookup drafts)" if result.best == 1 else f"block size {result.best}") \
         + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
     print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}\nstored: {path}")
     return 0

@@ -101,7 +101,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             info = engine.info
             return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
                     "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth,
-                    "group": group or info.group.as_dict()}
+                    "group": group or info.group.as_dict(),
+                    # continuous batching's attention path ("shared K/V over N layers" | "per sequence
+                    # (<reason>)"); None when requests run one at a time
+                    "batch_attention": getattr(engine, "batch_attention", None)}
         _, content = errors.to_body(not_ready())  # the 503 a completion request gets now
         content["status"] = "failed" if engine.state == FAILED else "loading"
         content["speculation"] = None

@@ -101,7 +101,7 @@ def scan(directory: Path | None = None, clean: bool = True) -> Found:
         except (OSError, ValueError, TypeError) as e:
             stale.append((path, f"unreadable state file ({type(e).__name__})"))
         else:
-            proc = process_for(state)
+            proc = process_for(state) or group_survivor(state)
             if proc is not None:
                 running.append((path, state, proc))
                 continue
@@ -115,6 +115,21 @@ def scan(directory: Path | None = None, clean: bool = True) -> Found:
         if clean:
             path.unlink(missing_ok=True)
     return Found(running, stale)
+
+
+def group_survivor(state: ServerState) -> psutil.Process | None:
+    """A group whose mlx.launch is gone (killed, OOM) but whose ranks here still run: rank 0
+    if it lives, else any live rank; None when none does (or it is no group). Its state file
+    stays, so ``stop`` can end the orphaned ranks."""
+    if state.group is None:
+        return None
+    ranks = rank_processes(state.group.get("ranks", []))
+    return ranks.get(0) or next(iter(ranks.values()), None)
+
+
+def launcher_of(state: ServerState, proc: psutil.Process) -> psutil.Process | None:
+    """mlx.launch's process when ``proc`` (from ``scan``) is it; None when only ranks are left."""
+    return proc if proc.pid == state.pid else None
 
 
 def _zombie(pid: int) -> bool:
@@ -169,9 +184,11 @@ def _end(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     return _wait(alive, 5.0)
 
 
-def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, quiet_stdin: bool = False):
+def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, quiet_stdin: bool = False,
+          stdout=None):
     """Start ``cmd`` in its own session (it survives the terminal), output to ``log_path``
-    (None: to this process's stdout and stderr).
+    (None: to ``stdout``, e.g. ``subprocess.PIPE``, else this process's stdout; stderr to this
+    process's).
 
     ``quiet_stdin``: stdin is a pipe that never ends (the child holds its write end) instead of
     /dev/null: mlx.launch forwards stdin to its ranks in a select() loop that would spin on an
@@ -189,7 +206,8 @@ def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, qui
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = stack.enter_context(open(log_path, "ab"))
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL if r is None else r, stdout=log,
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL if r is None else r,
+                                    stdout=stdout if log is None else log,
                                     stderr=None if log is None else subprocess.STDOUT, start_new_session=True,
                                     env=env, close_fds=True, pass_fds=() if w is None else (w,))
     finally:
@@ -210,10 +228,13 @@ def group_ranks(launcher: psutil.Process) -> list[dict]:
         try:
             rank = p.environ().get("MLX_RANK")
             if rank is not None and p.name() != "ssh":
-                out.append({"rank": int(rank), "pid": p.pid, "create_time": p.create_time()})
+                out.append({"rank": int(rank), "pid": p.pid, "create_time": p.create_time(), "ppid": p.ppid()})
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
             continue
-    return sorted(out, key=lambda r: r["rank"])
+    # a rank's own subprocesses (a pip download, a helper) inherit MLX_RANK: keep the topmost
+    pids = {r["pid"] for r in out}
+    top = [{k: v for k, v in r.items() if k != "ppid"} for r in out if r["ppid"] not in pids]
+    return sorted(top, key=lambda r: r["rank"])
 
 
 def rank_processes(ranks: list[dict]) -> dict[int, psutil.Process]:
@@ -248,6 +269,18 @@ def terminate_group(ranks: list[dict], launcher: psutil.Process | None,
             pass
         _wait(family, timeout)
     return _end([p for p in family if not _gone(p)], max(1.0, deadline - time.monotonic()))
+
+
+def stop_launched(child, timeout: float = 10.0) -> list[psutil.Process]:
+    """Stop the group of an mlx.launch this process spawned (a ``Popen``): ``terminate_group``
+    over the ranks it has started here. Returns the processes still alive."""
+    if child.poll() is not None:  # mlx.launch exits after its ranks (and its pid may be reused)
+        return []
+    try:
+        me = psutil.Process(child.pid)
+    except psutil.NoSuchProcess:
+        return []
+    return terminate_group(group_ranks(me), me, timeout=timeout)
 
 
 def health(url: str, timeout: float = 2.0) -> tuple[int | None, dict]:

@@ -302,6 +302,8 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     say = say or log.info
     if not cfg.tokens and not cfg.minutes:
         raise BadRequest("give a budget: --tokens N and/or --minutes M")
+    if (cfg.tokens is not None and cfg.tokens < 0) or (cfg.minutes is not None and cfg.minutes < 0):
+        raise BadRequest(f"--tokens and --minutes must be > 0 (got {cfg.tokens}, {cfg.minutes})")
     if cfg.batch_size < 1 or cfg.max_tokens < 2 or cfg.steps_per_batch < 0 or cfg.replay_mb <= 0:
         raise BadRequest("--batch-size >= 1, --max-tokens >= 2, --steps-per-batch >= 0 and --replay-mb > 0")
     stop = stop or threading.Event()
@@ -412,7 +414,12 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
             progress(snapshot(phase, message))
 
     def checkpoint(evaluate: bool) -> None:
+        # saved first, evaluated after: a run killed during the eval (at a time limit) keeps its checkpoint
         state["seconds"] = seconds()
+        report("checkpoint")
+        state["rng"] = rng.bit_generator.state
+        state["replay_evicted"] = replay.evicted
+        ckpt = save_checkpoint(run, drafter, config, opt, state, vocab, extra=lambda d: replay.save(d / REPLAY_FILE))
         if evaluate and evals and cfg.eval_prompts > 0:
             prompts = [p for p in evals if np.asarray(p.encode(tokenizer), np.int32).tobytes() not in trained]
             if len(prompts) < len(evals):
@@ -425,10 +432,9 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
             state["evals"].append(ev)
             say(f"train run: eval step {state['step']}: tau {ev['tau']:.3f} by kind {ev['tau_by_kind']} "
                 f"({ev['seconds']}s)")
-        report("checkpoint")
-        state["rng"] = rng.bit_generator.state
-        state["replay_evicted"] = replay.evicted
-        save_checkpoint(run, drafter, config, opt, state, vocab, extra=lambda d: replay.save(d / REPLAY_FILE))
+            tmp = ckpt / "state.json.tmp"  # the eval joins the saved state (atomically)
+            tmp.write_text(json.dumps(state))
+            tmp.replace(ckpt / "state.json")
         write_curves(run, state, recipe.block_size)
 
     def spent() -> bool:

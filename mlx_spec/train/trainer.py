@@ -611,7 +611,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         config = json.loads((run / "ckpt" / "config.json").read_text())
         saved = settings(json.loads((run / "train_config.json").read_text()))
         free = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "eval_max_tokens", "eval_file",
-                "export", "resume", "data", "init"}
+                "export", "resume", "data", "init", "out"}  # paths too: a moved run directory resumes
         diff = settings_diff(saved, settings(asdict(cfg)), free)
         if diff:
             raise BadRequest(f"--resume with different settings than the run: {diff}")
