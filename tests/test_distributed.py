@@ -326,8 +326,11 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
 
         def long_request():
             t = time.monotonic()
-            got["r"] = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3000},
-                                  timeout=60)
+            try:
+                got["r"] = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3000},
+                                      timeout=60)
+            except httpx.HTTPError as e:  # named below instead of a bare KeyError
+                got["e"] = e
             got["s"] = time.monotonic() - t
 
         th = threading.Thread(target=long_request)
@@ -335,6 +338,7 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
         time.sleep(1.5)
         procs[1].kill()
         th.join(60)
+        assert "r" in got, f"the request on the killed group got no answer: {got.get('e')!r} after {got.get('s')} s"
         r = got["r"]
         if r.status_code == 200:  # the random target ended its reply (a stop) before the kill landed:
             t = time.monotonic()  # then the next request must fail on the dead rank, as fast
