@@ -346,7 +346,7 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
             got["s"] = time.monotonic() - t
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "group_failed" and "rank" in r.json()["error"]["message"]
-        assert got["s"] < 20
+        assert got["s"] < 45, got["s"]  # the group timeout (20 s) plus slack for a loaded machine
         h = httpx.get(f"{url}/health", timeout=5)
         assert h.status_code == 503 and h.json()["status"] == "group_failed"
         assert h.json()["group"]["healthy"] is False and h.json()["group"]["size"] == 2
