@@ -266,7 +266,7 @@ class DraftPolicy:
         # DFLASH or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
         self.fails: dict[object, tuple[int, float]] = {}
         self._ctx = Context()
-        self._peek: tuple[Context, dict] | None = None  # stays_plain's options, reused by choose
+        self._peek: tuple[Context, dict] | None = None  # (ctx, options(ctx)) until the next observe
         self._probing = False  # the last decision was a probe (observe sets the next spacing)
         # the drafter lost to a plain step: only a probe that pays lets the estimate choose it again
         # (its evidence fades while it rests, which alone must not bring back long blocks)
@@ -299,9 +299,6 @@ class DraftPolicy:
 
     # ---------------------------------------------------------------- rates
 
-    def bucket(self, match: int) -> int:
-        return self.copy.bucket(match)
-
     def _best(self, source: str, acc: Sequence[float], lengths) -> tuple[int, float]:
         best, rate = 1, 0.0
         cum = [1.0]  # cum[L - 1] = expected_tokens(acc, L)
@@ -330,7 +327,7 @@ class DraftPolicy:
         """Plain is never benched; the lookup is judged per match-length bucket."""
         if source == PLAIN:
             return False
-        return self.benched(DFLASH if source == DFLASH else self.bucket(ctx.match))
+        return self.benched(DFLASH if source == DFLASH else self.copy.bucket(ctx.match))
 
     def benched(self, key) -> bool:
         n, p0 = self.fails.get(key, (0, 0.0))
@@ -368,17 +365,21 @@ class DraftPolicy:
         next plain step before it reads the current one (a pipelined run of plain steps), and
         then calls ``choose`` with the same ``ctx``."""
         self._ctx = ctx
-        every = self.options(ctx)
-        self._peek = (ctx, every)
-        return self._plan(ctx, every).source == PLAIN
+        return self._plan(ctx, self._options(ctx)).source == PLAIN
+
+    def _options(self, ctx: Context) -> dict[str, tuple[int, float]]:
+        """``options(ctx)``, computed once per context between two ``observe`` calls (the loop
+        asks ``choose`` then ``stays_plain``, or ``stays_plain`` then ``choose``, with one
+        context; only ``observe`` changes what the options depend on)."""
+        if self._peek is None or self._peek[0] is not ctx:
+            self._peek = (ctx, self.options(ctx))
+        return self._peek[1]
 
     def choose(self, ctx: Context) -> Decision:
         """Before a cycle: plain, or the source and length with the best expected rate (see
         ``_plan``). Probes are DFlash drafts only: the lookup is scored on every cycle for free."""
         self._ctx = ctx
-        peek, self._peek = self._peek, None
-        every = peek[1] if peek is not None and peek[0] is ctx else self.options(ctx)  # once per cycle
-        d = self._plan(ctx, every)
+        d = self._plan(ctx, self._options(ctx))
         self._probing = d.probe
         if d.source == DFLASH:
             self.plain_run = 0
@@ -454,7 +455,7 @@ class DraftPolicy:
             self._judge(DFLASH, self.dflash.curve()[0], step.accepted > 0)
             self.dflash.update(step.drafted, step.accepted)
         look, m = self._ctx.lookup, self._ctx.match
-        b = self.bucket(m)
+        b = self.copy.bucket(m)
         if source == LOOKUP:
             self._judge(b, self.copy.cond(m), step.accepted > 0)
             self.copy.update(m, min(step.accepted + 1, step.drafted), step.accepted)
@@ -464,7 +465,7 @@ class DraftPolicy:
                 a += 1
             self._judge(b, self.copy.cond(m), a > 0)  # (its first guess against the first token)
             self.copy.update(m, min(a + 1, len(look), len(step.tokens)), a)
-        self._ctx = Context()
+        self._ctx, self._peek = Context(), None
 
 
 def _conditional(curve: Sequence[float]) -> list[float]:

@@ -751,8 +751,7 @@ class _Seq:
     acc: Acceptance
     t_join: float
     pending: list = field(default_factory=list)  # features of rows not yet in the drafter cache
-    anchor: mx.array | None = None  # None while prefilling
-    anchor_id: int = -1
+    anchor_id: int = -1  # the last token, not yet in the target cache (-1 while prefilling)
     fed: list = field(default_factory=list)  # ids the target cache holds (once decoding)
     n: int = 0
     prev: Step | None = None
@@ -761,13 +760,18 @@ class _Seq:
     ctx: Context | None = None  # this step's lookup context (policy sequences)
     row: Row | None = None  # its place in the batch's shared K/V once decoding (``BatchKV``)
 
+    @property
+    def anchor(self) -> mx.array | None:
+        """``anchor_id`` as the drafter takes it (None while prefilling)."""
+        return None if self.anchor_id < 0 else mx.array(self.anchor_id, mx.int32)
+
     def final(self, drafter) -> Prefill | None:
         """The caches and the ids they hold (flushing pending features into the drafter's)."""
         if self.dcache is not None:
             for f in self.pending:
                 drafter.add_context(f, self.dcache)
         self.pending.clear()
-        ids = tuple(self.fed) if self.anchor is not None else tuple(self.prompt[: self.done])
+        ids = tuple(self.fed) if self.anchor_id >= 0 else tuple(self.prompt[: self.done])
         return Prefill(ids, self.cache, self.dcache) if ids else None
 
 
@@ -920,10 +924,10 @@ class BatchDecoder:
 
     def _step(self) -> list[tuple[int, Step]]:
         t0 = time.perf_counter()
-        decoding = [s for s in self._seqs.values() if s.anchor is not None]
+        decoding = [s for s in self._seqs.values() if s.anchor_id >= 0]
         if self.kv is not None:  # the rows' segments first, in slot order
             decoding.sort(key=lambda s: s.row.slot)
-        prefilling = [s for s in self._seqs.values() if s.anchor is None]
+        prefilling = [s for s in self._seqs.values() if s.anchor_id < 0]
         budget = self.prefill_chunk if decoding else self.prefill_step
         chunks = []
         for s in prefilling:  # FIFO: the oldest joiner's prompt first
@@ -1019,7 +1023,7 @@ class BatchDecoder:
             s.n += len(committed)
             if s.index is not None:
                 s.index.extend(committed)
-            s.anchor, s.anchor_id = mx.array(bonus, mx.int32), bonus
+            s.anchor_id = bonus
             s.acc.observe(L - 1, a)
             if L > 1:
                 s.plain_run = 0
@@ -1045,9 +1049,7 @@ class BatchDecoder:
             if s.done < len(s.prompt):
                 continue
             s.key, sub = mx.random.split(s.key)
-            anchor = sample_target(out.logits, s.sampling, sub)[0]
-            s.anchor_id = anchor.item()
-            s.anchor = anchor
+            s.anchor_id = sample_target(out.logits, s.sampling, sub)[0].item()
             s.fed = list(s.prompt)
             toks, reason = _finish([s.anchor_id], 0, s.max_tokens, s.eos)
             s.n = len(toks)
@@ -1065,7 +1067,7 @@ class BatchDecoder:
                     [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
                 for s, _ in chunks:
-                    if s.anchor is not None and s not in finished:
+                    if s.anchor_id >= 0 and s not in finished:
                         s.row = self.kv.join(s.cache)
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)

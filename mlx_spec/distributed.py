@@ -302,14 +302,16 @@ class SharedPolicy:
     The policy learns from local timings, so two ranks running their own would choose different
     sources or lengths and their collectives would no longer pair up. Rank 0 wraps its policy
     (``inner``); the others pass None and the ``sources`` / ``max_lookup`` from the header. Each
-    ``choose`` / ``pick`` costs one three-int message, each ``stays_plain`` one int. A decision
-    method the loop calls that this class does not share fails loudly on the followers
-    (AttributeError), never silently diverging."""
+    ``choose`` / ``pick`` costs one three-int message, each ``stays_plain`` one int; the
+    ``choose`` that follows a True ``stays_plain`` (the loop queues a plain step on it and drops
+    the answer) sends nothing. A decision method the loop calls that this class does not share
+    fails loudly on the followers (AttributeError), never silently diverging."""
 
     def __init__(self, wire: "Wire", inner=None, sources=(), max_lookup: int = 0):
         self.wire, self.inner = wire, inner
         self.sources = tuple(inner.sources) if inner is not None else tuple(sources)
         self.max_lookup = inner.max_lookup if inner is not None else max_lookup
+        self.queued = False  # every rank got True from stays_plain: the next choose is plain
 
     def __getattr__(self, name):  # anything else the loop reads comes from rank 0's policy
         inner = self.__dict__.get("inner")
@@ -332,13 +334,20 @@ class SharedPolicy:
             self.inner.observe(step)
 
     def choose(self, ctx):
-        return self._share(self.inner.choose(ctx) if self.inner is not None else None)
+        mine = self.inner.choose(ctx) if self.inner is not None else None
+        if self.queued:  # already agreed (plain): no message
+            from .adaptive import PLAIN, Decision
+
+            self.queued = False
+            return mine if mine is not None else Decision(PLAIN, 1)
+        return self._share(mine)
 
     def stays_plain(self, ctx) -> bool:
         """Rank 0's answer (the loop queues the next plain step on it): one one-int message."""
         mine = None if self.inner is None else [int(bool(self.inner.stays_plain(ctx)))]
         (stay,), _ = self.wire.exchange(mine, 1, what="plain run")
-        return bool(stay)
+        self.queued = bool(stay)
+        return self.queued
 
     def pick(self, decision, drafts, confidence, ctx=None):
         return self._share(self.inner.pick(decision, drafts, confidence, ctx) if self.inner is not None else None)

@@ -342,7 +342,7 @@ class Engine:
             clear()
 
     def _generate(self, handle: Handle) -> None:
-        from .generation import Result, for_request, generate, policies, prepare
+        from .generation import Result, for_request, generate, prepare
 
         req = handle.request
         rid = req.id
@@ -352,12 +352,9 @@ class Engine:
                 raise _Cancelled()
             pair, info = for_request(self._session.pair, self._info, req.speculate)
             ids, cfg = prepare(pair, req, self.context_length)
-            handle._put(Started(rid, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
+            make = self._begin(handle, pair, info, ids)
             result = Result()
             finish = None
-            if self._controllers[0] is not info:  # built once per engine (re-tuning changes info)
-                self._controllers = (info, policies(pair, info))
-            make = self._controllers[1]
             with self._lock:
                 self._running = result.stats
             lead = self._leader
@@ -390,6 +387,16 @@ class Engine:
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
+
+    def _begin(self, handle: Handle, pair, info, ids) -> Callable | None:
+        """A prepared request starts: Started goes out; returns the drafting policy's factory
+        (built once per engine: re-tuning changes ``info``)."""
+        from .generation import policies
+
+        handle._put(Started(handle.request.id, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
+        if self._controllers[0] is not info:
+            self._controllers = (info, policies(pair, info))
+        return self._controllers[1]
 
     # -- continuous batching ---------------------------------------------------------------------
     def _make_decoder(self, session):
@@ -499,12 +506,12 @@ class Engine:
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
         request, cancelled), None if the plan's memory cannot hold it next to the batch now."""
-        from .generation import for_request, policies, prepare
+        from .generation import for_request, prepare
 
         req = handle.request
         rid = req.id
-        self._add("requests")
         if handle.cancelled.is_set():
+            self._add("requests")
             self._add("cancelled")
             handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
             return 0
@@ -522,14 +529,13 @@ class Engine:
                                                                           need) > self._room.room:
                 return None
         except Exception as e:
+            self._add("requests")
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
             return 0
-        handle._put(Started(rid, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
-        if self._controllers[0] is not info:
-            self._controllers = (info, policies(pair, info))
-        make = self._controllers[1]
+        self._add("requests")  # (not before: a request that waits for memory comes back here)
+        make = self._begin(handle, pair, info, ids)
         dec = self._decoder
         if info.speculative:
             dec.block_size = max(1, info.block_size)

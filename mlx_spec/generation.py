@@ -143,9 +143,10 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
 
     No drafter: plain. ``off``: the tuner found fixed-block DFlash no faster than plain decoding
     for this pair (``source`` says why): plain decoding with ``--no-adaptive``; with the per-cycle
-    policy (``adaptive``) still speculative, the tuner's result its prior. Else speculative at ``block_size`` (None: the checkpoint's). ``adaptive``: the online
-    controller picks each cycle's block in 1..max(block size, the checkpoint's, 16); the fixed
-    choice stays in ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
+    policy (``adaptive``) still speculative, the tuner's result its prior. Else speculative at
+    ``block_size`` (None: the checkpoint's). ``adaptive``: the online controller picks each
+    cycle's block in 1..max(block size, the checkpoint's, 16); the fixed choice stays in
+    ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
     it as its DFlash block)."""
     if pair.drafter is None:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)

@@ -283,6 +283,12 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
 
 # ---------------------------------------------------------------- pure choice
 
+def _with_overhead(passes_ms: float, overhead_ms: float) -> float:
+    """A loop's time from its passes and the overhead on top, never below half the passes (a loop
+    that overlaps passes runs cheaper than the passes alone, but not for free)."""
+    return max(passes_ms / 2, passes_ms + overhead_ms)
+
+
 def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, overhead_ms: float = 0.0,
             plain_ms: float | None = None) -> float:
     """Model speedup of DFlash at ``block`` over plain decoding: E(B) * plain step / cycle, the
@@ -293,7 +299,7 @@ def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, o
         return 1.0
     passes = costs.draft(block) + costs.verify(block)
     return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / \
-        max(passes / 2, passes + overhead_ms)
+        _with_overhead(passes, overhead_ms)
 
 
 @dataclass(frozen=True)
@@ -665,8 +671,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         c = all_costs[t]
         if B == 1:
             return 0.0 if t == main_t else math.hypot(se(t, "t1", 1) / c.t1_ms, se(main_t, "t1", 1) / costs.t1_ms)
-        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / max(cycle_ms(main_t, B) / 2,
-                                                                          cycle_ms(main_t, B) + o_probe)
+        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / _with_overhead(cycle_ms(main_t, B), o_probe)
         if t == main_t:
             return main
         ref = c.draft(probe_block) + c.verify(probe_block)
@@ -675,7 +680,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     def model(o: dict, op: dict) -> dict[Key, float]:
         """Speedup over plain at the main thread count: E(B) * plain step / cycle."""
         def step(t):  # the plain loop may beat a synced T1 (it overlaps the next step): never below half
-            return max(all_costs[t].t1_ms / 2, all_costs[t].t1_ms + op.get(t, 0.0))
+            return _with_overhead(all_costs[t].t1_ms, op.get(t, 0.0))
 
         plain = step(main_t)
         out = {}

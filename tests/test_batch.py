@@ -540,6 +540,7 @@ def test_admission_after_a_long_request_leaves(tmp_path, monkeypatch):
         shorts = [e.submit(Request(prompt="q", max_tokens=150)) for _ in range(8)]
         assert long.result().completion_tokens == 280
         assert all(h.result().completion_tokens == 150 for h in shorts)
+        assert e.snapshot()["requests"] == 9  # a request that waited for memory counts once
     assert held and all(b <= room.room for _, b in held)
     assert max(n for n, _ in held) >= 4  # more than 3 rows only once the long one left
 

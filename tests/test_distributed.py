@@ -162,15 +162,16 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
         assert by[(kind, "dflash2", 8, True)] == plain, kind  # with the shared adaptive policy
         assert by[(kind, "dflash2", 8, "plain")] == plain, kind  # a policy that stays plain
         # ... and it did: mostly plain cycles (a DFlash probe now and then), which decode pipelines
-        # when a policy decides, asking rank 0's stays_plain over the wire: beyond each step's
-        # "step" message and decision, one more message per pipelined step (measured: 19 steps,
-        # 17 plain, 56-58 messages; without the pipelined path, about 2 per step)
+        # when a policy decides, asking rank 0's stays_plain over the wire: each pipelined step
+        # costs its "step" message and that one-int answer, the choose after it nothing (a
+        # cycle that is not plain: step, choose, maybe pick, and one stays_plain ending a run)
         i = next(i for i, r in enumerate(results) if r["policy"] == "plain" and phases[r["phase"]]["kind"] == kind)
         mine, before = results[i], results[i - 1]
         src = mine["sources"][1:]
         assert src.count("plain") >= len(src) / 2, src
         sent = mine["wire"]["messages"] - before["wire"]["messages"]
-        assert sent >= 2 * len(src) + src.count("plain") // 2, (sent, src)
+        other = len(src) - src.count("plain")
+        assert 2 * len(src) <= sent <= 2 * len(src) + 2 * other + 4, (sent, src)
         for name in ("dflash1", "dflash2"):
             for b in BLOCKS:
                 assert by[(kind, name, b, False)] == plain, (kind, name, b)

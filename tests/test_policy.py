@@ -685,6 +685,30 @@ def test_stays_plain_agrees_with_choose():
         p.observe(_cycle(p, d, a, tokens=tuple(range(a + 1)), costs=CPU))
 
 
+def test_options_are_computed_once_per_context_between_observations():
+    """A plain run asks choose then stays_plain (or stays_plain then choose) with one context:
+    the rates are computed once; an observation makes them stale."""
+    calls = []
+
+    class Counting(DraftPolicy):
+        def options(self, ctx):
+            calls.append(ctx)
+            return super().options(ctx)
+
+    p = Counting(CPU, 16, CPU_PRIOR)
+    ctx = Context(lookup=(1, 2), match=1)
+    d = p.choose(ctx)
+    p.stays_plain(ctx)
+    p.choose(ctx)
+    assert len(calls) == 1
+    p.observe(_cycle(p, d, 0, tokens=[99], costs=CPU))
+    p.stays_plain(ctx)
+    p.choose(ctx)
+    assert len(calls) == 2
+    p.choose(Context())
+    assert len(calls) == 3
+
+
 def test_the_prior_keeps_the_tuners_measured_acceptance():
     """The DFlash prior is only held non-increasing (P(first k+1 accepted) never grows): the
     tuner's CPU prior keeps its measured E(8) (1.88; 1.87 with its one small rise clamped), and a

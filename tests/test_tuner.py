@@ -174,9 +174,12 @@ def test_tune_view_shows_the_race_where_it_ran_and_marks_model_figures():
 
     r = _result({}, best=4)
     other = Candidate(4, False, predicted=1.4, tau=2.9, threads=1, note="1 thread; not raced")
-    r = replace(r, threads=2, candidates=tuple(replace(c, threads=2) for c in r.candidates) + (other,))
-    assert [(x.block_size, x.speedup, x.note) for x in tune_view(r).rows] == [
+    plain1 = Candidate(1, True, 8.0, 0.05, 0.8, None, 0.8, 3, threads=1)  # listed first: not the baseline
+    r = replace(r, threads=2, candidates=(plain1,) + tuple(replace(c, threads=2) for c in r.candidates) + (other,))
+    view = tune_view(r)
+    assert [(x.block_size, x.speedup, x.note) for x in view.rows] == [
         (1, 1.0, "model x1.00"), (4, 1.5, "model x1.60"), (8, 1.2, "ranked out by the cost model; model")]
+    assert view.baseline_tps == 10.0  # plain at the chosen thread count
 
 
 def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):

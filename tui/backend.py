@@ -148,16 +148,15 @@ def tune_view(result) -> TuneView:
     """A ``tuner.TuneResult`` as the UI shows it: the rows at the chosen thread count; a raced
     row's speedup is the race's measured median (the model's figure, which decided, in its
     note), a row the race did not time shows the model's figure, marked "model"."""
+    shown = [c for c in result.candidates if result.threads is None or c.threads == result.threads]
     rows = []
-    for c in result.candidates:
-        if result.threads is not None and c.threads != result.threads:
-            continue
+    for c in shown:
         raced = c.measured and c.speedup is not None
         model = "" if c.predicted is None else f"model x{c.predicted:.2f}" if raced else "model"
         rows.append(TuneRow(c.block, c.median_tps, c.speedup if raced else c.predicted, c.tau,
                             "; ".join(x for x in (c.note, model) if x)))
     rows = tuple(rows)
-    plain = next((c.median_tps for c in result.candidates if c.block == 1 and c.measured), None)
+    plain = next((c.median_tps for c in shown if c.block == 1 and c.measured), None)  # at the chosen threads
     return TuneView(result.best, plain, rows, result.date[:10], result.source)
 
 

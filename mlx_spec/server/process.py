@@ -193,9 +193,8 @@ def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, qui
     ``quiet_stdin``: stdin is a pipe that never ends (the child holds its write end) instead of
     /dev/null: mlx.launch forwards stdin to its ranks in a select() loop that would spin on an
     always-readable /dev/null."""
-    import subprocess
-
     import contextlib
+    import subprocess
 
     r = w = None
     if quiet_stdin:
@@ -256,9 +255,9 @@ def terminate_group(ranks: list[dict], launcher: psutil.Process | None,
     ranks = rank_processes(ranks)
     family: list[psutil.Process] = list(ranks.values())
     if launcher is not None:
+        known = {q.pid for q in family}
         try:
-            family = [launcher] + [p for p in launcher.children(recursive=True) if p.pid not in
-                                   {q.pid for q in family}] + family
+            family = [launcher] + [p for p in launcher.children(recursive=True) if p.pid not in known] + family
         except psutil.NoSuchProcess:
             pass
     deadline = time.monotonic() + timeout

@@ -38,8 +38,7 @@ from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
 from .trainer import (
     EVAL_MAX_TOKENS, EVAL_PROMPTS, STEP_SUMS, Recipe, add_step, base_vocab, build_drafter, calibrate_head_scale,
     drafter_config, evaluate_tau, freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token,
-    save_checkpoint,
-    scale_fc_init, settings, settings_diff, step_means, step_vocab, to_mx, train_step, write_curves,
+    save_checkpoint, scale_fc_init, settings, settings_diff, step_means, step_vocab, to_mx, train_step, write_curves,
 )
 
 log = logging.getLogger(__name__)
