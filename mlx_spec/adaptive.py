@@ -282,8 +282,11 @@ class DraftPolicy:
             got = self._tables[L] = (self.t1 if L == 1 else self.costs.verify(L), self.costs.draft(L))
         return got
 
-    def verify_ms(self, L: int) -> float:
-        if L == 1:
+    def verify_ms(self, L: int, piped: bool = True) -> float:
+        """Tt(L) as this reply sees it. A plain step (L = 1) runs pipelined in a run of them (the
+        host's work hidden behind the pass: its own scale); ``piped=False`` prices a lone 1-row
+        verify (a drafter's block trimmed to the anchor) like the drafted ones."""
+        if L == 1 and piped:
             return self._table(1)[0] * (self.scale["plain"] or self.scale["verify"] or 1.0)
         fit = self.line.at(L)  # this reply's own verify times, once they tell a slope
         if fit is not None and fit > 0:
@@ -393,38 +396,56 @@ class DraftPolicy:
         return d
 
     def pick(self, decision: Decision, drafts: Sequence[int], confidence: Sequence[float] | None,
-             ctx: Context | None = None) -> Decision:
-        """Greedy only, after a DFlash pass while the lookup had a proposal too: keep the
-        drafter's ``drafts`` or switch to the lookup, whichever promises more tokens per verify
-        millisecond (the draft pass is paid either way). The drafter's per-position chance is
-        the mean of its own top probability (``confidence``) and its running conditional
-        acceptance; the lookup's is its copy model's (``Copy``); where the two proposals agree,
-        the better of both counts. A probe is kept: it is there to judge the drafter."""
+             ctx: Context | None = None, *, trim: bool = False) -> Decision:
+        """Greedy only, after a DFlash pass (its cost is paid): what to verify. Each draft
+        position's chance is the mean of the drafter's own top probability there
+        (``confidence``) and its running conditional acceptance.
+
+        - ``trim`` (not with a pinned block): verify the prefix of ``drafts`` that promises the
+          most tokens per verify millisecond: all of it, part of it, or none (``length`` 1: the
+          anchor alone, a plain step; the drafter was not sure enough to pay for a row). A
+          verify row costs real time on a CPU, and the drafter's confidence tells a draft worth
+          verifying from one that is not (measured on the default pair: top probability below
+          0.2 accepted 16 % of the time, above 0.9 89 %). A probe is trimmed too: one cut to the
+          anchor is a failed probe.
+        - While the lookup also has a proposal: switch to it when it promises more (the
+          drafter's proposal unused). Its chance is its copy model's (``Copy``); where the two
+          proposals agree, the better of both counts. A probe is not switched: it is there to
+          judge the drafter."""
         ctx = self._ctx if ctx is None else ctx
-        n = min(len(ctx.lookup), self.max_lookup, max(1, ctx.room) - 1)
-        if decision.source != DFLASH or decision.probe or LOOKUP not in self.sources or n <= 0:
+        n = min(len(ctx.lookup), self.max_lookup, max(1, ctx.room) - 1) if LOOKUP in self.sources else 0
+        trim = trim and not self.pinned
+        if decision.source != DFLASH or ((decision.probe or n <= 0) and not trim):
             return decision
         dcur = _conditional(self.dflash.curve())
         conf = list(confidence) if confidence is not None else []
         pd = [0.5 * (conf[k] + dcur[k]) if k < len(conf) else dcur[k] for k in range(len(drafts))]
-        agree = 0
-        while agree < min(len(drafts), n) and drafts[agree] == ctx.lookup[agree]:
-            agree += 1
-        lcur = self.copy.conditional(ctx.match, n)
-        pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
-        ed = _expected(pd)
-        rate_d = ed / max(self.verify_ms(len(drafts) + 1) + self.overhead[DFLASH], 1e-6)
-        best, rate_l = 1, 0.0
-        for L in range(2, n + 2):
-            r = _expected(pl[: L - 1]) / max(self.verify_ms(L) + self.overhead[LOOKUP], 1e-6)
-            if r > rate_l:
-                best, rate_l = L, r
-        if rate_l > rate_d:
-            d = Decision(LOOKUP, best)
-            if self.trace and self.trace[-1] is decision:
-                self.trace[-1] = d
-            return d
-        return decision
+        o = self.overhead[DFLASH]
+
+        def rate(p: Sequence[float], L: int) -> float:
+            return _expected(p[: L - 1]) / max(self.verify_ms(L, piped=False) + o, 1e-6)
+
+        Ld = len(drafts) + 1
+        if trim:  # the shortest of the best prefixes
+            Ld = max(range(1, len(drafts) + 2), key=lambda L: (rate(pd, L), -L))
+        got = decision if Ld == len(drafts) + 1 else Decision(DFLASH, Ld, decision.probe)
+        if n > 0 and not decision.probe:
+            rate_d = rate(pd, Ld)
+            agree = 0
+            while agree < min(len(drafts), n) and drafts[agree] == ctx.lookup[agree]:
+                agree += 1
+            lcur = self.copy.conditional(ctx.match, n)
+            pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
+            best, rate_l = 1, 0.0
+            for L in range(2, n + 2):
+                r = _expected(pl[: L - 1]) / max(self.verify_ms(L) + self.overhead[LOOKUP], 1e-6)
+                if r > rate_l:
+                    best, rate_l = L, r
+            if rate_l > rate_d:
+                got = Decision(LOOKUP, best)
+        if got is not decision and self.trace and self.trace[-1] is decision:
+            self.trace[-1] = got
+        return got
 
     def observe(self, step) -> None:
         """After a cycle (a ``decode.Step``): learn acceptance and costs. The prefill is ignored."""
@@ -432,7 +453,8 @@ class DraftPolicy:
             return
         L = step.drafted + 1
         source = step.source or (DFLASH if step.drafted else PLAIN)
-        if step.verify_ms > 0:  # a plain step (pipelined in the loop) has its own scale
+        trimmed = source == DFLASH and L == 1  # pick(trim=True) verified the anchor alone
+        if step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
             self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             if L > 1:  # the line prices drafts: pipelined plain steps are another regime
@@ -451,9 +473,10 @@ class DraftPolicy:
         self._probing = False
         if source != DFLASH:  # the drafter's evidence ages while it rests (stale failures fade)
             self.dflash.fade(self.rest_decay)
-        if source == DFLASH:
+        if source == DFLASH:  # (a pass trimmed to the anchor counts as its first draft rejected:
+            # a drafter too unsure to be verified does not pay for its pass)
             self._judge(DFLASH, self.dflash.curve()[0], step.accepted > 0)
-            self.dflash.update(step.drafted, step.accepted)
+            self.dflash.update(max(1, step.drafted), step.accepted)
         look, m = self._ctx.lookup, self._ctx.match
         b = self.copy.bucket(m)
         if source == LOOKUP:

@@ -311,16 +311,20 @@ def spec_steps(
                 ran_drafter = source == DFLASH  # (its pass is booked even if pick() drops its draft)
                 Ld = L  # the drafter's block (L becomes the lookup's length if pick() switches)
                 if source == DFLASH:
-                    conf = greedy and ctx is not None and bool(ctx.lookup)  # pick() may use the lookup
+                    # greedy: pick() trims the block to what the drafter is sure enough of, or
+                    # takes the lookup's proposal
+                    conf = greedy and ctx is not None
                     kw = {"confidence": True} if conf else {}
                     proposal = drafter.propose(anchor, take_pending(), dcache, L, sampling, kd, **kw)
                     if conf:  # the verify input waits for pick()
                         mx.eval([x for x in proposal if x is not None])
                         drafts = proposal.tokens.tolist()  # the draft pass ends here
                         td = time.perf_counter()
-                        dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx)
+                        dec = policy.pick(dec, drafts, proposal.confidence.tolist(), ctx, trim=True)
                         if dec.source == LOOKUP:
                             source, proposal = LOOKUP, None
+                        elif dec.length < L:  # verify a prefix (or the anchor alone)
+                            drafts, L = drafts[: dec.length - 1], dec.length
                     else:  # start drafting and build the verify graph while it runs
                         mx.async_eval(proposal.tokens if proposal.q is None else (proposal.tokens, proposal.q))
                         tb = time.perf_counter()

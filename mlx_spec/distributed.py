@@ -349,8 +349,9 @@ class SharedPolicy:
         self.queued = bool(stay)
         return self.queued
 
-    def pick(self, decision, drafts, confidence, ctx=None):
-        return self._share(self.inner.pick(decision, drafts, confidence, ctx) if self.inner is not None else None)
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        return self._share(self.inner.pick(decision, drafts, confidence, ctx, trim=trim)
+                           if self.inner is not None else None)
 
 
 class Leader:

@@ -1,5 +1,5 @@
-"""Cycle traces of the per-cycle policy on the agent prompts: per cycle its source (p plain,
-D DFlash, L lookup), verify rows, accepted drafts (* a probe, ^ the drafter ran and pick() took
+"""Cycle traces of the per-cycle policy on the built-in prompts (agent ones by default): per cycle its source (p plain,
+D DFlash, L lookup), verify rows (D1: pick() trimmed the drafter's block to the anchor), accepted drafts (* a probe, ^ the drafter ran and pick() took
 the lookup) and the lookup's match length (/m), so a reader sees where the drafts are short or
 wasted. Also the reply's copy share (bench.copy_share) and, with --costs, the verify pass cost
 Tt(L) for L up to 33 at the prompts' context.
@@ -10,14 +10,16 @@ Tt(L) for L up to 33 at the prompts' context.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from mlx_spec.adaptive import Policies
 from mlx_spec.bench import copy_share
 from mlx_spec.costs import CostMeter
 from mlx_spec.decode import spec_steps
-from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
-from mlx_spec.loading import load_pair
+from mlx_spec.config import LoadConfig
+from mlx_spec.default_target import DEFAULT_TARGET_ID
+from mlx_spec.session import open_session
 from mlx_spec.prompts import builtin_prompts
 from mlx_spec.tuner import apply_threads, load_result, tune_key
 
@@ -25,18 +27,22 @@ from mlx_spec.tuner import apply_threads, load_result, tune_key
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_ID)
-    ap.add_argument("--drafter", default="models/smollm2-135m-dflash2")
+    ap.add_argument("--drafter", default=None, help="default: the bundled drafter")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--prompts", default=None, help="agent prompt ids (default: all)")
+    ap.add_argument("--prompts", default=None, help="prompt ids (default: all of --kinds)")
+    ap.add_argument("--kinds", default="agent", help="built-in prompt kinds (default: agent)")
     ap.add_argument("--sources", default="dflash,lookup")
     ap.add_argument("--costs", action="store_true", help="also time Tt(L), L = 1..33, at the prompts' context")
     a = ap.parse_args()
-    pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
+    # loaded as the commands load it (the tuned result's key names the target as they do)
+    cfg = LoadConfig(target=a.target, drafter=a.drafter and os.path.abspath(a.drafter))
+    pair = open_session(cfg, tuning="none").pair
     tuned = load_result(tune_key(pair))
+    print(f"tuned result: {tuned.source if tuned else 'none (the estimate)'}")
     apply_threads(tuned)
     eos = tuple(pair.tokenizer.eos_token_ids)
     want = set(a.prompts.split(",")) if a.prompts else None
-    prompts = [p for p in builtin_prompts(("agent",)) if want is None or p.id in want]
+    prompts = [p for p in builtin_prompts(tuple(a.kinds.split(","))) if want is None or p.id in want]
     policies = Policies(pair, tuned, sources=tuple(a.sources.split(",")))
     for p in prompts:
         ids = p.encode(pair.tokenizer)
@@ -50,8 +56,8 @@ def main() -> None:
         policy.choose = noting
         switched, pick = set(), policy.pick
 
-        def picking(dec, *args, pick=pick, switched=switched, matches=matches):  # pick() took the lookup
-            got = pick(dec, *args)
+        def picking(dec, *args, pick=pick, switched=switched, matches=matches, **kw):  # pick() took the lookup
+            got = pick(dec, *args, **kw)
             if got.source != dec.source:
                 switched.add(len(matches) - 1)
             return got

@@ -264,6 +264,50 @@ def test_hybrid_target_is_lossless_with_lookup(kind):
         assert toks == ref, sources
 
 
+class _Trimming:
+    """A policy that drafts 4 and has pick() verify 1, 2, 3 or 4 rows in turn."""
+
+    sources, max_lookup = (DFLASH,), 0
+
+    def __init__(self):
+        self.n = 0
+
+    def choose(self, ctx):
+        return Decision(DFLASH, 4)
+
+    def stays_plain(self, ctx):
+        return False
+
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        assert trim and confidence is not None and len(confidence) == len(drafts)
+        self.n += 1
+        return Decision(DFLASH, min(1 + self.n % 4, len(drafts) + 1))
+
+    def observe(self, step):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_trimmed_blocks_are_lossless(dense, kind):
+    """pick() verifying whole blocks, parts of them and the anchor alone: the output is the
+    target's own (dense trim and hybrid GDN rollback of the rows verified)."""
+    if kind == "dense":
+        _, target, _, refs = dense
+        prompt, n, ref = PROMPTS["repeat"], N, refs["repeat"]
+    else:
+        model, cfg = build(kind)
+        target, _, _ = tiny_drafter(model, cfg, v2=False)
+        prompt, n = PROMPTS["repeat"], 28
+        ref = greedy_reference(model, prompt, n)
+    drafter = ScriptedDrafter(list(prompt) + ref, VOCAB, right=2)
+    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=n, policy=_Trimming()))
+    assert [t for s in steps for t in s.tokens] == ref
+    verified = {s.block_size for s in steps[1:] if s.draft_block == 4}
+    assert verified == {1, 2, 3, 4}, verified
+    assert all(s.drafted == s.block_size - 1 and (s.source == DFLASH or s.block_size == 1)  # (the room left)
+               for s in steps[1:])
+
+
 def test_top_k_1_sampling_through_lookup_is_greedy(dense):
     """T > 0 with top-k 1: the point-mass lookup proposals and the drafter's go through
     rejection sampling and must give the greedy tokens."""
@@ -369,11 +413,11 @@ def _clocked_run(dense, monkeypatch, policy, right: int, max_tokens: int = N) ->
     return list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=max_tokens, policy=policy))
 
 
-@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "dflash-overlapped"])
+@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "dflash"])
 def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
-    """With the lookup on, a DFlash pass is waited for before the verify graph is built (pick()
-    may switch); without it the verify graph is built while the drafter runs: either way the
-    drafter's pass is booked to draft_ms and the target's to verify_ms. A pipelined plain step
+    """A greedy DFlash pass is waited for before the verify graph is built (pick() may trim the
+    block or switch to the lookup): the drafter's pass is booked to draft_ms and the target's to
+    verify_ms (a fixed block's overlap: test_overlapped_draft_timings). A pipelined plain step
     books the wait at its read (0 here: a fake pass is paid when it is queued), and the step
     that queued the next one before reading its own token paid for both passes."""
     steps = _clocked_run(dense, monkeypatch, _policy(SOURCE_SETS["hybrid" if lookup else "dflash"]), right=1)
@@ -382,7 +426,8 @@ def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
     for s in steps[1:]:
         seen.add(s.source)
         # the drafter ran (draft_block: its own block) exactly where its pass was booked
-        assert (s.draft_block > 0) == (s.draft_ms > 0) and (s.source != DFLASH or s.draft_block == s.block_size)
+        # (pick() may have trimmed its block: it verified a prefix of it)
+        assert (s.draft_block > 0) == (s.draft_ms > 0) and (s.source != DFLASH or s.draft_block >= s.block_size)
         if s.source == PLAIN:
             assert s.draft_ms == 0 and s.rollback_ms == 0 and s.verify_ms == 0
             assert s.elapsed_ms in (0.0, pytest.approx(100.0), pytest.approx(200.0))
@@ -403,6 +448,54 @@ def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
     assert st.verify_ms == pytest.approx(sum(100 + 5 * (L - 1) for src, L, _ in st.trace if src != PLAIN))
     assert st.draft_ms == pytest.approx(10.0 * sum(1 for s in steps[1:] if s.draft_ms > 0))
     assert st.draft_ms >= 10.0 * st.sources[DFLASH]["cycles"] - 1e-6
+
+
+def test_overlapped_draft_timings(dense, monkeypatch):
+    """A fixed block (no policy: nothing to trim or switch) builds the verify graph while the
+    drafter runs; still the drafter's pass is booked to draft_ms, the target's to verify_ms."""
+    steps = _clocked_run(dense, monkeypatch, None, right=1, max_tokens=12)
+    assert len(steps) > 2
+    for s in steps[1:]:
+        if s.block_size == 1:  # the room left allowed no draft
+            continue
+        assert s.source == DFLASH and s.draft_block == s.block_size <= 4  # (the last: the room left)
+        assert s.draft_ms == pytest.approx(10.0) and s.verify_ms == pytest.approx(100 + 5 * (s.block_size - 1))
+    assert steps[1].block_size == 4
+
+
+def test_pick_trims_the_block_to_what_the_drafter_is_sure_of():
+    """After the drafter's pass: verify the prefix it is sure enough of, the anchor alone when it
+    is sure of nothing (a probe too); a pinned block is never trimmed."""
+    halving = [0.6 * 0.5 ** k for k in range(7)]  # a first draft accepted 60 %, each next one half as often
+    p = DraftPolicy(CPU, 8, halving, sources=(DFLASH,))
+    d = Decision(DFLASH, 8)
+    assert p.pick(Decision(DFLASH, 4), [1, 2, 3], [0.99] * 3, trim=True) == Decision(DFLASH, 4)
+    got = p.pick(d, list(range(7)), [0.99, 0.99] + [0.0] * 5, trim=True)
+    assert got.source == DFLASH and 3 <= got.length <= 4, got
+    assert p.pick(d, list(range(7)), [0.0] * 7) == d  # (without trim: as chosen)
+    pinned = DraftPolicy(CPU, 8, halving, sources=(DFLASH,), pinned=8)
+    assert pinned.pick(d, list(range(7)), [0.0] * 7, trim=True) == d
+    weak = DraftPolicy(CPU, 8, [0.2 * 0.5 ** k for k in range(7)], sources=(DFLASH,))
+    assert weak.pick(Decision(DFLASH, 4), [1, 2, 3], [0.0] * 3, trim=True) == Decision(DFLASH, 1)
+    assert weak.pick(Decision(DFLASH, 3, probe=True), [1, 2], [0.0] * 2, trim=True) == Decision(DFLASH, 1, True)
+    assert weak.pick(Decision(DFLASH, 3, probe=True), [1, 2], [0.95] * 2, trim=True).length > 1
+
+
+def test_a_drafter_trimmed_to_the_anchor_rests():
+    """A pass the drafter was too unsure of to verify (pick() kept the anchor alone) counts as a
+    rejected first draft: after a few the policy takes plain steps instead of paying for passes
+    it then throws away, and probes only now and then."""
+    p = DraftPolicy(CPU, 8, [0.6 * 0.5 ** k for k in range(7)], sources=(DFLASH,))
+    choices = []
+    for _ in range(16):
+        d = p.choose(Context())
+        choices.append(d.source)
+        trimmed = d.source == DFLASH
+        p.observe(Step((5,), drafted=0, accepted=0, block_size=1, source=d.source,
+                       draft_ms=10.0 if trimmed else 0.0, verify_ms=62.5, elapsed_ms=75.0 if trimmed else 62.5,
+                       draft_block=d.length if trimmed else 0))
+    assert choices[0] == DFLASH and choices.count(DFLASH) <= 6 and choices[-3:] == [PLAIN] * 3, choices
+    assert p.scale["plain"] == 1.0  # a trimmed pass is no pipelined plain step: it does not price them
 
 
 def test_a_plain_run_queues_the_next_step_before_reading_the_current_one(dense, monkeypatch):
