@@ -36,14 +36,16 @@ from .stats import Stats
 
 # ---------------------------------------------------------------- pure arithmetic
 
-def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0, probes: bool = False) -> bool:
+def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0, probes: bool = False,
+            drafter_ran: int = 0) -> bool:
     """A fixed-source speculative row counts only if it drafted and at least one draft was
     accepted. A per-cycle policy row counts once the policy decided its cycles (staying plain
     where drafts do not pay is its mechanism working; the table shows drafted / accepted), but a
     policy that ``probes`` (DFlash among its sources: a probe is due by its third cycle) must have
-    drafted once a run went past 3 cycles. ``cycles``: the most cycles one run of the row had."""
+    drafted, or run the drafter (``drafter_ran`` passes: a probe whose block the policy trimmed
+    to the anchor), once a run went past 3 cycles. ``cycles``: the most cycles one run of the row had."""
     if policy:
-        return cycles > 0 and (drafted > 0 or cycles <= 3 or not probes)
+        return cycles > 0 and (drafted > 0 or drafter_ran > 0 or cycles <= 3 or not probes)
     return drafted > 0 and accepted > 0
 
 
@@ -389,7 +391,7 @@ def merge_stats(parts: Sequence[Stats]) -> Stats:
     out = Stats()
     have = {f.name for f in fields(Stats)}
     counters = [n for n in ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens", "plain_cycles",
-                            "committed_in_drafted", "block_sizes", "sources") if n in have]
+                            "drafter_passes", "trimmed", "committed_in_drafted", "block_sizes", "sources") if n in have]
     for p in parts:
         for name in counters:
             setattr(out, name, _add_counts(getattr(out, name), getattr(p, name)))
@@ -462,8 +464,9 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
             longest = max((s.run.stats.cycles for s in mine), default=0)
+            ran = sum(sum(s.run.drafter_blocks.values()) for s in mine)
             if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_SOURCES, cycles=longest,
-                           probes="dflash" in POLICY_SOURCES.get(m.kind, ())):
+                           probes="dflash" in POLICY_SOURCES.get(m.kind, ()), drafter_ran=ran):
                 row.status = f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted})"
                 rows.append(row)
                 continue

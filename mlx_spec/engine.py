@@ -619,13 +619,15 @@ class Engine:
                      "batch_active": len(self._live), "max_batch": self.max_batch,
                      "batch_attention": self.batch_attention}
         cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
-                  "drafted_by_position": [], "plain_cycles": 0, "block_sizes": {}, "sources": {}}
+                  "drafted_by_position": [], "plain_cycles": 0, "drafter_passes": 0, "trimmed": 0,
+                  "block_sizes": {}, "sources": {}}
         if st is not None:
             cycles = {"tokens": st.tokens, "drafted": st.drafted, "accepted": st.accepted,
                       "cycles": st.reached[0] if st.reached else 0,  # cycles that drafted >= 1 token
                       "accepted_by_position": list(st.hits), "drafted_by_position": list(st.reached),
                       # the drafting policy: plain steps it took, cycles by verify rows, per draft source
-                      "plain_cycles": st.plain_cycles, "block_sizes": dict(st.block_sizes),
+                      "plain_cycles": st.plain_cycles, "drafter_passes": st.drafter_passes,
+                      "trimmed": st.trimmed, "block_sizes": dict(st.block_sizes),
                       "sources": {k: dict(v) for k, v in st.sources.items()}}
         return {**c, **cycles, **batch, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
 

@@ -4,7 +4,8 @@
   steps the drafting policy took are not draft cycles; a run without drafts has tau 1);
 - cycles = plain cycles + drafted cycles; per draft source ("dflash", "lookup") its cycles,
   drafted and accepted tokens; the block-size histogram counts cycles by verify rows L
-  (1 = a plain step);
+  (1 = a plain step); drafter passes = cycles the DFlash drafter ran in, trimmed = those where
+  the policy verified only a prefix of its block (a block cut to the anchor is a plain cycle);
 - acceptance rate = accepted / drafted draft tokens;
 - acceptance by position k = share of cycles that drafted position k where it was accepted;
 - decode tok/s = tokens committed after the first / wall time of those steps.
@@ -32,6 +33,8 @@ class Stats:
     verify_ms: float = 0.0
     rollback_ms: float = 0.0
     plain_cycles: int = 0  # cycles without drafts (cycles - plain_cycles = drafted cycles)
+    drafter_passes: int = 0  # cycles the DFlash drafter ran in
+    trimmed: int = 0  # ... of which the policy verified only a prefix of its block (or none of it)
     committed_in_drafted: int = 0  # tokens committed by drafted cycles
     block_sizes: dict[int, int] = field(default_factory=dict)  # cycles by verify rows L
     sources: dict[str, dict[str, int]] = field(default_factory=dict)  # per draft source
@@ -62,6 +65,9 @@ class Stats:
         self.block_sizes[L] = self.block_sizes.get(L, 0) + 1
         source = step.source or ("dflash" if step.drafted else "plain")
         self.trace.append((source, L, step.accepted))
+        if step.draft_block:
+            self.drafter_passes += 1
+            self.trimmed += source == "dflash" and L < step.draft_block
         if not step.drafted:
             self.plain_cycles += 1
         else:
@@ -144,6 +150,8 @@ class Stats:
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
             "plain_cycles": self.plain_cycles,
             "drafted_cycles": self.drafted_cycles,
+            "drafter_passes": self.drafter_passes,
+            "trimmed": self.trimmed,
             "block_sizes": {str(L): n for L, n in sorted(self.block_sizes.items())},
             "sources": self.source_stats(),
             "draft_ms": round(self.draft_ms, 2),
@@ -174,6 +182,8 @@ class StatsSnapshot:
     acceptance_by_position: tuple[float, ...] = ()
     plain_cycles: int = 0
     drafted_cycles: int = 0
+    drafter_passes: int = 0
+    trimmed: int = 0
     block_sizes: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     sources: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     draft_ms: float = 0.0

@@ -33,6 +33,8 @@ def test_engaged():
     # is a broken engine (the probe path, or the drafter lost)
     assert not engaged(0, 0, policy=True, cycles=4, probes=True) and engaged(0, 0, policy=True, cycles=3, probes=True)
     assert engaged(2, 0, policy=True, cycles=30, probes=True)
+    # probes the policy trimmed to the anchor (the drafter ran, nothing was verified) count too
+    assert engaged(0, 0, policy=True, cycles=30, probes=True, drafter_ran=3)
 
 
 def test_costs_interpolate_and_round_trip():

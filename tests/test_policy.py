@@ -304,6 +304,13 @@ def test_trimmed_blocks_are_lossless(dense, kind):
     assert [t for s in steps for t in s.tokens] == ref
     verified = {s.block_size for s in steps[1:] if s.draft_block == 4}
     assert verified == {1, 2, 3, 4}, verified
+    st = Stats()
+    for s in steps:
+        st.add(s)
+    d = st.as_dict()
+    assert d["drafter_passes"] == sum(1 for s in steps if s.draft_block)
+    assert d["trimmed"] == sum(1 for s in steps if s.draft_block and s.block_size < s.draft_block) > 0
+    assert d["plain_cycles"] >= sum(1 for s in steps if s.draft_block and s.block_size == 1)
     assert all(s.drafted == s.block_size - 1 and (s.source == DFLASH or s.block_size == 1)  # (the room left)
                for s in steps[1:])
 
@@ -523,13 +530,15 @@ def test_server_reports_what_the_policy_did():
 
     st = Stats()
     for s in (Step((1,), prefill=True), Step((1, 2, 3), drafted=3, accepted=2, block_size=4, source=LOOKUP),
-              Step((4,), source=PLAIN), Step((5, 6), drafted=3, accepted=1, block_size=4, source=DFLASH)):
+              Step((4,), source=PLAIN), Step((5, 6), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_block=4),
+              Step((7,), source=DFLASH, draft_block=4)):  # (a block trimmed to the anchor)
         st.add(s)
     info = EngineInfo("dflash2", "t", "d", 4, "tuned", adaptive_max=16)
     spec = schemas.speculation(info, st.snapshot(trace=True))
     assert spec["policy"] == "per-cycle"
-    assert spec["cycles"]["plain_cycles"] == 1 and spec["cycles"]["drafted_cycles"] == 2
-    assert spec["cycles"]["sources"]["lookup"]["accepted"] == 2 and len(spec["cycles"]["trace"]) == 3
+    assert spec["cycles"]["plain_cycles"] == 2 and spec["cycles"]["drafted_cycles"] == 2
+    assert spec["cycles"]["drafter_passes"] == 2 and spec["cycles"]["trimmed"] == 1
+    assert spec["cycles"]["sources"]["lookup"]["accepted"] == 2 and len(spec["cycles"]["trace"]) == 4
     assert schemas.speculation(EngineInfo("dflash2", "t", "d", 4, "flag"))["policy"] == "fixed"
 
     class Engine:
@@ -539,10 +548,12 @@ def test_server_reports_what_the_policy_did():
                     "accepted_by_position": [2, 1], "drafted_by_position": [2, 2], "queue_depth": 0,
                     "state": "ready",
                     "plain_cycles": st.plain_cycles, "block_sizes": dict(st.block_sizes),
+                    "drafter_passes": st.drafter_passes, "trimmed": st.trimmed,
                     "sources": {k: dict(v) for k, v in st.sources.items()}}
 
     text = app.prometheus(Engine(), {}, {"rejected": 0, "in_flight": 0})
-    assert "mlx_spec:spec_decode_plain_cycles_total 1" in text
+    assert "mlx_spec:spec_decode_plain_cycles_total 2" in text
+    assert "mlx_spec:spec_decode_drafter_passes_total 2" in text and "mlx_spec:spec_decode_trimmed_total 1" in text
     assert 'mlx_spec:spec_decode_cycles_by_block_total{block="4"} 2' in text
     assert 'mlx_spec:spec_decode_source_accepted_tokens_total{source="lookup"} 2' in text
 

@@ -70,6 +70,7 @@ def run(args) -> int:
         if s.plain_cycles or len(s.sources) > 1 or "lookup" in s.sources:  # what the drafting policy did
             per = ", ".join(f"{k} {c['cycles']} cycles {c['accepted']}/{c['drafted']} accepted"
                             for k, c in sorted(s.sources.items()))
-            print(f"cycles: {s.drafted_cycles} drafted ({per or 'none'}), {s.plain_cycles} plain steps | "
+            trim = f" ({s.trimmed} of {s.drafter_passes} drafter passes trimmed)" if s.trimmed else ""
+            print(f"cycles: {s.drafted_cycles} drafted ({per or 'none'}), {s.plain_cycles} plain steps{trim} | "
                   f"blocks {dict(sorted(s.block_sizes.items()))} | {s.trace_text(limit=40)}", file=sys.stderr)
     return 0

@@ -373,6 +373,12 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
     metric("spec_decode_plain_cycles_total", "counter",
            "Plain target steps the drafting policy took instead of a draft (cycles without drafts).",
            [({}, snap.get("plain_cycles", 0))])
+    metric("spec_decode_drafter_passes_total", "counter",
+           "Cycles the DFlash drafter ran in (its block then verified whole, in part, or not at all).",
+           [({}, snap.get("drafter_passes", 0))])
+    metric("spec_decode_trimmed_total", "counter",
+           "Drafter passes whose block the policy verified only in part (or not at all: a plain cycle).",
+           [({}, snap.get("trimmed", 0))])
     metric("spec_decode_cycles_by_block_total", "counter",
            "Verify cycles by block size (rows verified, anchor included; 1 = a plain step).",
            [({"block": str(L)}, n) for L, n in sorted(snap.get("block_sizes", {}).items())])

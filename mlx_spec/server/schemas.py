@@ -287,7 +287,8 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
            "group": engine.group.as_dict()}
     if stats is not None and engine.speculative:
         d = stats.as_dict()
-        out["cycles"] = {k: d[k] for k in ("cycles", "plain_cycles", "drafted_cycles", "block_sizes", "sources")
+        out["cycles"] = {k: d[k] for k in ("cycles", "plain_cycles", "drafted_cycles", "drafter_passes", "trimmed",
+                                        "block_sizes", "sources")
                          if k in d}
         if d.get("cycle_trace") is not None:
             out["cycles"]["trace"] = d["cycle_trace"]
