@@ -134,3 +134,13 @@ async def test_notifications_leave_the_prompt_box_clear(tmp_path, width):
         prompt = app.screen.query_one(PromptInput).region
         toasts = [t.region for t in app.screen.walk_children() if isinstance(t, Toast)]
         assert toasts and all(not t.overlaps(prompt) for t in toasts), (toasts, prompt)
+
+
+def test_spec_panel_shows_trimmed_drafter_blocks():
+    from tui.widgets.spec_panel import SpecView, render_numbers
+
+    v = SpecView(mode="spec", method="dflash2", block_size=4, tokens=10, drafted_cycles=2, plain_cycles=5,
+                 sources=(("dflash", 2, 6, 3),), trimmed=3)
+    text = render_numbers(v).plain
+    assert "5 plain steps" in text and "trimmed" in text and "3×" in text
+    assert "trimmed" not in render_numbers(SpecView(mode="spec", method="dflash2", tokens=10)).plain

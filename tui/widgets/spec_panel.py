@@ -35,6 +35,7 @@ class SpecView:
     cached_tokens: int = 0  # prompt tokens of this reply reused from the prefix cache
     plain_cycles: int = 0  # cycles the drafting policy ran as plain steps
     drafted_cycles: int = 0
+    trimmed: int = 0  # drafter passes whose block the policy verified only in part (or not at all)
     sources: tuple[tuple[str, int, int, int], ...] = ()  # (source, cycles, drafted, accepted)
 
 
@@ -79,6 +80,8 @@ def render_numbers(v: SpecView) -> Text:
             row("cycles", f"{v.drafted_cycles} drafted", f"{v.plain_cycles} plain steps")
         for name, cycles, drafted, accepted in v.sources:
             row(f" {name}", f"{cycles}×", f"{accepted}/{drafted} accepted")
+        if v.trimmed:
+            row(" trimmed", f"{v.trimmed}×", "drafter blocks cut to what it was sure of")
     row("tok/s", f"{v.tps:.1f}" if v.tokens else "–", "this reply")
     if v.cached_tokens:
         row("reused", f"{v.cached_tokens} tok", "of the prompt, from the prefix cache")
