@@ -2,9 +2,10 @@
 a lookup draft of length L, whichever commits the most tokens per millisecond.
 
 One ``DraftPolicy`` per sequence (a reply). ``spec_steps(policy=...)`` asks it, before each
-cycle, ``choose(Context)`` -> ``Decision(source, length)``; at greedy, after a DFlash pass while
-the lookup also had a proposal, ``pick`` may switch to the lookup (the drafter's pass is then
-paid, its proposal unused); after the cycle, ``observe(step)``. Everything it knows:
+cycle, ``choose(Context)`` -> ``Decision(source, length)``; at greedy, after a DFlash pass,
+``pick`` may trim its block to the prefix the drafter is sure enough of (to the anchor alone:
+a plain step) or switch to the lookup's proposal (the drafter's pass is paid either way); after
+the cycle, ``observe(step)``. Everything it knows:
 
 - acceptance from this reply's own cycles (decayed counts), started from a prior: for DFlash by
   position, the tuner's measured acceptance as pseudo-cycles; for the lookup a copy model

@@ -146,7 +146,13 @@ class Row:
 
 
 class RowsPlan(NamedTuple):
-    """One step's writes and attention over the rows of ``BatchKV`` (built once per step)."""
+    """One step's writes and attention over the rows of ``BatchKV`` (built once per step).
+
+    Uniform blocks (or blocks that mostly fill the longest) attend in one SDPA over all rows,
+    each row's queries padded to the longest block. Ragged blocks where padding would be most
+    of the queries (a few sequences drafting among plain ones) attend split: one SDPA for every
+    row's first query over all rows, then one per drafting row for its other queries against its
+    own keys only; on the CPU the softmax costs per query row and key, so padding is paid."""
 
     kv: "BatchKV"
     n: int  # rows (sequences), slots 0..n-1
@@ -155,14 +161,15 @@ class RowsPlan(NamedTuple):
     T: int  # key positions read: max(offset + block)
     slots: mx.array | None  # (R,) slot of each packed row (None: one row, a slice write)
     cols: mx.array | None  # (R,) its position
-    gather: mx.array | None  # (n * L,) packed row of each (sequence, block position); None: uniform blocks
-    back: mx.array | None  # (R,) inverse of gather
-    mask: mx.array | str | None
+    gather: mx.array | None  # padded: (n * L,) packed row of each (sequence, block position); None: uniform
+    back: mx.array | None  # (R,) packed row -> row of the attention's output (None: the same order)
+    mask: mx.array | str | None  # padded: (n, 1, L, T); split: the first queries' (n, 1, 1, T0)
     start: int  # one row: its offset before the step
+    split: tuple = ()  # split: (first packed rows (n,), T0, ((slot, its other query rows lo, hi, its keys), ...))
 
     def attend(self, layer: int, qs, ks, vs, scale: float) -> mx.array:
-        """Write this step's keys / values into every row and attend, all rows in one SDPA:
-        (1, R, nh * hd) for the packed query rows ``qs[:, :, :R]``."""
+        """Write this step's keys / values into every row and attend: (1, R, nh * hd) for the
+        packed query rows ``qs[:, :, :R]``."""
         K, V = self.kv.keys[layer], self.kv.values[layer]
         n, R, L, T = self.n, self.R, self.L, self.T
         nh, hd = qs.shape[1], qs.shape[3]
@@ -174,11 +181,26 @@ class RowsPlan(NamedTuple):
         else:
             K[self.slots, :, self.cols] = k[0].transpose(1, 0, 2)
             V[self.slots, :, self.cols] = v[0].transpose(1, 0, 2)
+            if self.split:
+                return self._attend_split(K, V, qs[0], scale)
             q = qs[0, :, :R] if self.gather is None else qs[0][:, self.gather]
             q = q.reshape(nh, n, L, hd).transpose(1, 0, 2, 3)
         o = mx.fast.scaled_dot_product_attention(q, K[:n, :, :T], V[:n, :, :T], scale=scale, mask=self.mask)
         o = o.transpose(0, 2, 1, 3).reshape(1, n * L, nh * hd)
         return o if self.back is None else o[:, self.back]
+
+    def _attend_split(self, K, V, q, scale: float) -> mx.array:
+        first, T0, rest = self.split
+        nh, hd = q.shape[0], q.shape[2]
+        q0 = q[:, first].reshape(nh, self.n, 1, hd).transpose(1, 0, 2, 3)
+        o = mx.fast.scaled_dot_product_attention(q0, K[:self.n, :, :T0], V[:self.n, :, :T0], scale=scale,
+                                                 mask=self.mask)
+        outs = [o.reshape(self.n, nh * hd)]
+        for b, lo, hi, Tb in rest:  # its other queries against its own keys (bottom-right causal)
+            o = mx.fast.scaled_dot_product_attention(q[None, :, lo:hi], K[b:b + 1, :, :Tb], V[b:b + 1, :, :Tb],
+                                                     scale=scale, mask="causal")
+            outs.append(o[0].transpose(1, 0, 2).reshape(-1, nh * hd))
+        return mx.concatenate(outs)[self.back][None]
 
 
 class BatchKV:
@@ -193,6 +215,7 @@ class BatchKV:
     leaves."""
 
     step = 256
+    split_at = 1.5  # ragged blocks attend split when the padded queries are this many times the real ones (measured)
 
     def __init__(self, layers: Sequence[int]):
         self.layers = tuple(sorted(layers))
@@ -318,15 +341,27 @@ class BatchKV:
         else:
             slots = mx.array([b for b, k in enumerate(blocks) for _ in range(k)], mx.int32)
             cols = mx.array([o + j for o, k in zip(offs, blocks) for j in range(k)], mx.int32)
-            gather = back = None
-            if any(k != L for k in blocks):
-                starts = list(itertools.accumulate(blocks, initial=0))
-                gather = mx.array([a + min(j, k - 1) for a, k in zip(starts, blocks) for j in range(L)], mx.int32)
-                back = mx.array([b * L + j for b, k in enumerate(blocks) for j in range(k)], mx.int32)
-            # query j of row b (position offs[b] + j) sees keys 0..offs[b] + j
-            see = mx.array(offs, mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
-            mask = mx.arange(T, dtype=mx.int32)[None, None, None] <= see[:, None, :, None]
-            plan = RowsPlan(self, n, R, L, T, slots, cols, gather, back, mask, 0)
+            starts = list(itertools.accumulate(blocks, initial=0))
+            if n * L >= self.split_at * R:  # mostly padding: split (see RowsPlan)
+                T0 = max(offs) + 1
+                mask = (mx.arange(T0, dtype=mx.int32)[None] <= mx.array(offs, mx.int32)[:, None])[:, None, None]
+                rest, order = [], starts[:-1]
+                for b, (a, k) in enumerate(zip(starts, blocks)):
+                    if k > 1:
+                        rest.append((b, a + 1, a + k, offs[b] + k))
+                        order += range(a + 1, a + k)
+                back = mx.argsort(mx.array(order, mx.int32))  # packed row -> its output row
+                split = (mx.array(starts[:-1], mx.int32), T0, tuple(rest))
+                plan = RowsPlan(self, n, R, L, T, slots, cols, None, back, mask, 0, split)
+            else:
+                gather = back = None
+                if any(k != L for k in blocks):
+                    gather = mx.array([a + min(j, k - 1) for a, k in zip(starts, blocks) for j in range(L)], mx.int32)
+                    back = mx.array([b * L + j for b, k in enumerate(blocks) for j in range(k)], mx.int32)
+                # query j of row b (position offs[b] + j) sees keys 0..offs[b] + j
+                see = mx.array(offs, mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
+                mask = mx.arange(T, dtype=mx.int32)[None, None, None] <= see[:, None, :, None]
+                plan = RowsPlan(self, n, R, L, T, slots, cols, gather, back, mask, 0)
         for r, k in zip(self.rows, blocks):
             r.offset += k
         return plan
@@ -352,19 +387,22 @@ def _mirrors_rows(attn: nn.Module, norm: nn.Module) -> str | None:
         attn(x[:, :3], "causal", real[0])
         attn(x[:, 3:5], "causal", real[1])
         want = [attn(x[:, 5:7], "causal", real[0]), attn(x[:, 7:], None, real[1])]
-        kv = BatchKV([0])
-        for a, b in ((0, 3), (3, 5)):
-            c = KVCache()
-            attn(x[:, a:b], "causal", c)
-            kv.join([c])
-        rows = list(kv.rows)
-        pos = mx.array([3, 4, 2], mx.int32)
-        plan = kv.plan([2, 1])
-        got = _attention(attn, x[:, 5:], [(0, 2), (2, 3)], [None, None], [None, None], pos, plan, 0)
-        # (a masked SDPA over the longest row's keys: the same sums, rounded in another order)
-        pairs = ((want[0], got[:, :2]), (want[1], got[:, 2:]))
-        kv.leave(rows[0], None)
-        kv.leave(rows[1], None)
+        pairs = []
+        for split_at in (float("inf"), 0.0):  # ragged blocks padded, then split (``RowsPlan``)
+            kv = BatchKV([0])
+            kv.split_at = split_at
+            for a, b in ((0, 3), (3, 5)):
+                c = KVCache()
+                attn(x[:, a:b], "causal", c)
+                kv.join([c])
+            rows = list(kv.rows)
+            pos = mx.array([3, 4, 2], mx.int32)
+            plan = kv.plan([2, 1])
+            got = _attention(attn, x[:, 5:], [(0, 2), (2, 3)], [None, None], [None, None], pos, plan, 0)
+            # (a masked SDPA over the longest row's keys: the same sums, rounded in another order)
+            pairs += [(want[0], got[:, :2]), (want[1], got[:, 2:])]
+            kv.leave(rows[0], None)
+            kv.leave(rows[1], None)
     except (AttributeError, TypeError, ValueError, MlxSpecError) as e:
         return f"the module does not fit the batched path ({type(e).__name__}: {e})"
     if all(_same(a, b, tol) for a, b in pairs):
@@ -647,47 +685,88 @@ class Acceptance:
         return out
 
 
+class _Curve(NamedTuple):
+    """Acceptance as a per-sequence draft policy keeps it: P(the first k+1 drafts accepted)."""
+
+    probs: tuple
+
+    def expected(self, L: int) -> float:
+        return 1.0 + sum(self.probs[: L - 1])
+
+
 class BatchPolicy:
     """Which sequences draft this step, and how long their blocks are.
 
-    Step cost is modelled as ``a + b*rows + c*drafting + e*[a drafter pass runs]`` (rows: all
-    packed rows, prefill rows included; drafting: sequences in the drafter pass, which runs once
-    for all of them), fitted by ridge least squares to the last ``window`` measured steps (prior
-    ratios ``prior``, in units of a). Candidates are ranked by expected extra tokens per extra
-    millisecond, each at its best block length up to its wish; the step takes the prefix of that
-    ranking (none = a plain step for everyone) with the most expected tokens per millisecond.
-    Acceptance comes from each sequence's ``Acceptance``. A sequence kept plain for
-    ``probe_every`` steps drafts once anyway (doubling after each failed probe), so one whose
-    drafts start to pay is found again. A batch of one follows its own wish (the single-stream
-    policy decides, as in ``spec_steps``).
+    Step cost is modelled as ``a + b*rows + f*prefill rows + c*drafting + e*[a drafter pass runs]``
+    (rows: the decoding sequences' packed rows; drafting: sequences in the drafter pass, which
+    runs once for all of them), fitted by ridge least squares to the last ``window`` measured
+    steps, the drafter pass apart from the rest (prior ratios ``prior``, in units of a).
+    Candidates are ranked by expected extra tokens per extra millisecond, each at its best block
+    length up to its wish; the step takes the prefix of that ranking (none = a plain step for
+    everyone) with the most expected tokens per millisecond, then lengthens or shortens each
+    chosen block where that raises the step's rate.
+    Acceptance comes from each sequence's own draft policy for the source it wishes (DFlash's
+    running acceptance, or the copy model at the lookup's match length), else from its
+    ``Acceptance`` (the batch's count for sequences without one). A sequence kept plain for
+    ``probe_every`` steps (doubling after each failed probe) is judged at the better of its own
+    acceptance and the prior's (``Acceptance()``'s default): a probe is taken only where drafting
+    at the prior's acceptance would pay at this step's cost, so a large batch whose rows cost
+    more than a typical draft returns stays plain (no forced probes), and a sequence whose
+    drafts start to pay is found again once the batch can afford to look. After
+    ``explore_every`` drafting steps in a row one step is plain, so the fit keeps seeing what a
+    plain step costs. A batch of one follows its own wish (the single-stream policy decides, as
+    in ``spec_steps``).
     """
 
     def __init__(self, prior: tuple[float, ...] = (1.0, 0.04, 0.03, 0.1), window: int = 64,
                  probe_every: int = 8, max_probe_every: int = 64):
         self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
-        self.theta = self.prior
+        self.theta, self._extra = self.prior, self.prior[1]
         self.probe_every, self.max_probe = probe_every, max_probe_every
+        self.optimism = Acceptance(16)  # what a sequence due for a probe is judged at (at least)
+        # after this many drafting steps in a row, one plain step: the fit must see what the
+        # alternative costs (drafting steps alone spread their rows too little to tell)
+        self.explore_every, self._drafted_run = 16, 0
 
-    def observe(self, rows: int, drafting: int, ms: float) -> None:
-        self.obs.append((rows, drafting, ms))
-        self.theta = self._fit()
+    def observe(self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0) -> None:
+        """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
+        ``draft_ms`` of it in the drafter pass (0: none ran)."""
+        self.obs.append((rows, drafting, ms, draft_ms, extra))
+        self.theta, self._extra = self._fit()
 
     def _fit(self):
+        """Two ridge fits, so that neither phase hides in the other's intercept (a batch that
+        always drafts would otherwise never learn what a plain step costs): the step less its
+        drafter pass on ``[1, rows, prefill rows]`` (a prefill row attends over a short context:
+        cheaper than a decoding row, so it gets its own slope); the drafter pass, where one ran,
+        on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to settle what the
+        steps cannot tell apart (rows always 8: intercept vs per-row), weak enough that 64 steps
+        are not biased. Returns ((a, b, c, e), the prefill rows' slope)."""
         import numpy as np
 
-        X = np.array([[1.0, r, d, float(d > 0)] for r, d, _ in self.obs])
-        y = np.array([m for _, _, m in self.obs])
-        prior = np.array(self.prior)
-        p = prior * float(y.mean() / (X @ prior).mean())
-        lam = 4.0 * np.diag([1.0, 25.0, 4.0, 1.0])  # pseudo-observations pulling toward the prior
-        theta = np.linalg.solve(X.T @ X + lam, X.T @ y + lam @ p)
-        theta = np.maximum(theta, [1e-3 * p[0], 0.0, 0.0, 0.0])
-        return tuple(float(v) for v in theta)
+        def ridge(X, y, p, lam):
+            p = p * float(y.mean() / (X @ p).mean())
+            return np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + np.diag(lam) @ p), p
 
-    def cost(self, rows: int, drafting: int) -> float:
+        pa, pb, pc, pe = self.prior
+        X = np.array([[1.0, r, x] for r, _, _, _, x in self.obs])
+        y = np.array([ms - dm for _, _, ms, dm, _ in self.obs])
+        (a, b, f), p = ridge(X, y, np.array([pa, pb, pb]), [0.25, 1.0, 1.0])
+        a, b, f = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0)
+        drew = [(d, dm) for _, d, _, dm, _ in self.obs if d > 0 and dm > 0]
+        if drew:
+            (e, c), _ = ridge(np.array([[1.0, d] for d, _ in drew]), np.array([dm for _, dm in drew]),
+                              np.array([pe, pc]) * (a / pa), [0.25, 1.0])
+        else:
+            e, c = pe * a / pa, pc * a / pa
+        return (float(a), float(b), float(max(c, 0.0)), float(max(e, 0.0))), float(f)
+
+    def cost(self, rows: int, drafting: int, extra: int = 0) -> float:
+        """Predicted ms of a step of ``rows`` decoding rows (``drafting`` of the sequences in the
+        drafter pass) and ``extra`` prefill rows."""
         a, b, c, e = self.theta
-        return a + b * rows + c * drafting + (e if drafting else 0.0)
+        return a + b * rows + self._extra * extra + c * drafting + (e if drafting else 0.0)
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
@@ -697,33 +776,54 @@ class BatchPolicy:
         passes = [True] * n if passes is None else list(passes)
         if n == 1 and not extra_rows:
             return list(wants)
+        L = [1] * n
+        if self._drafted_run >= self.explore_every:
+            self._drafted_run = 0
+            return L
+        L = self._choose(wants, accs, plain_runs, probes, extra_rows, passes)
+        self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
+        return L
+
+    def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
+        n = len(wants)
         _, b, c, _ = self.theta
         L = [1] * n
-        rows, drafting, tokens = n + extra_rows, 0, float(n)
+        rows, drafting, tokens = n, 0, float(n)
+        x = extra_rows
         cands = []
         for i, w in enumerate(wants):
             if w <= 1:
                 continue
             ci = c if passes[i] else 0.0
-            if plain_runs[i] >= probes[i]:  # probe: draft once at the wished size
-                L[i] = w
-                rows += w - 1
-                drafting += passes[i]
-                tokens += accs[i].expected(w) - 1
-                continue
-            k = max(range(2, w + 1), key=lambda k: (accs[i].expected(k) - 1) / (b * (k - 1) + ci + 1e-9))
-            gain = accs[i].expected(k) - 1
-            cands.append((gain / (b * (k - 1) + ci + 1e-9), i, k, gain))
+            if plain_runs[i] >= probes[i]:  # due for a probe: judged at least at the prior's acceptance
+                gains = [max(accs[i].expected(k), self.optimism.expected(k)) - 1 for k in range(2, w + 1)]
+            else:
+                gains = [accs[i].expected(k) - 1 for k in range(2, w + 1)]
+            k = max(range(2, w + 1), key=lambda k: gains[k - 2] / (b * (k - 1) + ci + 1e-9))
+            cands.append((gains[k - 2] / (b * (k - 1) + ci + 1e-9), i, k, gains))
         cands.sort(reverse=True)
-        best, best_rate = 0, tokens / self.cost(rows, drafting)
+        best, best_rate = 0, tokens / self.cost(rows, drafting, x)
         r, d, t = rows, drafting, tokens
-        for j, (_, i, k, gain) in enumerate(cands, start=1):
-            r, d, t = r + k - 1, d + passes[i], t + gain
-            rate = t / self.cost(r, d)
+        for j, (_, i, k, gains) in enumerate(cands, start=1):
+            r, d, t = r + k - 1, d + passes[i], t + gains[k - 2]
+            rate = t / self.cost(r, d, x)
             if rate > best_rate:
                 best, best_rate = j, rate
-        for _, i, k, _ in cands[:best]:
+        if not best:
+            return L
+        chosen = cands[:best]
+        for _, i, k, _ in chosen:
             L[i] = k
+        # The lengths were picked by tokens per row; the step's rate may want longer (or shorter)
+        # blocks: where the step is dear anyway (a small batch's base cost), rows that add fewer
+        # tokens each still raise it. One pass of coordinate ascent on the step's rate.
+        r = rows + sum(L[i] - 1 for _, i, _, _ in chosen)
+        d = drafting + sum(passes[i] for _, i, _, _ in chosen)
+        t = tokens + sum(g[L[i] - 2] for _, i, _, g in chosen)
+        for _, i, _, g in chosen:
+            k0 = L[i]
+            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / self.cost(r + k - k0, d, x))
+            r, t, L[i] = r + k - k0, t + g[k - 2] - g[k0 - 2], k
         return L
 
 
@@ -904,9 +1004,21 @@ class BatchDecoder:
             L = min(L, len(s.ctx.lookup) + 1)
         return Decision(d.source if L > 1 else PLAIN, L, d.probe)
 
+    @staticmethod
+    def _acceptance(s: _Seq, d: Decision):
+        """What the batch judges the sequence's wished draft by: its own policy's acceptance for
+        that source (the copy model at this match for a lookup draft), else the batch's count."""
+        if s.policy is None or d.length < 2:
+            return s.acc
+        if d.source == DFLASH:
+            return _Curve(tuple(s.policy.dflash.curve()))
+        if d.source == LOOKUP:
+            return _Curve(tuple(s.policy.copy.curve(s.ctx.match, d.length - 1)))
+        return s.acc
+
     def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
         wish = [self._wish(s) for s in decoding]
-        blocks = self.policy.choose([d.length for d in wish], [s.acc for s in decoding],
+        blocks = self.policy.choose([d.length for d in wish], [self._acceptance(s, d) for s, d in zip(decoding, wish)],
                                     [s.plain_run for s in decoding], [s.probe_every for s in decoding],
                                     extra_rows, [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
@@ -938,6 +1050,7 @@ class BatchDecoder:
             budget -= n
         extra = sum(n for _, n in chunks)
         decisions = self._choose(decoding, extra)
+        tc = time.perf_counter()
 
         # DFlash drafts: every drafting sequence's proposal in one lazy graph, evaluated together.
         keys, props, group = {}, {}, {}
@@ -1071,8 +1184,7 @@ class BatchDecoder:
                         s.row = self.kv.join(s.cache)
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)
-        rows = sum(blocks) + extra
-        self.policy.observe(rows, ran, elapsed)
+        self.policy.observe(sum(blocks), ran, elapsed, (td - tc) * 1e3 if ran else 0.0, extra)
         if decoding:
             self.batch_sizes[len(decoding)] = self.batch_sizes.get(len(decoding), 0) + 1
             self.steps["drafted" if drafting else "plain"] += 1

@@ -10,6 +10,15 @@ for all sequences in one call (``batch.BatchKV``) against one call per sequence,
     python scripts/batch_profile.py [--sizes 1,2,4,8] [--tokens 48] [--policy auto|always|plain]
                                     [--compare] [--cprofile] [--attention]
 
+Against mlx-lm in one process (what ``mlx_lm.server`` runs: ``mlx_lm.generate.BatchGenerator``),
+so a drift of the machine hits both alike:
+
+    python scripts/batch_profile.py --versus [--sizes 1,2,4,8] [--tokens 40]
+        per batch size, a few steps of each in turn: mlx-lm, ours without a drafter, ours with
+        drafting off, ours with the per-step policy, ours with each sequence drafting as alone
+    python scripts/batch_profile.py --clients 8 [--requests 2] [--tokens 32]
+        bench --concurrency's load (clients sending requests one after another) without HTTP
+
 Prints one table; nothing is stored. Timings on a loaded machine are noisy: compare rows of one run.
 """
 
@@ -23,6 +32,7 @@ import time
 
 import mlx_spec  # noqa: F401  (before MLX: it loads OpenBLAS)
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from mlx_spec.batch import BatchDecoder, BatchPolicy, batched_steps
 from mlx_spec.decode import spec_steps
@@ -74,7 +84,7 @@ def summarize(label, dec, steps, tokens, wall, cpu):
           f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
     pol = dec.policy
     if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
-        errs = [abs(pol.cost(r, d) - ms) / ms for r, d, ms in pol.obs]
+        errs = [abs(pol.cost(r, d, x) - ms) / ms for r, d, ms, _, x in pol.obs]
         a_, b_, c_, e_ = pol.theta
         print(f"{'':<28} cost line: {a_:.1f} + {b_:.2f}*rows + {c_:.2f}*drafting + {e_:.1f}*[draft pass] ms, "
               f"median error {100 * statistics.median(errs):.0f} %")
@@ -116,6 +126,144 @@ def attention_bench(pair, prompts, reps=12):
           f"per sequence {out[False]:.1f} (x{out[False] / out[True]:.2f})")
 
 
+def _ours(pair, prompts, make_policy, batch_policy, drafter=True):
+    """A BatchDecoder with every sequence prefilled; returns one step as a function: tokens
+    committed, and which sequences drafted / accepted (``drafter=False``: no drafter at all)."""
+    dec = BatchDecoder(pair.target, pair.drafter if drafter else None, block_size=4, max_batch=len(prompts),
+                       policy=batch_policy())
+    for p in prompts:
+        dec.add(p, max_tokens=100_000, policy=make_policy() if make_policy and drafter else None)
+    while any(s.anchor_id < 0 for s in dec._seqs.values()):
+        dec.step()
+
+    def step():
+        out = [st for _, st in dec.step()]
+        return sum(len(st.tokens) for st in out), sum(st.drafted > 0 for st in out), sum(st.drafted for st in out), \
+            sum(st.accepted for st in out)
+    return step
+
+
+def _theirs(pair, prompts):
+    """mlx-lm's BatchGenerator (what mlx_lm.server runs) with every sequence decoding."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(pair.model, stop_tokens=[], completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    gen.insert([list(p) for p in prompts], max_tokens=[100_000] * len(prompts))
+    while len(gen._generation_batch) < len(prompts):
+        gen.next()
+
+    def step():
+        return len(gen.next()[1]), 0, 0, 0
+    return step
+
+
+def versus(pair, make, prompts, sizes, tokens, block=4):
+    """mlx-lm's BatchGenerator against ours (drafting off; the per-step policy; always drafting)
+    at each batch size, stepped in turn in one process (``block`` steps of each, round robin, until
+    each has committed ``tokens`` per sequence), so a drift of the machine hits all alike."""
+    kinds = {"mlx-lm BatchGenerator": lambda ps: _theirs(pair, ps),
+             "ours, no drafter": lambda ps: _ours(pair, ps, None, Never, drafter=False),
+             "ours, drafting off": lambda ps: _ours(pair, ps, make, Never),
+             "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchPolicy),
+             "ours, as each alone": lambda ps: _ours(pair, ps, make, Always)}
+    print(f"{'':<24} {'tok/s':>7} {'ms/step':>8} {'steps':>5} {'drafting seq-steps':>18} {'acc':>5}")
+    for B in sizes:
+        ps = [prompts[i % len(prompts)] for i in range(B)]
+        run = {k: f(ps) for k, f in kinds.items()}
+        for f in run.values():  # warm-up
+            f()
+        mx.synchronize(generation_stream)
+        got = {k: [0, 0.0, 0, 0, 0, 0] for k in run}  # tokens, seconds, steps, drafting, drafted, accepted
+        while any(g[0] < B * tokens for g in got.values()):
+            for k, f in run.items():
+                g = got[k]
+                if g[0] >= B * tokens:
+                    continue
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    n, d, dr, ac = f()
+                    g[0] += n
+                    g[2] += 1
+                    g[3] += d
+                    g[4] += dr
+                    g[5] += ac
+                mx.synchronize(generation_stream)  # mlx-lm computes its next step in the background: charged here
+                g[1] += time.perf_counter() - t0
+        print(f"batch {B}")
+        for k, (n, sec, st, d, dr, ac) in got.items():
+            print(f"  {k:<22} {n / sec:7.1f} {1e3 * sec / st:8.1f} {st:5d} {d:8d}/{st * B:<9d} "
+                  f"{ac / dr if dr else 0:5.2f}")
+
+
+def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
+    """``clients`` clients, each sending ``requests`` requests one after another (``tokens`` each,
+    greedy, EOS honoured), as ``bench --concurrency`` does over HTTP, but in one process and
+    without a server: mlx-lm's BatchGenerator against ours (per-step policy; drafting off),
+    whole runs alternated ``rounds`` times. Aggregate tok/s and p95 latency (in steps' time)."""
+    from mlx_lm.generate import BatchGenerator
+
+    eos = list(pair.tokenizer.eos_token_ids)
+    order = [prompts[(c * requests + i) % len(prompts)] for c in range(clients) for i in range(requests)]
+
+    def theirs():
+        gen = BatchGenerator(pair.model, stop_tokens=[[e] for e in eos], completion_batch_size=clients,
+                             prefill_batch_size=clients)
+        sent, uid_client, t_sent, lat, toks = [0] * clients, {}, {}, [], 0
+        t0 = time.perf_counter()
+        for c in range(clients):
+            uid = gen.insert([order[c * requests]], max_tokens=[tokens])[0]
+            uid_client[uid], t_sent[uid], sent[c] = c, time.perf_counter(), 1
+        while uid_client:
+            _, resp = gen.next()
+            for r in resp:
+                toks += 1
+                if r.finish_reason is not None:
+                    c = uid_client.pop(r.uid)
+                    lat.append(time.perf_counter() - t_sent.pop(r.uid))
+                    if sent[c] < requests:
+                        uid = gen.insert([order[c * requests + sent[c]]], max_tokens=[tokens])[0]
+                        uid_client[uid], t_sent[uid] = c, time.perf_counter()
+                        sent[c] += 1
+        gen.close()
+        return toks, time.perf_counter() - t0, lat
+
+    def ours(batch_policy, drafting=True):
+        dec = BatchDecoder(pair.target, pair.drafter, block_size=4, max_batch=clients, policy=batch_policy())
+        sent, sid_client, t_sent, lat, toks = [0] * clients, {}, {}, [], 0
+
+        def add(c):
+            sid = dec.add(order[c * requests + sent[c]], max_tokens=tokens, eos_ids=eos,
+                          policy=make() if make and drafting else None, speculate=drafting)
+            sid_client[sid], t_sent[sid] = c, time.perf_counter()
+            sent[c] += 1
+        t0 = time.perf_counter()
+        for c in range(clients):
+            add(c)
+        while sid_client:
+            for sid, st in dec.step():
+                toks += len(st.tokens)
+                if st.finish_reason is not None:
+                    c = sid_client.pop(sid)
+                    lat.append(time.perf_counter() - t_sent.pop(sid))
+                    if sent[c] < requests:
+                        add(c)
+        return toks, time.perf_counter() - t0, lat
+
+    runs = {"mlx-lm BatchGenerator": theirs, "ours, per-step policy": lambda: ours(BatchPolicy),
+            "ours, drafting off": lambda: ours(Never, drafting=False)}
+    got = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            got[k].append(f())
+    print(f"{clients} clients x {requests} requests x {tokens} tokens, {rounds} alternated rounds")
+    for k, rs in got.items():
+        toks, sec = sum(r[0] for r in rs), sum(r[1] for r in rs)
+        lat = sorted(x for r in rs for x in r[2])
+        p95 = lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))]
+        print(f"  {k:<22} {toks / sec:7.1f} tok/s  p95 {p95:5.2f} s  ({toks} tokens)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET_ID)
@@ -126,6 +274,12 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also run each size with attention per sequence")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--versus", action="store_true",
+                    help="only: mlx-lm's BatchGenerator against ours (no drafter, drafting off, per-step policy, as each "
+                         "alone), stepped in turn in one process")
+    ap.add_argument("--clients", type=int, default=0,
+                    help="only: N clients x --requests requests of --tokens tokens, in one process (see flow())")
+    ap.add_argument("--requests", type=int, default=2)
     a = ap.parse_args()
     pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
 
@@ -140,6 +294,12 @@ def main() -> None:
     bp = {"auto": BatchPolicy, "always": Always, "plain": Never}[a.policy]
     prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(("code",))]
     sizes = [int(x) for x in a.sizes.split(",")]
+    if a.versus:
+        versus(pair, make, prompts, sizes, a.tokens)
+        return
+    if a.clients:
+        flow(pair, make, prompts, a.clients, a.requests, a.tokens)
+        return
     dec = run_batch(pair, make, prompts[:2], 8, bp)[0]  # warm-up
     print(f"batched attention: {dec.attention}")
     for B in sizes:

@@ -125,6 +125,39 @@ def test_ragged_acceptance_is_exact(kind):
     assert acc[0] > acc[3] > acc[2] > acc[1] == 0  # ragged acceptance really happened
 
 
+@pytest.mark.parametrize("split_at,kind", [(None, "dense"), (0.0, "dense"), (float("inf"), "dense"),
+                                           (None, "qwen3_moe")], ids=["default", "split", "padded", "moe"])
+def test_few_drafting_among_plain_rows_attend_split_exactly(dense, split_at, kind):
+    """A few sequences drafting (blocks 5, 3, 2) among plain ones: their attention runs split
+    (every row's first query in one call, each drafting row's others against its own keys) or
+    padded to the longest block; either way each output is plain greedy, drafts accepted
+    raggedly."""
+    from mlx_spec.batch import RowsPlan
+
+    model = dense[0] if kind == "dense" else build(kind)[0]
+    target = Target(model, [0])
+    prompts = PROMPTS[:6]
+    refs = [greedy_reference(model, p, N) for p in prompts]
+    fulls = [list(p) + r for p, r in zip(prompts, refs)]
+    blocks = [5, 1, 3, 1, 1, 2]
+    dec = BatchDecoder(target, Scripted(fulls, [None, None, 1, None, None, 0]), max_batch=8, prefill_chunk=64,
+                       policy=AlwaysDraft())
+    if split_at is not None:
+        dec.kv.split_at = split_at
+    plans = []
+    plan = dec.kv.plan
+    dec.kv.plan = lambda b: plans.append(plan(b)) or plans[-1]
+    jobs = [dict(prompt=p, max_tokens=N, controller=lambda prev, L=L: L) for p, L in zip(prompts, blocks)]
+    got, steps = _run_batch(dec, jobs)
+    for i in range(len(prompts)):
+        assert got[i] == refs[i], f"prompt {i}"
+    split = [p for p in plans if isinstance(p, RowsPlan) and p.split]
+    assert bool(split) == (split_at != float("inf"))
+    if split_at is None:  # 6 rows x 5 padded queries against 13 real ones: split
+        assert split and all(p.n * p.L >= dec.kv.split_at * p.R for p in split)
+    assert sum(s.accepted for s in steps[0]) > sum(s.accepted for s in steps[2]) > 0
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_moe"])
 def test_batched_dflash_equals_alone(kind):
     model, cfg = build(kind)
@@ -348,20 +381,105 @@ def test_policy_stops_drafting_when_it_does_not_pay():
     pol = BatchPolicy()
     for _ in range(40):  # measured: rows are expensive, a drafting sequence too
         for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
-            pol.observe(rows, drafting, 20 + 5 * rows + 10 * drafting)
+            pol.observe(rows, drafting, 20 + 5 * rows + 10 * drafting, 10 * drafting)
     good, bad = Acceptance(7, [0.9] * 7), Acceptance(7, [0.05] * 7)
     L = pol.choose([8] * 8, [good, good] + [bad] * 6, [0] * 8, [8] * 8)
     assert L[2:] == [1] * 6  # poor acceptance: plain rows
     cheap = BatchPolicy()
     for _ in range(40):  # rows nearly free (memory-bound): everyone with fair acceptance drafts
         for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
-            cheap.observe(rows, drafting, 100 + 0.1 * rows + 1 * drafting)
+            cheap.observe(rows, drafting, 100 + 0.1 * rows + 1 * drafting, 1 * drafting)
     fair = Acceptance(7, [0.6] * 7)
     assert all(x > 1 for x in cheap.choose([8] * 8, [fair] * 8, [0] * 8, [8] * 8))
-    # a sequence kept plain long enough is probed at its wished block
-    assert pol.choose([8] * 8, [bad] * 8, [9] + [0] * 7, [8] * 8)[0] == 8
+    # a sequence kept plain long enough is probed where a typical draft (the prior's acceptance)
+    # would pay: with nearly free rows, yes; where rows cost more than the prior returns, no
+    assert cheap.choose([8] * 8, [bad] * 8, [9] + [0] * 7, [8] * 8)[0] > 1
+    assert pol.choose([8] * 8, [bad] * 8, [9] + [0] * 7, [8] * 8) == [1] * 8
     # a batch of one follows its own controller
     assert pol.choose([5], [bad], [0], [8]) == [5]
+
+
+def _fitted(a, b, c, e, steps=60):
+    """A BatchPolicy fitted to steps that cost ``a + b*rows + c*drafting + e*[a pass]`` ms."""
+    pol = BatchPolicy()
+    for k in range(steps):
+        n = 1 + k % 8
+        d = k % (n + 1)
+        rows = n + 3 * d
+        pol.observe(rows, d, a + b * rows + c * d + (e if d else 0), c * d + (e if d else 0))
+    return pol
+
+
+def test_policy_stops_drafting_at_a_large_batch_and_resumes_when_acceptance_is_high():
+    """Measured on a CPU: a plain step of 8 rows ~120 ms, each further row ~6 ms, a drafting
+    sequence ~4 ms more and the drafter pass ~12 ms. At 2 sequences fair acceptance (0.5 per
+    position) pays, at 8 it does not (plain batched steps, probes included); when acceptance
+    runs high, drafting pays again at 8, for the sequences whose acceptance is high."""
+    pol = _fitted(72.0, 6.0, 4.0, 12.0)
+    a, b, c, e = pol.theta
+    assert abs(a - 72) < 3 and abs(b - 6) < 0.5  # the fit finds the scripted costs
+    fair = [Acceptance(3, [0.5, 0.25, 0.125], weight=50) for _ in range(8)]
+    assert all(x > 1 for x in pol.choose([4] * 2, fair[:2], [0] * 2, [8] * 2))
+    assert pol.choose([4] * 8, fair, [0] * 8, [8] * 8) == [1] * 8
+    assert pol.choose([4] * 8, fair, [20] * 8, [8] * 8) == [1] * 8  # due probes too: rows cost more
+    for acc in fair[:3]:  # three sequences' drafts start to be accepted all through
+        for _ in range(30):
+            acc.observe(3, 3)
+    L = pol.choose([4] * 8, fair, [0] * 8, [8] * 8)
+    assert all(x > 1 for x in L[:3]) and L[3:] == [1] * 5
+    # drafting step after drafting step: one plain step now and then, so the fit sees its cost
+    runs = [pol.choose([4] * 8, fair, [0] * 8, [8] * 8) for _ in range(2 * pol.explore_every)]
+    assert 1 <= sum(L == [1] * 8 for L in runs) <= 2
+
+
+def test_prefill_rows_do_not_bend_the_decoding_rows_cost():
+    """Steps carrying a joiner's prompt (hundreds of rows, each cheaper than a decoding row) have
+    their own slope: the decoding rows' cost, and so the plain step's, stays what it is."""
+    pol = _fitted(72.0, 6.0, 4.0, 12.0, steps=48)
+    for _ in range(6):
+        pol.observe(8, 0, 72 + 6 * 8 + 2.0 * 500, 0.0, 500)
+    a, b, c, e = pol.theta
+    assert abs(a - 72) < 5 and abs(b - 6) < 0.5
+    assert abs(pol.cost(8, 0) - 120) < 5 and abs(pol.cost(8, 0, 500) - 1120) < 60
+
+
+class _FixedCost(BatchPolicy):
+    """A BatchPolicy whose step costs are given, not measured (the tiny model's are noise)."""
+
+    def __init__(self, theta):
+        super().__init__()
+        self.theta, self.seen = tuple(theta), []
+
+    def observe(self, *measured):
+        pass
+
+    def choose(self, wants, *a, **kw):
+        L = super().choose(wants, *a, **kw)
+        self.seen.append((len(wants), L))
+        return L
+
+
+def test_decoder_steps_plain_at_a_large_batch_and_drafts_again_when_it_shrinks(dense):
+    """Eight sequences where rows cost more than a typical draft returns: plain batched steps
+    (no probes either); once six have left, the two left draft again (drafts right: accepted),
+    and every output is still plain greedy."""
+    model, _ = dense
+    target = Target(model, [0])
+    prompts = PROMPTS + [[5, 6, 7, 8], [90, 80, 70, 60, 50]]
+    lengths = [N, N] + [6] * 6
+    refs = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    fulls = [list(p) + r for p, r in zip(prompts, refs)]
+    pol = _FixedCost((72.0, 6.0, 4.0, 12.0))
+    dec = BatchDecoder(target, Scripted(fulls, [None] * 8), block_size=4, max_batch=8, prefill_chunk=256,
+                       policy=pol)
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=n) for p, n in zip(prompts, lengths)])
+    for i in range(len(prompts)):
+        assert got[i] == refs[i], f"prompt {i}"
+    at8 = [L for n, L in pol.seen if n == 8]
+    at2 = [L for n, L in pol.seen if n == 2]
+    assert at8 and all(L == [1] * 8 for L in at8)
+    assert at2 and sum(max(L) > 1 for L in at2) >= len(at2) // 2
+    assert sum(s.accepted for s in steps[0]) > 0
 
 
 @pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
