@@ -722,27 +722,31 @@ class BatchPolicy:
                  probe_every: int = 8, max_probe_every: int = 64):
         self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
-        self.theta, self._extra = self.prior, self.prior[1]
+        self.theta, self._extra, self._seq = self.prior, self.prior[1], 0.0
         self.probe_every, self.max_probe = probe_every, max_probe_every
         self.optimism = Acceptance(16)  # what a sequence due for a probe is judged at (at least)
         # after this many drafting steps in a row, one plain step: the fit must see what the
         # alternative costs (drafting steps alone spread their rows too little to tell)
         self.explore_every, self._drafted_run = 16, 0
 
-    def observe(self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0) -> None:
+    def observe(self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0,
+                seqs: int | None = None) -> None:
         """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
-        ``draft_ms`` of it in the drafter pass (0: none ran)."""
-        self.obs.append((rows, drafting, ms, draft_ms, extra))
-        self.theta, self._extra = self._fit()
+        ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
+        from any source (default ``drafting``)."""
+        self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs))
+        self.theta, self._extra, self._seq = self._fit()
 
     def _fit(self):
         """Two ridge fits, so that neither phase hides in the other's intercept (a batch that
         always drafts would otherwise never learn what a plain step costs): the step less its
-        drafter pass on ``[1, rows, prefill rows]`` (a prefill row attends over a short context:
-        cheaper than a decoding row, so it gets its own slope); the drafter pass, where one ran,
-        on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to settle what the
-        steps cannot tell apart (rows always 8: intercept vs per-row), weak enough that 64 steps
-        are not biased. Returns ((a, b, c, e), the prefill rows' slope)."""
+        drafter pass on ``[1, rows, prefill rows, drafting sequences]`` (a prefill row attends over
+        a short context: cheaper than a decoding row, so it gets its own slope; a drafting
+        sequence costs its own attention call and acceptance beyond its rows); the drafter pass,
+        where one ran, on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to
+        settle what the steps cannot tell apart (rows always 8: intercept vs per-row), weak enough
+        that 64 steps are not biased. Returns ((a, b, c, e), prefill rows' slope, per drafting
+        sequence in the target pass)."""
         import numpy as np
 
         def ridge(X, y, p, lam):
@@ -750,23 +754,24 @@ class BatchPolicy:
             return np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + np.diag(lam) @ p), p
 
         pa, pb, pc, pe = self.prior
-        X = np.array([[1.0, r, x] for r, _, _, _, x in self.obs])
-        y = np.array([ms - dm for _, _, ms, dm, _ in self.obs])
-        (a, b, f), p = ridge(X, y, np.array([pa, pb, pb]), [0.25, 1.0, 1.0])
-        a, b, f = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0)
-        drew = [(d, dm) for _, d, _, dm, _ in self.obs if d > 0 and dm > 0]
+        X = np.array([[1.0, r, x, k] for r, _, _, _, x, k in self.obs])
+        y = np.array([ms - dm for _, _, ms, dm, _, _ in self.obs])
+        (a, b, f, g), p = ridge(X, y, np.array([pa, pb, pb, pc]), [0.25, 1.0, 1.0, 1.0])
+        a, b, f, g = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0), max(g, 0.0)
+        drew = [(d, dm) for _, d, _, dm, _, _ in self.obs if d > 0 and dm > 0]
         if drew:
             (e, c), _ = ridge(np.array([[1.0, d] for d, _ in drew]), np.array([dm for _, dm in drew]),
                               np.array([pe, pc]) * (a / pa), [0.25, 1.0])
         else:
             e, c = pe * a / pa, pc * a / pa
-        return (float(a), float(b), float(max(c, 0.0)), float(max(e, 0.0))), float(f)
+        return (float(a), float(b), float(max(c, 0.0)), float(max(e, 0.0))), float(f), float(g)
 
-    def cost(self, rows: int, drafting: int, extra: int = 0) -> float:
+    def cost(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
         """Predicted ms of a step of ``rows`` decoding rows (``drafting`` of the sequences in the
-        drafter pass) and ``extra`` prefill rows."""
+        drafter pass, ``seqs`` drafting in all, default ``drafting``) and ``extra`` prefill rows."""
         a, b, c, e = self.theta
-        return a + b * rows + self._extra * extra + c * drafting + (e if drafting else 0.0)
+        seqs = drafting if seqs is None else seqs
+        return a + b * rows + self._extra * extra + self._seq * seqs + c * drafting + (e if drafting else 0.0)
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
@@ -794,7 +799,7 @@ class BatchPolicy:
         for i, w in enumerate(wants):
             if w <= 1:
                 continue
-            ci = c if passes[i] else 0.0
+            ci = (c if passes[i] else 0.0) + self._seq
             if plain_runs[i] >= probes[i]:  # due for a probe: judged at least at the prior's acceptance
                 gains = [max(accs[i].expected(k), self.optimism.expected(k)) - 1 for k in range(2, w + 1)]
             else:
@@ -802,11 +807,11 @@ class BatchPolicy:
             k = max(range(2, w + 1), key=lambda k: gains[k - 2] / (b * (k - 1) + ci + 1e-9))
             cands.append((gains[k - 2] / (b * (k - 1) + ci + 1e-9), i, k, gains))
         cands.sort(reverse=True)
-        best, best_rate = 0, tokens / self.cost(rows, drafting, x)
+        best, best_rate = 0, tokens / self.cost(rows, drafting, x, 0)
         r, d, t = rows, drafting, tokens
         for j, (_, i, k, gains) in enumerate(cands, start=1):
             r, d, t = r + k - 1, d + passes[i], t + gains[k - 2]
-            rate = t / self.cost(r, d, x)
+            rate = t / self.cost(r, d, x, j)
             if rate > best_rate:
                 best, best_rate = j, rate
         if not best:
@@ -822,7 +827,7 @@ class BatchPolicy:
         t = tokens + sum(g[L[i] - 2] for _, i, _, g in chosen)
         for _, i, _, g in chosen:
             k0 = L[i]
-            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / self.cost(r + k - k0, d, x))
+            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / self.cost(r + k - k0, d, x, best))
             r, t, L[i] = r + k - k0, t + g[k - 2] - g[k0 - 2], k
         return L
 
@@ -1184,7 +1189,7 @@ class BatchDecoder:
                         s.row = self.kv.join(s.cache)
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)
-        self.policy.observe(sum(blocks), ran, elapsed, (td - tc) * 1e3 if ran else 0.0, extra)
+        self.policy.observe(sum(blocks), ran, elapsed, (td - tc) * 1e3 if ran else 0.0, extra, drafting)
         if decoding:
             self.batch_sizes[len(decoding)] = self.batch_sizes.get(len(decoding), 0) + 1
             self.steps["drafted" if drafting else "plain"] += 1
