@@ -40,7 +40,7 @@ tokens the target committed), so it is benched and recovered for free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .costs import Costs
 
@@ -306,13 +306,16 @@ class DraftPolicy:
 
     # ---------------------------------------------------------------- rates
 
-    def _best(self, source: str, acc: Sequence[float], lengths) -> tuple[int, float]:
+    @staticmethod
+    def _best(acc: Sequence[float], lengths, ms: Callable[[int], float]) -> tuple[int, float]:
+        """(L, tokens per ms) of the length in ``lengths`` whose cycle of ``ms(L)`` commits the
+        most per ms, ``acc`` being P(the first k+1 drafts accepted); the shortest of ties."""
         best, rate = 1, 0.0
         cum = [1.0]  # cum[L - 1] = expected_tokens(acc, L)
         for p in acc:
             cum.append(cum[-1] + p)
         for L in lengths:
-            r = cum[min(L - 1, len(cum) - 1)] / self.cycle_ms(source, L)
+            r = cum[min(L - 1, len(cum) - 1)] / max(ms(L), 1e-6)
             if r > rate:
                 best, rate = L, r
         return best, rate
@@ -324,10 +327,11 @@ class DraftPolicy:
         out = {PLAIN: (1, 1.0 / self.cycle_ms(PLAIN, 1))}
         if DFLASH in self.sources and room > 1:
             lengths = [min(self.pinned, room)] if self.pinned else range(2, min(self.max_block, room) + 1)
-            out[DFLASH] = self._best(DFLASH, self.dflash.curve(), lengths)
+            out[DFLASH] = self._best(self.dflash.curve(), lengths, lambda L: self.cycle_ms(DFLASH, L))
         n = min(len(ctx.lookup), self.max_lookup, room - 1)
         if LOOKUP in self.sources and n > 0:
-            out[LOOKUP] = self._best(LOOKUP, self.copy.curve(ctx.match, n), range(2, n + 2))
+            out[LOOKUP] = self._best(self.copy.curve(ctx.match, n), range(2, n + 2),
+                                     lambda L: self.cycle_ms(LOOKUP, L))
         return out
 
     def _is_benched(self, source: str, ctx: Context) -> bool:
@@ -424,27 +428,17 @@ class DraftPolicy:
         dcur = _conditional(self.dflash.curve())
         conf = list(confidence) if confidence is not None else []
         pd = [0.5 * (conf[k] + dcur[k]) if k < len(conf) else dcur[k] for k in range(len(drafts))]
-        o = self.overhead[DFLASH]
-
-        def rate(p: Sequence[float], L: int) -> float:
-            return _expected(p[: L - 1]) / max(self.verify_ms(L, piped=False) + o, 1e-6)
-
-        Ld = len(drafts) + 1
-        if trim:  # the shortest of the best prefixes
-            Ld = max(range(1, len(drafts) + 2), key=lambda L: (rate(pd, L), -L))
-        got = decision if Ld == len(drafts) + 1 else Decision(DFLASH, Ld, decision.probe)
+        full = len(drafts) + 1  # the pass is paid: only the verify (1 row: unpipelined) is priced
+        Ld, rate_d = self._best(_cumprod(pd), range(1, full + 1) if trim else (full,),
+                                lambda L: self.verify_ms(L, piped=False) + self.overhead[DFLASH])
+        got = decision if Ld == full else Decision(DFLASH, Ld, decision.probe)
         if n > 0 and not decision.probe:
-            rate_d = rate(pd, Ld)
             agree = 0
             while agree < min(len(drafts), n) and drafts[agree] == ctx.lookup[agree]:
                 agree += 1
             lcur = self.copy.conditional(ctx.match, n)
             pl = [max(lcur[k], pd[k]) if k < agree else lcur[k] for k in range(n)]
-            best, rate_l = 1, 0.0
-            for L in range(2, n + 2):
-                r = _expected(pl[: L - 1]) / max(self.verify_ms(L) + self.overhead[LOOKUP], 1e-6)
-                if r > rate_l:
-                    best, rate_l = L, r
+            best, rate_l = self._best(_cumprod(pl), range(2, n + 2), lambda L: self.cycle_ms(LOOKUP, L))
             if rate_l > rate_d:
                 got = Decision(LOOKUP, best)
         if got is not decision and self.trace and self.trace[-1] is decision:
@@ -510,11 +504,6 @@ def _cumprod(xs: Sequence[float]) -> list[float]:
         run *= x
         out.append(run)
     return out
-
-
-def _expected(cond: Sequence[float]) -> float:
-    """1 + sum_k prod_{j <= k} cond[j]: committed tokens for per-position conditional chances."""
-    return sum(_cumprod(cond), 1.0)
 
 
 # ---------------------------------------------------------------- construction

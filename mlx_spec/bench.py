@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .adaptive import MAX_LOOKUP
@@ -389,9 +389,8 @@ def _add_counts(a, b):
 def merge_stats(parts: Sequence[Stats]) -> Stats:
     """The cycle counters of several runs added up (timings are not merged)."""
     out = Stats()
-    have = {f.name for f in fields(Stats)}
-    counters = [n for n in ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens", "plain_cycles",
-                            "drafter_passes", "trimmed", "committed_in_drafted", "block_sizes", "sources") if n in have]
+    counters = ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens", "plain_cycles",
+                "drafter_passes", "trimmed", "committed_in_drafted", "block_sizes", "sources")
     for p in parts:
         for name in counters:
             setattr(out, name, _add_counts(getattr(out, name), getattr(p, name)))

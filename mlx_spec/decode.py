@@ -62,7 +62,7 @@ class Step:
     finish_reason: str | None = None  # "stop" (EOS) | "length" | None
     source: str = ""  # "plain" | "dflash" | "lookup" for a cycle of spec_steps ("" otherwise)
     draft_block: int = 0  # the block the drafter ran at this cycle (0: it did not run); pick() may
-    # then have verified the lookup's draft, so block_size is the lookup's
+    # then have verified a prefix of it or the lookup's draft: block_size is what was verified
 
 
 log = logging.getLogger(__name__)
@@ -308,8 +308,9 @@ def spec_steps(
                 # and the rest of the host's work are the cycle's overhead
                 tq = td = time.perf_counter()
                 build = 0.0
-                ran_drafter = source == DFLASH  # (its pass is booked even if pick() drops its draft)
-                Ld = L  # the drafter's block (L becomes the lookup's length if pick() switches)
+                # the drafter's block, 0 if it does not run (its pass is booked even where pick()
+                # then trims its block or takes the lookup's: L becomes what is verified)
+                Ld = L if source == DFLASH else 0
                 if source == DFLASH:
                     # greedy: pick() trims the block to what the drafter is sure enough of, or
                     # takes the lookup's proposal
@@ -360,9 +361,9 @@ def spec_steps(
                 anchor, anchor_id = mx.array(bonus, mx.int32), bonus
                 prev = Step(
                     tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-                    draft_ms=(td - tq - build) * 1e3 if ran_drafter else 0.0, verify_ms=(tv - ts + build) * 1e3,
+                    draft_ms=(td - tq - build) * 1e3 if Ld else 0.0, verify_ms=(tv - ts + build) * 1e3,
                     rollback_ms=(tr - tv) * 1e3, elapsed_ms=(time.perf_counter() - tc) * 1e3,
-                    finish_reason=reason, source=source, draft_block=Ld if ran_drafter else 0,
+                    finish_reason=reason, source=source, draft_block=Ld,
                 )
                 consistent = True
                 yield prev

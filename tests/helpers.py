@@ -85,11 +85,8 @@ class ScriptedDrafter:
     ``right=None`` is an oracle (always right); ``right=0`` is always wrong.
     """
 
-    def __init__(self, full: list[int], vocab: int, right: int | None = None, conf=None):
+    def __init__(self, full: list[int], vocab: int, right: int | None = None):
         self.full, self.vocab, self.right = full, vocab, right
-        # ``conf(call, k)``: the top probability reported for position k of the call-th proposal
-        # (default 0.9 everywhere)
-        self.conf, self.calls = conf, 0
         self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
                                 num_key_value_heads=1, intermediate_size=1, vocab_size=vocab,
                                 num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
@@ -110,11 +107,7 @@ class ScriptedDrafter:
             if self.right is not None and k > self.right:
                 tok = (tok + 1) % self.vocab
             out.append(tok)
-        conf = None
-        if confidence:
-            conf = (mx.array([float(self.conf(self.calls, k)) for k in range(len(out))], mx.float32)
-                    if self.conf is not None else mx.full((len(out),), 0.9))
-        self.calls += 1
+        conf = mx.full((len(out),), 0.9) if confidence else None
         return Proposal(mx.array(out, mx.int32), None, conf)
 
 

@@ -363,3 +363,18 @@ def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
     assert all(r["diverged"] == 0 for r in out["rows"])
     full = rows["dflash B=4 full-vocab"]
     assert full["td_ms"] is None and full["ceiling"] is None
+
+
+def test_merge_stats_adds_the_drafter_counters():
+    from mlx_spec.decode import Step
+    from mlx_spec.stats import Stats
+
+    parts = []
+    for steps in ([Step((1, 2), drafted=3, accepted=1, block_size=4, source="dflash", draft_block=4)],
+                  [Step((3,), source="dflash", draft_block=4), Step((4,), source="plain")]):
+        st = Stats()
+        for s in steps:
+            st.add(s)
+        parts.append(st)
+    m = merge_stats(parts)
+    assert (m.cycles, m.plain_cycles, m.drafter_passes, m.trimmed) == (3, 2, 2, 1)

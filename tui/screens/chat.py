@@ -289,7 +289,7 @@ class ChatScreen(Screen):
                         tps=s.decode_tps, tokens=self._tokens, baseline_tps=base,
                         baseline_source=source, taus=tuple(self._taus),
                         cached_tokens=int(s.cached_tokens), plain_cycles=int(s.plain_cycles),
-                        drafted_cycles=int(s.drafted_cycles), trimmed=int(getattr(s, "trimmed", 0)),
+                        drafted_cycles=int(s.drafted_cycles), trimmed=int(s.trimmed),
                         sources=tuple((k, c["cycles"], c["drafted"], c["accepted"]) for k, c in s.sources.items()))
 
     # -- memory ---------------------------------------------------------------------------------
