@@ -49,7 +49,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import hybrid
-from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
+from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision, expected_tokens
 from .decode import Step, _finish, _hand_over, _start, untimed
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
@@ -259,20 +259,23 @@ class BatchKV:
                 store[i] = a
 
     def _fit(self) -> None:
-        """Shrink the buffers to the rows left and (when that frees a step or more) to the longest
-        of them, rounded up to a step: a long row that left must not keep every later row at its
-        length (admission charges each row the buffers' length). Fresh buffers: the old ones go."""
+        """Shrink the buffers when that frees a step of length or more (to the longest row left,
+        rounded up to a step: a long row that left must not keep every later row at its length;
+        admission charges each slot the buffers' length) or half their slots; else keep them: a
+        request leaving and the next one joining then copy nothing (a spare slot is charged by
+        admission as a row). Fresh buffers: the old ones go."""
         n, T = len(self.rows), self._round(max(r.offset for r in self.rows))
         if T > self.length - self.step:
             T = self.length
-        if n == self.slots and T == self.length:
+        if T == self.length and self.slots < 2 * n:
             return
+        S = n  # (a copy is made: to the rows left)
         fresh = []
         for store in (self.keys, self.values):
             for i in self.layers:
                 a = store[i]
-                b = mx.zeros((n, a.shape[1], T, a.shape[3]), a.dtype)
-                b[:] = a[:n, :, :T]
+                b = mx.zeros((S, a.shape[1], T, a.shape[3]), a.dtype)
+                b[:] = a[:S, :, :T]
                 store[i] = b
                 fresh.append(b)
         mx.eval(fresh)
@@ -691,7 +694,7 @@ class _Curve(NamedTuple):
     probs: tuple
 
     def expected(self, L: int) -> float:
-        return 1.0 + sum(self.probs[: L - 1])
+        return expected_tokens(self.probs, L)
 
 
 class BatchPolicy:

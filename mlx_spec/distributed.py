@@ -641,12 +641,10 @@ class Launch:
             f"{self.ranks} x {self.hosts[0]}" if len(self.hosts) == 1 else ", ".join(self.hosts))
         return f"{self.ranks} ranks ({self.backend}; {where})"
 
-    def command(self, argv: list[str], env: dict | None = None) -> list[str]:
-        """The mlx.launch command line that runs ``argv`` on every rank (``env``: variables
-        mlx.launch sets on every rank, remote ones included)."""
+    def command(self, argv: list[str]) -> list[str]:
+        """The mlx.launch command line that runs ``argv`` on every rank (no ``--env``: a secret
+        such as the API key reaches rank 0, always a local child, through its environment)."""
         cmd = [launcher(), "--backend", self.backend]
-        for k, v in (env or {}).items():
-            cmd += ["--env", f"{k}={v}"]
         if self.hostfile:
             cmd += ["--hostfile", self.hostfile]
         elif len(self.hosts) == 1:
@@ -659,10 +657,8 @@ class Launch:
 
     @staticmethod
     def shown(cmd: list[str]) -> str:
-        """``command``'s mlx.launch part as it may be printed: every ``--env`` value masked."""
-        head = cmd[:cmd.index("--")] if "--" in cmd else cmd
-        return " ".join(f"{a.split('=', 1)[0]}=***" if i and head[i - 1] == "--env" else a
-                        for i, a in enumerate(head))
+        """``command``'s mlx.launch part, to print (the command it runs left out)."""
+        return " ".join(cmd[:cmd.index("--")] if "--" in cmd else cmd)
 
 
 def launcher() -> str:

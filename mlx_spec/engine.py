@@ -454,6 +454,7 @@ class Engine:
                     for sid in list(self._live):
                         self._leave(sid, "cancelled")
                     for h in waiting:
+                        self._add("cancelled")  # (counted as a request when taken)
                         h._put(Done(h.request.id, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
                     dec.close()
                     self._release()
@@ -462,6 +463,7 @@ class Engine:
                 if kind == "call":
                     self._call(*payload)
                 else:
+                    self._add("requests")  # once: a request that waits for memory is not counted again
                     waiting.append(payload)
             while waiting:  # admit in arrival order while the plan's memory allows
                 h = waiting[0]
@@ -511,7 +513,6 @@ class Engine:
         req = handle.request
         rid = req.id
         if handle.cancelled.is_set():
-            self._add("requests")
             self._add("cancelled")
             handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
             return 0
@@ -529,12 +530,10 @@ class Engine:
                                                                           need) > self._room.room:
                 return None
         except Exception as e:
-            self._add("requests")
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
             return 0
-        self._add("requests")  # (not before: a request that waits for memory comes back here)
         make = self._begin(handle, pair, info, ids)
         dec = self._decoder
         if info.speculative:

@@ -86,7 +86,8 @@ def summarize(label, dec, steps, tokens, wall, cpu):
     if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
         errs = [abs(pol.cost(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
         a_, b_, c_, e_ = pol.theta
-        print(f"{'':<28} cost line: {a_:.1f} + {b_:.2f}*rows + {c_:.2f}*drafting + {e_:.1f}*[draft pass] ms, "
+        print(f"{'':<28} cost line: {a_:.1f} + {b_:.2f}*rows + {pol._extra:.2f}*prefill rows + "
+              f"{pol._seq:.2f}*drafting seqs + {c_:.2f}*in drafter pass + {e_:.1f}*[draft pass] ms, "
               f"median error {100 * statistics.median(errs):.0f} %")
 
 

@@ -619,6 +619,27 @@ def test_batch_kv_shrinks_to_the_rows_left():
     assert kv.slots == 1 and kv.length == 256 and mx.array_equal(kv.keys[0][0:1, :, :7], want[1])
 
 
+def test_a_row_leaving_and_another_joining_copy_no_buffer():
+    """Churn at a steady batch: the slot a row leaves is kept for the next one (no copy of every
+    layer's K/V per leave and per join); the rows keep exactly their K/V."""
+    kv, caches, want = _joined_kv((7, 5, 6))
+    rows = list(kv.rows)
+    before = kv.keys[0]
+    kv.leave(rows[0], None)
+    assert kv.slots == 3 and kv.keys[0] is before  # a spare slot, nothing copied
+    assert mx.array_equal(kv.keys[0][0:1, :, :6], want[2]) and mx.array_equal(kv.keys[0][1:2, :, :5], want[1])
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    k = mx.random.normal((1, 2, 4, 4), key=mx.random.key(4))
+    c.update_and_fetch(k, k + 1)
+    joined = kv.join([c])  # into the spare slot
+    assert kv.slots == 3 and kv.keys[0] is before and mx.array_equal(kv.keys[0][2:3, :, :4], k)
+    kv.leave(rows[1], None)
+    kv.leave(joined, None)  # one row in three slots: shrink
+    assert kv.slots == 1 and mx.array_equal(kv.keys[0][0:1, :, :6], want[2])
+
+
 def test_admission_after_a_long_request_leaves(tmp_path, monkeypatch):
     """Long leaves, short ones arrive (an explicit --max-batch above what the plan holds at the
     longest length): the shared K/V never holds more than the plan's room (rows x the buffers'

@@ -163,15 +163,16 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
         assert by[(kind, "dflash2", 8, "plain")] == plain, kind  # a policy that stays plain
         # ... and it did: mostly plain cycles (a DFlash probe now and then), which decode pipelines
         # when a policy decides, asking rank 0's stays_plain over the wire: each pipelined step
-        # costs its "step" message and that one-int answer, the choose after it nothing (a
-        # cycle that is not plain: step, choose, maybe pick, and one stays_plain ending a run)
+        # costs its "step" message and that one-int answer, the choose after it nothing; a cycle
+        # that is not plain: step, choose, pick (every greedy DFlash pass: it may trim) and one
+        # stays_plain ending a run, and the plain step after it starts a run with a choose
         i = next(i for i, r in enumerate(results) if r["policy"] == "plain" and phases[r["phase"]]["kind"] == kind)
         mine, before = results[i], results[i - 1]
         src = mine["sources"][1:]
         assert src.count("plain") >= len(src) / 2, src
         sent = mine["wire"]["messages"] - before["wire"]["messages"]
         other = len(src) - src.count("plain")
-        assert 2 * len(src) <= sent <= 2 * len(src) + 2 * other + 4, (sent, src)
+        assert 2 * len(src) <= sent <= 2 * len(src) + 3 * other + 4, (sent, src)
         for name in ("dflash1", "dflash2"):
             for b in BLOCKS:
                 assert by[(kind, name, b, False)] == plain, (kind, name, b)
@@ -477,8 +478,8 @@ def test_launch_plan_checks_the_group_flags(tmp_path):
     assert two.ranks == 2 and not two.local and two.port is None and two.local_ranks == 1
     assert "--hosts" in two.command([]) and "127.0.0.1,10.0.0.2" in two.command([])
     assert local.local_ranks == 2
-    shown = distributed.Launch.shown(two.command(["serve"], {"MLX_SPEC_API_KEY": "s3cret"}))
-    assert "s3cret" not in shown and "MLX_SPEC_API_KEY=***" in shown and "serve" not in shown
+    shown = distributed.Launch.shown(two.command(["serve"]))
+    assert "--env" not in shown and "127.0.0.1,10.0.0.2" in shown and "serve" not in shown
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps({"backend": "jaccl", "hosts": [{"ssh": "127.0.0.1", "ips": ["10.0.0.1"], "rdma": [None, "x"]},
                                                             {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["x", None]}]}))

@@ -58,7 +58,7 @@ def run(args) -> int:
     return 0
 
 
-def _group(state, body: dict, proc=None) -> dict:
+def _group(state, body: dict, proc) -> dict:
     """The server's group: what it says on /health (size, rank, backend, sharded, healthy,
     error) over what it was started with (the launch, mlx.launch's pid, the ranks started on
     this machine, each alive or not; whether mlx.launch, ``proc`` from ``scan``, still runs).
@@ -70,8 +70,7 @@ def _group(state, body: dict, proc=None) -> dict:
         return {"size": 1, "sharded": False, **said}
     alive = process.rank_processes(state.group.get("ranks", []))
     ranks = [{**r, "alive": r["rank"] in alive} for r in state.group.get("ranks", [])]
-    launcher = proc is None or process.launcher_of(state, proc) is not None
-    return {**state.group, **said, "ranks": ranks, "launcher_alive": launcher}
+    return {**state.group, **said, "ranks": ranks, "launcher_alive": process.launcher_of(state, proc) is not None}
 
 
 def _ago(seconds: float) -> str:

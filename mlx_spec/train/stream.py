@@ -39,6 +39,7 @@ from .trainer import (
     EVAL_MAX_TOKENS, EVAL_PROMPTS, STEP_SUMS, Recipe, add_step, base_vocab, build_drafter, calibrate_head_scale,
     drafter_config, evaluate_tau, freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token,
     save_checkpoint, scale_fc_init, settings, settings_diff, step_means, step_vocab, to_mx, train_step, write_curves,
+    write_state,
 )
 
 log = logging.getLogger(__name__)
@@ -431,9 +432,7 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
             state["evals"].append(ev)
             say(f"train run: eval step {state['step']}: tau {ev['tau']:.3f} by kind {ev['tau_by_kind']} "
                 f"({ev['seconds']}s)")
-            tmp = ckpt / "state.json.tmp"  # the eval joins the saved state (atomically)
-            tmp.write_text(json.dumps(state))
-            tmp.replace(ckpt / "state.json")
+            write_state(ckpt, state)  # the eval joins the saved state
         write_curves(run, state, recipe.block_size)
 
     def spent() -> bool:

@@ -486,7 +486,7 @@ def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimi
         write_draft_vocab(tmp, vocab, f"the {len(vocab)} most frequent ids of the training data")
     # .npz, not .safetensors: the checkpoint dir must stay loadable by load_drafter.
     mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(opt.state)))
-    (tmp / "state.json").write_text(json.dumps(state))
+    write_state(tmp, state)
     if extra is not None:
         extra(tmp)
     final = run / "ckpt"
@@ -497,6 +497,13 @@ def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimi
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_state(ckpt: Path, state: dict) -> None:
+    """Replace ``ckpt/state.json`` atomically (an eval run after the checkpoint's save joins it)."""
+    tmp = ckpt / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    tmp.replace(ckpt / "state.json")
 
 
 def load_checkpoint(run: Path, drafter: Drafter, opt: optim.Optimizer) -> dict:
@@ -674,16 +681,17 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             acc = dict.fromkeys(acc, 0.0)
         due = step % cfg.checkpoint_every == 0 or step == cfg.steps or (
             cfg.checkpoint_minutes and time.perf_counter() - t_last_ckpt > 60 * cfg.checkpoint_minutes)
-        if due:
+        if due:  # saved first, evaluated after: a run killed during the eval keeps its checkpoint
             drafter.eval()
+            state["rng"] = rng.bit_generator.state
+            ckpt = save_checkpoint(run, drafter, config, opt, state, base)
             if prompts:
                 ev = evaluate_tau(eval_target, drafter, tokenizer, prompts, r.block_size, cfg.eval_max_tokens)
                 ev["step"] = step
                 state["evals"].append(ev)
                 say(f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
                     f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
-            state["rng"] = rng.bit_generator.state
-            save_checkpoint(run, drafter, config, opt, state, base)
+                write_state(ckpt, state)
             write_curves(run, state, r.block_size)
             if cfg.export:
                 export_checkpoint(run, cfg.export)
