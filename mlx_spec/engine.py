@@ -540,7 +540,7 @@ class Engine:
             dec.block_size = max(1, info.block_size)
         prefix = self._prefix
         try:
-            kw = dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store) if prefix else {}
+            kw = dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store) if prefix is not None else {}
             sid = dec.add(ids, max_tokens=cfg.max_tokens, eos_ids=tuple(pair.tokenizer.eos_token_ids),
                           sampling=cfg.sampling, policy=make() if make and info.speculative else None,
                           speculate=info.speculative, **kw)
@@ -602,7 +602,7 @@ class Engine:
                 self._requests["prompt_tokens"] += prompt_tokens
                 self._requests["cached_tokens"] += stats.cached_tokens
                 self._requests["cancelled"] += int(cancelled)
-            self._requests["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix else 0
+            self._requests["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix is not None else 0
 
     def snapshot(self) -> dict:
         """Counters for /metrics and the UI (plain values): request counts, and cycle counters

@@ -540,6 +540,22 @@ def test_engine_batches_concurrent_requests_exactly(engines):
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 
 
+def test_engine_prefix_cache_under_batching(engines):
+    """A request that repeats an earlier one's prompt reuses its K/V (the cache starts empty: an
+    empty cache must still be looked up and stored), and its reply is the same."""
+    from mlx_spec.engine import Request
+
+    batched, _ = engines
+    prompt = "a prompt long enough for the prefix cache: " + "lorem ipsum " * 4
+    first = batched.submit(Request(prompt=prompt, max_tokens=8)).result()
+    again = [batched.submit(Request(prompt=prompt, max_tokens=8)) for _ in range(2)]
+    for h in again:
+        d = h.result()
+        assert d.text == first.text
+        assert d.stats.cached_tokens >= d.prompt_tokens - 1 - 8 > 0
+    assert batched.snapshot()["cached_tokens"] > 0
+
+
 def test_engine_cancel_one_of_a_batch(engines):
     from mlx_spec.engine import Delta, Request
 
