@@ -629,9 +629,8 @@ class Launch:
     @property
     def local_ranks(self) -> int:
         """How many ranks mlx.launch starts on this machine (as its own children, not over ssh)."""
-        if len(self.hosts) == 1:
-            return self.ranks if self.hosts[0] == LOCAL else 0
-        return sum(h == LOCAL for h in self.hosts)
+        hosts = self.hosts if len(self.hosts) > 1 else self.hosts * self.ranks  # one host: every rank on it
+        return sum(h == LOCAL for h in hosts)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -221,16 +221,16 @@ def _checkpoint_block(path: Path) -> int | None:
 
 
 def _stored_result(cfg: LoadConfig, drafter: str):
-    """The newest stored tuning result whose machine, target and drafter (ids and file hashes)
-    match; quantization and draft vocabulary are checked where they are known before loading."""
+    """The newest stored tuning result whose machine, target and drafter match (the weights'
+    identity, however the command spells them: ``tuner.same_models``); quantization and draft
+    vocabulary are checked where they are known before loading."""
     from . import tuner
     from .default_target import cache_dir
 
     folder = cache_dir() / "tuning"
     if not folder.is_dir():
         return None
-    machine = tuner.machine_info()
-    want = {"target": (cfg.target, tuner.fingerprint(cfg.target)), "drafter": (drafter, tuner.fingerprint(drafter))}
+    machine, models = tuner.machine_info(), tuner.models_of(cfg.target, drafter)
     best = None
     for f in sorted(folder.glob("*.json")):
         try:
@@ -240,7 +240,7 @@ def _stored_result(cfg: LoadConfig, drafter: str):
         key = result.key
         if result.format not in tuner.READ_FORMATS or key.get("machine") != machine:
             continue
-        if any((key.get(k, {}).get("id"), key.get(k, {}).get("hash")) != v for k, v in want.items()):
+        if not tuner.same_models(key, models):
             continue
         if cfg.target_bits in ("4", "8") and not key["target"].get("quant", "").startswith(f"q{cfg.target_bits}"):
             continue

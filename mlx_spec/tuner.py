@@ -23,9 +23,15 @@ that still buys expected tokens; the default thread count) and the result says s
 calibrates and checks: it overrides the model only when a candidate beat the model's choice in
 every one of at least ``CHECK_ROUNDS`` rounds (``race_check``).
 
+The whole sweep keeps to its budget: the probe (fixed work) runs first, the pass-cost rounds take
+their share while the race's core still fits, and the race is planned from the measured costs
+(candidates it cannot afford are not raced, and ``why`` names them) and checks the deadline
+before every round. The result reports the time taken against the budget (``TuneResult.timing``).
+
 The result is stored as JSON under ``<cache>/tuning/`` keyed by everything that changes the
-answer (``tune_key``, thread count not included: it is part of the answer); ``ensure_tuned`` is
-what generate/chat/serve call on start, and it applies the stored thread count.
+answer (``tune_key``: the machine and the models' weights, however they are spelled; thread
+count not included: it is part of the answer); ``ensure_tuned`` is what generate/chat/serve
+call on start, and it applies the stored thread count.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
@@ -57,6 +63,8 @@ READ_FORMATS = (2, 3)  # a format-2 result has all the engine uses (block, threa
 NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small the measured noise
 NOISE_CAP = 0.10  # a tie tolerance above this: timings too noisy to separate blocks (no tie, best score)
 CHECK_ROUNDS = 5  # the race overrides the model only with this many rounds on both sides
+BUDGET_RESERVE = 0.05  # share of the budget the plan leaves for a round slower than predicted
+MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of them while the budget allows)
 
 
 class TuneSkipped(MlxSpecError):
@@ -117,9 +125,10 @@ def _model_dir(path_or_id: str) -> Path | None:
         return None
 
 
-def fingerprint(path_or_id: str) -> str:
-    """Hash of config.json and the weight files' names, sizes and mtimes (cheap; a retrained or
-    replaced checkpoint changes it)."""
+def legacy_fingerprint(path_or_id: str) -> str:
+    """The key's model hash before session 7: the resolved folder, the weight files' names, sizes
+    and mtimes, config.json. It depends on where the files lie and when they were written; kept
+    only to find results stored under it (``load_result`` moves them to the weights' key)."""
     d = _model_dir(path_or_id)
     h = hashlib.sha256(str(d.resolve() if d else path_or_id).encode())
     if d is not None:
@@ -129,6 +138,47 @@ def fingerprint(path_or_id: str) -> str:
             if f.name == "config.json":
                 h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+SAMPLE_BYTES = 1 << 16  # bytes of tensor data read at the start, middle and end of each weight file
+HEADER_MAX = 1 << 24  # a safetensors header longer than this is not read whole (its length is hashed)
+
+
+def _file_digest(h, f: Path) -> None:
+    """Add one weight file: its name, size, safetensors header (tensor names, dtypes, shapes,
+    offsets) and three samples of its data. Reads well under a MiB, whatever the file's size."""
+    size = f.stat().st_size
+    h.update(f"{f.name}:{size}".encode())
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        start = 8 + n if 0 < n <= HEADER_MAX else 0
+        h.update(head + (fh.read(n) if start else b""))
+        for at in sorted({start, start + (size - start) // 2, max(start, size - SAMPLE_BYTES)}):
+            fh.seek(at)
+            h.update(fh.read(SAMPLE_BYTES))
+
+
+def weights_id(path_or_id: str) -> str | None:
+    """The identity of a checkpoint's weights, not of how the command spelled it: a digest of
+    config.json, the safetensors index, draft_vocab.json (a drafter's) and every weight file's
+    name, size, header and three 64 KiB samples of its data (cheap: no file is hashed whole). The
+    default target's id and its cache folder, a Hugging Face repo and its local snapshot, a
+    relative and an absolute path all give the same one; a retrained or re-quantized checkpoint
+    another. None when the files cannot be found here."""
+    from .loading import DRAFT_VOCAB_FILE
+
+    d = _model_dir(path_or_id)
+    if d is None:
+        return None
+    h = hashlib.sha256()
+    for name in ("config.json", DRAFT_VOCAB_FILE, *sorted(x.name for x in d.glob("*.safetensors.index.json"))):
+        f = d / name
+        if f.is_file():
+            h.update(f"{name}:".encode() + f.read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        _file_digest(h, f)
+    return h.hexdigest()[:20]
 
 
 def quantization(model) -> str:
@@ -142,15 +192,56 @@ def quantization(model) -> str:
     return str(params[0][1].dtype).replace("mlx.core.", "") if params else "none"
 
 
+def _weights(path_or_id: str) -> str:
+    return weights_id(path_or_id) or "id:" + hashlib.sha256(path_or_id.encode()).hexdigest()[:16]
+
+
 def tune_key(pair) -> dict:
+    """What the answer depends on: the machine and, per model, the weights' identity
+    (``weights_id``) and quantization as loaded. The ``id`` (as the command spelled it) is kept
+    for people reading the file, and is no part of the key (``identity``)."""
     return {"machine": machine_info(),
-            "target": {"id": pair.target_id, "hash": fingerprint(pair.target_id), "quant": quantization(pair.model)},
-            "drafter": {"id": pair.drafter_id, "hash": fingerprint(pair.drafter_id), "quant": quantization(pair.drafter),
-                        "draft_vocab": pair.drafter.vocab_size_drafted or "full"}}
+            "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
+            "drafter": {"id": pair.drafter_id, "weights": _weights(pair.drafter_id),
+                        "quant": quantization(pair.drafter), "draft_vocab": pair.drafter.vocab_size_drafted or "full"}}
+
+
+def identity(key: dict) -> dict:
+    """The key without what does not change the answer: a model's ``id`` where its ``weights``
+    identify it (a key from before session 7, with ``hash``, keeps its id: it was part of it)."""
+    return {k: ({n: x for n, x in v.items() if n != "id"} if isinstance(v, dict) and "weights" in v else v)
+            for k, v in key.items()}
+
+
+def legacy_key(key: dict) -> dict | None:
+    """The key the same models had before session 7 (the spelled id and ``legacy_fingerprint``),
+    where results tuned then are stored; None for a key that is not a weights key."""
+    if not all(isinstance(key.get(k), dict) and "weights" in key[k] for k in ("target", "drafter")):
+        return None
+    old = {}
+    for k in ("target", "drafter"):
+        v = {n: x for n, x in key[k].items() if n != "weights"}
+        old[k] = {"id": v.pop("id", None), "hash": legacy_fingerprint(str(key[k].get("id"))), **v}
+    return {"machine": key.get("machine"), **old}
+
+
+def models_of(target: str, drafter: str) -> dict:
+    """What ``same_models`` compares a stored key with, computed once: per model, the id as
+    spelled, its ``weights_id`` and its ``legacy_fingerprint``."""
+    return {k: (v, weights_id(v), legacy_fingerprint(v)) for k, v in (("target", target), ("drafter", drafter))}
+
+
+def same_models(key: dict, models: dict) -> bool:
+    """Whether a stored key is for these models (``models_of``; spelled any way), before loading
+    them: the weights' identity, or for a key from before session 7 the id and its old hash."""
+    got = {k: key.get(k) if isinstance(key.get(k), dict) else {} for k in models}
+    if all("weights" in v for v in got.values()):
+        return all(got[k]["weights"] == w and w is not None for k, (_, w, _) in models.items())
+    return all((got[k].get("id"), got[k].get("hash")) == (spelled, old) for k, (spelled, _, old) in models.items())
 
 
 def key_hash(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return hashlib.sha256(json.dumps(identity(key), sort_keys=True).encode()).hexdigest()[:20]
 
 
 # ---------------------------------------------------------------- the result
@@ -200,10 +291,31 @@ class TuneResult:
     threads: int | None = None  # BLAS threads chosen with the block (None: no thread knob here)
     why: str = ""  # how ``decide`` chose (ties named), shown by `mlx_spec tune`
     overhead_ms: float | None = None  # per-cycle time beyond the two passes, pooled over the race
+    phases: dict = field(default_factory=dict)  # where the time went: probe_s, costs_s, cost_rounds, race_s, ...
 
     @property
     def block_size(self) -> int:
         return self.best
+
+    @property
+    def timing(self) -> str:
+        """The elapsed time against the budget, by phase (what `mlx_spec tune` prints)."""
+        line = f"{self.elapsed_s:.0f} s of {self.budget_s:.0f} s"
+        p = self.phases
+        if not p:
+            return line
+        parts = [f"probe {p.get('probe_s', 0):.0f} s", f"pass costs {p.get('costs_s', 0):.0f} s "
+                 f"({p.get('cost_rounds', 0)} rounds)"]
+        if "race_s" in p:
+            parts.append(f"race {p['race_s']:.0f} s ({p.get('race_rounds', 0)} rounds, stopped on "
+                         f"{p.get('race_stop', '?')})")
+        over = self.elapsed_s - self.budget_s
+        fixed = p.get("probe_s", 0) + p.get("costs_s", 0)
+        note = ""
+        if over > 0:
+            note = (f"; over budget by {over:.0f} s" + (": the probe and the minimum pass-cost rounds alone took "
+                                                       f"{fixed:.0f} s" if fixed > self.budget_s else ""))
+        return f"{line} ({', '.join(parts)}){note}"
 
     @property
     def source(self) -> str:
@@ -227,7 +339,7 @@ class TuneResult:
                 "acceptance_by_position": list(self.acceptance_by_position),
                 "prompt_kinds": list(self.prompt_kinds), "tokens_per_run": self.tokens_per_run,
                 "budget_s": self.budget_s, "elapsed_s": self.elapsed_s, "threads": self.threads,
-                "why": self.why, "overhead_ms": self.overhead_ms}
+                "why": self.why, "overhead_ms": self.overhead_ms, "phases": dict(self.phases)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TuneResult":
@@ -244,7 +356,7 @@ class TuneResult:
                    tuple(float(x) for x in d.get("acceptance_by_position", ())),
                    tuple(d.get("prompt_kinds", ())), int(d.get("tokens_per_run", 0)),
                    float(d.get("budget_s", 0)), float(d.get("elapsed_s", 0)), int(d.get("format", FORMAT)),
-                   _opt_int(d.get("threads")), str(d.get("why", "")), d.get("overhead_ms"))
+                   _opt_int(d.get("threads")), str(d.get("why", "")), d.get("overhead_ms"), dict(d.get("phases") or {}))
 
 
 def _opt_int(x) -> int | None:
@@ -266,9 +378,7 @@ def save_result(result: TuneResult, root: Path | None = None) -> Path:
     return path
 
 
-def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
-    """The stored result for exactly this key; None if absent, stale or unreadable."""
-    path = result_path(key, root)
+def _read(path: Path, key: dict) -> TuneResult | None:
     if not path.exists():
         return None
     try:
@@ -276,8 +386,28 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("ignoring unreadable tuning result %s (%s); re-tuning", path, e)
         return None
-    if result.format not in READ_FORMATS or result.key != key:
+    if result.format not in READ_FORMATS or not isinstance(result.key, dict) or identity(result.key) != identity(key):
         return None
+    return result
+
+
+def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
+    """The stored result for this key (the models however spelled: ``identity``); None if
+    absent, stale or unreadable. A result stored before session 7 under the spelled id
+    (``legacy_key``) is migrated: saved under this key (the old file is left as it was) and
+    returned with it."""
+    result = _read(result_path(key, root), key)
+    if result is not None:
+        return result
+    old = legacy_key(key)
+    found = _read(result_path(old, root), old) if old is not None else None
+    if found is None:
+        return None
+    result = replace(found, key=key)
+    try:
+        log.info("tuning result %s moved to the weights' key: %s", result_path(old, root), save_result(result, root))
+    except OSError as e:  # a read-only cache: use it as it is, move it another time
+        log.warning("could not move tuning result %s to the weights' key (%s)", result_path(old, root), e)
     return result
 
 
@@ -461,7 +591,7 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
          neighbours: Callable[[Key], Sequence[Key]] = lambda k: (), clock: Callable[[], float] = time.perf_counter,
          deadline: float = math.inf, min_rounds: int = 3, max_rounds: int = 12, clear_margin: float = 0.15,
          drop_margin: float = 0.03, note: Callable[[int, Key], None] | None = None,
-         keep: Sequence[Key] = ()) -> RaceResult:
+         keep: Sequence[Key] = (), cost: Callable[[Key], float] | None = None) -> RaceResult:
     """Time ``keys`` end to end, interleaved: every round runs every candidate still in the race
     once on the round's prompt (``run(key, prompt_index)`` -> tok/s), the order rotated by one
     each round (A B C, B C A, ...), so all candidates see the same machine. ``keys[0]`` is the
@@ -472,8 +602,14 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
     the model's choice the race is there to check) whose best round is below the
     leader's median by ``drop_margin``; add the leader's ``neighbours`` not timed yet, while the
     budget has room for their own ``min_rounds``; stop when the leader's median is ``clear_margin`` above every
-    other candidate's best round. Otherwise stop when the next round would pass ``deadline``
-    (never before ``min_rounds``) or after ``max_rounds``.
+    other candidate's best round. Otherwise stop after ``max_rounds``.
+
+    The deadline is checked before every round, the first included: the race stops when the next
+    round would end past ``deadline``, ``min_rounds`` or not (the caller plans the candidates so
+    that their minimum fits; a machine that slows down mid-race must not overrun the budget).
+    ``cost(key)`` is one run's estimated seconds (from the pass costs): a round is predicted as
+    the sum over the candidates in it, scaled by how the last round compared with its estimate;
+    without it, by the last round's time per candidate (the first round then always runs).
     """
     base = keys[0]
     alive = list(dict.fromkeys(keys))
@@ -481,7 +617,15 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
     ratio: dict = {k: [] for k in alive}
     dropped: dict = {}
     order: list = []
-    rounds, round_s, stop = 0, 0.0, "max rounds"
+    rounds, stop = 0, "max rounds"
+    last: tuple[float, float, int] | None = None  # the last round: seconds, its estimate, candidates
+
+    def predict_round(ks: Sequence[Key]) -> float:
+        """Seconds the next round over ``ks`` should take."""
+        if cost is not None:
+            scale = last[0] / last[1] if last and last[1] > 0 else 1.0
+            return scale * sum(cost(k) for k in ks)
+        return last[0] * len(ks) / last[2] if last else 0.0
 
     def enough() -> bool:
         return all(len(ratio[k]) >= min_rounds for k in alive)
@@ -495,7 +639,7 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
         return all(max(ratio[k]) < med[lead] * (1 - clear_margin) for k in alive if k != lead)
 
     while rounds < max_rounds:
-        if rounds and enough() and clock() + round_s > deadline:
+        if clock() + predict_round(alive) > deadline:
             stop = "budget"
             break
         tr = clock()
@@ -511,7 +655,7 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
             tps[key].append(got[key])
             ratio[key].append(got[key] / got[base] if got[base] > 0 else math.nan)
         rounds += 1
-        round_s = clock() - tr
+        last = (clock() - tr, sum(cost(k) for k in alive) if cost is not None else 0.0, len(alive))
         if rounds % judge_every or not enough():
             continue
         med, lead = standings()
@@ -519,12 +663,14 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
             if key not in (base, lead, *keep) and max(ratio[key]) < med[lead] * (1 - drop_margin):
                 alive.remove(key)
                 dropped[key] = f"dropped after {rounds} rounds"
-        new = [n for n in neighbours(lead) if n not in tps]
-        if new and clock() + min_rounds * round_s <= deadline:  # the measured leader's neighbours,
-            # while the budget has room for their own min_rounds (the predicted leader's always ran)
-            for n in new:
+        added = False
+        for n in neighbours(lead):  # the measured leader's neighbours, each while the budget has
+            # room for its own min_rounds in rounds with everyone else (the predicted leader's always ran)
+            if n not in tps and clock() + min_rounds * predict_round(alive + [n]) <= deadline:
                 alive.append(n)
                 tps[n], ratio[n] = [], []
+                added = True
+        if added:
             continue
         if len(alive) > 1 and clear():
             stop = "clear margin"
@@ -583,7 +729,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
 
     blas = blas or BLAS
     t0 = clock()
-    deadline = t0 + budget_s
+    deadline = t0 + (1 - BUDGET_RESERVE) * budget_s  # what the plan aims at: a round may run slow
     cands = sorted(set(candidates or default_candidates(pair.drafter.args.block_size)))
     prompts = prompts or interleave(builtin_prompts(CHAT_KINDS))
     encoded = [(p.id, p.kind, p.encode(pair.tokenizer)) for p in prompts]
@@ -603,36 +749,60 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     # Probe at the trained block: more masks than the drafter saw in training lower the early
     # positions too. Positions past it are untrained (counted as never accepted).
     probe_block = min(pair.drafter.args.block_size, cands[-1])
+    probe_share = 0.15
 
-    # 1. Pass costs: every candidate block at the main thread count, the probe block at the
+    # 1. Acceptance: deterministic at greedy on fixed prompts (a balanced mix of the kinds). Run
+    # first: it is fixed work (the same prompts every run, whatever the budget), and what it takes
+    # tells the rest of the sweep what a run costs here.
+    use(main_t)
+    runner = Runner(pair)
+    probe = []
+    for n, (_, _, ids) in enumerate(encoded[:max(1, probe_prompts)]):
+        probe.append(runner.run(Method("dflash", probe_block), ids, tokens))
+        frac(probe_share * (n + 1) / max(1, probe_prompts), "acceptance probe")
+    st = merge_stats([p.stats for p in probe])
+    acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
+    E = {B: expected_tokens(acc, B) for B in cands}
+    warm = probe[1:] or probe  # the first run pays one-time costs
+    probe_run_s = statistics.median(r.total_s for r in warm)
+    prefill_s = statistics.median(r.first_s for r in warm)
+    t_costs = clock()
+    phases = {"probe_s": round(t_costs - t0, 2)}
+
+    # 2. Pass costs: every candidate block at the main thread count, the probe block at the
     # others; many short rounds, interleaved across thread counts and rotated within a meter.
+    # ``MIN_COST_ROUNDS`` timed rounds always; up to ``cost_rounds[0]`` while the race's core still
+    # fits after the next round (plain at T1 so far and the probe's block at the probe's run time,
+    # a warm-up and ``min_rounds`` each), and past it also only within ``cost_share`` of the budget.
     meters = {t: CostMeter(pair.model, pair.target, pair.drafter, cands if t == main_t else [probe_block], context)
               for t in tlist}
     lo, hi = cost_rounds
-    r = 0
-    while r <= hi and (r <= lo or clock() - t0 < cost_share * budget_s):
+
+    def core_s() -> float:
+        plain_run = prefill_s + max(0, tokens - 1) * meters[main_t].costs().t1_ms / 1e3
+        return (min_rounds + 8 / max(1, tokens)) * (plain_run + probe_run_s)
+
+    floor = max(1, min(lo, MIN_COST_ROUNDS))
+    r, round_s = 0, 0.0
+    while r <= hi:
+        if r > floor and (clock() + round_s + core_s() > deadline
+                          or (r > lo and clock() - t_costs >= cost_share * budget_s)):
+            break
+        tr = clock()
         for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
             use(t)
 
             def step(d, n, m, j=j):
-                done = max((clock() - t0) / (cost_share * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
-                frac(cost_share * min(1.0, done), m)
+                done = max((clock() - t_costs) / (cost_share * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
+                frac(probe_share + cost_share * min(1.0, done), m)
             meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
         r += 1
+        round_s = clock() - tr
+    phases |= {"costs_s": round(clock() - t_costs, 2), "cost_rounds": r - 1}  # timed rounds (after the warm-up)
     all_costs = {t: m.costs() for t, m in meters.items()}
     costs = all_costs[main_t]
     smooth = costs.smoothed()
     use(main_t)
-
-    # 2. Acceptance: deterministic at greedy on fixed prompts (a balanced mix of the kinds).
-    runner = Runner(pair, costs=costs)
-    probe = []
-    for n, (_, _, ids) in enumerate(encoded[:max(1, probe_prompts)]):
-        probe.append(runner.run(Method("dflash", probe_block), ids, tokens))
-        frac(cost_share + 0.15 * (n + 1) / max(1, probe_prompts), "acceptance probe")
-    st = merge_stats([p.stats for p in probe])
-    acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
-    E = {B: expected_tokens(acc, B) for B in cands}
 
     def curve(t) -> Costs:
         """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the probe
@@ -659,7 +829,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                 out.append((run_.decode_s * 1e3 - model) / n)
         return out
 
-    o_probe = statistics.median(residuals(main_t, probe[1:] or probe, True) or [0.0])
+    o_probe = statistics.median(residuals(main_t, warm, True) or [0.0])
 
     def se(t, name: str, B: int) -> float:
         return median_se(meters[t].times.get((name, B)) or [])
@@ -708,8 +878,32 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         keys += [(1, by_thread[1]), (ranked[0], by_thread[1])]
     dflt = main_t if len(tlist) > 1 else None
     first = decide(candidates_of(predicted), default_threads=dflt, floor=noise_floor)
-    keys += [(first.block, first.threads)]  # what the tie rule would choose: the race checks it too
+    first_key = (first.block, first.threads)
+    keys += [first_key]  # what the tie rule would choose: the race checks it too
     keys = list(dict.fromkeys(keys))
+
+    def run_s(key: Key, n: int) -> float:
+        """Estimated seconds of one ``n``-token run (prefill as the probe's, the cycles from the
+        pass costs, the expected tokens and the probe's overhead)."""
+        B, t = key
+        per = _with_overhead(cycle_ms(t, B), o_probe) if B > 1 else all_costs[t].t1_ms
+        return prefill_s + max(0, n - 1) / (E[B] if B > 1 else 1.0) * per / 1e3
+
+    # Plan the race within what is left of the budget: in order of importance (plain, the
+    # model's choice, the predicted leader and runner-up, ...), a candidate is raced only if its
+    # warm-up and ``min_rounds`` rounds still fit. Without room for plain and one block, no race.
+    left = deadline - clock()
+    need, planned, unaffordable = 0.0, [], []
+    for k in dict.fromkeys([(1, lead_t), first_key] + [(B, lead_t) for B in ranked if (B, lead_t) in keys] + keys):
+        c = run_s(k, 8) + min_rounds * run_s(k, tokens)
+        if need + c <= left:
+            planned.append(k)
+            need += c
+        else:
+            unaffordable.append(k)
+    if len(planned) < 2 or planned[0] != (1, lead_t):
+        unaffordable, planned = list(dict.fromkeys(planned + unaffordable)), []
+    keys = [k for k in keys if k in planned]
 
     def neighbours(key: Key) -> list[Key]:
         """The next smaller and larger block at its thread count, and its block at the next
@@ -725,6 +919,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     def method(B: int) -> Method:
         return Method("plain") if B == 1 else Method("dflash", B)
 
+    start = clock()
+    race_share = 1 - cost_share - probe_share
     for B, t in keys:  # warm-up, discarded
         use(t)
         runner.run(method(B), encoded[0][2], 8)
@@ -738,17 +934,18 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         runs.setdefault(key, []).append(r)
         return _decode_rate(r)
 
-    start = clock()
-    race_share = 1 - cost_share - 0.15
-
     def timing(rnd: int, key: Key) -> None:
         done = (clock() - start) / max(1e-9, deadline - start)
         frac(1 - race_share + race_share * min(1.0, done), f"round {rnd + 1}: timing {_label(key)}")
 
-    res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
-               clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
-               clear_margin=clear_margin, note=timing, keep=[(first.block, first.threads)])
+    if keys:
+        res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
+                   clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
+                   clear_margin=clear_margin, note=timing, keep=[first_key], cost=lambda k: run_s(k, tokens))
+    else:
+        res = RaceResult({}, {}, (), {}, 0, (), "budget")
     log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
+    phases |= {"race_s": round(clock() - start, 2), "race_rounds": res.rounds, "race_stop": res.stop}
 
     # 4. Calibrate: the per-cycle overhead pooled over every drafted run at a thread count (the
     # main one's where another has too few), the plain loop's beyond T1 likewise.
@@ -781,9 +978,20 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                                  note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
                                  final=key in res.final, **common))
         else:
-            out.append(Candidate(B, False, note="; ".join(x for x in (other, "not raced") if x), **common))
+            why_not = "not raced: budget" if key in unaffordable else "not raced"
+            out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
     d = decide(out, default_threads=dflt, floor=noise_floor)
     best, best_t, why = d.block, d.threads, d.why
+    unaffordable = [k for k in unaffordable if not res.tps.get(k)]  # (a neighbour may have joined later)
+    if unaffordable:  # what the budget could not afford, and why
+        gone = _names([_label(k) for k in unaffordable])
+        why_budget = (f"{gone} not raced: {max(0.0, left):.0f} s of the budget left for the race, "
+                      f"{min_rounds} rounds of each would need ~"
+                      f"{sum(run_s(k, 8) + min_rounds * run_s(k, tokens) for k in unaffordable):.0f} s more")
+        if not planned:
+            why_budget = f"no race ({why_budget})"
+    else:
+        why_budget = ""
     over = race_check(res.ratio, (best, best_t))
     if over is not None:
         why = (f"the race overrode the model ({d.why}): {_label(over)} beat {_label((best, best_t))} in every one "
@@ -797,10 +1005,12 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             why += f"; not checked by the race ({res.dropped[(best, best_t)]})"
         elif n < CHECK_ROUNDS:
             why += f"; the race ran it {n} rounds, too few to overrule it ({CHECK_ROUNDS})"
+    if why_budget:
+        why += f"; {why_budget}"
     use(best_t)
     return TuneResult(tune_key(pair), best, datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       tuple(out), costs, tuple(round(x, 4) for x in acc), tuple(kinds),
-                      tokens, budget_s, round(clock() - t0, 2), FORMAT, best_t, why, round(o[main_t], 3))
+                      tokens, budget_s, round(clock() - t0, 2), FORMAT, best_t, why, round(o[main_t], 3), phases)
 
 
 def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None = None, *,

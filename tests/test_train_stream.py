@@ -274,6 +274,9 @@ def test_time_budget_ends_the_run(pair, tmp_path):
     assert out["batches"] == 1 and out["step"] == 1 and not out["stopped"]
     with pytest.raises(BadRequest, match="budget"):
         run_stream(_cfg(root, tdir, tmp_path / "none", tokens=None))
+    # 0 means "no budget of that kind": only a negative one is refused, and the message says so
+    with pytest.raises(BadRequest, match=r"^--minutes -1: a budget cannot be negative \(0 or left out: no budget"):
+        run_stream(_cfg(root, tdir, tmp_path / "neg", tokens=0, minutes=-1))
 
 
 def test_trainer_holds_no_copy_of_the_drafter():

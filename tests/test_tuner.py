@@ -274,17 +274,33 @@ def test_race_stops_on_a_clear_margin_and_not_on_a_close_one():
     assert res.stop == "max rounds" and res.rounds == 9
 
 
-def test_race_budget_bounds_optional_rounds_only():
-    clock = FakeClock()
+def test_race_deadline_bounds_every_round_the_minimum_ones_too():
+    """The deadline is checked before every round: ``min_rounds`` no longer run past it (the
+    session-5 tuner overran its 90 s by 12-30 s that way). Rounds are predicted from ``cost``
+    (one run's estimated seconds), scaled by how the last round compared with its estimate."""
     keys = [(1, None), (4, None), (8, None)]
     close = {(1, None): 10.0, (4, None): 14.0, (8, None): 13.8}
-    res = race(keys, _fake_runs(close, clock, 0.02), n_prompts=3, clock=clock, deadline=0.5, min_rounds=3,
-               max_rounds=12, clear_margin=0.15, drop_margin=0.5)
-    assert res.stop == "budget" and res.rounds == 3  # past the deadline at once, min_rounds still ran
+    kw = dict(n_prompts=3, min_rounds=3, max_rounds=12, clear_margin=0.15, drop_margin=0.5)
+    clock = FakeClock()
+    res = race(keys, _fake_runs(close, clock, 0.02), clock=clock, deadline=0.5, **kw)
+    assert res.stop == "budget" and res.rounds == 1  # no estimate: the first round runs, then it stops
     clock.t = 0.0
-    res = race(keys, _fake_runs(close, clock, 0.02), n_prompts=3, clock=clock, deadline=20.0, min_rounds=3,
-               max_rounds=12, clear_margin=0.15, drop_margin=0.5)
-    assert res.stop == "budget" and res.rounds == 6  # 3 s a round: a 7th would end past 20 s
+    res = race(keys, _fake_runs(close, clock, 0.02), clock=clock, deadline=0.5, cost=lambda k: 1.0, **kw)
+    assert res.stop == "budget" and res.rounds == 0 and clock.t == 0.0  # predicted past it: nothing runs
+    clock.t = 0.0
+    res = race(keys, _fake_runs(close, clock, 0.02), clock=clock, deadline=20.0, **kw)
+    assert res.stop == "budget" and res.rounds == 6 and clock.t <= 20.0  # 3 s a round: a 7th would end at 21 s
+    clock.t = 0.0  # a machine twice as slow as estimated: the second round is predicted at 6 s, not 3
+    res = race(keys, _fake_runs(close, clock, 0.02, seconds=2.0), clock=clock, deadline=10.0, cost=lambda k: 1.0,
+               **kw)
+    assert res.stop == "budget" and res.rounds == 1 and clock.t == 6.0
+    # the leader's neighbours join only while their own min_rounds fit with everyone else's
+    truth = {(1, None): 10.0, (4, None): 14.0, (5, None): 16.0, (8, None): 11.0}
+    clock.t = 0.0
+    res = race([(1, None), (4, None), (8, None)], _fake_runs(truth, clock, 0.01), clock=clock, deadline=13.0,
+               neighbours=lambda k: [(5, None)] if k == (4, None) else [], cost=lambda k: 1.0,
+               **{**kw, "judge_every": 1, "clear_margin": 0.9})
+    assert (5, None) not in res.tps and clock.t <= 13.0  # 3 more rounds of 4 runs would end at 21 s
 
 
 def test_race_times_the_leaders_neighbours_and_drops_clear_losers():
@@ -316,6 +332,81 @@ def pair(tmp_path_factory):
 
     t, d = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     return load_pair(str(t), str(d))
+
+
+def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, monkeypatch):
+    """One key for the same weights however the command names them: the folder's path, a
+    relative path, a symlink, a copy (new mtimes), the default target's id and its cache
+    folder, a Hugging Face repo id and its local snapshot. (The key held the id as spelled:
+    each spelling re-tuned.) Changed weights or config give another key."""
+    import shutil
+    from dataclasses import replace
+    from pathlib import Path
+
+    import huggingface_hub.constants
+
+    from mlx_spec.config import LoadConfig
+    from mlx_spec.default_target import CACHE_ENV, DEFAULT_TARGET_ID
+    from mlx_spec.session import _stored_result
+    from mlx_spec.tuner import weights_id
+
+    t = Path(pair.target_id)
+    cache = tmp_path / "cache"
+    shutil.copytree(t, cache / "models" / f"{DEFAULT_TARGET_ID}-f32")
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(t, snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "link").symlink_to(t)
+    monkeypatch.chdir(t.parent)
+    spellings = [str(t), t.name, str(tmp_path / "link"), DEFAULT_TARGET_ID,
+                 str(cache / "models" / f"{DEFAULT_TARGET_ID}-f32"), "org/tiny", str(snap)]
+    assert len({weights_id(x) for x in spellings}) == 1 and weights_id(str(t)) is not None
+    keys = [tune_key(replace(pair, target_id=x)) for x in spellings]
+    assert len({key_hash(k) for k in keys}) == 1 and keys[3]["target"]["id"] == DEFAULT_TARGET_ID  # (shown)
+    # stored under one spelling, found under every other: after loading and before (session)
+    save_result(_result(keys[3], best=6))
+    for x in spellings:
+        assert load_result(tune_key(replace(pair, target_id=x))).best == 6
+        assert _stored_result(LoadConfig(target=x), pair.drafter_id).best == 6, x
+    # other weights (a retrained checkpoint: same names, sizes, config) or another config: another key
+    other = tmp_path / "retrained"
+    shutil.copytree(t, other)
+    w = other / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    n = 8 + int.from_bytes(data[:8], "little")
+    data[n:n + 16] = bytes(16)
+    w.write_bytes(bytes(data))
+    assert weights_id(str(other)) != weights_id(str(t))
+    cfg = json.loads((other / "config.json").read_text())
+    shutil.copy(t / "model.safetensors", w)
+    assert weights_id(str(other)) == weights_id(str(t))
+    (other / "config.json").write_text(json.dumps(cfg | {"rope_theta": 1.0}))
+    assert weights_id(str(other)) != weights_id(str(t))
+
+
+def test_results_under_the_old_spelled_key_are_migrated(pair, tmp_path, caplog):
+    """A result stored before the weights' key (keyed by the spelled id and a hash of the path,
+    sizes and mtimes) still loads: it is saved under the new key on first read (the old file is
+    left as it was) and every spelling finds it from then on."""
+    import logging
+    from dataclasses import replace
+
+    from mlx_spec.tuner import legacy_key
+
+    key = tune_key(pair)
+    old = legacy_key(key)
+    assert old["target"]["id"] == pair.target_id and "hash" in old["target"] and "weights" not in old["target"]
+    assert result_path(old, tmp_path) != result_path(key, tmp_path)
+    old_path = save_result(_result(old, best=5), tmp_path)
+    with caplog.at_level(logging.INFO, logger="mlx_spec.tuner"):
+        got = load_result(key, tmp_path)
+    assert got.best == 5 and got.key == key and "moved to the weights' key" in caplog.text
+    assert result_path(key, tmp_path).exists() and old_path.exists()
+    assert load_result(tune_key(replace(pair, target_id=pair.target_id + "/")), tmp_path).best == 5
+    assert legacy_key({"machine": {}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}) is None
 
 
 def test_first_launch_tunes_once_then_reads_the_store(pair, tmp_path):
@@ -357,15 +448,21 @@ def test_tune_on_tiny_pair_is_bounded_and_stored(pair, tmp_path):
     assert load_result(r.key, tmp_path) == r
 
 
-def test_a_tiny_budget_still_runs_min_rounds(pair):
-    """The budget bounds the optional rounds only: a close race is never decided by one noisy
-    round; a clear one (every other candidate's best round 15 % below the leader) may stop."""
-    r = tune(pair, budget_s=0.01, tokens=4, candidates=[2, 3], min_rounds=3, max_rounds=6,
-             clear_margin=1.0)  # nothing is ever "clear": min_rounds must run
-    assert all(c.rounds >= 3 for c in r.candidates if c.measured)
-    quick = tune(pair, budget_s=0.01, tokens=4, candidates=[2, 3], min_rounds=3, max_rounds=6,
-                 clear_margin=-10.0, threads=[None])  # everything is "clear": it stops at the first judgement
-    assert {c.rounds for c in quick.candidates if c.measured} == {3}
+def test_a_tiny_budget_skips_the_race_and_says_so(pair):
+    """A budget the race cannot fit (plain and one block, warm-up and min_rounds each, priced
+    from the measured pass costs) is not raced at all: the model decides, ``why`` names every
+    candidate the budget could not afford, the rows say "not raced: budget", and the result
+    reports the time taken against the budget (the probe and the minimum pass-cost rounds are
+    fixed work: a budget below them is overrun, and says so)."""
+    r = tune(pair, budget_s=0.01, tokens=4, candidates=[2, 3], min_rounds=3, max_rounds=6, threads=[None])
+    assert not any(c.measured for c in r.candidates)
+    assert all(c.note == "not raced: budget" for c in r.candidates)
+    gone = r.why.split("no race (", 1)[1]
+    assert gone.startswith("plain, B=") and "B=2" in gone and "B=3" in gone, r.why  # (in the model's order)
+    assert " not raced: 0 s of the budget left for the race, 3 rounds of each would need ~" in gone
+    assert r.phases["race_rounds"] == 0 and r.phases["cost_rounds"] == 3  # the minimum, no more
+    assert r.timing.startswith(f"{r.elapsed_s:.0f} s of 0 s (probe ") and "over budget by" in r.timing
+    assert "the probe and the minimum pass-cost rounds alone took" in r.timing
 
 
 def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
@@ -384,7 +481,8 @@ def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
     seen = []
     fake_blas = type("B", (), {"settable": True, "pinned": None})()
     monkeypatch.setattr(T, "set_threads", lambda b, n: seen.append(n) or n)
-    r = tune(pair, budget_s=1.0, tokens=4, candidates=[2, 3, 4], threads=[1, 2], blas=fake_blas, clock=clock)
+    # (the fake clock stands still while the real tiny pair runs: a budget wide enough for every plan)
+    r = tune(pair, budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[1, 2], blas=fake_blas, clock=clock)
     keys = timed[0]
     lead_t = keys[0][1]
     assert keys[0][0] == 1  # plain at the leading thread count is the baseline
@@ -409,7 +507,7 @@ def test_the_race_overrides_the_model_only_on_every_round(pair, monkeypatch):
         return race(keys, lambda k, i: {1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]], **{**kw, "clock": FakeClock()})
 
     monkeypatch.setattr(T, "race", fake_race)
-    kw = dict(budget_s=1.0, tokens=4, candidates=[2, 3, 4], threads=[None], clear_margin=0.9, clock=FakeClock())
+    kw = dict(budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[None], clear_margin=0.9, clock=FakeClock())
     r = tune(pair, max_rounds=6, **kw)
     assert decide(r.candidates).block == 1 and r.best == 4
     assert r.why.startswith("the race overrode the model (off: ") and "B=4 beat plain in every one of 6" in r.why
@@ -424,11 +522,12 @@ class _Machine:
 
     acc = [0.6, 0.5, 0.6, 0.7, 0.5, 0.6, 0.5]  # conditional acceptance by position (8 trained rows)
 
-    def __init__(self, clock, seed, noise=0.08):
-        self.clock, self.rng, self.noise, self.threads = clock, random.Random(seed), noise, 2
+    def __init__(self, clock, seed, noise=0.08, slow=1.0):
+        self.clock, self.rng, self.noise, self.threads, self.slow = clock, random.Random(seed), noise, 2, slow
 
     def ms(self, name, B):
         base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name] * (1.2 if self.threads == 1 else 1.0)
+        base *= self.slow  # a busy machine: everything slower
         x = base * math.exp(self.rng.gauss(0, self.noise))
         return x * self.rng.uniform(1.5, 3.0) if self.rng.random() < 0.125 else x
 
@@ -503,6 +602,35 @@ def test_tune_chooses_the_same_block_across_seeds_of_noise(pair, monkeypatch):
         c8 = next(c for c in r.candidates if (c.block, c.threads) == (8, 2))
         assert c8.tau == pytest.approx(expected_tokens(r.acceptance_by_position, 8), abs=1e-3)
     assert got == {(8, 2)}
+
+
+def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
+    """The whole of ``tune`` on the scripted machine (fake clock): it ends within its budget at
+    every size, the race planned from the measured pass costs. At 30 s the race cannot afford
+    every candidate: those left out are named in ``why`` and marked "not raced: budget"; on a
+    machine 5x slower, fewer pass-cost rounds. (The session-5 tuner ran its minimum race rounds
+    past any deadline: 90 s took 102-120 s; here 45 s took ~60 s and 30 s ~55 s.)"""
+    import mlx_spec.tuner as T
+
+    fake_blas = type("B", (), {"settable": True, "pinned": None})()
+    for budget, slow in ((90.0, 1.0), (45.0, 1.0), (30.0, 1.0), (90.0, 5.0)):
+        clock = FakeClock()
+        m = _Machine(clock, 0, slow=slow)
+        monkeypatch.setattr(T, "CostMeter", m.meter)
+        monkeypatch.setattr(T, "Runner", m.runner)
+        monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
+        r = tune(pair, budget_s=budget, tokens=24, candidates=[2, 3, 4, 5, 6, 8, 10], threads=[1, 2],
+                 blas=fake_blas, clock=clock)
+        assert r.elapsed_s <= budget and clock.t <= budget, (budget, r.timing)
+        assert r.timing.startswith(f"{r.elapsed_s:.0f} s of {budget:.0f} s (probe ") and "over budget" not in r.timing
+        if slow > 1:  # 5x slower (the probe alone ~40 s): 3 or 4 pass-cost rounds, not an overrun
+            assert r.phases["cost_rounds"] in (3, 4), r.timing
+            continue
+        assert r.phases["cost_rounds"] >= 5 and r.phases["race_rounds"] >= 1  # (5: while the budget allows)
+        if budget == 30.0:
+            left_out = [c for c in r.candidates if c.note.endswith("not raced: budget")]
+            assert left_out and "not raced: " in r.why and "s of the budget left for the race" in r.why
+            assert all(c.rounds == 0 for c in left_out)
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):

@@ -33,10 +33,10 @@ def run(args) -> int:
         return 0
     failed = 0
     for path, state, proc in targets:
+        launcher = process.launcher_of(state, proc) if state.group is not None else None
         try:
             if state.group is not None:  # rank 0 first (it shuts the group down), then the rest
-                left = process.terminate_group(state.group.get("ranks", []), process.launcher_of(state, proc),
-                                               timeout=args.timeout)
+                left = process.terminate_group(state.group.get("ranks", []), launcher, timeout=args.timeout)
             else:
                 left = process.terminate(proc, timeout=args.timeout)
         except psutil.AccessDenied:
@@ -50,7 +50,7 @@ def run(args) -> int:
         path.unlink(missing_ok=True)
         if state.group is not None:
             ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in state.group.get("ranks", []))
-            gone = "" if process.launcher_of(state, proc) else " (already gone)"
+            gone = "" if launcher else " (already gone)"
             print(f"stopped group server: mlx.launch pid {state.pid}{gone} and {ranks or 'no rank on this machine'} "
                   f"({state.url})")
         else:

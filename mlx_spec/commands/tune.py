@@ -68,7 +68,7 @@ def run(args) -> int:
         print(json.dumps(result.as_dict() | {"path": str(path)}))
         return 0
     print(f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
-          f"{result.tokens_per_run} tokens per run | {result.elapsed_s:.0f} s of {budget:.0f} s")
+          f"{result.tokens_per_run} tokens per run | {result.timing}")
     print(table(result))
     best = ("off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
             "starts DFlash resting and keeps its lookup drafts)" if result.best == 1 else f"block size {result.best}") \

@@ -302,8 +302,11 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     say = say or log.info
     if not cfg.tokens and not cfg.minutes:
         raise BadRequest("give a budget: --tokens N and/or --minutes M")
-    if (cfg.tokens is not None and cfg.tokens < 0) or (cfg.minutes is not None and cfg.minutes < 0):
-        raise BadRequest(f"--tokens and --minutes must be > 0 (got {cfg.tokens}, {cfg.minutes})")
+    negative = [f"--{n} {v:g}" for n, v in (("tokens", cfg.tokens), ("minutes", cfg.minutes))
+                if v is not None and v < 0]
+    if negative:
+        raise BadRequest(f"{' and '.join(negative)}: a budget cannot be negative (0 or left out: no budget of that "
+                         "kind; give at least one of --tokens N, --minutes M above 0)")
     if cfg.batch_size < 1 or cfg.max_tokens < 2 or cfg.steps_per_batch < 0 or cfg.replay_mb <= 0:
         raise BadRequest("--batch-size >= 1, --max-tokens >= 2, --steps-per-batch >= 0 and --replay-mb > 0")
     stop = stop or threading.Event()
