@@ -375,8 +375,13 @@ class DraftPolicy:
         the next ``observe`` scores the lookup by: the loop asks it one token ahead, to queue the
         next plain step before it reads the current one (a pipelined run of plain steps), and
         then calls ``choose`` with the same ``ctx``."""
+        return self.peek(ctx).source == PLAIN
+
+    def peek(self, ctx: Context) -> Decision:
+        """What ``choose(ctx)`` would decide, changing nothing but that context (``stays_plain``);
+        the batched decoder asks it one step ahead, then lets the batch decide."""
         self._ctx = ctx
-        return self._plan(ctx, self._options(ctx)).source == PLAIN
+        return self._plan(ctx, self._options(ctx))
 
     def _options(self, ctx: Context) -> dict[str, tuple[int, float]]:
         """``options(ctx)``, computed once per context between two ``observe`` calls (the loop

@@ -697,13 +697,31 @@ class _Curve(NamedTuple):
         return expected_tokens(self.probs, L)
 
 
+class StepCost(NamedTuple):
+    """What a batched step costs, in ms: ``base + row*rows + prefill_row*prefill rows +
+    seq*drafting sequences + draft_seq*sequences in the drafter pass + drafter_pass*[it runs]``
+    (``BatchPolicy`` fits it to measured steps)."""
+
+    base: float
+    row: float
+    prefill_row: float
+    seq: float  # a drafting sequence's own attention call and acceptance, beyond its rows
+    draft_seq: float  # a sequence in the drafter pass
+    drafter_pass: float  # the drafter pass itself, when one runs
+
+    def __call__(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
+        seqs = drafting if seqs is None else seqs
+        return (self.base + self.row * rows + self.prefill_row * extra + self.seq * seqs
+                + self.draft_seq * drafting + (self.drafter_pass if drafting else 0.0))
+
+
 class BatchPolicy:
     """Which sequences draft this step, and how long their blocks are.
 
-    Step cost is modelled as ``a + b*rows + f*prefill rows + c*drafting + e*[a drafter pass runs]``
-    (rows: the decoding sequences' packed rows; drafting: sequences in the drafter pass, which
-    runs once for all of them), fitted by ridge least squares to the last ``window`` measured
-    steps, the drafter pass apart from the rest (prior ratios ``prior``, in units of a).
+    Step cost is a ``StepCost`` (rows: the decoding sequences' packed rows; the drafter pass runs
+    once for all its sequences), ``costs``, fitted by ridge least squares to the last ``window``
+    measured steps, the drafter pass apart from the rest (prior ``prior`` = base, per row, per
+    sequence in the drafter pass, the pass; in units of the base).
     Candidates are ranked by expected extra tokens per extra millisecond, each at its best block
     length up to its wish; the step takes the prefix of that ranking (none = a plain step for
     everyone) with the most expected tokens per millisecond, then lengthens or shortens each
@@ -725,7 +743,8 @@ class BatchPolicy:
                  probe_every: int = 8, max_probe_every: int = 64):
         self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
-        self.theta, self._extra, self._seq = self.prior, self.prior[1], 0.0
+        a, b, c, e = self.prior
+        self.costs = StepCost(a, b, b, 0.0, c, e)
         self.probe_every, self.max_probe = probe_every, max_probe_every
         self.optimism = Acceptance(16)  # what a sequence due for a probe is judged at (at least)
         # after this many drafting steps in a row, one plain step: the fit must see what the
@@ -738,7 +757,7 @@ class BatchPolicy:
         ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
         from any source (default ``drafting``)."""
         self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs))
-        self.theta, self._extra, self._seq = self._fit()
+        self.costs = self._fit()
 
     def _fit(self):
         """Two ridge fits, so that neither phase hides in the other's intercept (a batch that
@@ -748,8 +767,7 @@ class BatchPolicy:
         sequence costs its own attention call and acceptance beyond its rows); the drafter pass,
         where one ran, on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to
         settle what the steps cannot tell apart (rows always 8: intercept vs per-row), weak enough
-        that 64 steps are not biased. Returns ((a, b, c, e), prefill rows' slope, per drafting
-        sequence in the target pass)."""
+        that 64 steps are not biased."""
         import numpy as np
 
         def ridge(X, y, p, lam):
@@ -767,14 +785,12 @@ class BatchPolicy:
                               np.array([pe, pc]) * (a / pa), [0.25, 1.0])
         else:
             e, c = pe * a / pa, pc * a / pa
-        return (float(a), float(b), float(max(c, 0.0)), float(max(e, 0.0))), float(f), float(g)
+        return StepCost(float(a), float(b), float(f), float(g), float(max(c, 0.0)), float(max(e, 0.0)))
 
     def cost(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
         """Predicted ms of a step of ``rows`` decoding rows (``drafting`` of the sequences in the
         drafter pass, ``seqs`` drafting in all, default ``drafting``) and ``extra`` prefill rows."""
-        a, b, c, e = self.theta
-        seqs = drafting if seqs is None else seqs
-        return a + b * rows + self._extra * extra + self._seq * seqs + c * drafting + (e if drafting else 0.0)
+        return self.costs(rows, drafting, extra, seqs)
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
@@ -792,9 +808,18 @@ class BatchPolicy:
         self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
         return L
 
+    def would_step_plain(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
+                         probes: Sequence[int], passes: Sequence[bool]) -> bool:
+        """Would ``choose`` (with no prefill rows) give every sequence a plain step? Nothing changes."""
+        if len(wants) == 1 or max(wants, default=1) <= 1:
+            return max(wants, default=1) <= 1
+        if self._drafted_run >= self.explore_every:
+            return True
+        return max(self._choose(wants, accs, plain_runs, probes, 0, list(passes)), default=1) <= 1
+
     def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
         n = len(wants)
-        _, b, c, _ = self.theta
+        b, c = self.costs.row, self.costs.draft_seq
         L = [1] * n
         rows, drafting, tokens = n, 0, float(n)
         x = extra_rows
@@ -802,7 +827,7 @@ class BatchPolicy:
         for i, w in enumerate(wants):
             if w <= 1:
                 continue
-            ci = (c if passes[i] else 0.0) + self._seq
+            ci = (c if passes[i] else 0.0) + self.costs.seq
             if plain_runs[i] >= probes[i]:  # due for a probe: judged at least at the prior's acceptance
                 gains = [max(accs[i].expected(k), self.optimism.expected(k)) - 1 for k in range(2, w + 1)]
             else:
@@ -895,10 +920,14 @@ class BatchDecoder:
             prefill is spread over steps so the others keep going); ``prefill_step`` when the
             batch has nothing else to do.
         policy: the per-step ``BatchPolicy`` (a fresh default one if None).
+        pipeline: queue the next plain step before reading this one's tokens when every sequence
+            stays plain (greedy, no joiner prefilling, attention-only targets), as mlx-lm's
+            ``BatchGenerator`` does: the host's work on a step overlaps the next step's pass.
     """
 
     def __init__(self, target: Target, drafter=None, *, block_size: int = 1, max_batch: int = 8,
-                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None):
+                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None,
+                 pipeline: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if max_batch < 1:
@@ -910,17 +939,20 @@ class BatchDecoder:
         # one drafter pass for all drafting sequences when our mirror of its layers checks out
         self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
         self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
-        log.info("batched attention: %s; drafter: %s", self.attention,
-                 "none" if drafter is None else "one pass for all" if self.packed_drafter else "per sequence")
+        log.log(logging.INFO if self.kv is not None else logging.WARNING, "batched attention: %s; drafter: %s",
+                self.attention, "none" if drafter is None else "one pass for all" if self.packed_drafter else "per sequence")
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
         self.policy = policy or BatchPolicy()
+        self.pipeline = pipeline and not target.gdn  # (a hybrid's GDN state is evaluated after every step)
+        self._queued: _Queued | None = None  # a plain step queued ahead (pipeline)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count(1)
         # observability (plain values; the engine copies them)
         self.batch_sizes: dict[int, int] = {}
         self.steps = {"plain": 0, "drafted": 0}
+        self.pipelined = 0  # plain steps queued ahead of the step before them (pipeline)
         self._since_clear = 0
 
     def __len__(self) -> int:
@@ -953,7 +985,7 @@ class BatchDecoder:
             dcache = prefill.drafter if prefill else self.drafter.make_cache()
         index = None
         if speculate and policy is not None and LOOKUP in policy.sources:
-            index = SuffixIndex(prompt, lookup_ngram)
+            index = SuffixIndex(prompt, lookup_ngram, stop=eos_ids)
         seed = sampling.seed if sampling.seed is not None else time.time_ns() % 2**31
         sid = next(self._ids)
         self._seqs[sid] = _Seq(
@@ -993,16 +1025,18 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wish(self, s: _Seq) -> Decision:
-        """What the sequence would do alone this cycle (its own policy / controller)."""
+    def _wish(self, s: _Seq, peek: bool = False) -> Decision | None:
+        """What the sequence would do alone this cycle (its own policy / controller). ``peek``:
+        what its policy would choose, nothing counted (None where a controller decides)."""
         room = s.max_tokens - s.n
         s.ctx = None
         if not s.speculate:
             d = Decision(PLAIN, 1)
         elif s.policy is not None:
-            look, match = s.index.propose(min(s.policy.max_lookup, room - 1)) if s.index is not None else ([], 0)
-            s.ctx = Context(tuple(look), match, room, s.sampling.greedy)
-            d = s.policy.choose(s.ctx)
+            s.ctx = self._context(s)
+            d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
+        elif peek:
+            return None
         elif s.controller is not None:
             d = Decision(DFLASH, s.controller(s.prev))
         else:
@@ -1011,6 +1045,13 @@ class BatchDecoder:
         if d.source == LOOKUP:
             L = min(L, len(s.ctx.lookup) + 1)
         return Decision(d.source if L > 1 else PLAIN, L, d.probe)
+
+    @staticmethod
+    def _context(s: _Seq) -> Context:
+        """What the sequence's policy decides its next cycle from (its lookup proposal)."""
+        room = s.max_tokens - s.n
+        look, match = s.index.propose(min(s.policy.max_lookup, room - 1)) if s.index is not None else ([], 0)
+        return Context(tuple(look), match, room, s.sampling.greedy)
 
     @staticmethod
     def _acceptance(s: _Seq, d: Decision):
@@ -1026,10 +1067,21 @@ class BatchDecoder:
 
     def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
         wish = [self._wish(s) for s in decoding]
-        blocks = self.policy.choose([d.length for d in wish], [self._acceptance(s, d) for s, d in zip(decoding, wish)],
-                                    [s.plain_run for s in decoding], [s.probe_every for s in decoding],
-                                    extra_rows, [d.source == DFLASH for d in wish])
+        blocks = self.policy.choose(*self._asks(decoding, wish), extra_rows, [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
+
+    def _asks(self, decoding: list[_Seq], wish: list[Decision]) -> tuple:
+        """What ``BatchPolicy.choose`` weighs: the wished lengths, the acceptances they are judged
+        by, the plain runs and the probe spacings."""
+        return ([d.length for d in wish], [self._acceptance(s, d) for s, d in zip(decoding, wish)],
+                [s.plain_run for s in decoding], [s.probe_every for s in decoding])
+
+    def _plain_next(self, decoding: list[_Seq]) -> bool:
+        """Would the next step be plain for every sequence (asked now, nothing counted)?"""
+        wish = [self._wish(s, peek=True) for s in decoding]
+        if any(d is None for d in wish):
+            return False
+        return self.policy.would_step_plain(*self._asks(decoding, wish), [d.source == DFLASH for d in wish])
 
     @staticmethod
     def _conf(s: _Seq) -> bool:
@@ -1044,6 +1096,9 @@ class BatchDecoder:
 
     def _step(self) -> list[tuple[int, Step]]:
         t0 = time.perf_counter()
+        q, self._queued = self._queued, None
+        if q is not None and any(self._seqs.get(s.id) is s for s in q.seqs):
+            return self._run_queued(q, t0)
         decoding = [s for s in self._seqs.values() if s.anchor_id >= 0]
         if self.kv is not None:  # the rows' segments first, in slot order
             decoding.sort(key=lambda s: s.row.slot)
@@ -1115,6 +1170,9 @@ class BatchDecoder:
         choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
                   if greedy else None)
         mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
+        ahead = None
+        if not prefilling and all(L == 1 for L in blocks) and len(greedy) == len(decoding):
+            ahead = self._queue(decoding, [choice[k:k + 1] for k in range(len(decoding))])
 
         results: list[tuple[int, Step]] = []
         finished: list[_Seq] = []
@@ -1140,23 +1198,12 @@ class BatchDecoder:
                 s.pending.append(out.hidden[:, : a + 1])
             s.fed.append(s.anchor_id)
             s.fed.extend(draft_list[:a])
-            committed, reason = _finish(draft_list[:a] + [bonus], s.n, s.max_tokens, s.eos)
-            s.n += len(committed)
-            if s.index is not None:
-                s.index.extend(committed)
-            s.anchor_id = bonus
-            s.acc.observe(L - 1, a)
-            if L > 1:
-                s.plain_run = 0
-                gained = a > 0
-                s.probe_every = self.policy.probe_every if gained else min(self.policy.max_probe, s.probe_every * 2)
-            else:
-                s.plain_run += 1
-            step = Step(tuple(committed), drafted=L - 1, accepted=a, block_size=L,
-                        draft_ms=(td - t0) * 1e3 if decisions[k].source == DFLASH else 0.0,
-                        finish_reason=reason, source=decisions[k].source)
+            step = self._commit(s, draft_list[:a], bonus, L, a, decisions[k].source,
+                                (td - t0) * 1e3 if decisions[k].source == DFLASH else 0.0)
+            if ahead is not None:
+                self._fed_ahead(s, ahead.outs[k])
             results.append((s.id, step))
-            if reason is not None:
+            if step.finish_reason is not None:
                 finished.append(s)
         if self.target.gdn:
             mx.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.target.gdn])
@@ -1190,24 +1237,109 @@ class BatchDecoder:
                 for s, _ in chunks:
                     if s.anchor_id >= 0 and s not in finished:
                         s.row = self.kv.join(s.cache)
+        self._queued = ahead
+        return self._close(t0, results, finished, len(decoding), bool(chunks), blocks, extra, ran,
+                           (td - tc) * 1e3 if ran else 0.0, verify_ms, rollback_s * 1e3)
+
+    # -- a pipelined run of plain steps ---------------------------------------------------------
+    def _queue(self, decoding: list[_Seq], tokens: list[mx.array]) -> "_Queued | None":
+        """Queue the next step now, fed ``tokens`` (each sequence's token of the step in flight,
+        still lazy), when it will be a plain step for every sequence: each one's policy stays plain
+        (asked one token ahead, as ``spec_steps`` does in a plain run: its lookup context lags one
+        token) and has room for two more tokens. The step's K/V rows are written when it runs; the
+        tokens that feed it join ``fed`` (and its features ``pending``) as soon as they are read
+        (``_fed_ahead``), so the caches agree with them between steps; a sequence that ends (EOS,
+        a stop string, a cancel) leaves with that row, its last token fed, as ``spec_steps`` does."""
+        if not self.pipeline or not decoding:
+            return None
+        if any(s.n + 2 > s.max_tokens or not s.sampling.greedy for s in decoding):
+            return None
+        if self.kv is not None and len(self.kv.rows) != len(decoding):
+            return None
+        if not self._plain_next(decoding):
+            return None
+        decisions = self._choose(decoding, 0)  # (now the policies count the step as chosen)
+        if any(d.source != PLAIN for d in decisions):
+            return None
+        segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
+        outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
+        choice = mx.argmax(mx.concatenate([o.logits for o in outs]), axis=-1)
+        mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
+        self.pipelined += 1
+        return _Queued(list(decoding), outs, choice)
+
+    @staticmethod
+    def _fed_ahead(s: _Seq, out: SegOut) -> None:
+        """``s``'s new anchor feeds the step queued ahead: its K/V row is (being) written."""
+        s.fed.append(s.anchor_id)
+        if s.dcache is not None:
+            s.pending.append(out.hidden)
+
+    def _run_queued(self, q: "_Queued", t0: float) -> list[tuple[int, Step]]:
+        """Read the step queued ahead (after queuing the next one, when it stays plain too)."""
+        live = sorted(((k, s) for k, s in enumerate(q.seqs) if self._seqs.get(s.id) is s),
+                      key=lambda ks: ks[1].row.slot if ks[1].row is not None else ks[0])
+        decoding = [s for _, s in live]
+        prefilling = any(s.anchor_id < 0 for s in self._seqs.values())
+        ahead = None if prefilling else self._queue(decoding, [q.choice[k:k + 1] for k, _ in live])
+        tw = time.perf_counter()
+        flat = q.choice.tolist()  # the queued pass ends here
+        verify_ms = (time.perf_counter() - tw) * 1e3
+        results, finished = [], []
+        for j, (k, s) in enumerate(live):
+            step = self._commit(s, [], flat[k], 1, 0, PLAIN, 0.0)
+            if ahead is not None:
+                self._fed_ahead(s, ahead.outs[j])
+            results.append((s.id, step))
+            if step.finish_reason is not None:
+                finished.append(s)
+        self._queued = ahead
+        return self._close(t0, results, finished, len(decoding), False, [1] * len(decoding), 0, 0, 0.0,
+                           verify_ms, 0.0)
+
+    # -- committing a step ------------------------------------------------------------------------
+    def _commit(self, s: _Seq, accepted: list[int], bonus: int, L: int, a: int, source: str,
+                draft_ms: float) -> Step:
+        """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
+        index, its new anchor, its acceptance and probe spacing."""
+        committed, reason = _finish(accepted + [bonus], s.n, s.max_tokens, s.eos)
+        s.n += len(committed)
+        if s.index is not None:
+            s.index.extend(committed)
+        s.anchor_id = bonus
+        s.acc.observe(L - 1, a)
+        if L > 1:
+            s.plain_run = 0
+            gained = a > 0
+            s.probe_every = self.policy.probe_every if gained else min(self.policy.max_probe, s.probe_every * 2)
+        else:
+            s.plain_run += 1
+        return Step(tuple(committed), drafted=L - 1, accepted=a, block_size=L, draft_ms=draft_ms,
+                    finish_reason=reason, source=source)
+
+    def _close(self, t0: float, results: list, finished: list, n_decoding: int, prefilled: bool,
+               blocks: list[int], extra: int, ran: int, draft_ms: float, verify_ms: float,
+               rollback_ms: float) -> list[tuple[int, Step]]:
+        """The step's bookkeeping: the cost fit, the counters, each decoding Step's timings and its
+        policy's lesson, finished sequences out (their caches to ``on_exit``)."""
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)
-        self.policy.observe(sum(blocks), ran, elapsed, (td - tc) * 1e3 if ran else 0.0, extra, drafting)
-        if decoding:
-            self.batch_sizes[len(decoding)] = self.batch_sizes.get(len(decoding), 0) + 1
+        self.policy.observe(sum(blocks), ran, elapsed, draft_ms, extra, drafting)
+        if n_decoding:
+            self.batch_sizes[n_decoding] = self.batch_sizes.get(n_decoding, 0) + 1
             self.steps["drafted" if drafting else "plain"] += 1
         out_steps = []
         for sid, st in results:
             if not st.prefill:
                 st = Step(st.tokens, drafted=st.drafted, accepted=st.accepted, block_size=st.block_size,
-                          draft_ms=st.draft_ms, verify_ms=verify_ms, rollback_ms=rollback_s * 1e3,
+                          draft_ms=st.draft_ms, verify_ms=verify_ms, rollback_ms=rollback_ms,
                           elapsed_ms=elapsed, finish_reason=st.finish_reason, source=st.source)
                 s = self._seqs[sid]
                 s.prev = st
                 if s.policy is not None:
                     # A sequence's own policy learns acceptance; step costs under a batch are the
                     # batch's (BatchPolicy's business), so it sees them only when it ran alone.
-                    s.policy.observe(st if len(decoding) == 1 and not chunks else untimed(st))
+                    s.policy.observe(st if n_decoding == 1 and not prefilled else untimed(st))
             out_steps.append((sid, st))
         for s in finished:
             self._seqs.pop(s.id, None)
@@ -1218,6 +1350,15 @@ class BatchDecoder:
             self._since_clear = 0
             mx.clear_cache()
         return out_steps
+
+
+class _Queued(NamedTuple):
+    """A plain step queued ahead: its sequences (in their slot order then), its outputs and its
+    greedy tokens (lazy)."""
+
+    seqs: list
+    outs: list
+    choice: mx.array
 
 
 def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, int] | None = None,
@@ -1245,4 +1386,4 @@ def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, 
         t += 1
 
 
-__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "BatchPolicy", "BatchDecoder", "batched_steps"]
+__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "StepCost", "BatchPolicy", "BatchDecoder", "batched_steps"]

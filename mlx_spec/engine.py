@@ -430,8 +430,7 @@ class Engine:
             return None
         self.max_batch = asked
         self.batch_attention = dec.attention
-        (log.info if dec.kv is not None else log.warning)("continuous batching of up to %d requests; attention: %s",
-                                                          asked, dec.attention)
+        log.info("continuous batching of up to %d requests (the decoder logs its attention path)", asked)
         return dec
 
     def _batched(self) -> None:

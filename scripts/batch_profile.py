@@ -85,9 +85,9 @@ def summarize(label, dec, steps, tokens, wall, cpu):
     pol = dec.policy
     if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
         errs = [abs(pol.cost(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
-        a_, b_, c_, e_ = pol.theta
-        print(f"{'':<28} cost line: {a_:.1f} + {b_:.2f}*rows + {pol._extra:.2f}*prefill rows + "
-              f"{pol._seq:.2f}*drafting seqs + {c_:.2f}*in drafter pass + {e_:.1f}*[draft pass] ms, "
+        k = pol.costs
+        print(f"{'':<28} cost line: {k.base:.1f} + {k.row:.2f}*rows + {k.prefill_row:.2f}*prefill rows + "
+              f"{k.seq:.2f}*drafting seqs + {k.draft_seq:.2f}*in drafter pass + {k.drafter_pass:.1f}*[draft pass] ms, "
               f"median error {100 * statistics.median(errs):.0f} %")
 
 

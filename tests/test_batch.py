@@ -12,7 +12,8 @@ from helpers import VOCAB, greedy_reference, tiny_drafter, tiny_model
 from test_hybrid import build
 from test_sampling import gof_pvalue
 
-from mlx_spec.batch import Acceptance, BatchDecoder, BatchPolicy, batched_steps
+from mlx_spec.adaptive import DFLASH, PLAIN, Decision
+from mlx_spec.batch import Acceptance, BatchDecoder, BatchPolicy, StepCost, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
 from mlx_spec.errors import MlxSpecError
@@ -254,6 +255,56 @@ def test_batched_attention_checks_out_in_bfloat16():
     assert packed.slotted and packed.attention == f"shared K/V over {len(packed.slotted)} layers"
 
 
+class _StaysPlain:
+    """A sequence's draft policy that always takes plain steps (so its plain runs pipeline)."""
+
+    sources = (DFLASH,)
+    max_lookup = 0
+
+    def __init__(self):
+        self.chosen = self.observed = 0
+
+    def peek(self, ctx):
+        return Decision(PLAIN, 1)
+
+    def choose(self, ctx):
+        self.chosen += 1
+        return Decision(PLAIN, 1)
+
+    def observe(self, step):
+        self.observed += 1
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "stepwise"])
+def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipeline):
+    """Plain steps queued ahead of the step before them: outputs equal plain greedy through an EOS,
+    a cancel, a late joiner and max_tokens; a sequence that leaves (EOS, cancel, end) hands on
+    caches that hold exactly the ids they say (the row queued ahead included), target and
+    drafter alike; each policy chooses and learns once per committed step."""
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    refs = [greedy_reference(model, p, N) for p in PROMPTS[:5]]
+    eos = refs[2][6]  # sequence 2 ends at its 7th token (or earlier, where that token comes first)
+    kept, pols = {}, [_StaysPlain() for _ in range(5)]
+    jobs = [dict(prompt=p, max_tokens=N - 2 * i, policy=pols[i], eos_ids=(eos,) if i == 2 else (),
+                 on_exit=lambda pf, i=i: kept.__setitem__(i, pf)) for i, p in enumerate(PROMPTS[:5])]
+    dec = BatchDecoder(target, d, max_batch=5, prefill_chunk=64, pipeline=pipeline)
+    got, steps = _run_batch(dec, jobs, joins={4: 6}, cancels={1: 9})
+    for i in (0, 3, 4):
+        assert got[i] == refs[i][: N - 2 * i], f"sequence {i}"
+    end = refs[2].index(eos) + 1
+    assert got[2] == refs[2][:end] and steps[2][-1].finish_reason == "stop"
+    assert got[1] == refs[1][: len(got[1])] and len(got[1]) < N - 2
+    for i in range(5):
+        pf = kept[i]
+        assert pf.target[0].offset == len(pf.tokens) == pf.drafter[0].offset, f"sequence {i}"
+        assert list(pf.tokens) == (PROMPTS[i] + got[i])[: len(pf.tokens)]
+        assert len(pf.tokens) >= len(PROMPTS[i]) + len(got[i]) - 1
+        decoded = sum(1 for st in steps[i] if not st.prefill)
+        assert pols[i].observed == decoded and pols[i].chosen >= decoded
+    assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)
+
+
 def test_cancel_without_keep_drops_the_caches(dense):
     """After a failed step the engine cancels with keep=False: half-written caches never reach
     the prefix cache."""
@@ -416,7 +467,7 @@ def test_policy_stops_drafting_at_a_large_batch_and_resumes_when_acceptance_is_h
     position) pays, at 8 it does not (plain batched steps, probes included); when acceptance
     runs high, drafting pays again at 8, for the sequences whose acceptance is high."""
     pol = _fitted(72.0, 6.0, 4.0, 12.0)
-    a, b, c, e = pol.theta
+    a, b = pol.costs.base, pol.costs.row
     assert abs(a - 72) < 3 and abs(b - 6) < 0.5  # the fit finds the scripted costs
     fair = [Acceptance(3, [0.5, 0.25, 0.125], weight=50) for _ in range(8)]
     assert all(x > 1 for x in pol.choose([4] * 2, fair[:2], [0] * 2, [8] * 2))
@@ -438,7 +489,7 @@ def test_prefill_rows_do_not_bend_the_decoding_rows_cost():
     pol = _fitted(72.0, 6.0, 4.0, 12.0, steps=48)
     for _ in range(6):
         pol.observe(8, 0, 72 + 6 * 8 + 2.0 * 500, 0.0, 500)
-    a, b, c, e = pol.theta
+    a, b = pol.costs.base, pol.costs.row
     assert abs(a - 72) < 5 and abs(b - 6) < 0.5
     assert abs(pol.cost(8, 0) - 120) < 5 and abs(pol.cost(8, 0, 500) - 1120) < 60
 
@@ -448,7 +499,8 @@ class _FixedCost(BatchPolicy):
 
     def __init__(self, theta):
         super().__init__()
-        self.theta, self.seen = tuple(theta), []
+        a, b, c, e = theta
+        self.costs, self.seen = StepCost(a, b, 0.04, 0.0, c, e), []
 
     def observe(self, *measured):
         pass
@@ -480,6 +532,27 @@ def test_decoder_steps_plain_at_a_large_batch_and_drafts_again_when_it_shrinks(d
     assert at8 and all(L == [1] * 8 for L in at8)
     assert at2 and sum(max(L) > 1 for L in at2) >= len(at2) // 2
     assert sum(s.accepted for s in steps[0]) > 0
+
+
+def test_plain_steps_the_batch_decides_are_pipelined_too(dense):
+    """Sequences whose own policies wish to draft, in a batch whose rows cost more than drafts
+    return: the batch steps plain, and those steps are queued ahead (asked one step early, nothing
+    counted twice); outputs stay plain greedy."""
+    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.costs import Costs
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    costs = Costs(10.0, {B: 0.5 for B in (2, 4, 8)}, {B: 10.0 + 0.1 * B for B in (1, 2, 4, 8)}, 64)
+    prompts = PROMPTS + [[5, 6, 7, 8], [90, 80, 70, 60, 50]]
+    pol = _FixedCost((72.0, 6.0, 4.0, 12.0))
+    dec = BatchDecoder(target, d, block_size=4, max_batch=8, prefill_chunk=256, policy=pol)
+    pols = [DraftPolicy(costs, 8, sources=("dflash",)) for _ in prompts]
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N, policy=q) for p, q in zip(prompts, pols)])
+    for i, p in enumerate(prompts):
+        assert got[i] == greedy_reference(model, p, N), f"prompt {i}"
+    assert all(L == [1] * 8 for n, L in pol.seen if n == 8)
+    assert dec.pipelined >= N // 2 and dec.steps["drafted"] == 0
 
 
 @pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
