@@ -1025,9 +1025,15 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wish(self, s: _Seq, peek: bool = False) -> Decision | None:
+    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1) -> Decision | None:
         """What the sequence would do alone this cycle (its own policy / controller). ``peek``:
-        what its policy would choose, nothing counted (None where a controller decides)."""
+        what its policy would choose, nothing counted (None where a controller decides).
+
+        In a batch of two or more, a policy's plain step (its drafter resting, or drafts not
+        paying at the single-stream pass costs) is offered to the batch as a DFlash draft of its
+        longest block: the batch judges it at the drafter's running acceptance for this sequence
+        against the batch's own step costs, where extra rows cost less than a sequence's plain
+        step alone (and the policy learns from what the batch drafted)."""
         room = s.max_tokens - s.n
         s.ctx = None
         if not s.speculate:
@@ -1035,6 +1041,8 @@ class BatchDecoder:
         elif s.policy is not None:
             s.ctx = self._context(s)
             d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
+            if d.source == PLAIN and batch > 1 and self.drafter is not None and DFLASH in s.policy.sources:
+                d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
         elif peek:
             return None
         elif s.controller is not None:
@@ -1066,7 +1074,7 @@ class BatchDecoder:
         return s.acc
 
     def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
-        wish = [self._wish(s) for s in decoding]
+        wish = [self._wish(s, batch=len(decoding)) for s in decoding]
         blocks = self.policy.choose(*self._asks(decoding, wish), extra_rows, [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
@@ -1078,7 +1086,7 @@ class BatchDecoder:
 
     def _plain_next(self, decoding: list[_Seq]) -> bool:
         """Would the next step be plain for every sequence (asked now, nothing counted)?"""
-        wish = [self._wish(s, peek=True) for s in decoding]
+        wish = [self._wish(s, peek=True, batch=len(decoding)) for s in decoding]
         if any(d is None for d in wish):
             return False
         return self.policy.would_step_plain(*self._asks(decoding, wish), [d.source == DFLASH for d in wish])

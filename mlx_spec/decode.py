@@ -172,7 +172,7 @@ def spec_steps(
     if policy is not None and LOOKUP in policy.sources:
         from .lookup import SuffixIndex  # lookup.py's baseline loops import this module
 
-        index = SuffixIndex(prompt, lookup_ngram)  # once; then extended by the committed tokens
+        index = SuffixIndex(prompt, lookup_ngram, stop=eos)  # once; then extended by the committed tokens
 
     def sink(features):
         if pending:  # push the previous chunk; the last one waits for the first draft call

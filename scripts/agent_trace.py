@@ -4,18 +4,28 @@ the lookup) and the lookup's match length (/m), so a reader sees where the draft
 wasted. Also the reply's copy share (bench.copy_share) and, with --costs, the verify pass cost
 Tt(L) for L up to 33 at the prompts' context.
 
+With --model-time BENCH_JSON the policy learns from the pass costs of a `mlx_spec bench --json-out`
+file (T1, Td(L), Tt(L)) instead of the wall clock, so its choices, and the figures, do not depend
+on how busy the machine is (greedy tokens are deterministic): per reply the model time (T1 per
+plain step, Tt(L) per verify, Td(L) where the drafter ran), the model-time speedup over plain
+steps, the copy ceiling (bench.copy_ceiling) and its share, and the totals over the replies that
+repeat their prompt (copy share >= 50 %).
+
     python scripts/agent_trace.py [--tokens 128] [--prompts agent-1,agent-3] [--sources dflash,lookup] [--costs]
+    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench6.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import time
 
-from mlx_spec.adaptive import Policies
-from mlx_spec.bench import copy_share
-from mlx_spec.costs import CostMeter
+from mlx_spec.adaptive import MAX_LOOKUP, Policies
+from mlx_spec.bench import COPY_SUBSET, copy_oracle, copy_share
+from mlx_spec.costs import CostMeter, Costs
 from mlx_spec.decode import spec_steps
 from mlx_spec.config import LoadConfig
 from mlx_spec.default_target import DEFAULT_TARGET_ID
@@ -33,6 +43,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="agent", help="built-in prompt kinds (default: agent)")
     ap.add_argument("--sources", default="dflash,lookup")
     ap.add_argument("--costs", action="store_true", help="also time Tt(L), L = 1..33, at the prompts' context")
+    ap.add_argument("--model-time", metavar="BENCH_JSON", default=None,
+                    help="learn from and report the pass costs of this bench JSON, not the wall clock")
     a = ap.parse_args()
     # loaded as the commands load it (the tuned result's key names the target as they do)
     cfg = LoadConfig(target=a.target, drafter=a.drafter and os.path.abspath(a.drafter))
@@ -44,6 +56,12 @@ def main() -> None:
     want = set(a.prompts.split(",")) if a.prompts else None
     prompts = [p for p in builtin_prompts(tuple(a.kinds.split(","))) if want is None or p.id in want]
     policies = Policies(pair, tuned, sources=tuple(a.sources.split(",")))
+    model = None
+    if a.model_time:  # the policies price cycles by this curve (the tuned prior is kept)
+        with open(a.model_time) as f:
+            model = Costs.from_dict(json.load(f)["costs"])
+        policies.costs, policies.measured = model, True
+    total = {"ms": 0.0, "tokens": 0, "oracle_ms": 0.0, "oracle_tokens": 0, "cycles": 0}
     for p in prompts:
         ids = p.encode(pair.tokenizer)
         policy = policies()
@@ -63,6 +81,9 @@ def main() -> None:
             return got
 
         policy.pick = picking
+        if model is not None:  # the policy learns the cost curve's times, not the clock's
+            observe = policy.observe
+            policy.observe = lambda step, observe=observe: observe(_model_timed(step, model))
         trace, toks = [], []
         t0 = time.perf_counter()
         for s in spec_steps(pair.target, pair.drafter, ids, block_size=8, max_tokens=a.tokens, eos_ids=eos,
@@ -80,6 +101,24 @@ def main() -> None:
             line.append(f"{tag}{s.block_size}:{s.accepted}" + ("*" if d.probe else "") + ("^" if i in switched else "")
                         + f"/m{m}")
         print(" ".join(line))
+        if model is not None and len(reply) > 1:
+            ms = sum(_model_timed(s, model).elapsed_ms for s in trace)
+            n = sum(len(s.tokens) for s in trace)
+            o_tok, o_ms = copy_oracle(ids, reply, model, max_draft=min(MAX_LOOKUP, max(model.tt_ms) - 1))
+            ceiling = o_tok * model.t1_ms / o_ms
+            speedup = n * model.t1_ms / ms
+            tau = n / len(trace)
+            print(f"model time {ms:.0f} ms, speedup {speedup:.2f}x, tau {tau:.2f}, ceiling {ceiling:.2f}x "
+                  f"({speedup / ceiling:.0%})")
+            if copy_share(ids, reply) >= COPY_SUBSET:
+                for k, v in (("ms", ms), ("tokens", n), ("oracle_ms", o_ms), ("oracle_tokens", o_tok),
+                             ("cycles", len(trace))):
+                    total[k] += v
+    if model is not None and total["ms"] > 0:
+        s_ = total["tokens"] * model.t1_ms / total["ms"]
+        c_ = total["oracle_tokens"] * model.t1_ms / total["oracle_ms"]
+        print(f"\ncopying replies: model-time speedup {s_:.2f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
+              f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
     if a.costs:
         ids = prompts[0].encode(pair.tokenizer)
         sizes = [1, 2, 4, 8, 12, 16, 20, 24, 28, 33]
@@ -89,6 +128,15 @@ def main() -> None:
         c = meter.costs()
         print(f"\ncontext {c.context}: T1 {c.t1_ms:.1f} ms; Tt(L): "
               + ", ".join(f"{L} {c.tt_ms[L]:.1f}" for L in sizes))
+
+
+def _model_timed(step, costs: Costs):
+    """The step timed by the cost curve: T1 for a plain step, Tt(L) for a verify of L rows, Td(B)
+    where the drafter ran a block of B; no host overhead."""
+    L = step.drafted + 1
+    verify = costs.t1_ms if L == 1 else costs.verify(L)
+    draft = costs.draft(step.draft_block) if step.draft_block else 0.0
+    return dataclasses.replace(step, verify_ms=verify, draft_ms=draft, rollback_ms=0.0, elapsed_ms=verify + draft)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from helpers import VOCAB, greedy_reference, tiny_drafter, tiny_model
 from test_hybrid import build
 from test_sampling import gof_pvalue
 
-from mlx_spec.adaptive import DFLASH, PLAIN, Decision
+from mlx_spec.adaptive import PLAIN, Decision
 from mlx_spec.batch import Acceptance, BatchDecoder, BatchPolicy, StepCost, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
@@ -256,9 +256,10 @@ def test_batched_attention_checks_out_in_bfloat16():
 
 
 class _StaysPlain:
-    """A sequence's draft policy that always takes plain steps (so its plain runs pipeline)."""
+    """A sequence's draft policy that always takes plain steps (so its plain runs pipeline; no
+    draft source, so the batch never offers its steps to the drafter either)."""
 
-    sources = (DFLASH,)
+    sources = ()
     max_lookup = 0
 
     def __init__(self):
@@ -553,6 +554,33 @@ def test_plain_steps_the_batch_decides_are_pipelined_too(dense):
         assert got[i] == greedy_reference(model, p, N), f"prompt {i}"
     assert all(L == [1] * 8 for n, L in pol.seen if n == 8)
     assert dec.pipelined >= N // 2 and dec.steps["drafted"] == 0
+
+
+def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
+    """Two sequences whose own policies stay plain (at their single-stream pass costs no draft
+    pays, even one always accepted), in a batch where extra rows are cheap next to its plain
+    step: the batch offers their steps to the drafter, judges them at its running acceptance,
+    and drafts (the drafter is right: accepted); alone, the same sequence never drafts.
+    Outputs stay plain greedy."""
+    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.costs import Costs
+
+    model, _ = dense
+    target = Target(model, [0])
+    prompts = PROMPTS[:2]
+    refs = [greedy_reference(model, p, N) for p in prompts]
+    fulls = [list(p) + r for p, r in zip(prompts, refs)]
+    dear = Costs(10.0, {B: 5.0 for B in (2, 4, 8)}, {B: 10.0 + 10.0 * B for B in (1, 2, 4, 8)}, 64)
+    make = lambda: DraftPolicy(dear, 4, sources=("dflash",))  # noqa: E731
+    dec = BatchDecoder(target, Scripted(fulls, [None] * 2), block_size=4, max_batch=2, prefill_chunk=256,
+                       policy=_FixedCost((72.0, 6.0, 4.0, 12.0)))
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N, policy=make()) for p in prompts])
+    assert [got[0], got[1]] == refs
+    assert dec.steps["drafted"] > 0 and sum(st.accepted for st in steps[0]) > N // 3
+    alone = BatchDecoder(target, Scripted(fulls[:1], [None]), block_size=4, max_batch=1, prefill_chunk=256,
+                         policy=_FixedCost((72.0, 6.0, 4.0, 12.0)))
+    got1, steps1 = _run_batch(alone, [dict(prompt=prompts[0], max_tokens=N, policy=make())])
+    assert got1[0] == refs[0] and sum(st.drafted for st in steps1[0] if not st.prefill) <= 3  # probes at most
 
 
 @pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])

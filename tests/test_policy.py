@@ -150,7 +150,7 @@ def estimate_costs_stub():
 def test_suffix_index_is_incremental_and_agrees_with_a_rescan():
     rng = random.Random(0)
     seq = [rng.randrange(6) for _ in range(300)]
-    idx = SuffixIndex(seq[:5], ngram_max=3, keep=1)
+    idx = SuffixIndex(seq[:5], ngram_max=3, keep=1, follow=False)  # (following a copy: tests/test_lookup.py)
     for i in range(5, len(seq)):
         idx.extend([seq[i]])
         got, _ = idx.propose(6)
