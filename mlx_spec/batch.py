@@ -55,7 +55,7 @@ from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
 from .prefix import Prefill
-from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
+from .sampling import SamplingConfig, accept_greedy, accept_sampled, next_token, sample_target
 from .target import Target
 
 log = logging.getLogger(__name__)
@@ -921,7 +921,8 @@ class BatchDecoder:
             batch has nothing else to do.
         policy: the per-step ``BatchPolicy`` (a fresh default one if None).
         pipeline: queue the next plain step before reading this one's tokens when every sequence
-            stays plain (greedy, no joiner prefilling, attention-only targets), as mlx-lm's
+            stays plain (no joiner prefilling, attention-only targets; sampled sequences draw their
+            token in the graph, with the key an unpipelined step would use), as mlx-lm's
             ``BatchGenerator`` does: the host's work on a step overlaps the next step's pass.
     """
 
@@ -1173,13 +1174,20 @@ class BatchDecoder:
             segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
                             "last" if last else "none"))
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
-        # Greedy sequences' target choices: one argmax over all their rows, one host transfer.
-        greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy]
-        choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
-                  if greedy else None)
+        # The target's choices, one host transfer: a plain step's next token for every sequence
+        # (sampled ones drawn in the graph), else every greedy sequence's argmax over its rows.
+        plain = bool(decoding) and all(L == 1 for L in blocks)
+        if plain:
+            greedy = list(range(len(decoding)))
+            choice = mx.concatenate([next_token(outs[k].logits, s.sampling, keys[s.id][1])
+                                     for k, s in enumerate(decoding)])
+        else:
+            greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy]
+            choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
+                      if greedy else None)
         mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
         ahead = None
-        if not prefilling and all(L == 1 for L in blocks) and len(greedy) == len(decoding):
+        if plain and not prefilling:
             ahead = self._queue(decoding, [choice[k:k + 1] for k in range(len(decoding))])
 
         results: list[tuple[int, Step]] = []
@@ -1194,7 +1202,7 @@ class BatchDecoder:
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
-            if s.sampling.greedy:
+            if k in greedy_ids:  # (a plain step's sampled token too)
                 a, bonus = accept_greedy(draft_list, greedy_ids[k])
             else:
                 a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
@@ -1260,7 +1268,7 @@ class BatchDecoder:
         a stop string, a cancel) leaves with that row, its last token fed, as ``spec_steps`` does."""
         if not self.pipeline or not decoding:
             return None
-        if any(s.n + 2 > s.max_tokens or not s.sampling.greedy for s in decoding):
+        if any(s.n + 2 > s.max_tokens for s in decoding):
             return None
         if self.kv is not None and len(self.kv.rows) != len(decoding):
             return None
@@ -1271,7 +1279,12 @@ class BatchDecoder:
             return None
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
-        choice = mx.argmax(mx.concatenate([o.logits for o in outs]), axis=-1)
+        draws = []
+        for s in decoding:  # a sampled sequence's key is consumed as by an unpipelined plain step
+            if not s.sampling.greedy:
+                s.key, _, ka = mx.random.split(s.key, 3)
+            draws.append(None if s.sampling.greedy else ka)
+        choice = mx.concatenate([next_token(o.logits, s.sampling, k) for o, s, k in zip(outs, decoding, draws)])
         mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
         self.pipelined += 1
         return _Queued(list(decoding), outs, choice)

@@ -155,21 +155,28 @@ def point_mass(tokens: mx.array, vocab: int) -> mx.array:
     return (tokens.astype(mx.int32)[:, None] == mx.arange(vocab)).astype(mx.float32)
 
 
+def next_token(logits: mx.array, cfg: SamplingConfig, key: mx.array | None) -> mx.array:
+    """The token after a block with no drafts, still lazy ((1,) int32): the target's argmax at
+    its last row (greedy), else the draw ``accept_sampled`` makes there with ``key``."""
+    if cfg.greedy:
+        return mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
+    _, k_s = mx.random.split(key)  # (as speculative_sample with no drafts splits it)
+    return sample_probs(target_probs(logits[-1:], cfg), k_s).astype(mx.int32)
+
+
 def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
                    residual: bool = True) -> tuple[int, int]:
     """One block. logits (L, V) target verify logits; proposal.tokens (L-1,) and proposal.q
     (L-1, V), the distribution the drafts were drawn from; ``q`` None means a deterministic
     proposal (q = point mass on the tokens, e.g. a lookup draft). ``proposal`` None or empty:
     no drafts. Returns (accepted, token after them)."""
-    p = target_probs(logits, cfg)[None]  # (1, L, V)
     if proposal is None or proposal.tokens.size == 0:
-        p = p[:, -1:]
-        a, tok = speculative_sample(p, p[:, :0], mx.zeros((1, 0), mx.int32), key, residual)
-    else:
-        q = proposal.q if proposal.q is not None else point_mass(proposal.tokens, p.shape[-1])
-        a, tok = speculative_sample(p, q[None], proposal.tokens[None], key, residual)
+        return 0, int(next_token(logits, cfg, key).item())
+    p = target_probs(logits, cfg)[None]  # (1, L, V)
+    q = proposal.q if proposal.q is not None else point_mass(proposal.tokens, p.shape[-1])
+    a, tok = speculative_sample(p, q[None], proposal.tokens[None], key, residual)
     return int(a.item()), int(tok.item())
 
 
 __all__ = ["SamplingConfig", "accept_greedy", "filtered_logprobs", "target_probs", "sample_probs",
-           "sample_target", "sample_proposal", "speculative_sample", "accept_sampled", "point_mass"]
+           "sample_target", "sample_proposal", "speculative_sample", "next_token", "accept_sampled", "point_mass"]

@@ -306,6 +306,22 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
     assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)
 
 
+def test_pipelined_sampled_plain_steps_draw_as_stepwise(dense):
+    """At T > 0 a plain step queued ahead draws its token in the graph with the key an
+    unpipelined step would use: seeded replies are the same either way (and pipelining ran)."""
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    outs = {}
+    for pipeline in (True, False):
+        dec = BatchDecoder(target, d, max_batch=4, prefill_chunk=64, pipeline=pipeline)
+        jobs = [dict(prompt=p, max_tokens=N, policy=_StaysPlain(), sampling=SamplingConfig(1.0, seed=7 + i))
+                for i, p in enumerate(PROMPTS[:3])]
+        outs[pipeline], _ = _run_batch(dec, jobs)
+        assert (dec.pipelined > N // 2) == pipeline
+    assert outs[True] == outs[False]
+    assert len({tuple(v) for v in outs[True].values()}) == 3
+
+
 def test_cancel_without_keep_drops_the_caches(dense):
     """After a failed step the engine cancels with keep=False: half-written caches never reach
     the prefix cache."""
