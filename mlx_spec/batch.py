@@ -469,6 +469,7 @@ class PackedTarget:
         why = "no packed attention layer with a plain KVCache" if not plain else \
             _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
         self.slotted = set(plain) if why is None else set()
+        self.mismatch = bool(plain) and why is not None  # the batched path differs from the module
         # which attention path the batch runs, said (logged by BatchDecoder, shown by the engine)
         self.attention = f"shared K/V over {len(plain)} layers" if why is None else f"per sequence ({why})"
 
@@ -794,28 +795,29 @@ class BatchPolicy:
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
-        """Each sequence's rows this step (1 = plain), at most its wish. ``passes[i]``: its
-        draft needs the drafter pass (a lookup draft costs rows only)."""
+        """Each sequence's rows this step (1 = plain), at most its wish (``plan``), counted: after
+        ``explore_every`` drafting steps in a row the next is plain."""
+        L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes)
+        if len(wants) > 1 or extra_rows:
+            self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
+        return L
+
+    def plan(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
+             probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
+        """What ``choose`` returns now, nothing changed (what a subclass overrides). ``passes[i]``:
+        the sequence's draft needs the drafter pass (a lookup draft costs rows only)."""
         n = len(wants)
         passes = [True] * n if passes is None else list(passes)
         if n == 1 and not extra_rows:
             return list(wants)
-        L = [1] * n
         if self._drafted_run >= self.explore_every:
-            self._drafted_run = 0
-            return L
-        L = self._choose(wants, accs, plain_runs, probes, extra_rows, passes)
-        self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
-        return L
+            return [1] * n
+        return self._choose(wants, accs, plain_runs, probes, extra_rows, passes)
 
     def would_step_plain(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                          probes: Sequence[int], passes: Sequence[bool]) -> bool:
         """Would ``choose`` (with no prefill rows) give every sequence a plain step? Nothing changes."""
-        if len(wants) == 1 or max(wants, default=1) <= 1:
-            return max(wants, default=1) <= 1
-        if self._drafted_run >= self.explore_every:
-            return True
-        return max(self._choose(wants, accs, plain_runs, probes, 0, list(passes)), default=1) <= 1
+        return max(self.plan(wants, accs, plain_runs, probes, 0, passes), default=1) <= 1
 
     def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
         n = len(wants)
@@ -940,13 +942,15 @@ class BatchDecoder:
         # one drafter pass for all drafting sequences when our mirror of its layers checks out
         self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
         self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
-        log.log(logging.INFO if self.kv is not None else logging.WARNING, "batched attention: %s; drafter: %s",
+        log.log(logging.WARNING if self.packed.mismatch else logging.INFO, "batched attention: %s; drafter: %s",
                 self.attention, "none" if drafter is None else "one pass for all" if self.packed_drafter else "per sequence")
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
         self.policy = policy or BatchPolicy()
         self.pipeline = pipeline and not target.gdn  # (a hybrid's GDN state is evaluated after every step)
+        # in a batch of 2+, a policy's plain step is offered to the drafter (``_wish``)
+        self.widen = drafter is not None
         self._queued: _Queued | None = None  # a plain step queued ahead (pipeline)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count(1)
@@ -1006,6 +1010,7 @@ class BatchDecoder:
                 s.on_exit = None
             self._release(s)
             _hand_over(s.on_exit, lambda: s.final(self.drafter))
+            self._drop_queued()
 
     def _release(self, s: _Seq) -> None:
         """Its row of the batch's K/V goes (its own caches get their K/V back if kept)."""
@@ -1016,6 +1021,13 @@ class BatchDecoder:
     def close(self) -> None:
         for sid in list(self._seqs):
             self.cancel(sid)
+        self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        """Forget a step queued ahead whose sequences all left (its caches are theirs to free)."""
+        q = self._queued
+        if q is not None and not any(self._seqs.get(s.id) is s for s in q.seqs):
+            self._queued = None
 
     def step(self) -> list[tuple[int, Step]]:
         """One batched step. Returns ``(sequence id, Step)`` for each sequence that committed
@@ -1042,9 +1054,9 @@ class BatchDecoder:
         elif s.policy is not None:
             s.ctx = self._context(s)
             d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
-            if d.source == PLAIN and batch > 1 and self.drafter is not None and DFLASH in s.policy.sources:
+            if d.source == PLAIN and batch > 1 and self.widen and DFLASH in s.policy.sources:
                 d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
-        elif peek:
+        elif peek and s.controller is not None:
             return None
         elif s.controller is not None:
             d = Decision(DFLASH, s.controller(s.prev))
@@ -1254,29 +1266,30 @@ class BatchDecoder:
                     if s.anchor_id >= 0 and s not in finished:
                         s.row = self.kv.join(s.cache)
         self._queued = ahead
-        return self._close(t0, results, finished, len(decoding), bool(chunks), blocks, extra, ran,
+        out = self._close(t0, results, finished, len(decoding), bool(chunks), blocks, extra, ran,
                            (td - tc) * 1e3 if ran else 0.0, verify_ms, rollback_s * 1e3)
+        self._drop_queued()
+        return out
 
     # -- a pipelined run of plain steps ---------------------------------------------------------
     def _queue(self, decoding: list[_Seq], tokens: list[mx.array]) -> "_Queued | None":
         """Queue the next step now, fed ``tokens`` (each sequence's token of the step in flight,
         still lazy), when it will be a plain step for every sequence: each one's policy stays plain
         (asked one token ahead, as ``spec_steps`` does in a plain run: its lookup context lags one
-        token) and has room for two more tokens. The step's K/V rows are written when it runs; the
+        token). The step's K/V rows are written when it runs; the
         tokens that feed it join ``fed`` (and its features ``pending``) as soon as they are read
         (``_fed_ahead``), so the caches agree with them between steps; a sequence that ends (EOS,
-        a stop string, a cancel) leaves with that row, its last token fed, as ``spec_steps`` does."""
+        a stop string, a cancel, its last token) leaves with that row, its last token fed, as
+        ``spec_steps`` does at EOS."""
         if not self.pipeline or not decoding:
-            return None
-        if any(s.n + 2 > s.max_tokens for s in decoding):
             return None
         if self.kv is not None and len(self.kv.rows) != len(decoding):
             return None
         if not self._plain_next(decoding):
             return None
         decisions = self._choose(decoding, 0)  # (now the policies count the step as chosen)
-        if any(d.source != PLAIN for d in decisions):
-            return None
+        if any(d.source != PLAIN for d in decisions):  # (``plan`` said plain: not reached)
+            raise MlxSpecError("the batch policy's choose() disagrees with its plan()")
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         draws = []
@@ -1315,8 +1328,10 @@ class BatchDecoder:
             if step.finish_reason is not None:
                 finished.append(s)
         self._queued = ahead
-        return self._close(t0, results, finished, len(decoding), False, [1] * len(decoding), 0, 0, 0.0,
-                           verify_ms, 0.0)
+        out = self._close(t0, results, finished, len(decoding), False, [1] * len(decoding), 0, 0, 0.0,
+                          verify_ms, 0.0)
+        self._drop_queued()
+        return out
 
     # -- committing a step ------------------------------------------------------------------------
     def _commit(self, s: _Seq, accepted: list[int], bonus: int, L: int, a: int, source: str,

@@ -335,8 +335,10 @@ class Engine:
         if self._prefix is not None:
             self._prefix.clear()
         import mlx.core as mx
+        from mlx_lm.generate import generation_stream
 
         mx.synchronize()
+        mx.synchronize(generation_stream)  # (a batched step may still be queued there)
         clear = getattr(mx, "clear_streams", None)
         if clear is not None:
             clear()

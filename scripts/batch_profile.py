@@ -42,12 +42,12 @@ from mlx_spec.prompts import builtin_prompts
 
 
 class Always(BatchPolicy):
-    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+    def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
         return list(wants)
 
 
 class Never(BatchPolicy):
-    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+    def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
         return [1] * len(wants)
 
 
@@ -132,6 +132,7 @@ def _ours(pair, prompts, make_policy, batch_policy, drafter=True):
     committed, and which sequences drafted / accepted (``drafter=False``: no drafter at all)."""
     dec = BatchDecoder(pair.target, pair.drafter if drafter else None, block_size=4, max_batch=len(prompts),
                        policy=batch_policy())
+    dec.widen = batch_policy is not Always  # "as each alone": each sequence's own wish, plain ones kept plain
     for p in prompts:
         dec.add(p, max_tokens=100_000, policy=make_policy() if make_policy and drafter else None)
     while any(s.anchor_id < 0 for s in dec._seqs.values()):

@@ -30,7 +30,7 @@ N = 24
 class AlwaysDraft(BatchPolicy):
     """Every sequence drafts the block it wishes (so tests exercise ragged rollback)."""
 
-    def choose(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
+    def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
         return list(wants)
 
 
@@ -302,7 +302,7 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
         assert list(pf.tokens) == (PROMPTS[i] + got[i])[: len(pf.tokens)]
         assert len(pf.tokens) >= len(PROMPTS[i]) + len(got[i]) - 1
         decoded = sum(1 for st in steps[i] if not st.prefill)
-        assert pols[i].observed == decoded and pols[i].chosen >= decoded
+        assert pols[i].observed == decoded and decoded <= pols[i].chosen <= decoded + 1  # (+1: a step queued at the end)
     assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)
 
 
