@@ -140,21 +140,28 @@ def legacy_fingerprint(path_or_id: str) -> str:
     return h.hexdigest()[:16]
 
 
-SAMPLE_BYTES = 1 << 16  # bytes of tensor data read at the start, middle and end of each weight file
+SAMPLE_BYTES = 1 << 16  # bytes of tensor data read at each of SAMPLES points spread over a weight file
+SAMPLES = 16
 HEADER_MAX = 1 << 24  # a safetensors header longer than this is not read whole (its length is hashed)
 
 
 def _file_digest(h, f: Path) -> None:
     """Add one weight file: its name, size, safetensors header (tensor names, dtypes, shapes,
-    offsets) and three samples of its data. Reads well under a MiB, whatever the file's size."""
+    offsets) and 16 samples of its data spread evenly, the last at its end (about a MiB, whatever
+    the file's size); a file in a Hugging Face cache also by its blob's name (the sha256 of its
+    content)."""
     size = f.stat().st_size
     h.update(f"{f.name}:{size}".encode())
+    real = f.resolve()
+    if real.parent.name == "blobs" and len(real.name) == 64:
+        h.update(real.name.encode())
     with open(f, "rb") as fh:
         head = fh.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         start = 8 + n if 0 < n <= HEADER_MAX else 0
         h.update(head + (fh.read(n) if start else b""))
-        for at in sorted({start, start + (size - start) // 2, max(start, size - SAMPLE_BYTES)}):
+        span = max(0, size - SAMPLE_BYTES - start)
+        for at in sorted({start + span * k // (SAMPLES - 1) for k in range(SAMPLES)}):
             fh.seek(at)
             h.update(fh.read(SAMPLE_BYTES))
 
@@ -162,7 +169,9 @@ def _file_digest(h, f: Path) -> None:
 def weights_id(path_or_id: str) -> str | None:
     """The identity of a checkpoint's weights, not of how the command spelled it: a digest of
     config.json, the safetensors index, draft_vocab.json (a drafter's) and every weight file's
-    name, size, header and three 64 KiB samples of its data (cheap: no file is hashed whole). The
+    name, size, header and 16 64 KiB samples of its data (cheap: no file is hashed whole; an
+    edit that misses every sample, e.g. one retrained tensor in a large file, is not told apart:
+    `mlx_spec tune` again after such an edit; a Hugging Face blob is also known by its sha256). The
     default target's id and its cache folder, a Hugging Face repo and its local snapshot, a
     relative and an absolute path all give the same one; a retrained or re-quantized checkpoint
     another. None when the files cannot be found here."""
@@ -901,7 +910,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             need += c
         else:
             unaffordable.append(k)
-    if len(planned) < 2 or planned[0] != (1, lead_t):
+    if len(planned) < 2 or planned[0] != (1, lead_t) or all(B == 1 for B, _ in planned):  # (a block, raced)
         unaffordable, planned = list(dict.fromkeys(planned + unaffordable)), []
     keys = [k for k in keys if k in planned]
 

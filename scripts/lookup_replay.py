@@ -64,8 +64,8 @@ def _agreement(look, full, n) -> int:
     return a
 
 
-def replay(prompt, full, costs: Costs, max_tokens: int, make) -> tuple[float, int, list[int]]:
-    """(model ms, cycles, each position's proposal agreement) of a lookup-only policy on the
+def replay(prompt, full, costs: Costs, max_tokens: int, make) -> tuple[float, int]:
+    """(model ms, cycles) of a lookup-only policy on the
     reply ``full`` (its EOS included when it ended early)."""
     index, policy = make(prompt), DraftPolicy(costs, 8, sources=(LOOKUP,))
     index.extend(full[:1])  # the first token comes from the prefill
@@ -133,7 +133,8 @@ def main() -> None:
     ceiling = [0, 0.0]
     for pid, r in data["replies"].items():
         reply = r["reply"][:a.tokens]
-        full = reply + ([eos[0]] if len(reply) < a.tokens else [])
+        ended = len(r["reply"]) < data.get("tokens", 0)  # (it stopped at EOS before the recording's limit)
+        full = reply + ([eos[0]] if ended and len(reply) < a.tokens else [])
         if len(full) < 2:
             continue
         share = copy_share(r["prompt"], reply)
