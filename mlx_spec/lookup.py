@@ -157,7 +157,7 @@ class SuffixIndex:
     def _choose(self) -> tuple[int | None, int]:
         """(position the proposal copies from, its match length), or (None, 0)."""
         j, m = self._longest()
-        if self.pointer is not None and self.pointer != j:
+        if self.pointer is not None:
             pm = self._match(self.pointer)
             if pm > 0 and (j is None or pm >= m):
                 return self.pointer, pm

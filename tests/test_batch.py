@@ -301,6 +301,13 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
         assert pf.target[0].offset == len(pf.tokens) == pf.drafter[0].offset, f"sequence {i}"
         assert list(pf.tokens) == (PROMPTS[i] + got[i])[: len(pf.tokens)]
         assert len(pf.tokens) >= len(PROMPTS[i]) + len(got[i]) - 1
+        # their contents too: what a fresh forward over those ids builds, target and drafter
+        fresh, dfresh = target.make_cache(), d.make_cache()
+        d.add_context(target(mx.array(list(pf.tokens))[None], fresh).hidden, dfresh)
+        for c, r in zip(pf.target + pf.drafter, fresh + dfresh):
+            n = r.offset
+            assert c.offset == n and np.allclose(np.array(c.keys[..., :n, :]), np.array(r.keys[..., :n, :]), atol=1e-4)
+            assert np.allclose(np.array(c.values[..., :n, :]), np.array(r.values[..., :n, :]), atol=1e-4)
         decoded = sum(1 for st in steps[i] if not st.prefill)
         assert pols[i].observed == decoded and decoded <= pols[i].chosen <= decoded + 1  # (+1: a step queued at the end)
     assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)

@@ -88,3 +88,18 @@ def test_stop_tokens_cut_the_proposal_and_lose_ties():
     # a proposal that runs into a stop token ends with it
     assert SuffixIndex([7, 8, 9, 2, 3, 7, 8], 4, stop=(2,)).propose(5) == ([9, 2], 2)
     assert SuffixIndex([7, 8, 9, 2, 3, 7, 8], 4).propose(5) == ([9, 2, 3, 7, 8], 2)
+
+
+def test_the_pointer_wins_ties_with_a_later_copy():
+    """The prompt holds the file twice, the second with its last line changed; the reply copies
+    the first (its "2" before it says which). Once both copies match the tail as far back as the
+    index looks (``max_match``), the one the reply is copying from is proposed, not the latest."""
+    file_b = FILE[:-5] + [60, 7, 8, 61, 9]
+    prompt = [1, 2] + FILE + [3, 4] + file_b + [5]
+    reply = [2] + FILE[:24]
+    idx = SuffixIndex(prompt, 4, max_match=8)
+    for t in reply:
+        idx.extend([t])
+    assert idx.propose(5) == (FILE[24:29], 8)
+    plain = SuffixIndex(prompt + reply, 4, max_match=8, follow=False)
+    assert plain.propose(5)[0] == file_b[24:29]  # the latest copy
