@@ -957,7 +957,7 @@ class BatchDecoder:
         # observability (plain values; the engine copies them)
         self.batch_sizes: dict[int, int] = {}
         self.steps = {"plain": 0, "drafted": 0}
-        self.pipelined = 0  # plain steps queued ahead of the step before them (pipeline)
+        self.pipelined = 0  # plain steps that ran queued ahead of the step before them (pipeline)
         self._since_clear = 0
 
     def __len__(self) -> int:
@@ -1299,7 +1299,6 @@ class BatchDecoder:
             draws.append(None if s.sampling.greedy else ka)
         choice = mx.concatenate([next_token(o.logits, s.sampling, k) for o, s, k in zip(outs, decoding, draws)])
         mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
-        self.pipelined += 1
         return _Queued(list(decoding), outs, choice)
 
     @staticmethod
@@ -1318,6 +1317,7 @@ class BatchDecoder:
         ahead = None if prefilling else self._queue(decoding, [q.choice[k:k + 1] for k, _ in live])
         tw = time.perf_counter()
         flat = q.choice.tolist()  # the queued pass ends here
+        self.pipelined += 1
         verify_ms = (time.perf_counter() - tw) * 1e3
         results, finished = [], []
         for j, (k, s) in enumerate(live):

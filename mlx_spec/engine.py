@@ -161,7 +161,7 @@ class Engine:
         self._room = None  # memory.BatchRoom: admission by the plan's per-sequence bytes
         self._decoder = None  # batch.BatchDecoder when max_batch > 1
         self._live: dict = {}  # batched requests in flight: sequence id -> _Live
-        self._batch = {"sizes": {}, "steps": {"plain": 0, "drafted": 0}}
+        self._batch = {"sizes": {}, "steps": {"plain": 0, "drafted": 0}, "pipelined": 0}
         # which attention path the batch runs: "shared K/V over N layers" | "per sequence (<reason>)"
         # (None: no batching); in snapshot() and /health
         self.batch_attention: str | None = None
@@ -496,6 +496,7 @@ class Engine:
             with self._lock:
                 self._batch["sizes"] = dict(dec.batch_sizes)
                 self._batch["steps"] = dict(dec.steps)
+                self._batch["pipelined"] = dec.pipelined
             for sid, st in steps:
                 lv = self._live.get(sid)
                 if lv is None:
@@ -616,6 +617,7 @@ class Engine:
             st = merge_stats(parts) if parts else None
             c = dict(self._requests)
             batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
+                     "batch_pipelined": self._batch["pipelined"],
                      "batch_active": len(self._live), "max_batch": self.max_batch,
                      "batch_attention": self.batch_attention}
         cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],

@@ -660,6 +660,7 @@ def test_engine_batches_concurrent_requests_exactly(engines):
         assert b.prompt_tokens == a.prompt_tokens
     snap = batched.snapshot()
     assert max(snap["batch_sizes"]) >= 2 and snap["max_batch"] == 4
+    assert 0 <= snap["batch_pipelined"] <= snap["batch_steps"]["plain"]
     assert snap["batch_attention"].startswith("shared K/V over") and single.snapshot()["batch_attention"] is None
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 
@@ -873,6 +874,7 @@ def test_server_concurrent_openai_clients_and_metrics(tmp_path):
         metrics = httpx.get(f"{url}/metrics").text
         assert 'mlx_spec:batch_size_bucket{le="+Inf"}' in metrics
         assert "mlx_spec:batch_steps_total" in metrics and "mlx_spec:batch_max 4" in metrics
+        assert "mlx_spec:batch_pipelined_steps_total" in metrics
 
 
 def test_loadtest_levels_against_a_server_in_process(tmp_path):

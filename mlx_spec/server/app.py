@@ -409,6 +409,8 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
         metric("batch_steps_total", "counter", "Batched steps by kind: plain (no sequence drafted) or "
                "drafted (at least one sequence verified a draft).",
                [({"kind": k}, v) for k, v in sorted(snap["batch_steps"].items())])
+        metric("batch_pipelined_steps_total", "counter", "Plain batched steps queued before the step ahead "
+               "of them was read (pipelined; counted among the plain steps).", [({}, snap.get("batch_pipelined", 0))])
     metric("http_requests_in_flight", "gauge", "HTTP requests being handled now.", [({}, live["in_flight"])])
     metric("engine_ready", "gauge", "1 when the engine is loaded and serving.",
            [({}, int(snap["state"] == READY))])
