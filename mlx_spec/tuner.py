@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .adaptive import expected_tokens
-from .bench import Method, Runner, merge_stats, model_ms, spread
+from .bench import Method, Runner, merge_stats, spread
 from .blas import default_threads, set_threads, thread_candidates
 from .costs import Costs, CostMeter, Progress
 from .errors import MlxSpecError
@@ -378,12 +378,22 @@ def result_path(key: dict, root: Path | None = None) -> Path:
     return (root or cache_dir()) / "tuning" / f"{key_hash(key)}.json"
 
 
-def save_result(result: TuneResult, root: Path | None = None) -> Path:
+def save_result(result: TuneResult, root: Path | None = None, *, keep_existing: bool = False) -> Path:
+    """Write ``result`` under its key (atomically). ``keep_existing``: only where no result is
+    stored yet (a migration must not overwrite what a ``tune`` in another process just saved)."""
     path = result_path(result.key, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(result.as_dict(), indent=2))
-    tmp.replace(path)
+    if not keep_existing:
+        tmp.replace(path)
+        return path
+    try:
+        os.link(tmp, path)  # fails if a result is there: that one stays
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -414,7 +424,8 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
         return None
     result = replace(found, key=key)
     try:
-        log.info("tuning result %s moved to the weights' key: %s", result_path(old, root), save_result(result, root))
+        log.info("tuning result %s moved to the weights' key: %s", result_path(old, root),
+                 save_result(result, root, keep_existing=True))
     except OSError as e:  # a read-only cache: use it as it is, move it another time
         log.warning("could not move tuning result %s to the weights' key (%s)", result_path(old, root), e)
     return result

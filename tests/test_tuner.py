@@ -407,6 +407,11 @@ def test_results_under_the_old_spelled_key_are_migrated(pair, tmp_path, caplog):
     assert result_path(key, tmp_path).exists() and old_path.exists()
     assert load_result(tune_key(replace(pair, target_id=pair.target_id + "/")), tmp_path).best == 5
     assert legacy_key({"machine": {}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}) is None
+    # a migration never overwrites a result already there (a tune in another process saved it
+    # between this process's read and its write)
+    save_result(_result(key, best=7), tmp_path)
+    save_result(replace(got, best=5), tmp_path, keep_existing=True)
+    assert load_result(key, tmp_path).best == 7 and not list(tmp_path.rglob("*.tmp*"))
 
 
 def test_first_launch_tunes_once_then_reads_the_store(pair, tmp_path):
