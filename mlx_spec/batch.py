@@ -1038,9 +1038,10 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1) -> Decision | None:
+    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False) -> Decision | None:
         """What the sequence would do alone this cycle (its own policy / controller). ``peek``:
         what its policy would choose, nothing counted (None where a controller decides).
+        ``asked``: its context is the one a ``peek`` just built (nothing happened since).
 
         In a batch of two or more, a policy's plain step (its drafter resting, or drafts not
         paying at the single-stream pass costs) is offered to the batch as a DFlash draft of its
@@ -1048,11 +1049,11 @@ class BatchDecoder:
         against the batch's own step costs, where extra rows cost less than a sequence's plain
         step alone (and the policy learns from what the batch drafted)."""
         room = s.max_tokens - s.n
-        s.ctx = None
+        ctx, s.ctx = s.ctx, None
         if not s.speculate:
             d = Decision(PLAIN, 1)
         elif s.policy is not None:
-            s.ctx = self._context(s)
+            s.ctx = ctx if asked and ctx is not None else self._context(s)
             d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
             if d.source == PLAIN and batch > 1 and self.widen and DFLASH in s.policy.sources:
                 d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
@@ -1086,8 +1087,8 @@ class BatchDecoder:
             return _Curve(tuple(s.policy.copy.curve(s.ctx.match, d.length - 1)))
         return s.acc
 
-    def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
-        wish = [self._wish(s, batch=len(decoding)) for s in decoding]
+    def _choose(self, decoding: list[_Seq], extra_rows: int, asked: bool = False) -> list[Decision]:
+        wish = [self._wish(s, batch=len(decoding), asked=asked) for s in decoding]
         blocks = self.policy.choose(*self._asks(decoding, wish), extra_rows, [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
@@ -1118,7 +1119,7 @@ class BatchDecoder:
     def _step(self) -> list[tuple[int, Step]]:
         t0 = time.perf_counter()
         q, self._queued = self._queued, None
-        if q is not None and any(self._seqs.get(s.id) is s for s in q.seqs):
+        if q is not None:  # (one of its sequences is live: ``_drop_queued`` sees to that)
             return self._run_queued(q, t0)
         decoding = [s for s in self._seqs.values() if s.anchor_id >= 0]
         if self.kv is not None:  # the rows' segments first, in slot order
@@ -1287,7 +1288,7 @@ class BatchDecoder:
             return None
         if not self._plain_next(decoding):
             return None
-        decisions = self._choose(decoding, 0)  # (now the policies count the step as chosen)
+        decisions = self._choose(decoding, 0, asked=True)  # (now the policies count the step as chosen)
         if any(d.source != PLAIN for d in decisions):  # (``plan`` said plain: not reached)
             raise MlxSpecError("the batch policy's choose() disagrees with its plan()")
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]

@@ -158,10 +158,8 @@ def point_mass(tokens: mx.array, vocab: int) -> mx.array:
 def next_token(logits: mx.array, cfg: SamplingConfig, key: mx.array | None) -> mx.array:
     """The token after a block with no drafts, still lazy ((1,) int32): the target's argmax at
     its last row (greedy), else the draw ``accept_sampled`` makes there with ``key``."""
-    if cfg.greedy:
-        return mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
-    _, k_s = mx.random.split(key)  # (as speculative_sample with no drafts splits it)
-    return sample_probs(target_probs(logits[-1:], cfg), k_s).astype(mx.int32)
+    sub = None if cfg.greedy else mx.random.split(key)[1]  # (as speculative_sample with no drafts splits it)
+    return sample_target(logits[-1:], cfg, sub).astype(mx.int32)
 
 
 def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
