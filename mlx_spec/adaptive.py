@@ -54,7 +54,8 @@ MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
 # 0.7-1.0), set between the two; from 8 matched tokens on nearer the agent edits' (a long match
 # is a copy in every kind, and a long copy drafted short pays a verify per ~10 tokens: on the 17
 # built-in prompts at 64 tokens, 0.9 / 0.95 / 0.97 there instead of 0.85 / 0.9 / 0.93 modelled
-# the agent edits 0-17 % faster at the measured Tt(L), math, prose and code within 4 %).
+# the agent edits 0-17 % faster at the measured Tt(L), math, prose and code within 4 %; a model-time
+# estimate, not kept; timed A/B within the noise, docs/bench.md).
 LOOKUP_PRIOR = ((2, 0.2), (3, 0.4), (4, 0.6), (8, 0.7), (16, 0.9), (32, 0.95), (None, 0.97))
 
 

@@ -269,13 +269,12 @@ class BatchKV:
             T = self.length
         if T == self.length and self.slots < 2 * n:
             return
-        S = n  # (a copy is made: to the rows left)
-        fresh = []
+        fresh = []  # (a copy is made: to the rows left)
         for store in (self.keys, self.values):
             for i in self.layers:
                 a = store[i]
-                b = mx.zeros((S, a.shape[1], T, a.shape[3]), a.dtype)
-                b[:] = a[:S, :, :T]
+                b = mx.zeros((n, a.shape[1], T, a.shape[3]), a.dtype)
+                b[:] = a[:n, :, :T]
                 store[i] = b
                 fresh.append(b)
         mx.eval(fresh)
@@ -353,7 +352,10 @@ class BatchKV:
                     if k > 1:
                         rest.append((b, a + 1, a + k, offs[b] + k))
                         order += range(a + 1, a + k)
-                back = mx.argsort(mx.array(order, mx.int32))  # packed row -> its output row
+                inv = [0] * len(order)  # packed row -> its output row
+                for i, r in enumerate(order):
+                    inv[r] = i
+                back = mx.array(inv, mx.int32)
                 split = (mx.array(starts[:-1], mx.int32), T0, tuple(rest))
                 plan = RowsPlan(self, n, R, L, T, slots, cols, None, back, mask, 0, split)
             else:
@@ -736,7 +738,9 @@ class BatchPolicy:
     more than a typical draft returns stays plain (no forced probes), and a sequence whose
     drafts start to pay is found again once the batch can afford to look. After
     ``explore_every`` drafting steps in a row one step is plain, so the fit keeps seeing what a
-    plain step costs. A batch of one follows its own wish (the single-stream policy decides, as
+    plain step costs (a pipelined plain step is fitted at its cost to the batch: the host work and
+    the wait, its pass having overlapped the step before; that is what stepping plain costs then,
+    and it pulls the fitted intercept below an unpipelined step's). A batch of one follows its own wish (the single-stream policy decides, as
     in ``spec_steps``).
     """
 
@@ -798,9 +802,13 @@ class BatchPolicy:
         """Each sequence's rows this step (1 = plain), at most its wish (``plan``), counted: after
         ``explore_every`` drafting steps in a row the next is plain."""
         L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes)
-        if len(wants) > 1 or extra_rows:
-            self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
+        self.count(L, len(wants) > 1 or bool(extra_rows))
         return L
+
+    def count(self, L: Sequence[int], batched: bool = True) -> None:
+        """A step taken with rows ``L`` (``batched``: more than one sequence, or prefill rows)."""
+        if batched:
+            self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
 
     def plan(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
              probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
@@ -1111,6 +1119,14 @@ class BatchDecoder:
         return s.sampling.greedy and s.ctx is not None and bool(s.ctx.lookup)
 
     @staticmethod
+    def _keys(s: _Seq) -> tuple:
+        """This step's keys of a sampled sequence (its draft's, its acceptance's); greedy: none."""
+        if s.sampling.greedy:
+            return None, None
+        s.key, kd, ka = mx.random.split(s.key, 3)
+        return kd, ka
+
+    @staticmethod
     def _take(s: _Seq) -> mx.array | None:
         f = (mx.concatenate(s.pending, axis=1) if len(s.pending) > 1 else s.pending[0]) if s.pending else None
         s.pending.clear()
@@ -1140,10 +1156,8 @@ class BatchDecoder:
         # DFlash drafts: every drafting sequence's proposal in one lazy graph, evaluated together.
         keys, props, group = {}, {}, {}
         for s, d in zip(decoding, decisions):
-            kd = ka = None
-            if not s.sampling.greedy:
-                s.key, kd, ka = mx.random.split(s.key, 3)
-            keys[s.id] = (kd, ka)
+            keys[s.id] = self._keys(s)
+            kd = keys[s.id][0]
             if d.source == DFLASH:
                 if self.packed_drafter:
                     group.setdefault(d.length, []).append(s)
@@ -1189,18 +1203,15 @@ class BatchDecoder:
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # The target's choices, one host transfer: a plain step's next token for every sequence
         # (sampled ones drawn in the graph), else every greedy sequence's argmax over its rows.
-        plain = bool(decoding) and all(L == 1 for L in blocks)
-        if plain:
-            greedy = list(range(len(decoding)))
-            choice = mx.concatenate([next_token(outs[k].logits, s.sampling, keys[s.id][1])
-                                     for k, s in enumerate(decoding)])
-        else:
-            greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy]
-            choice = (mx.argmax(mx.concatenate([outs[k].logits for k in greedy]), axis=-1)
-                      if greedy else None)
+        # (a sequence stepping plain: its next token, a sampled one's drawn in the graph; a greedy
+        # draft's rows: their argmax; only a sampled draft is accepted apart, by accept_sampled)
+        greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy or blocks[k] == 1]
+        choice = (mx.concatenate([next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
+                                  if blocks[k] == 1 else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
+                                  for k in greedy]) if greedy else None)
         mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
         ahead = None
-        if plain and not prefilling:
+        if decoding and all(L == 1 for L in blocks) and not prefilling:
             ahead = self._queue(decoding, [choice[k:k + 1] for k in range(len(decoding))])
 
         results: list[tuple[int, Step]] = []
@@ -1215,7 +1226,7 @@ class BatchDecoder:
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
-            if k in greedy_ids:  # (a plain step's sampled token too)
+            if k in greedy_ids:  # (a sampled sequence's plain step too)
                 a, bonus = accept_greedy(draft_list, greedy_ids[k])
             else:
                 a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
@@ -1288,17 +1299,13 @@ class BatchDecoder:
             return None
         if not self._plain_next(decoding):
             return None
-        decisions = self._choose(decoding, 0, asked=True)  # (now the policies count the step as chosen)
-        if any(d.source != PLAIN for d in decisions):  # (``plan`` said plain: not reached)
-            raise MlxSpecError("the batch policy's choose() disagrees with its plan()")
+        for s in decoding:  # now each policy, and the batch, count the step as chosen
+            self._wish(s, batch=len(decoding), asked=True)
+        self.policy.count([1] * len(decoding), len(decoding) > 1)
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
-        draws = []
-        for s in decoding:  # a sampled sequence's key is consumed as by an unpipelined plain step
-            if not s.sampling.greedy:
-                s.key, _, ka = mx.random.split(s.key, 3)
-            draws.append(None if s.sampling.greedy else ka)
-        choice = mx.concatenate([next_token(o.logits, s.sampling, k) for o, s, k in zip(outs, decoding, draws)])
+        # (a sampled sequence's keys are consumed as by an unpipelined plain step)
+        choice = mx.concatenate([next_token(o.logits, s.sampling, self._keys(s)[1]) for o, s in zip(outs, decoding)])
         mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
         return _Queued(list(decoding), outs, choice)
 
@@ -1311,8 +1318,9 @@ class BatchDecoder:
 
     def _run_queued(self, q: "_Queued", t0: float) -> list[tuple[int, Step]]:
         """Read the step queued ahead (after queuing the next one, when it stays plain too)."""
-        live = sorted(((k, s) for k, s in enumerate(q.seqs) if self._seqs.get(s.id) is s),
-                      key=lambda ks: ks[1].row.slot if ks[1].row is not None else ks[0])
+        live = [(k, s) for k, s in enumerate(q.seqs) if self._seqs.get(s.id) is s]
+        if self.kv is not None:  # the rows' segments in slot order (leavers reordered them)
+            live.sort(key=lambda ks: ks[1].row.slot)
         decoding = [s for _, s in live]
         prefilling = any(s.anchor_id < 0 for s in self._seqs.values())
         ahead = None if prefilling else self._queue(decoding, [q.choice[k:k + 1] for k, _ in live])

@@ -463,10 +463,10 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
             longest = max((s.run.stats.cycles for s in mine), default=0)
-            ran = sum(sum(s.run.drafter_blocks.values()) for s in mine)
             if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_SOURCES, cycles=longest,
-                           probes="dflash" in POLICY_SOURCES.get(m.kind, ()), drafter_ran=ran):
-                row.status = f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted})"
+                           probes="dflash" in POLICY_SOURCES.get(m.kind, ()), drafter_ran=st.drafter_passes):
+                row.status = (f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted}, "
+                              f"drafter passes {st.drafter_passes})")
                 rows.append(row)
                 continue
         per = _per_repeat(mine)

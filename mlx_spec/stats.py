@@ -67,7 +67,7 @@ class Stats:
         self.trace.append((source, L, step.accepted))
         if step.draft_block:
             self.drafter_passes += 1
-            self.trimmed += source == "dflash" and L < step.draft_block
+            self.trimmed += int(source == "dflash" and L < step.draft_block)
         if not step.drafted:
             self.plain_cycles += 1
         else:

@@ -36,6 +36,7 @@ call on start, and it applies the stored thread count.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -175,11 +176,22 @@ def weights_id(path_or_id: str) -> str | None:
     default target's id and its cache folder, a Hugging Face repo and its local snapshot, a
     relative and an absolute path all give the same one; a retrained or re-quantized checkpoint
     another. None when the files cannot be found here."""
-    from .loading import DRAFT_VOCAB_FILE
-
     d = _model_dir(path_or_id)
     if d is None:
         return None
+    d = d.resolve()
+    # (a launch asks several times: before loading, for the tuning key, for the policies' prior)
+    return _weights_digest(str(d), tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                                         for f in sorted(d.iterdir()) if f.is_file() for st in (f.stat(),)))
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_digest(folder: str, files: tuple) -> str:
+    """``weights_id`` of ``folder``, whose files (name, size, mtime, inode) are ``files``: read
+    again only when one of them changes."""
+    from .loading import DRAFT_VOCAB_FILE
+
+    d = Path(folder)
     h = hashlib.sha256()
     for name in ("config.json", DRAFT_VOCAB_FILE, *sorted(x.name for x in d.glob("*.safetensors.index.json"))):
         f = d / name
@@ -236,8 +248,8 @@ def legacy_key(key: dict) -> dict | None:
 
 def models_of(target: str, drafter: str) -> dict:
     """What ``same_models`` compares a stored key with, computed once: per model, the id as
-    spelled, its ``weights_id`` and its ``legacy_fingerprint``."""
-    return {k: (v, weights_id(v), legacy_fingerprint(v)) for k, v in (("target", target), ("drafter", drafter))}
+    spelled and its ``weights_id`` (the old fingerprint only where a stored key is that old)."""
+    return {k: (v, weights_id(v)) for k, v in (("target", target), ("drafter", drafter))}
 
 
 def same_models(key: dict, models: dict) -> bool:
@@ -245,8 +257,9 @@ def same_models(key: dict, models: dict) -> bool:
     them: the weights' identity, or for a key from before session 7 the id and its old hash."""
     got = {k: key.get(k) if isinstance(key.get(k), dict) else {} for k in models}
     if all("weights" in v for v in got.values()):
-        return all(got[k]["weights"] == w and w is not None for k, (_, w, _) in models.items())
-    return all((got[k].get("id"), got[k].get("hash")) == (spelled, old) for k, (spelled, _, old) in models.items())
+        return all(got[k]["weights"] == w and w is not None for k, (_, w) in models.items())
+    return all(got[k].get("id") == spelled and got[k].get("hash") == legacy_fingerprint(spelled)
+               for k, (spelled, _) in models.items())
 
 
 def key_hash(key: dict) -> str:

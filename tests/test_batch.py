@@ -661,6 +661,12 @@ def test_engine_batches_concurrent_requests_exactly(engines):
     snap = batched.snapshot()
     assert max(snap["batch_sizes"]) >= 2 and snap["max_batch"] == 4
     assert 0 <= snap["batch_pipelined"] <= snap["batch_steps"]["plain"]
+    # plain decoding (speculation off for these requests): its steps run pipelined, and say so
+    before = snap["batch_pipelined"]
+    plain = [batched.submit(Request(prompt=p, max_tokens=12, speculate=False)) for p in REQUESTS[:2]]
+    for h, p in zip(plain, REQUESTS[:2]):
+        assert h.result().text == single.submit(Request(prompt=p, max_tokens=12, speculate=False)).result().text
+    assert batched.snapshot()["batch_pipelined"] > before
     assert snap["batch_attention"].startswith("shared K/V over") and single.snapshot()["batch_attention"] is None
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 

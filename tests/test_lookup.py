@@ -40,7 +40,7 @@ def test_rename_resyncs_after_the_new_name():
     reply = LINES[0] + LINES[1] + [99, 7]
     new, old = _both(reply)
     assert new == [8, 32, 9, 13, 7]
-    assert old != new  # the latest "7" (the reply's own copy of line 1) goes on with B_1
+    assert old == [8, 31, 9, 99, 7]  # the latest "7" (the reply's own copy of line 1) goes on with B_1
 
 
 def test_insertion_rejoins_at_the_break():
@@ -48,7 +48,7 @@ def test_insertion_rejoins_at_the_break():
     reply = LINES[0] + LINES[1] + [98, 9]
     new, old = _both(reply)
     assert new == LINES[2]
-    assert old != new
+    assert old == [98, 9, 98, 9, 98]  # the latest "9" is the inserted line's own: it repeats
 
 
 def test_deletion_rejoins_after_the_deleted_tokens():
@@ -56,7 +56,7 @@ def test_deletion_rejoins_after_the_deleted_tokens():
     reply = LINES[0] + LINES[1] + [12, 7, 8, 9]
     new, old = _both(reply)
     assert new == LINES[3]
-    assert old != new
+    assert old == [12, 7, 8, 9, 12]  # the reply's own shortened line 2, repeating
 
 
 def test_the_break_is_forgotten_once_the_copy_runs_again():

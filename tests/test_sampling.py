@@ -400,3 +400,16 @@ def test_generate_cli_same_seed_same_text(tmp_path, capsys):
     for name, (a, b, c) in texts.items():
         assert a == b, name
         assert a != c, name  # a different seed gives another sample (true for these seeds)
+
+
+def test_next_token_draws_as_accept_sampled_does_with_no_drafts():
+    """A plain step's token drawn in the graph (batching's pipelined steps) is the draw that
+    ``accept_sampled`` makes for a block with no drafts, key for key."""
+    from mlx_spec.sampling import accept_sampled, next_token
+
+    logits = mx.random.normal((3, 50), key=mx.random.key(1))
+    cfg = SamplingConfig(1.0)
+    got = [int(next_token(logits, cfg, mx.random.key(k)).item()) for k in range(12)]
+    assert got == [accept_sampled(logits, None, cfg, mx.random.key(k))[1] for k in range(12)]
+    assert len(set(got)) > 3  # (the draws do depend on the key)
+    assert int(next_token(logits, SamplingConfig(), None).item()) == int(mx.argmax(logits[-1]).item())

@@ -614,7 +614,7 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
     every size, the race planned from the measured pass costs. At 30 s the race cannot afford
     every candidate: those left out are named in ``why`` and marked "not raced: budget"; on a
     machine 5x slower, fewer pass-cost rounds. (The session-5 tuner ran its minimum race rounds
-    past any deadline: 90 s took 102-120 s; here 45 s took ~60 s and 30 s ~55 s.)"""
+    past any deadline: its quiet 90 s runs took 105.6-119.8 s wall, runs/tune5-*.txt.)"""
     import mlx_spec.tuner as T
 
     fake_blas = type("B", (), {"settable": True, "pinned": None})()
