@@ -749,7 +749,7 @@ class BatchPolicy:
         self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
         a, b, c, e = self.prior
-        self.costs = StepCost(a, b, b, 0.0, c, e)
+        self._costs, self._stale = StepCost(a, b, b, 0.0, c, e), False
         self.probe_every, self.max_probe = probe_every, max_probe_every
         self.optimism = Acceptance(16)  # what a sequence due for a probe is judged at (at least)
         # after this many drafting steps in a row, one plain step: the fit must see what the
@@ -762,7 +762,15 @@ class BatchPolicy:
         ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
         from any source (default ``drafting``)."""
         self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs))
-        self.costs = self._fit()
+        self._stale = True
+
+    @property
+    def costs(self) -> StepCost:
+        """The step costs fitted to the steps observed so far (refitted when read after new
+        steps: a long run of plain steps that no sequence could draft in never pays for a fit)."""
+        if self._stale:
+            self._costs, self._stale = self._fit(), False
+        return self._costs
 
     def _fit(self):
         """Two ridge fits, so that neither phase hides in the other's intercept (a batch that
@@ -791,11 +799,6 @@ class BatchPolicy:
         else:
             e, c = pe * a / pa, pc * a / pa
         return StepCost(float(a), float(b), float(f), float(g), float(max(c, 0.0)), float(max(e, 0.0)))
-
-    def cost(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
-        """Predicted ms of a step of ``rows`` decoding rows (``drafting`` of the sequences in the
-        drafter pass, ``seqs`` drafting in all, default ``drafting``) and ``extra`` prefill rows."""
-        return self.costs(rows, drafting, extra, seqs)
 
     def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
                probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
@@ -829,7 +832,10 @@ class BatchPolicy:
 
     def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
         n = len(wants)
-        b, c = self.costs.row, self.costs.draft_seq
+        if max(wants, default=1) <= 1:
+            return [1] * n  # nobody wishes a draft: the costs are not needed (nor refitted)
+        cost = self.costs
+        b, c = cost.row, cost.draft_seq
         L = [1] * n
         rows, drafting, tokens = n, 0, float(n)
         x = extra_rows
@@ -837,7 +843,7 @@ class BatchPolicy:
         for i, w in enumerate(wants):
             if w <= 1:
                 continue
-            ci = (c if passes[i] else 0.0) + self.costs.seq
+            ci = (c if passes[i] else 0.0) + cost.seq
             if plain_runs[i] >= probes[i]:  # due for a probe: judged at least at the prior's acceptance
                 gains = [max(accs[i].expected(k), self.optimism.expected(k)) - 1 for k in range(2, w + 1)]
             else:
@@ -845,11 +851,11 @@ class BatchPolicy:
             k = max(range(2, w + 1), key=lambda k: gains[k - 2] / (b * (k - 1) + ci + 1e-9))
             cands.append((gains[k - 2] / (b * (k - 1) + ci + 1e-9), i, k, gains))
         cands.sort(reverse=True)
-        best, best_rate = 0, tokens / self.cost(rows, drafting, x, 0)
+        best, best_rate = 0, tokens / cost(rows, drafting, x, 0)
         r, d, t = rows, drafting, tokens
         for j, (_, i, k, gains) in enumerate(cands, start=1):
             r, d, t = r + k - 1, d + passes[i], t + gains[k - 2]
-            rate = t / self.cost(r, d, x, j)
+            rate = t / cost(r, d, x, j)
             if rate > best_rate:
                 best, best_rate = j, rate
         if not best:
@@ -865,7 +871,7 @@ class BatchPolicy:
         t = tokens + sum(g[L[i] - 2] for _, i, _, g in chosen)
         for _, i, _, g in chosen:
             k0 = L[i]
-            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / self.cost(r + k - k0, d, x, best))
+            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / cost(r + k - k0, d, x, best))
             r, t, L[i] = r + k - k0, t + g[k - 2] - g[k0 - 2], k
         return L
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .errors import MlxSpecError
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
-from .stats import StatsSnapshot
+from .stats import Stats, StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
 log = logging.getLogger(__name__)
@@ -595,12 +595,10 @@ class Engine:
 
     def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
         """Fold a finished request's stats into the engine's totals."""
-        from .bench import merge_stats
-
         with self._lock:
             self._running = None
             if stats is not None:
-                self._done_stats = merge_stats([s for s in (self._done_stats, stats) if s is not None])
+                self._done_stats = Stats.merged([s for s in (self._done_stats, stats) if s is not None])
                 self._requests["prompt_tokens"] += prompt_tokens
                 self._requests["cached_tokens"] += stats.cached_tokens
                 self._requests["cancelled"] += int(cancelled)
@@ -609,12 +607,10 @@ class Engine:
     def snapshot(self) -> dict:
         """Counters for /metrics and the UI (plain values): request counts, and cycle counters
         from the requests' ``Stats`` (finished ones plus the one running now)."""
-        from .bench import merge_stats
-
         with self._lock:
             live = [lv.result.stats for lv in self._live.values()]
             parts = [s for s in (self._done_stats, self._running, *live) if s is not None]
-            st = merge_stats(parts) if parts else None
+            st = Stats.merged(parts) if parts else None
             c = dict(self._requests)
             batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
                      "batch_pipelined": self._batch["pipelined"],

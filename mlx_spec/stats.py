@@ -15,9 +15,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Iterable
 
 from .decode import Step
+
+
+def _add_counts(a: Any, b: Any) -> Any:
+    """Nested counters added up: numbers, and dicts of them (block histograms, per-source counts)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a or {}, b or {}
+        return {k: _add_counts(a.get(k), b.get(k)) for k in {**a, **b}}
+    return (a or 0) + (b or 0)
+
+
+# Per-request fields that ``Stats.merged`` leaves out: the prompt's own counts (the engine adds
+# them per request), the timings (rates are taken per run) and the per-cycle trace.
+NOT_MERGED = frozenset({"prompt_tokens", "cached_tokens", "draft_ms", "verify_ms", "rollback_ms",
+                        "prefill_ms", "decode_ms", "first_token_ms", "trace", "finish_reason"})
 
 
 @dataclass
@@ -86,6 +100,25 @@ class Stats:
             self.reached[k] += 1
             if k < step.accepted:
                 self.hits[k] += 1
+
+    @classmethod
+    def merged(cls, parts: Iterable["Stats"]) -> "Stats":
+        """The counters of several runs added up (the cycle counters, histograms, per-source
+        counts and per-position counts; the per-request fields in ``NOT_MERGED`` keep their
+        defaults)."""
+        out = cls()
+        for p in parts:
+            for f in fields(cls):
+                if f.name in NOT_MERGED:
+                    continue
+                a, b = getattr(out, f.name), getattr(p, f.name)
+                if isinstance(a, list):
+                    n = max(len(a), len(b))
+                    b = [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+                else:
+                    b = _add_counts(a, b)
+                setattr(out, f.name, b)
+        return out
 
     @property
     def drafted_cycles(self) -> int:

@@ -84,7 +84,7 @@ def summarize(label, dec, steps, tokens, wall, cpu):
           f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
     pol = dec.policy
     if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
-        errs = [abs(pol.cost(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
+        errs = [abs(pol.costs(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
         k = pol.costs
         print(f"{'':<28} cost line: {k.base:.1f} + {k.row:.2f}*rows + {k.prefill_row:.2f}*prefill rows + "
               f"{k.seq:.2f}*drafting seqs + {k.draft_seq:.2f}*in drafter pass + {k.drafter_pass:.1f}*[draft pass] ms, "

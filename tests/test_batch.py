@@ -515,7 +515,29 @@ def test_prefill_rows_do_not_bend_the_decoding_rows_cost():
         pol.observe(8, 0, 72 + 6 * 8 + 2.0 * 500, 0.0, 500)
     a, b = pol.costs.base, pol.costs.row
     assert abs(a - 72) < 5 and abs(b - 6) < 0.5
-    assert abs(pol.cost(8, 0) - 120) < 5 and abs(pol.cost(8, 0, 500) - 1120) < 60
+    assert abs(pol.costs(8, 0) - 120) < 5 and abs(pol.costs(8, 0, 500) - 1120) < 60
+
+
+def test_step_costs_are_refitted_only_when_read():
+    """A long run of plain steps (no sequence asks to draft, nothing reads the costs) pays for no
+    fit; the first read after new steps refits once, and sees all of them."""
+    fits = []
+
+    class Counting(BatchPolicy):
+        def _fit(self):
+            fits.append(len(self.obs))
+            return super()._fit()
+
+    pol = Counting()
+    for _ in range(40):
+        pol.observe(8, 0, 120.0)
+    assert fits == []
+    assert pol.choose([1] * 8, [Acceptance(3)] * 8, [0] * 8, [8] * 8) == [1] * 8  # nobody wishes a draft
+    assert fits == []
+    c = pol.costs
+    assert fits == [40] and pol.costs is c  # one fit, cached until the next step
+    pol.observe(9, 0, 126.0)
+    assert abs(pol.costs(9, 0) - 126) < 5 and fits == [40, 41]
 
 
 class _FixedCost(BatchPolicy):
@@ -524,7 +546,7 @@ class _FixedCost(BatchPolicy):
     def __init__(self, theta):
         super().__init__()
         a, b, c, e = theta
-        self.costs, self.seen = StepCost(a, b, 0.04, 0.0, c, e), []
+        self._costs, self.seen = StepCost(a, b, 0.04, 0.0, c, e), []
 
     def observe(self, *measured):
         pass
