@@ -1,5 +1,5 @@
 """Where does a batched step's time go? ``batch.BatchDecoder`` on the default target + drafter
-at batch sizes 1, 2, 4, 8 (code prompts, greedy), against the single-stream loop
+at batch sizes 1, 2, 4, 8 (code prompts by default, ``--kinds`` for others; greedy), against the single-stream loop
 (``decode.spec_steps``) for the batch of one. Per batch size: decode tok/s (prefill excluded),
 ms per step, and the step split into its phases (drafter pass, packed target forward + the
 host transfer of the choices, the rest: acceptance, rollback, bookkeeping), read from the
@@ -7,7 +7,7 @@ steps' own timings; with ``--cprofile`` the Python functions that cost most at t
 batch. With ``--attention`` also the packed target forward alone at the largest batch, attention
 for all sequences in one call (``batch.BatchKV``) against one call per sequence, same inputs.
 
-    python scripts/batch_profile.py [--sizes 1,2,4,8] [--tokens 48] [--policy auto|always|plain]
+    python scripts/batch_profile.py [--sizes 1,2,4,8] [--tokens 48] [--policy auto|always|plain] [--kinds code]
                                     [--compare] [--cprofile] [--attention]
 
 Against mlx-lm in one process (what ``mlx_lm.server`` runs: ``mlx_lm.generate.BatchGenerator``),
@@ -262,8 +262,8 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
     for k, rs in got.items():
         toks, sec = sum(r[0] for r in rs), sum(r[1] for r in rs)
         lat = sorted(x for r in rs for x in r[2])
-        p95 = lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))]
-        print(f"  {k:<22} {toks / sec:7.1f} tok/s  p95 {p95:5.2f} s  ({toks} tokens)")
+        p50, p95 = (lat[min(len(lat) - 1, int(round(q * (len(lat) - 1))))] for q in (0.5, 0.95))
+        print(f"  {k:<22} {toks / sec:7.1f} tok/s  p50 {p50:5.2f} s  p95 {p95:5.2f} s  max {lat[-1]:5.2f} s  ({toks} tokens)")
 
 
 def main() -> None:
@@ -282,6 +282,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=0,
                     help="only: N clients x --requests requests of --tokens tokens, in one process (see flow())")
     ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--kinds", default="code", help="built-in prompt kinds, comma-separated (e.g. agent: "
+                    "multi-turn edits whose replies copy their prompt; lookup drafts)")
     a = ap.parse_args()
     pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
 
@@ -294,7 +296,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         print(f"(no per-sequence policy: {e})")
     bp = {"auto": BatchPolicy, "always": Always, "plain": Never}[a.policy]
-    prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(("code",))]
+    prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(tuple(a.kinds.split(",")))]
     sizes = [int(x) for x in a.sizes.split(",")]
     if a.versus:
         versus(pair, make, prompts, sizes, a.tokens)
