@@ -75,19 +75,28 @@ def copy_share(prompt: Sequence[int], reply: Sequence[int], n: int = 4) -> float
 
 
 def copy_oracle(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4,
-                max_draft: int = MAX_LOOKUP) -> tuple[int, float]:
+                max_draft: int = MAX_LOOKUP, right: Sequence[int] | None = None) -> tuple[int, float]:
     """(tokens, ms): the model time an oracle needs for the reply's tokens after the first (the
     first comes from the prefill). The oracle drafts every copied token (``copy_share``'s spans)
     right, in blocks of up to ``max_draft`` drafts verified at the cost curve's Tt(L), and takes
     a plain step (T1) for every other token; it splits the reply into cycles by dynamic
-    programming (the least time)."""
+    programming (the least time).
+
+    ``right`` (one per reply token; ``prompt`` is then unused): how many drafts a cycle anchored
+    before token i gets right, instead of the copied span's tokens from i on — a drafter's own
+    proposals, each one's acceptance known (scripts/lookup_replay.py's clairvoyant bound)."""
     N = len(reply)
+    if right is not None and len(right) != N:
+        raise ValueError(f"right needs one count per reply token ({len(right)} for {N})")
     if N < 2:
         return 0, 0.0
-    covered = _covered(prompt, reply, n)
-    run = [0] * (N + 1)  # run[i]: covered tokens from i on, without a gap
-    for i in range(N - 1, -1, -1):
-        run[i] = run[i + 1] + 1 if covered[i] else 0
+    if right is None:
+        covered = _covered(prompt, reply, n)
+        run = [0] * (N + 1)  # run[i]: covered tokens from i on, without a gap
+        for i in range(N - 1, -1, -1):
+            run[i] = run[i + 1] + 1 if covered[i] else 0
+    else:
+        run = list(right)
     tt = [0.0] + [costs.verify(L) for L in range(1, max_draft + 2)]
     best = [0.0] * (N + 1)  # best[i]: least time to commit reply[i:] with reply[i - 1] the anchor
     for i in range(N - 1, 0, -1):
@@ -378,28 +387,6 @@ class Row:
     tokens: int = 0
 
 
-def _add_counts(a, b):
-    """Nested counters added up: numbers, and dicts of them (block histograms, per-source counts)."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        a, b = a or {}, b or {}
-        return {k: _add_counts(a.get(k), b.get(k)) for k in {**a, **b}}
-    return (a or 0) + (b or 0)
-
-
-def merge_stats(parts: Sequence[Stats]) -> Stats:
-    """The cycle counters of several runs added up (timings are not merged)."""
-    out = Stats()
-    counters = ("cycles", "drafted", "accepted", "committed_in_cycles", "tokens", "plain_cycles",
-                "drafter_passes", "trimmed", "committed_in_drafted", "block_sizes", "sources")
-    for p in parts:
-        for name in counters:
-            setattr(out, name, _add_counts(getattr(out, name), getattr(p, name)))
-        n = max(len(out.reached), len(p.reached))
-        out.reached = [a + b for a, b in zip(out.reached + [0] * n, p.reached + [0] * n)][:n]
-        out.hits = [a + b for a, b in zip(out.hits + [0] * n, p.hits + [0] * n)][:n]
-    return out
-
-
 def _per_repeat(samples: list[Sample], kinds: set[str] | None = None,
                 prompts: set[str] | None = None) -> dict[int, tuple[float, float]]:
     """repeat -> (decode tok/s, end-to-end tok/s) over the prompts (of the given kinds / ids)."""
@@ -452,7 +439,7 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             rows.append(Row(m.label, m.kind, m.block_size, status=failed[m]))
             continue
         mine = [s for s in samples if s.method == m]
-        st = merge_stats([s.run.stats for s in mine])
+        st = Stats.merged([s.run.stats for s in mine])
         committed = st.committed_in_cycles
         row = Row(m.label, m.kind, m.block_size, runs=len(mine), tokens=sum(len(s.run.tokens) for s in mine),
                   drafted=st.drafted, accepted=st.accepted,
@@ -547,7 +534,7 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
         for m in dict.fromkeys(s.method for s in mine):
             runs = [s for s in mine if s.method == m]
             if m.speculative:
-                st = merge_stats([s.run.stats for s in runs])
+                st = Stats.merged([s.run.stats for s in runs])
                 row.tau[m.label] = _r(st.mean_acceptance_length)
             rates = _per_repeat(runs)
             for k, target in (("plain", row.speedup), ("mlx-lm", row.speedup_mlx)):
@@ -575,19 +562,4 @@ def subset_speedups(samples: list[Sample], prompt_ids: set[str]) -> dict[str, tu
     for m in dict.fromkeys(s.method for s in keep):
         rates = _per_repeat([s for s in keep if s.method == m])
         out[m.label] = tuple(_median_ratio(rates, base[k], 0) if base[k] else None for k in ("plain", "mlx-lm"))
-    return out
-
-
-def pass_costs(pair, sizes: Sequence[int], context: Sequence[int], reps: int, group=None) -> dict:
-    """The pass costs alone (``bench --costs-only``; what `bench` reports for a group): T1, Td(B),
-    Tt(B) at ``context`` tokens, medians of ``reps`` rounds. With ``group`` (every rank calls
-    this at the same point, the target sharded over it) also what the link adds on its own:
-    the all-reduce chain of one verify pass and the per-step message (``distributed.link_costs``)."""
-    from .distributed import group_info, link_costs
-
-    costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=reps)
-    out = {"group": group_info(group).as_dict(), "target": pair.target_id, "drafter": pair.drafter_id,
-           "context": len(context), "reps": reps, "costs": costs.as_dict()}
-    if group is not None:
-        out.update(link_costs(group, pair.target.num_layers, pair.target.hidden_size, sizes, reps))
     return out

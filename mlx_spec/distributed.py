@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from .errors import MlxSpecError, UnsupportedModel
+from .generation import SINGLE, GenConfig, GroupInfo, for_request, token_steps  # noqa: F401 (SINGLE re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -56,27 +57,6 @@ class GroupFailed(MlxSpecError):
     """A rank of the distributed group died, hung or disagreed."""
 
 
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """How a pair runs: ``size`` processes, this one ``rank``; ``sharded``: the target is split."""
-
-    size: int = 1
-    rank: int = 0
-    backend: str = "none"
-    sharded: bool = False
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        if self.size == 1:
-            return "one process"
-        return f"target sharded over {self.size} processes ({self.backend})"
-
-
-SINGLE = GroupInfo()
-
-
 def launched(environ=os.environ) -> bool:
     """True when this process was started by ``mlx.launch`` (so it belongs to a group)."""
     return "MLX_RANK" in environ and any(environ.get(k) for k in LAUNCH_ENV)
@@ -85,17 +65,6 @@ def launched(environ=os.environ) -> bool:
 def follower_process(environ=os.environ) -> bool:
     """Started by mlx.launch as a rank other than 0 (known before joining the group)."""
     return launched(environ) and environ.get("MLX_RANK", "0") != "0"
-
-
-def run_follower(cfg, log: Callable[[str], None]) -> int:
-    """A front end's whole job on a rank other than 0: load this rank's shard of the pair, then
-    follow rank 0 until it shuts the group down (or is lost: the process then exits)."""
-    from .session import open_session
-
-    session = open_session(cfg, log=log, group_aware=True)
-    n = follow_session(session)
-    log(f"rank {session.group.rank()}: rank 0 shut the group down after {n} requests")
-    return 0
 
 
 def backend_name(environ=os.environ) -> str:
@@ -493,7 +462,6 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
 
     If rank 0 is silent for ``timeout`` seconds (it died or hangs), ``exit_fn(3)`` ends this
     process: its collectives could otherwise block forever."""
-    from .generation import GenConfig
     from .sampling import SamplingConfig
 
     timeout = timeout_s() if timeout is None else timeout
@@ -552,8 +520,6 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
 def follow_session(session, *, timeout: float | None = None) -> int:
     """A follower's life on a loaded ``session.Session``: run what rank 0 announces with the same
     ``generation.token_steps`` rank 0 runs, until rank 0 shuts the group down."""
-    from .generation import for_request, token_steps
-
     pair, info = session.pair, session.info
 
     def run_steps(ids, cfg, method, block, controller, policy):

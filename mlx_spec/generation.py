@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
 
 from .decode import Step, plain_steps, spec_steps
-from .distributed import SINGLE, GroupInfo
 from .errors import BadRequest, ContextTooLong, InvalidPrompt
 from .loading import Pair
 from .prefix import PrefixCache
@@ -88,6 +87,29 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
 
 
 SPECULATIVE, PLAIN, TUNED_OFF = "speculative", "plain", "tuned-off"
+
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """How a pair runs: ``size`` processes, this one ``rank``; ``sharded``: the target is split
+    over the group (distributed.py)."""
+
+    size: int = 1
+    rank: int = 0
+    backend: str = "none"
+    sharded: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.size == 1:
+            return "one process"
+        return f"target sharded over {self.size} processes ({self.backend})"
+
+
+SINGLE = GroupInfo()
 
 
 @dataclass(frozen=True, slots=True)

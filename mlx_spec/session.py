@@ -292,9 +292,9 @@ def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tun
     if progress is None:
         import sys
 
-        from .bench import ProgressBar
+        from .progress import Bar
 
-        progress = bar = ProgressBar(sys.stderr, "tuning block size (first launch; --block-size N or --no-tune skip it)")
+        progress = bar = Bar(sys.stderr, "tuning block size (first launch; --block-size N or --no-tune skip it)")
     try:
         result = tuner.ensure_tuned(pair, cfg.tune_budget_s, progress, root=root, **kw)
     finally:
@@ -365,3 +365,15 @@ def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = l
     if session.context_length is not None and session.context_length < cfg.context:
         log(f"context limited to the target's trained {session.context_length} tokens (asked {cfg.context})")
     return session
+
+
+def run_follower(cfg: LoadConfig, log: Callable[[str], None]) -> int:
+    """A front end's whole job on a rank other than 0 of an ``mlx.launch`` group: load this
+    rank's shard of the pair, then follow rank 0 until it shuts the group down (or is lost: the
+    process then exits)."""
+    from .distributed import follow_session
+
+    session = open_session(cfg, log=log, group_aware=True)
+    n = follow_session(session)
+    log(f"rank {session.group.rank()}: rank 0 shut the group down after {n} requests")
+    return 0

@@ -7,7 +7,7 @@ import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
 from mlx_spec.bench import (Costs, Method, PromptRow, ProgressBar, Run, Sample, ceiling, copy_ceiling, copy_oracle,
-                            copy_share, efficiency, engaged, merge_stats, pooled_ceiling, prompt_report,
+                            copy_share, efficiency, engaged, pooled_ceiling, prompt_report,
                             subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.lookup import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
@@ -89,7 +89,7 @@ def test_summarize_speedup_ceiling_and_failed_rows():
     assert s.efficiency == pytest.approx(s.speedup / s.ceiling, abs=1e-3)
     assert d.status.startswith("failed: mechanism did not engage")
     assert d.decode_tps is None and d.speedup is None and d.ceiling is None  # never a speed
-    assert merge_stats([x.run.stats for x in samples if x.method == spec]).cycles == 24
+    assert Stats.merged([x.run.stats for x in samples if x.method == spec]).cycles == 24
 
 
 def test_copy_share_counts_reply_tokens_in_spans_of_the_prompt():
@@ -365,9 +365,43 @@ def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
     assert full["td_ms"] is None and full["ceiling"] is None
 
 
-def test_merge_stats_adds_the_drafter_counters():
+def test_merged_stats_add_every_counter():
+    """Every field of Stats is either added up by Stats.merged or named in NOT_MERGED: a counter
+    added to Stats later is summed (or consciously left out), never silently dropped."""
+    from dataclasses import fields
+
+    from mlx_spec.stats import NOT_MERGED
+
+    a, b = Stats(), Stats()
+    for i, f in enumerate(fields(Stats)):
+        if f.name in NOT_MERGED:
+            continue
+        kind = type(getattr(a, f.name))
+        if kind is int:
+            setattr(a, f.name, i + 1)
+            setattr(b, f.name, 100 * (i + 1))
+        elif kind is list:
+            a.reached, b.reached = [1, 2], [10]
+            a.hits, b.hits = [1, 0], [5]
+        elif kind is dict:
+            setattr(a, f.name, {1: 2} if f.name == "block_sizes" else {"dflash": {"cycles": 1}})
+            setattr(b, f.name, {1: 3, 4: 1} if f.name == "block_sizes" else {"dflash": {"cycles": 2}, "lookup": {"cycles": 1}})
+        else:
+            raise AssertionError(f"Stats.{f.name}: a {kind.__name__} neither merged nor in NOT_MERGED")
+    a.cached_tokens = b.cached_tokens = 7
+    m = Stats.merged([a, b])
+    for i, f in enumerate(fields(Stats)):
+        if f.name not in NOT_MERGED and type(getattr(a, f.name)) is int:
+            assert getattr(m, f.name) == 101 * (i + 1), f.name
+    assert (m.reached, m.hits) == ([11, 2], [6, 0])
+    assert m.block_sizes == {1: 5, 4: 1}
+    assert m.sources == {"dflash": {"cycles": 3}, "lookup": {"cycles": 1}}
+    assert m.cached_tokens == 0 and m.trace == []
+    assert Stats.merged([]) == Stats()
+
+
+def test_merged_stats_add_the_drafter_counters():
     from mlx_spec.decode import Step
-    from mlx_spec.stats import Stats
 
     parts = []
     for steps in ([Step((1, 2), drafted=3, accepted=1, block_size=4, source="dflash", draft_block=4)],
@@ -376,5 +410,5 @@ def test_merge_stats_adds_the_drafter_counters():
         for s in steps:
             st.add(s)
         parts.append(st)
-    m = merge_stats(parts)
+    m = Stats.merged(parts)
     assert (m.cycles, m.plain_cycles, m.drafter_passes, m.trimmed) == (3, 2, 2, 1)

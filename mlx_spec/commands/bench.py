@@ -385,13 +385,28 @@ def _costs_prompts(args, tokenizer) -> list[int]:
     return max((p.encode(tokenizer) for p in prompts), key=len)
 
 
+def _pass_costs(pair, sizes: list[int], context: list[int], reps: int, group=None) -> dict:
+    """The pass costs alone (``bench --costs-only``; what `bench` reports for a group): T1, Td(B),
+    Tt(B) at ``context`` tokens, medians of ``reps`` rounds. With ``group`` (every rank calls
+    this at the same point, the target sharded over it) also what the link adds on its own:
+    the all-reduce chain of one verify pass and the per-step message (``distributed.link_costs``)."""
+    from ..costs import measure_costs
+    from ..distributed import group_info, link_costs
+
+    costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=reps)
+    out = {"group": group_info(group).as_dict(), "target": pair.target_id, "drafter": pair.drafter_id,
+           "context": len(context), "reps": reps, "costs": costs.as_dict()}
+    if group is not None:
+        out.update(link_costs(group, pair.target.num_layers, pair.target.hidden_size, sizes, reps))
+    return out
+
+
 def _measure(args, cfg, sizes, group_aware: bool = False) -> dict:
-    from ..bench import pass_costs
     from ..session import open_session
 
     session = open_session(cfg, log=lambda m: print(m, file=sys.stderr), tuning="none", group_aware=group_aware)
     pair = session.pair
-    return pass_costs(pair, sizes, _costs_prompts(args, pair.tokenizer), max(args.repeats, 1), session.group)
+    return _pass_costs(pair, sizes, _costs_prompts(args, pair.tokenizer), max(args.repeats, 1), session.group)
 
 
 def costs_run(args) -> int:

@@ -22,14 +22,14 @@ def run(args) -> int:
     from ..errors import BadRequest
     from ..generation import GenConfig, Result, generate, policies
     from ..sampling import SamplingConfig
-    from ..session import open_session
+    from ..session import open_session, run_follower
     from ..text import encode_prompt
 
     from .. import distributed
 
     load = load_config(args)  # every flag is checked before anything is read or loaded
     if distributed.follower_process():  # under mlx.launch: rank 0 prints, the others follow it
-        return distributed.run_follower(load, lambda m: print(m, file=sys.stderr))
+        return run_follower(load, lambda m: print(m, file=sys.stderr))
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         cfg = GenConfig(max_tokens=args.max_tokens, stop=tuple(args.stop),

@@ -62,7 +62,7 @@ def run(args) -> int:
     if args.max_batch is not None and args.max_batch < 1:
         raise BadRequest(f"--max-batch must be >= 1 (got {args.max_batch})")
     request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
-    from ..session import check
+    from ..session import check, run_follower
 
     launch = launch_of(args)  # --ranks/--hosts/--hostfile: mlx_spec runs mlx.launch itself
     cfg = load_config(args)
@@ -76,7 +76,7 @@ def run(args) -> int:
                              "run `mlx_spec serve --detach` with --ranks N, --hosts or --hostfile instead; it "
                              "starts mlx.launch in the background, and `mlx_spec stop` stops every rank")
         if distributed.follower_process():
-            return distributed.run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
+            return run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
         return _detach(args, api_key, drafter, launch)
     if launch is not None:
