@@ -19,9 +19,12 @@ deterministic; only timings are noisy. So ``tune`` decides from
 The model speedup of a block is E(B) * (T1 + plain overhead) / (Td(B) + Tt(B) + overhead).
 ``decide`` (pure) picks from it: candidates within the noise of the best (twice the combined
 standard error, at least ``NOISE_FLOOR``) are a tie, broken by a fixed rule (the largest block
-that still buys expected tokens; the default thread count) and the result says so. The race only
-calibrates and checks: it overrides the model only when a candidate beat the model's choice in
-every one of at least ``CHECK_ROUNDS`` rounds (``race_check``).
+that still buys expected tokens; the default thread count) and the result says so. The race
+calibrates and checks: it overrides the model only on a clear margin (``race_check``): a
+candidate faster than the model's choice in every one of at least ``CHECK_ROUNDS`` rounds both
+ran, by a mean gain of at least ``CLEAR_Z`` standard errors of the race's own run-to-run noise
+(and ``NOISE_FLOOR``), so a clearly faster block can win within the default budget's 3 rounds
+and a noisy or split race cannot flip the choice.
 
 The whole sweep keeps to its budget: the probe (fixed work) runs first, the pass-cost rounds take
 their share while the race's core still fits, and the race is planned from the measured costs
@@ -51,10 +54,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .adaptive import expected_tokens
-from .bench import Method, Runner, merge_stats, spread
+from .bench import Method, Runner, spread
 from .blas import default_threads, set_threads, thread_candidates
 from .costs import Costs, CostMeter, Progress
 from .errors import MlxSpecError
+from .stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,27 @@ FORMAT = 3  # 2: the BLAS thread count is part of the answer; 3: chosen by the m
 READ_FORMATS = (2, 3)  # a format-2 result has all the engine uses (block, threads, curve, prior): it loads
 NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small the measured noise
 NOISE_CAP = 0.10  # a tie tolerance above this: timings too noisy to separate blocks (no tie, best score)
-CHECK_ROUNDS = 5  # the race overrides the model only with this many rounds on both sides
+CHECK_ROUNDS = 3  # the race overrides the model only with this many rounds run by both (one of each prompt kind)
+CLEAR_Z = 3.0  # a clear margin: the mean gain at least this many standard errors of the race's run-to-run noise
 BUDGET_RESERVE = 0.05  # share of the budget the plan leaves for a round slower than predicted
 MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of them while the budget allows)
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How ``tune`` shares out its budget. ``costs`` is the one share that changes what is
+    measured: past ``cost_rounds[0]`` a pass-cost round runs only within it. The probe is fixed
+    work and the race takes what is left (planned from the measured costs, stopped by the
+    deadline), so ``probe`` and ``race`` only place the progress bar."""
+    probe: float = 0.15
+    costs: float = 0.3
+
+    @property
+    def race(self) -> float:
+        return 1 - self.probe - self.costs
+
+
+SHARES = Shares()
 
 
 class TuneSkipped(MlxSpecError):
@@ -321,18 +343,17 @@ class TuneResult:
 
     @property
     def timing(self) -> str:
-        """The elapsed time against the budget, by phase (what `mlx_spec tune` prints)."""
+        """The elapsed time against the budget, by phase (what `mlx_spec tune` prints). ``tune``
+        writes every phase; a result without phases (a file stored before session 7) has the
+        first part alone."""
         line = f"{self.elapsed_s:.0f} s of {self.budget_s:.0f} s"
         p = self.phases
         if not p:
             return line
-        parts = [f"probe {p.get('probe_s', 0):.0f} s", f"pass costs {p.get('costs_s', 0):.0f} s "
-                 f"({p.get('cost_rounds', 0)} rounds)"]
-        if "race_s" in p:
-            parts.append(f"race {p['race_s']:.0f} s ({p.get('race_rounds', 0)} rounds, stopped on "
-                         f"{p.get('race_stop', '?')})")
+        parts = [f"probe {p['probe_s']:.0f} s", f"pass costs {p['costs_s']:.0f} s ({p['cost_rounds']} rounds)",
+                 f"race {p['race_s']:.0f} s ({p['race_rounds']} rounds, stopped on {p['race_stop']})"]
         over = self.elapsed_s - self.budget_s
-        fixed = p.get("probe_s", 0) + p.get("costs_s", 0)
+        fixed = p["probe_s"] + p["costs_s"]
         note = ""
         if over > 0:
             note = (f"; over budget by {over:.0f} s" + (": the probe and the minimum pass-cost rounds alone took "
@@ -588,17 +609,6 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     return Decision(win.block, lead_t, "; ".join([why] + words), tuple(c.block for c in tied))
 
 
-def race_check(ratio: dict, chosen: Key, rounds: int = CHECK_ROUNDS) -> Key | None:
-    """The raced candidate that beat ``chosen`` in every one of at least ``rounds`` rounds (its
-    worst speedup above the chosen's best; the best such by median), else None. Under noise alone
-    two equal candidates do this in 1 of C(2n, n) race pairs: 1 in 252 at n = 5."""
-    mine = ratio.get(chosen) or []
-    if len(mine) < rounds:
-        return None
-    beat = [k for k, xs in ratio.items() if k != chosen and len(xs) >= rounds and min(xs) > max(mine)]
-    return max(beat, key=lambda k: statistics.median(ratio[k]), default=None)
-
-
 def default_candidates(checkpoint_block: int) -> list[int]:
     top = max(checkpoint_block, 16)
     return sorted({b for b in (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32) if b <= top} | {checkpoint_block, top})
@@ -610,6 +620,13 @@ Key = tuple  # (block, threads): block 1 = plain decoding; threads None = no thr
 
 
 @dataclass(frozen=True)
+class Lap:
+    """One timed run of the race."""
+    tps: float  # committed tok/s after the first step
+    cycle_s: float | None = None  # seconds per cycle (a plain step or a drafted block); None: not known
+
+
+@dataclass(frozen=True)
 class RaceResult:
     tps: dict  # key -> tok/s per round it ran in
     ratio: dict  # key -> (its tok/s / the baseline's tok/s of the same round) per round
@@ -618,17 +635,84 @@ class RaceResult:
     rounds: int
     order: tuple  # every timed run's key, in the order they ran
     stop: str  # why it stopped: "clear margin" | "budget" | "max rounds"
+    joined: dict = field(default_factory=dict)  # key -> the round it ran first (its runs are consecutive)
+    cycle_s: dict = field(default_factory=dict)  # key -> seconds per cycle per round it ran in (None: not known)
+
+    def paired(self, a: Key, b: Key) -> list[tuple[float, float]]:
+        """The tok/s of ``a`` and of ``b`` in every round both ran (the same prompt, the same
+        machine state)."""
+        def by_round(k) -> dict[int, float]:
+            return {self.joined.get(k, 0) + i: x for i, x in enumerate(self.tps.get(k) or [])}
+
+        ra, rb = by_round(a), by_round(b)
+        return [(ra[r], rb[r]) for r in sorted(ra.keys() & rb.keys())]
+
+    @property
+    def noise(self) -> float:
+        """The race's run-to-run noise: the standard deviation of one run's log(seconds per
+        cycle), each candidate's runs about their own mean, pooled over the candidates. A cycle of
+        a fixed block costs the same whatever the prompt's drafts accept (at greedy the prompt
+        sets how many cycles a run takes, not what one costs), so this is the timing's noise
+        alone, not the prompts' different acceptance. inf while no candidate has two runs."""
+        ss, df = 0.0, 0
+        for xs in self.cycle_s.values():
+            logs = [math.log(x) for x in xs if x is not None and x > 0]
+            if len(logs) > 1:
+                m = statistics.fmean(logs)
+                ss += sum((x - m) ** 2 for x in logs)
+                df += len(logs) - 1
+        return math.sqrt(ss / df) if df else math.inf
 
 
-def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: int, judge_every: int = 1,
+@dataclass(frozen=True)
+class Check:
+    """One raced candidate against the chosen one, over the rounds both ran."""
+    key: Key
+    rounds: int  # rounds both ran
+    wins: int  # rounds in which it was the faster
+    gain: float  # geometric mean over those rounds of its tok/s / the chosen's (1.12: 12 % faster)
+    needed: float  # the gain a clear margin needs (inf: fewer than ``CHECK_ROUNDS`` rounds, or no noise measured)
+
+    @property
+    def clear(self) -> bool:
+        """Faster in every round it ran with the chosen, by at least ``needed``."""
+        return self.rounds > 0 and self.wins == self.rounds and self.gain >= self.needed
+
+
+def check(res: RaceResult, key: Key, chosen: Key, *, rounds: int = CHECK_ROUNDS, z: float = CLEAR_Z,
+          floor: float = NOISE_FLOOR) -> Check:
+    """``key`` against ``chosen`` in the rounds both ran. A clear margin needs at least ``rounds``
+    such rounds (one of each prompt kind), a win in every one, and a geometric-mean gain of at
+    least ``floor`` and at least ``z`` standard errors of a paired round's noise (sqrt(2) times
+    the race's run-to-run noise, over sqrt(rounds)): more rounds let a smaller margin through,
+    a noisier race needs a larger one."""
+    logs = [math.log(a / b) for a, b in res.paired(key, chosen) if a > 0 and b > 0]
+    n = len(logs)
+    gain = math.exp(statistics.fmean(logs)) if n else math.nan
+    needed = math.exp(max(math.log1p(floor), z * math.sqrt(2 / n) * res.noise)) if n >= rounds else math.inf
+    return Check(key, n, sum(x > 0 for x in logs), gain, needed)
+
+
+def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
+    """The raced candidate that beat ``chosen`` by a clear margin (``check``; the largest gain of
+    those), else None. Simulated at 3 rounds of 4 candidates (the default budget's race), the
+    noise estimated as here: a candidate equal to the chosen one passes about 1 time in 160, one
+    3 % slower about 1 in 700 to 1 in 5000, one 20 % faster 3 times in 4 at 6 % run-to-run noise
+    and always at 3 %; a race whose rounds disagree never overrides."""
+    got = [check(res, k, chosen, **kw) for k in res.tps if k != chosen and res.tps[k]]
+    return max((c for c in got if c.clear), key=lambda c: c.gain, default=None)
+
+
+def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int, judge_every: int = 1,
          neighbours: Callable[[Key], Sequence[Key]] = lambda k: (), clock: Callable[[], float] = time.perf_counter,
          deadline: float = math.inf, min_rounds: int = 3, max_rounds: int = 12, clear_margin: float = 0.15,
          drop_margin: float = 0.03, note: Callable[[int, Key], None] | None = None,
          keep: Sequence[Key] = (), cost: Callable[[Key], float] | None = None) -> RaceResult:
     """Time ``keys`` end to end, interleaved: every round runs every candidate still in the race
-    once on the round's prompt (``run(key, prompt_index)`` -> tok/s), the order rotated by one
+    once on the round's prompt (``run(key, prompt_index)`` -> its ``Lap``), the order rotated by one
     each round (A B C, B C A, ...), so all candidates see the same machine. ``keys[0]`` is the
-    baseline (plain decoding): every ratio is against it in the same round.
+    baseline (plain decoding): every ratio is against it in the same round. Each lap's seconds
+    per cycle go to ``RaceResult.noise``, what ``race_check`` measures a margin against.
 
     After every ``judge_every`` rounds (a whole cycle of the prompt kinds, which disagree), once
     every candidate has ``min_rounds`` rounds: drop candidates (never the baseline nor ``keep``,
@@ -648,6 +732,8 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
     alive = list(dict.fromkeys(keys))
     tps: dict = {k: [] for k in alive}
     ratio: dict = {k: [] for k in alive}
+    cycle_s: dict = {k: [] for k in alive}
+    joined: dict = {k: 0 for k in alive}
     dropped: dict = {}
     order: list = []
     rounds, stop = 0, "max rounds"
@@ -685,8 +771,9 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
             got[key] = run(key, i)
             order.append(key)
         for key in alive:
-            tps[key].append(got[key])
-            ratio[key].append(got[key] / got[base] if got[base] > 0 else math.nan)
+            tps[key].append(got[key].tps)
+            cycle_s[key].append(got[key].cycle_s)
+            ratio[key].append(got[key].tps / got[base].tps if got[base].tps > 0 else math.nan)
         rounds += 1
         last = (clock() - tr, sum(cost(k) for k in alive) if cost is not None else 0.0, len(alive))
         if rounds % judge_every or not enough():
@@ -701,14 +788,15 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], float], *, n_prompts: in
             # room for its own min_rounds in rounds with everyone else (the predicted leader's always ran)
             if n not in tps and clock() + min_rounds * predict_round(alive + [n]) <= deadline:
                 alive.append(n)
-                tps[n], ratio[n] = [], []
+                tps[n], ratio[n], cycle_s[n], joined[n] = [], [], [], rounds
                 added = True
         if added:
             continue
         if len(alive) > 1 and clear():
             stop = "clear margin"
             break
-    return RaceResult(tps, ratio, tuple(alive), dropped, rounds, tuple(order), stop)
+    return RaceResult(tps=tps, ratio=ratio, final=tuple(alive), dropped=dropped, rounds=rounds, order=tuple(order),
+                      stop=stop, joined=joined, cycle_s=cycle_s)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -750,13 +838,14 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
          tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
          clear_margin: float = 0.15, candidates: Sequence[int] | None = None,
          threads: Sequence[int | None] | None = None, blas=None, probe_prompts: int = 6,
-         cost_share: float = 0.3, cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
+         shares: Shares = SHARES, cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
          clock: Callable[[], float] = time.perf_counter) -> TuneResult:
     """Measure and choose the block size and BLAS thread count for this pair on this machine
     (see the module docstring). ``threads``: thread counts to try (default: 1, powers of two,
     all cores; one value where the user pinned it; None where there is no knob).
-    ``cost_share``: the share of the budget for timing passes (at least ``cost_rounds[0]`` and at
-    most ``cost_rounds[1]`` timed rounds); ``probe_prompts``: prompts in the acceptance probe."""
+    ``shares``: how the budget is shared out (``Shares``: past ``cost_rounds[0]`` timed pass-cost
+    rounds, and up to ``cost_rounds[1]``, only within ``shares.costs`` of it); ``probe_prompts``:
+    prompts in the acceptance probe."""
     from . import BLAS
     from .prompts import CHAT_KINDS, builtin_prompts, interleave
 
@@ -782,7 +871,6 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     # Probe at the trained block: more masks than the drafter saw in training lower the early
     # positions too. Positions past it are untrained (counted as never accepted).
     probe_block = min(pair.drafter.args.block_size, cands[-1])
-    probe_share = 0.15
 
     # 1. Acceptance: deterministic at greedy on fixed prompts (a balanced mix of the kinds). Run
     # first: it is fixed work (the same prompts every run, whatever the budget), and what it takes
@@ -792,8 +880,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     probe = []
     for n, (_, _, ids) in enumerate(encoded[:max(1, probe_prompts)]):
         probe.append(runner.run(Method("dflash", probe_block), ids, tokens))
-        frac(probe_share * (n + 1) / max(1, probe_prompts), "acceptance probe")
-    st = merge_stats([p.stats for p in probe])
+        frac(shares.probe * (n + 1) / max(1, probe_prompts), "acceptance probe")
+    st = Stats.merged([p.stats for p in probe])
     acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
     E = {B: expected_tokens(acc, B) for B in cands}
     warm = probe[1:] or probe  # the first run pays one-time costs
@@ -806,7 +894,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     # others; many short rounds, interleaved across thread counts and rotated within a meter.
     # ``MIN_COST_ROUNDS`` timed rounds always; up to ``cost_rounds[0]`` while the race's core still
     # fits after the next round (plain at T1 so far and the probe's block at the probe's run time,
-    # a warm-up and ``min_rounds`` each), and past it also only within ``cost_share`` of the budget.
+    # a warm-up and ``min_rounds`` each), and past it also only within ``shares.costs`` of the budget.
     meters = {t: CostMeter(pair.model, pair.target, pair.drafter, cands if t == main_t else [probe_block], context)
               for t in tlist}
     lo, hi = cost_rounds
@@ -819,15 +907,15 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     r, round_s = 0, 0.0
     while r <= hi:
         if r > floor and (clock() + round_s + core_s() > deadline
-                          or (r > lo and clock() - t_costs >= cost_share * budget_s)):
+                          or (r > lo and clock() - t_costs >= shares.costs * budget_s)):
             break
         tr = clock()
         for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
             use(t)
 
             def step(d, n, m, j=j):
-                done = max((clock() - t_costs) / (cost_share * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
-                frac(probe_share + cost_share * min(1.0, done), m)
+                done = max((clock() - t_costs) / (shares.costs * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
+                frac(shares.probe + shares.costs * min(1.0, done), m)
             meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
         r += 1
         round_s = clock() - tr
@@ -953,30 +1041,31 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         return Method("plain") if B == 1 else Method("dflash", B)
 
     start = clock()
-    race_share = 1 - cost_share - probe_share
     for B, t in keys:  # warm-up, discarded
         use(t)
         runner.run(method(B), encoded[0][2], 8)
 
     runs: dict[Key, list] = {}
 
-    def run(key: Key, i: int) -> float:
+    def run(key: Key, i: int) -> Lap:
         B, t = key
         use(t)
         r = runner.run(method(B), encoded[i][2], tokens)
         runs.setdefault(key, []).append(r)
-        return _decode_rate(r)
+        n = sum(r.blocks.values())
+        return Lap(_decode_rate(r), r.decode_s / n if n else None)
 
     def timing(rnd: int, key: Key) -> None:
         done = (clock() - start) / max(1e-9, deadline - start)
-        frac(1 - race_share + race_share * min(1.0, done), f"round {rnd + 1}: timing {_label(key)}")
+        frac(1 - shares.race + shares.race * min(1.0, done), f"round {rnd + 1}: timing {_label(key)}")
 
     if keys:
         res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
                    clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
                    clear_margin=clear_margin, note=timing, keep=[first_key], cost=lambda k: run_s(k, tokens))
     else:
-        res = RaceResult({}, {}, (), {}, 0, (), "budget")
+        res = RaceResult(tps={}, ratio={}, final=(), dropped={}, rounds=0, order=(), stop="budget")
+    left_after = deadline - clock()  # (what a race stopped before its first round had left)
     log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
     phases |= {"race_s": round(clock() - start, 2), "race_rounds": res.rounds, "race_stop": res.stop}
 
@@ -1011,7 +1100,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                                  note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
                                  final=key in res.final, **common))
         else:
-            why_not = "not raced: budget" if key in unaffordable else "not raced"
+            why_not = "not raced: budget" if key in unaffordable or (key in keys and not res.rounds) else "not raced"
             out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
     d = decide(out, default_threads=dflt, floor=noise_floor)
     best, best_t, why = d.block, d.threads, d.why
@@ -1025,25 +1114,47 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             why_budget = f"no race ({why_budget})"
     else:
         why_budget = ""
-    over = race_check(res.ratio, (best, best_t))
+    if keys and not res.rounds:  # planned, then the warm-ups left too little for one round
+        first = (f"no race: its first round (~{sum(run_s(k, tokens) for k in keys):.0f} s: "
+                 f"{_names([_label(k) for k in keys])}) would have ended past the budget "
+                 f"({max(0.0, left_after):.0f} s left after the warm-ups)")
+        why_budget = f"{why_budget}; {first}" if why_budget else first
+    chosen = (best, best_t)
+    over = race_check(res, chosen, floor=noise_floor)
     if over is not None:
-        why = (f"the race overrode the model ({d.why}): {_label(over)} beat {_label((best, best_t))} in every one "
-               f"of {min(len(res.ratio[over]), len(res.ratio[(best, best_t)]))} rounds")
-        best, best_t = over
-    else:  # say when the race could not check the stored choice
-        n = len(res.ratio.get((best, best_t)) or [])
-        if not n:
-            why += "; not checked by the race (not raced)"
-        elif (best, best_t) in res.dropped:
-            why += f"; not checked by the race ({res.dropped[(best, best_t)]})"
-        elif n < CHECK_ROUNDS:
-            why += f"; the race ran it {n} rounds, too few to overrule it ({CHECK_ROUNDS})"
+        why = (f"the race overrode the model ({d.why}): {_label(over.key)} beat {_label(chosen)} in every one "
+               f"of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
+               f"{CLEAR_Z:g} standard errors of the race's run-to-run noise {res.noise:.1%}, "
+               f"at least {noise_floor:.0%})")
+        best, best_t = over.key
+    else:  # say what the race could tell about the stored choice
+        why += _unchecked(res, chosen, noise_floor)
     if why_budget:
         why += f"; {why_budget}"
     use(best_t)
-    return TuneResult(tune_key(pair), best, datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      tuple(out), costs, tuple(round(x, 4) for x in acc), tuple(kinds),
-                      tokens, budget_s, round(clock() - t0, 2), FORMAT, best_t, why, round(o[main_t], 3), phases)
+    return TuneResult(key=tune_key(pair), best=best, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      candidates=tuple(out), costs=costs, acceptance_by_position=tuple(round(x, 4) for x in acc),
+                      prompt_kinds=tuple(kinds), tokens_per_run=tokens, budget_s=budget_s,
+                      elapsed_s=round(clock() - t0, 2), format=FORMAT, threads=best_t, why=why,
+                      overhead_ms=round(o[main_t], 3), phases=phases)
+
+
+def _unchecked(res: RaceResult, chosen: Key, floor: float) -> str:
+    """What the race said of a choice it did not overrule (for ``why``)."""
+    mine = len(res.tps.get(chosen) or [])
+    if not mine:
+        return "; not checked by the race (not raced)"
+    dropped = f", {res.dropped[chosen]}" if chosen in res.dropped else ""
+    checks = [c for c in (check(res, k, chosen, floor=floor) for k in res.tps if k != chosen and res.tps[k])
+              if c.rounds >= CHECK_ROUNDS]
+    if not checks:
+        return (f"; not checked by the race (it ran {mine} rounds{dropped}; no other candidate ran "
+                f"{CHECK_ROUNDS} rounds with it)")
+    c = max(checks, key=lambda c: c.gain)
+    need = f"{c.needed - 1:+.1%}" if math.isfinite(c.needed) else "a run-to-run noise measured"
+    return (f"; checked by the race ({mine} rounds{dropped}): no candidate clearly faster (closest "
+            f"{_label(c.key)}: {c.gain - 1:+.1%} over {c.rounds} rounds, faster in {c.wins}; a clear margin "
+            f"needs every round and {need})")
 
 
 def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None = None, *,

@@ -12,9 +12,9 @@ from helpers import save_tiny_pair
 from mlx_spec.adaptive import AdaptiveController, expected_tokens
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
-from mlx_spec.tuner import (FORMAT, Candidate, TuneResult, TuneSkipped, apply_threads, decide, default_candidates,
-                            ensure_tuned, key_hash, load_result, median_se, predict, race, race_check, result_path,
-                            save_result, tune, tune_key)
+from mlx_spec.tuner import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check, decide,
+                            default_candidates, ensure_tuned, key_hash, load_result, median_se, predict, race,
+                            race_check, result_path, save_result, tune, tune_key)
 
 
 def C(block, predicted, tau=None, noise=0.0, threads=None, **kw):
@@ -67,14 +67,81 @@ def test_decide_threads_default_within_noise():
     assert decide([C(1, 1.0), C(4, 1.5)]).threads is None  # no thread knob here
 
 
-def test_race_check_needs_every_round_and_enough_of_them():
-    ratio = {(1, 2): [1.0] * 5, (4, 2): [1.3, 1.4, 1.35, 1.5, 1.32], (8, 2): [1.2, 1.25, 1.1, 1.28, 1.22]}
-    assert race_check(ratio, (8, 2)) == (4, 2)  # 4's worst round beat 8's best
-    assert race_check(ratio, (4, 2)) is None
-    ratio[(8, 2)][0] = 1.31  # one round of 8 above 4's worst: no override
-    assert race_check(ratio, (8, 2)) is None
-    short = {(1, 2): [1.0] * 3, (4, 2): [1.5] * 3, (8, 2): [1.1] * 3}
-    assert race_check(short, (8, 2)) is None  # 3 rounds: 1 in 20 under noise alone, not enough
+def test_race_check_overrules_on_a_clear_margin_and_not_on_a_noisy_or_split_race():
+    """The race overrules the model's choice (here B=8) within the default budget's 3 rounds when
+    a candidate is faster in every round by a clear margin: a mean gain of ``CLEAR_Z`` standard
+    errors of the race's own run-to-run noise, at least 3 %. The same gain on a noisy machine, or
+    in rounds that disagree, does not overrule it; nor do 2 rounds (one of each kind is needed)."""
+    keys = [(1, None), (8, None), (4, None)]
+    truth = {(1, None): 10.0, (8, None): 12.0, (4, None): 14.4}  # B=4 20 % faster than the model's B=8
+    kw = dict(n_prompts=3, judge_every=3, min_rounds=3, max_rounds=3, clear_margin=0.9)
+    clock = FakeClock()
+    res = race(keys, _fake_runs(truth, clock, 0.02), clock=clock, **kw)
+    c = race_check(res, (8, None))
+    assert c is not None and c.key == (4, None) and (c.rounds, c.wins) == (3, 3) and 1.16 < c.gain < 1.24
+    assert 0 < res.noise < 0.03 and c.needed == pytest.approx(max(1.03, math.exp(3 * math.sqrt(2 / 3) * res.noise)))
+    assert race_check(res, (4, None)) is None  # nothing beats the leader
+    short = race(keys, _fake_runs(truth, clock, 0.02), clock=clock, **{**kw, "max_rounds": 2})
+    assert race_check(short, (8, None)) is None and check(short, (4, None), (8, None)).needed == math.inf
+    # the same 20 % on a machine with +-40 % run-to-run timing noise: within the noise, for every seed
+    for seed in range(10):
+        noisy = race(keys, _fake_runs(truth, clock, 0.4, seed=seed), clock=clock, **kw)
+        assert race_check(noisy, (8, None)) is None and noisy.noise > 0.1, seed
+    # rounds that disagree: B=4 faster on two prompt kinds, slower on the third; however quiet
+    split = race(keys, _fake_runs(truth, clock, prompts={(4, None): (1.3, 1.3, 0.75)}), clock=clock, **kw)
+    c = check(split, (4, None), (8, None))
+    assert (c.rounds, c.wins) == (3, 2) and c.gain > c.needed == pytest.approx(1.03) and not c.clear
+    assert race_check(split, (8, None)) is None
+    # the prompts' different acceptance is not noise: tok/s that differs by prompt kind from
+    # cycles that cost the same (the noise is measured on seconds per cycle)
+    kinds = race(keys, _fake_runs(truth, clock, prompts={(4, None): (1.6, 1.2, 1.05), (8, None): (1.4, 1.0, 0.9)}),
+                 clock=clock, **kw)
+    assert kinds.noise == 0.0 and race_check(kinds, (8, None)).key == (4, None)
+
+
+def test_race_check_pairs_the_rounds_both_ran():
+    """A neighbour that joined later is compared with the chosen candidate over the rounds both
+    ran (same prompt, same machine), not over their first rounds each."""
+    res = RaceResult(tps={(1, None): [10.0] * 6, (8, None): [12.0] * 6, (5, None): [9.0, 15.0, 15.0, 15.0],
+                          (6, None): [11.0] * 3},
+                     ratio={}, final=((1, None), (8, None), (5, None)), dropped={(6, None): "dropped after 3 rounds"},
+                     rounds=6, order=(), stop="max rounds", joined={(1, None): 0, (8, None): 0, (5, None): 2,
+                                                                    (6, None): 0},
+                     cycle_s={k: [0.1] * 3 for k in ((1, None), (8, None), (5, None))})
+    assert res.paired((5, None), (8, None)) == [(9.0, 12.0), (15.0, 12.0), (15.0, 12.0), (15.0, 12.0)]
+    assert res.paired((5, None), (6, None)) == [(9.0, 11.0)]  # round 2 only
+    c = check(res, (5, None), (8, None))
+    assert (c.rounds, c.wins) == (4, 3) and not c.clear  # it lost round 2
+    assert check(res, (5, None), (6, None)).needed == math.inf  # one round together: too few
+    assert race_check(res, (8, None)) is None
+    c = race_check(res, (1, None))  # 8 and 6 (before its drop) beat plain in every round they ran with it
+    assert (c.key, c.rounds, c.gain) == ((8, None), 6, pytest.approx(1.2))
+
+
+def test_race_check_error_rates_by_simulation():
+    """The rule's error rates on simulated 3-round races of 4 candidates (log-normal timing noise,
+    the noise estimated from the race as ``tune`` does): a candidate equal to the chosen one
+    overrules it rarely, one 3 % slower almost never, one 30 % faster almost always."""
+    rng = random.Random(0)
+
+    def overrules(gain, sigma, n=3):
+        keys = [(8, None), (4, None), (1, None), (2, None)]
+        tps, cyc = {}, {}
+        for k in keys:
+            slow = [math.exp(rng.gauss(0, sigma)) for _ in range(n)]
+            tps[k] = [10.0 * (gain if k == (4, None) else 1.0) / x for x in slow]
+            cyc[k] = [0.1 * x for x in slow]
+        res = RaceResult(tps=tps, ratio={}, final=tuple(keys), dropped={}, rounds=n, order=(), stop="max rounds",
+                         joined={k: 0 for k in keys}, cycle_s=cyc)
+        c = race_check(res, (8, None))
+        return c is not None and c.key == (4, None)
+
+    def rate(gain, sigma, trials=3000):
+        return sum(overrules(gain, sigma) for _ in range(trials)) / trials
+
+    assert rate(1.0, 0.06) < 0.02 and rate(1.0, 0.03) < 0.02  # (simulated ~0.6 %)
+    assert rate(0.97, 0.06) < 0.006 and rate(0.97, 0.03) < 0.003  # (~0.15 %, ~0.02 %)
+    assert rate(1.3, 0.06) > 0.93 and rate(1.2, 0.03) > 0.98  # (~97 %, ~100 %)
 
 
 def _noisy_costs(truth_td, truth_tt, t1, rng, rounds=12, noise=0.08):
@@ -219,6 +286,22 @@ def test_stored_formats_old_results_load_or_retune(tmp_path):
     assert load_result(key, tmp_path) is None
 
 
+def test_timing_line_by_phase():
+    """The first line of `mlx_spec tune` (runs/tune7-1.txt): every phase ``tune`` writes; over
+    budget said so, and why when the fixed work alone overran; a result stored without phases
+    (before session 7) has the elapsed time alone."""
+    from dataclasses import replace
+
+    phases = {"probe_s": 16.2, "costs_s": 28.1, "cost_rounds": 11, "race_s": 36.0, "race_rounds": 3,
+              "race_stop": "budget"}
+    r = replace(_result({}), elapsed_s=80.3, budget_s=90.0, phases=phases)
+    assert r.timing == "80 s of 90 s (probe 16 s, pass costs 28 s (11 rounds), race 36 s (3 rounds, stopped on budget))"
+    assert replace(r, elapsed_s=95.4).timing.endswith("stopped on budget)); over budget by 5 s")
+    assert replace(r, elapsed_s=50.0, budget_s=40.0).timing.endswith(
+        "; over budget by 10 s: the probe and the minimum pass-cost rounds alone took 44 s")
+    assert replace(r, phases={}).timing == "80 s of 90 s"
+
+
 def test_off_source_says_why():
     r = _result({"k": 1}, best=1)
     assert r.block_size == 1
@@ -239,13 +322,24 @@ class FakeClock:
         return self.t
 
 
-def _fake_runs(truth: dict, clock: FakeClock, noise: float = 0.0, seconds: float = 1.0, seed: int = 0):
-    """run(key, prompt) -> scripted tok/s around ``truth[key]``, advancing the clock."""
+def _lap(tps: float) -> Lap:
+    """A scripted run without timing noise: one token a cycle, every cycle the same."""
+    return Lap(tps, 1 / tps)
+
+
+def _fake_runs(truth: dict, clock: FakeClock, noise: float = 0.0, seconds: float = 1.0, seed: int = 0,
+               prompts: dict | None = None):
+    """run(key, prompt) -> a scripted ``Lap`` around ``truth[key]`` tok/s, advancing the clock.
+    ``noise`` is the timing's (a run's cycles all a little slower or faster); ``prompts[key]``
+    scales, per prompt (round), the tokens a cycle commits (the acceptance: set by the prompt at
+    greedy), which changes tok/s and not the seconds per cycle."""
     rng = random.Random(seed)
 
     def run(key, i):
         clock.t += seconds
-        return truth[key] * (1 + rng.uniform(-noise, noise))
+        slow = 1 + rng.uniform(-noise, noise)
+        per = (prompts or {}).get(key, (1.0,))
+        return Lap(truth[key] * per[i % len(per)] / slow, slow / truth[key])
     return run
 
 
@@ -479,7 +573,7 @@ def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
 
     def fake_race(keys, run, **kw):
         timed.append(list(keys))
-        return race(keys, lambda k, i: {1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]] / (1 + 0.1 * (k[1] == 1)),
+        return race(keys, lambda k, i: _lap({1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]] / (1 + 0.1 * (k[1] == 1))),
                     **{**kw, "clock": clock})
 
     monkeypatch.setattr(T, "race", fake_race)
@@ -503,21 +597,59 @@ def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
     assert (r.best, r.threads) == (4, 2) and r.why.startswith("the race overrode the model (off: ")
 
 
-def test_the_race_overrides_the_model_only_on_every_round(pair, monkeypatch):
-    """The model says off (the tiny random drafter accepts ~nothing); a scripted race where B=4
-    beats plain in every one of 6 rounds overrides it, and says so; with 3 rounds it cannot."""
+def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, monkeypatch):
+    """The model says off (the tiny random drafter accepts ~nothing). A scripted race in which B=4
+    runs 40 % faster than plain in every round (2 % timing noise) overrules it within the default
+    budget's 3 rounds, and says so. The same blocks in a race whose rounds disagree (every block
+    slower than plain on one prompt kind) do not, nor blocks up to 10 % faster on a noisy machine
+    (+-40 % run to run): the choice stays off, and ``why`` names the closest challenger; after 2
+    rounds nothing is checked."""
     import mlx_spec.tuner as T
 
+    truth = {(1, None): 10.0, (2, None): 12.0, (3, None): 13.0, (4, None): 14.0}
+    script = {}
+
     def fake_race(keys, run, **kw):
-        return race(keys, lambda k, i: {1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]], **{**kw, "clock": FakeClock()})
+        clock = FakeClock()
+        return race(keys, _fake_runs(script.get("truth", truth), clock,
+                                     **{k: v for k, v in script.items() if k != "truth"}), **{**kw, "clock": clock})
 
     monkeypatch.setattr(T, "race", fake_race)
     kw = dict(budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[None], clear_margin=0.9, clock=FakeClock())
-    r = tune(pair, max_rounds=6, **kw)
-    assert decide(r.candidates).block == 1 and r.best == 4
-    assert r.why.startswith("the race overrode the model (off: ") and "B=4 beat plain in every one of 6" in r.why
+    script.update(noise=0.02)
     r = tune(pair, max_rounds=3, **kw)
-    assert r.best == 1 and r.why.startswith("off: ")
+    assert decide(r.candidates).block == 1 and r.best == 4 and r.phases["race_rounds"] == 3
+    assert r.why.startswith("the race overrode the model (off: ") and "B=4 beat plain in every one of 3 rounds" in r.why
+    assert "standard errors of the race's run-to-run noise" in r.why
+    script.update(prompts={(b, None): (1.3, 1.3, 0.7) for b in (2, 3, 4)})  # rounds that disagree
+    r = tune(pair, max_rounds=3, **kw)
+    assert r.best == 1 and r.why.startswith("off: ") and "checked by the race (3 rounds): no candidate clearly " \
+        "faster (closest B=4: " in r.why and "faster in 2; a clear margin needs every round and +3.0%" in r.why
+    for seed in range(3):  # a noisy machine, blocks a little faster
+        script.clear()
+        script.update(noise=0.4, seed=seed, truth={(1, None): 10.0, (2, None): 10.4, (3, None): 10.7, (4, None): 11.0})
+        r = tune(pair, max_rounds=3, **kw)
+        assert r.best == 1 and "no candidate clearly faster" in r.why, r.why
+    r = tune(pair, max_rounds=2, **kw)
+    assert r.best == 1 and "not checked by the race (it ran 2 rounds; no other candidate ran 3 rounds with it)" in r.why
+
+
+def test_a_race_stopped_before_its_first_round_says_so(pair, monkeypatch):
+    """Planned, then stopped by the deadline before its first round (the warm-ups ran long):
+    ``why`` names the budget as the reason and the planned rows say "not raced: budget"."""
+    import mlx_spec.tuner as T
+
+    def late(keys, run, **kw):
+        planned.extend(keys)
+        return race(keys, run, **{**kw, "deadline": -1.0})
+
+    planned = []
+    monkeypatch.setattr(T, "race", late)
+    r = tune(pair, budget_s=100.0, tokens=4, candidates=[2, 3], threads=[None], clock=FakeClock())
+    assert planned and r.phases["race_rounds"] == 0 and r.phases["race_stop"] == "budget"
+    assert "; no race: its first round (~" in r.why and "would have ended past the budget (" in r.why, r.why
+    assert all(c.note == "not raced: budget" for c in r.candidates if (c.block, c.threads) in planned)
+    assert not any(c.measured for c in r.candidates)
 
 
 class _Machine:
