@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .adaptive import MAX_LOOKUP
-from .costs import Costs, CostMeter, Progress, ceiling, efficiency, measure_costs  # noqa: F401 (re-exported)
+from .costs import Costs, CostMeter, Progress, ceiling, efficiency  # noqa: F401 (re-exported)
 from .decode import Step, plain_steps, spec_steps
-from .progress import Bar as ProgressBar  # noqa: F401 (one progress bar: label, bar, ETA, note)
 from .stats import Stats
 
 

@@ -229,11 +229,12 @@ def run(args) -> int:
         return costs_run(args)
 
     from .. import adaptive
-    from ..bench import (COPY_SUBSET, CostMeter, Method, ProgressBar, Runner, bench, pooled_ceiling, prompt_report,
+    from ..bench import (COPY_SUBSET, CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report,
                          subset_speedups, summarize)
     from ..blas import default_threads
     from ..errors import BadRequest
     from ..cli import load_config
+    from ..progress import Bar as ProgressBar
     from ..session import open_session
     from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
     from ..tuner import apply_threads, load_result, machine_info, tune_key

@@ -37,11 +37,11 @@ def table(result) -> str:
 def run(args) -> int:
     import mlx_spec
 
-    from ..bench import ProgressBar
     from ..errors import BadRequest
     from ..cli import load_config
+    from ..progress import Bar as ProgressBar
     from ..session import open_session
-    from ..tuner import DEFAULT_BUDGET_S, result_path, save_result, tune
+    from ..tuner import DEFAULT_BUDGET_S, save_result, tune
 
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
