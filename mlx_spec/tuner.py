@@ -531,7 +531,8 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
       block the model puts below that never is). It goes to the largest block that still buys
       expected tokens (E(B) at least ``min_gain`` above the last block kept, going up from the
       smallest tied one). A tolerance above ``cap`` (timings too noisy to separate blocks) makes
-      no tie: the best score is taken, and ``why`` says so.
+      no tie: the best score is taken if it beats plain by more than that tolerance, else off
+      (plain is the safe choice a gain within the noise cannot overturn), and ``why`` says so.
       A tie's lower end moves with the timings; where E(B) stops growing (the drafter's trained
       block) does not, so this lands on the same block run after run. It also leaves the fixed
       engine (``--no-adaptive``) the longer drafts that code and agent edits accept; the per-cycle
@@ -576,6 +577,10 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
                f"(x{base:.2f}) by {margin:.0%}")
         return Decision(1, plain.threads if plain else lead_t, why)
     tol = _tol(best, best, floor)
+    if tol > cap and best.predicted < base * (1 + tol):  # the gain over plain is within the noise
+        return Decision(1, plain.threads if plain else lead_t, "; ".join(
+            [f"off: timings too noisy to separate blocks (tolerance {tol:.1%} above {cap:.0%}) and the best "
+             f"block {_lbl(best)} x{best.predicted:.2f} beats plain (x{base:.2f}) by less than that"] + words))
     if tol > cap:  # a tie this wide would be "the largest block" whatever the timings say
         return Decision(best.block, lead_t, "; ".join(
             [f"{_lbl(best)} x{best.predicted:.2f}: timings too noisy to separate blocks (tolerance {tol:.1%} "
