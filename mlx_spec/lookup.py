@@ -65,6 +65,7 @@ class SuffixIndex:
         self.broke: int | None = None  # where in its source the last long copy broke
         self._since = 0  # tokens appended since it broke
         self._follow = False  # the constructor's ids (the prompt) are the source, not a copy
+        self._chosen: tuple[int, tuple[int | None, int]] | None = None  # (len(ids), _choose()) at that length
         self.extend(ids)
         self._follow = follow
 
@@ -117,7 +118,7 @@ class SuffixIndex:
             if self._since > self.expire:
                 self.broke = None
         self.pointer = None
-        self.pointer, self._run = self._choose()[0], 0
+        self.pointer, self._run = self._choice()[0], 0
 
     def _match(self, j: int) -> int:
         """How many tokens before position j equal the sequence's last tokens."""
@@ -154,6 +155,14 @@ class SuffixIndex:
                     best_j, best_m = s + 1, m
         return best_j, best_m
 
+    def _choice(self) -> tuple[int | None, int]:
+        """``_choose()`` once per length of the sequence. Where ``_step`` took the pointer from
+        it, the pointer it set does not change the choice (the pointer's own match is the one it
+        was chosen at, which won then), so ``propose`` reuses it."""
+        if self._chosen is None or self._chosen[0] != len(self.ids):
+            self._chosen = (len(self.ids), self._choose())
+        return self._chosen[1]
+
     def _choose(self) -> tuple[int | None, int]:
         """(position the proposal copies from, its match length), or (None, 0)."""
         j, m = self._longest()
@@ -172,7 +181,7 @@ class SuffixIndex:
         h = self.ids
         if k <= 0 or len(h) < 2:
             return [], 0
-        j, m = self._choose() if self._follow else self._longest()
+        j, m = self._choice() if self._follow else self._longest()
         if j is None:
             return [], 0
         out = h[j:j + k]

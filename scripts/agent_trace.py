@@ -12,7 +12,10 @@ steps, the copy ceiling (bench.copy_ceiling) and its share, and the totals over 
 repeat their prompt (copy share >= 50 %).
 
     python scripts/agent_trace.py [--tokens 128] [--prompts agent-1,agent-3] [--sources dflash,lookup] [--costs]
-    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench6.json
+    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench6.json [--queue fresh]
+
+``--queue fresh|ahead`` changes when a run of plain steps queues the next one (lookup_replay.queue_rule:
+never, or only if the context one token on would stay plain too), to measure that one-token lag.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from mlx_spec.session import open_session
 from mlx_spec.prompts import builtin_prompts
 from mlx_spec.tuner import apply_threads, load_result, tune_key
 
+from lookup_replay import QUEUE_RULES, queue_rule  # (scripts/: this script's own folder)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +50,8 @@ def main() -> None:
     ap.add_argument("--costs", action="store_true", help="also time Tt(L), L = 1..33, at the prompts' context")
     ap.add_argument("--model-time", metavar="BENCH_JSON", default=None,
                     help="learn from and report the pass costs of this bench JSON, not the wall clock")
+    ap.add_argument("--queue", choices=QUEUE_RULES, default="engine",
+                    help="when a run of plain steps queues the next one (default: as the engine)")
     a = ap.parse_args()
     # loaded as the commands load it (the tuned result's key names the target as they do)
     cfg = LoadConfig(target=a.target, drafter=a.drafter and os.path.abspath(a.drafter))
@@ -61,10 +68,11 @@ def main() -> None:
         with open(a.model_time) as f:
             model = Costs.from_dict(json.load(f)["costs"])
         policies.costs, policies.measured = model, True
-    total = {"ms": 0.0, "tokens": 0, "oracle_ms": 0.0, "oracle_tokens": 0, "cycles": 0}
+    totals = {scope: {"ms": 0.0, "tokens": 0, "oracle_ms": 0.0, "oracle_tokens": 0, "cycles": 0}
+              for scope in ("all", "copying")}
     for p in prompts:
         ids = p.encode(pair.tokenizer)
-        policy = policies()
+        policy = queue_rule(policies(), a.queue)
         matches, choose = [], policy.choose
 
         def noting(ctx, choose=choose, matches=matches):  # the lookup's match length before each cycle
@@ -110,15 +118,16 @@ def main() -> None:
             tau = n / len(trace)
             print(f"model time {ms:.0f} ms, speedup {speedup:.2f}x, tau {tau:.2f}, ceiling {ceiling:.2f}x "
                   f"({speedup / ceiling:.0%})")
-            if copy_share(ids, reply) >= COPY_SUBSET:
+            for scope in ("all", "copying") if copy_share(ids, reply) >= COPY_SUBSET else ("all",):
                 for k, v in (("ms", ms), ("tokens", n), ("oracle_ms", o_ms), ("oracle_tokens", o_tok),
                              ("cycles", len(trace))):
-                    total[k] += v
-    if model is not None and total["ms"] > 0:
-        s_ = total["tokens"] * model.t1_ms / total["ms"]
-        c_ = total["oracle_tokens"] * model.t1_ms / total["oracle_ms"]
-        print(f"\ncopying replies: model-time speedup {s_:.2f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
-              f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
+                    totals[scope][k] += v
+    for scope, total in totals.items():
+        if model is not None and total["ms"] > 0:
+            s_ = total["tokens"] * model.t1_ms / total["ms"]
+            c_ = total["oracle_tokens"] * model.t1_ms / total["oracle_ms"]
+            print(f"\n{scope} replies: model-time speedup {s_:.3f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
+                  f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
     if a.costs:
         ids = prompts[0].encode(pair.tokenizer)
         sizes = [1, 2, 4, 8, 12, 16, 20, 24, 28, 33]

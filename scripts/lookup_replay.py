@@ -5,13 +5,15 @@ model-time speedup, with no model pass after the replies are cached.
 Greedy replies are deterministic, so a lookup draft's acceptance is known from the reply
 itself: each cycle the index proposes from the prompt and the reply so far, the policy
 (``adaptive.DraftPolicy``, lookup only, learning from the cost curve's times) chooses plain or a
-draft of L rows, and the reply's own next tokens say how many are accepted. A run of plain steps
-decides one token late, as the engine's pipelined plain steps do. Per reply: model time (T1 per
-plain step, Tt(L) per verify), speedup over plain steps, cycles; for the replies that repeat
-their prompt (copy share >= 50 %) also the copy ceiling (bench.copy_ceiling) and a clairvoyant
-bound: the same proposals with the best length taken every cycle (what a policy that knew each
-proposal's acceptance would reach). ``--baseline`` replays the index without following the copy
-(``follow=False``) and without stop tokens, side by side.
+draft of L rows, and the reply's own next tokens say how many are accepted. The policy is asked
+in the engine's order (``decode.spec_steps``: a run of plain steps is pipelined, the next step
+decided with the context from before the current token); tests/test_lookup.py checks that the
+replay's cycles are the engine's on a target that answers with the reply. Per reply: model time
+(T1 per plain step, Tt(L) per verify), speedup over plain steps, cycles; for the replies that
+repeat their prompt (copy share >= 50 %) also the copy ceiling (bench.copy_ceiling) and a
+clairvoyant bound: bench.copy_oracle's dynamic programme over the index's own proposals, each
+one's acceptance known (what a policy that knew it would reach). ``--baseline`` replays the
+index without following the copy (``follow=False``) and without stop tokens, side by side.
 
     python scripts/lookup_replay.py --replies runs/replies-agent128.json --kinds agent --tokens 128   # caches
     python scripts/lookup_replay.py --replies runs/replies-agent128.json --tokens 64 --costs runs/issue17-bench6.json --baseline
@@ -23,7 +25,7 @@ import argparse
 import json
 import os
 
-from mlx_spec.adaptive import LOOKUP, PLAIN, Context, DraftPolicy
+from mlx_spec.adaptive import LOOKUP, MAX_LOOKUP, PLAIN, Context, DraftPolicy
 from mlx_spec.bench import COPY_SUBSET, copy_oracle, copy_share
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step
@@ -64,47 +66,91 @@ def _agreement(look, full, n) -> int:
     return a
 
 
-def replay(prompt, full, costs: Costs, max_tokens: int, make) -> tuple[float, int]:
-    """(model ms, cycles) of a lookup-only policy on the
-    reply ``full`` (its EOS included when it ended early)."""
-    index, policy = make(prompt), DraftPolicy(costs, 8, sources=(LOOKUP,))
+def replay(prompt, full, costs: Costs, max_tokens: int, make,
+           policy: DraftPolicy | None = None) -> tuple[list[Step], int]:
+    """The cycles of a lookup-only policy (default: a fresh ``DraftPolicy``) on the reply
+    ``full`` (its EOS included when it ended early), as Steps timed by the cost curve, with the
+    index ``make(prompt)``, and how many of its plain steps were queued (pipelined). The policy
+    is asked as ``decode.spec_steps`` asks it: a run of plain steps is pipelined, so while one
+    runs the next is decided (``stays_plain``, then ``choose``) with the context from before its
+    token, and each step is observed with the context that predicted it (tests/test_lookup.py
+    pins the two to the same cycles)."""
+    index = make(prompt)
+    policy = DraftPolicy(costs, 8, sources=(LOOKUP,)) if policy is None else policy
     index.extend(full[:1])  # the first token comes from the prefill
-    n, ms, cycles, stale = 1, 0.0, 0, None
-    while n < len(full):
+    steps, n, queued, pipelined = [], 1, False, 0
+
+    def context() -> Context:
         room = max_tokens - n
         look, match = index.propose(min(policy.max_lookup, room - 1))
-        ctx = Context(tuple(look), match, room, True)
-        # a run of plain steps asks one token ahead (the engine's pipelined plain steps)
-        d = policy.choose(stale if stale is not None and policy.stays_plain(stale) else ctx)
-        drafts = list(look[:d.length - 1]) if d.source == LOOKUP else []
+        return Context(tuple(look), match, room, True)
+
+    ctx = context()
+    d = policy.choose(ctx)
+    while n < len(full):
+        if queued or min(d.length, max_tokens - n) <= 1:  # a plain step; the next one is queued
+            pipelined += queued
+            queued = n + 1 < max_tokens and policy.stays_plain(ctx)  # while this one runs
+            if queued:
+                policy.choose(ctx)
+            drafts = []
+        else:
+            drafts = list(ctx.lookup[:min(d.length, max_tokens - n) - 1])
         a = _agreement(drafts, full, n)
         L = len(drafts) + 1
         t = costs.t1_ms if L == 1 else costs.verify(L)
-        toks = tuple(full[n:n + a + 1])
-        policy.observe(Step(toks, drafted=len(drafts), accepted=a, block_size=L,
-                            source=LOOKUP if L > 1 else PLAIN, verify_ms=t, elapsed_ms=t))
-        stale = ctx if L == 1 else None
-        index.extend(toks)
-        n, ms, cycles = n + len(toks), ms + t, cycles + 1
-    return ms, cycles
+        step = Step(tuple(full[n:n + a + 1]), drafted=len(drafts), accepted=a, block_size=L,
+                    source=LOOKUP if L > 1 else PLAIN, verify_ms=t, elapsed_ms=t)
+        policy.observe(step)
+        steps.append(step)
+        index.extend(step.tokens)
+        n += len(step.tokens)
+        if n < len(full):
+            ctx = context()
+            if not queued:
+                d = policy.choose(ctx)
+    return steps, pipelined
 
 
-def clairvoyant(prompt, full, costs: Costs, make, max_draft: int = 32) -> float:
-    """The least model time with the index's own proposals, each cycle's acceptance known."""
+QUEUE_RULES = ("engine", "fresh", "ahead")
+
+
+def queue_rule(policy: DraftPolicy, rule: str) -> DraftPolicy:
+    """``policy`` with its answer to "queue the next plain step now?" (``stays_plain``, asked
+    while a plain step runs, with the context from before its token) replaced, to measure that
+    one-token lag: "engine" leaves it; "fresh" never queues (every plain step is decided with
+    its own context, as if unpipelined); "ahead" queues only if the context one token on would
+    stay plain too, supposing the lookup's first guess is that token (its proposal less it, the
+    match one longer)."""
+    if rule not in QUEUE_RULES:
+        raise ValueError(f"queue rule must be one of {', '.join(QUEUE_RULES)} (got {rule!r})")
+    stays = policy.stays_plain
+    if rule == "fresh":
+        def never(ctx: Context) -> bool:
+            stays(ctx)  # asked all the same: it sets the context the next observe scores the lookup by
+            return False
+
+        policy.stays_plain = never
+    elif rule == "ahead":
+        def ahead(ctx: Context) -> bool:
+            on = not ctx.lookup or stays(Context(ctx.lookup[1:], ctx.match + 1, ctx.room - 1, ctx.greedy))
+            return stays(ctx) and on  # asked last with ctx: the next observe scores the lookup by it
+
+        policy.stays_plain = ahead
+    return policy
+
+
+def clairvoyant(prompt, full, costs: Costs, max_tokens: int, make, max_draft: int) -> float:
+    """The least model time with the index's own proposals, each cycle's acceptance known:
+    ``bench.copy_oracle``'s dynamic programme over what the index's proposal (up to ``max_draft``
+    tokens, as the engine asks: within ``max_tokens``) gets right at every position."""
     index = make(prompt)
     index.extend(full[:1])
-    agree = [0]
+    right = [0]
     for n in range(1, len(full)):
-        agree.append(_agreement(index.propose(max_draft)[0], full, n))
+        right.append(_agreement(index.propose(min(max_draft, max_tokens - n - 1))[0], full, n))
         index.extend(full[n:n + 1])
-    N = len(full)
-    best = [0.0] * (N + 1)
-    for i in range(N - 1, 0, -1):
-        best[i] = costs.t1_ms + best[i + 1]
-        a = min(agree[i], max_draft, N - i - 1)
-        if a > 0:
-            best[i] = min(best[i], costs.verify(a + 1) + best[min(i + a + 1, N)])
-    return best[1]
+    return copy_oracle(prompt, full, costs, max_draft=max_draft, right=right)[1]
 
 
 def main() -> None:
@@ -114,6 +160,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="reply tokens (cached: generated; replayed: cut)")
     ap.add_argument("--costs", default=None, help="a `mlx_spec bench --json-out` file whose pass costs to use")
     ap.add_argument("--baseline", action="store_true", help="also replay the index without following the copy")
+    ap.add_argument("--queue", choices=QUEUE_RULES, default="engine",
+                    help="when a run of plain steps queues the next one (see queue_rule; default: as the engine)")
     a = ap.parse_args()
     if not os.path.exists(a.replies):
         cache_replies(a.replies, tuple(a.kinds.split(",")), a.tokens)
@@ -125,41 +173,48 @@ def main() -> None:
         data = json.load(f)
     with open(a.costs) as f:
         costs = Costs.from_dict(json.load(f)["costs"])
+    if "tokens" not in data:
+        ap.error(f"{a.replies} does not say how many tokens its replies were generated to (\"tokens\"): "
+                 "which of them stopped at EOS is unknown; cache them again")
     eos = data["eos"]
     indexes = {"index": lambda p: SuffixIndex(p, 4, stop=eos)}
     if a.baseline:
         indexes = {"baseline": lambda p: SuffixIndex(p, 4, follow=False), **indexes}
-    totals = {name: [0.0, 0, 0.0, 0] for name in indexes}  # copying replies: ms, tokens, clairvoyant ms, cycles
+    # per index, all replies and the copying ones: ms, tokens, clairvoyant ms, cycles, plain steps, queued ones
+    totals = {(scope, name): [0.0, 0, 0.0, 0, 0, 0] for scope in ("all", "copying") for name in indexes}
     ceiling = [0, 0.0]
+    max_draft = min(MAX_LOOKUP, max(costs.tt_ms) - 1)  # as bench prices the ceiling
     for pid, r in data["replies"].items():
         reply = r["reply"][:a.tokens]
-        ended = len(r["reply"]) < data.get("tokens", 0)  # (it stopped at EOS before the recording's limit)
+        ended = len(r["reply"]) < data["tokens"]  # (it stopped at EOS before the recording's limit)
         full = reply + ([eos[0]] if ended and len(reply) < a.tokens else [])
         if len(full) < 2:
             continue
         share = copy_share(r["prompt"], reply)
-        o_tok, o_ms = copy_oracle(r["prompt"], reply, costs, max_draft=min(32, max(costs.tt_ms) - 1))
+        o_tok, o_ms = copy_oracle(r["prompt"], reply, costs, max_draft=max_draft)
         cells = []
         for name, make in indexes.items():
-            ms, cycles = replay(r["prompt"], full, costs, a.tokens, make)
-            cv = clairvoyant(r["prompt"], full, costs, make)
+            policy = queue_rule(DraftPolicy(costs, 8, sources=(LOOKUP,)), a.queue)
+            steps, queued = replay(r["prompt"], full, costs, a.tokens, make, policy)
+            ms, cycles = sum(s.elapsed_ms for s in steps), len(steps)
+            cv = clairvoyant(r["prompt"], full, costs, a.tokens, make, max_draft)
             cells.append(f"{name} {(len(full) - 1) * costs.t1_ms / ms:.2f}x ({cycles} cycles)")
-            if share >= COPY_SUBSET:
-                t = totals[name]
-                t[0] += ms
-                t[1] += len(full) - 1
-                t[2] += cv
-                t[3] += cycles
+            plain = sum(1 for s in steps if s.block_size == 1)
+            for scope in ("all", "copying") if share >= COPY_SUBSET else ("all",):
+                for i, v in enumerate((ms, len(full) - 1, cv, cycles, plain, queued)):
+                    totals[scope, name][i] += v
         if share >= COPY_SUBSET:
             ceiling[0] += o_tok
             ceiling[1] += o_ms
         print(f"{pid}: copy share {share:.0%}, ceiling {o_tok * costs.t1_ms / o_ms:.2f}x; " + "; ".join(cells))
-    if ceiling[1] > 0:
-        c = ceiling[0] * costs.t1_ms / ceiling[1]
-        print(f"\ncopying replies (ceiling {c:.2f}x):")
-        for name, (ms, tokens, cv, cycles) in totals.items():
+    c = ceiling[0] * costs.t1_ms / ceiling[1] if ceiling[1] > 0 else None
+    for scope in ("all", "copying") if c else ("all",):
+        print(f"\n{scope} replies" + (f" (ceiling {c:.2f}x):" if scope == "copying" else ":"))
+        for name in indexes:
+            ms, tokens, cv, cycles, plain, queued = totals[scope, name]
             s = tokens * costs.t1_ms / ms
-            print(f"  {name}: {s:.2f}x ({s / c:.0%} of the ceiling), {cycles} cycles; "
+            print(f"  {name}: {s:.2f}x" + (f" ({s / c:.0%} of the ceiling)" if scope == "copying" else "")
+                  + f", {cycles} cycles, {plain} plain steps ({queued} queued); "
                   f"clairvoyant {tokens * costs.t1_ms / cv:.2f}x")
 
 

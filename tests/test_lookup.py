@@ -6,9 +6,26 @@ occurrences of a common token (a newline, a bracket). The index remembers where 
 copy broke and proposes the file's text after the edit; the latest occurrence (what the index
 proposed before, and still does with ``follow=False``) is elsewhere. Greedy decoding through
 these proposals stays lossless: tests/test_policy.py and tests/test_hybrid.py cover that.
+
+Also here: the index chooses once per token; bench.copy_oracle over a drafter's own proposals
+(the replay's clairvoyant bound); scripts/lookup_replay.py asks the policy as decode.spec_steps
+does (checked on a fake target that answers with the reply), whose pipelined plain steps are
+decided one token early, never more.
 """
 
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_spec.adaptive import LOOKUP, PLAIN, DraftPolicy
+from mlx_spec.bench import copy_oracle
+from mlx_spec.costs import Costs
+from mlx_spec.decode import spec_steps
 from mlx_spec.lookup import SuffixIndex
+from mlx_spec.target import TargetOut
 
 # A file of lines [A_i, 7, 8, B_i, 9]: A_i and B_i distinct (names), 7, 8, 9 common (brackets,
 # newlines), framed like a chat prompt.
@@ -103,3 +120,161 @@ def test_the_pointer_wins_ties_with_a_later_copy():
     assert idx.propose(5) == (FILE[24:29], 8)
     plain = SuffixIndex(prompt + reply, 4, max_match=8, follow=False)
     assert plain.propose(5)[0] == file_b[24:29]  # the latest copy
+
+
+EDITED = LINES[0] + LINES[1] + [99, 7, 8, 32, 9] + LINES[3] + [98, 9] + LINES[4] + [14, 7, 8, 9] + LINES[5][:2]
+
+
+def test_a_proposal_chooses_once_per_token():
+    """Where the copy breaks, ``_step`` chooses the pointer's successor; ``propose`` then reuses
+    that choice (the same at that length, however often it is asked) instead of choosing again."""
+    idx = SuffixIndex(PROMPT, 4)
+    calls = []
+    longest = idx._longest
+    idx._longest = lambda: calls.append(len(idx)) or longest()
+    for t in EDITED:
+        idx.extend([t])
+        idx.propose(5)
+        idx.propose(2)
+    assert sorted(calls) == list(range(len(PROMPT) + 1, len(PROMPT) + len(EDITED) + 1))
+
+
+def test_a_reused_choice_is_the_choice_now():
+    """Every proposal along an edited copy (a rename, an insertion, a deletion), a token or a few
+    at a time, equals the one chosen afresh at that point."""
+    for chunk in (1, 3):
+        idx = SuffixIndex(PROMPT, 4)
+        for i in range(0, len(EDITED), chunk):
+            idx.extend(EDITED[i:i + chunk])
+            got = idx.propose(5)
+            idx._chosen = None  # forget the reused choice
+            assert got == idx.propose(5)
+
+
+def test_the_clairvoyant_bound_is_the_copy_oracle_over_the_proposals():
+    """``bench.copy_oracle(right=...)`` prices a drafter's own proposals, each one's acceptance
+    known (scripts/lookup_replay.py's clairvoyant bound): the copied spans' runs give the default
+    oracle back, and where the cost curve jumps a proposal is drafted shorter than it would hold
+    (drafting all that it gets right, or nothing, would cost 3900 ms here)."""
+    step = Costs(100.0, {}, {1: 100.0, 9: 100.0, 10: 1000.0, 33: 1000.0}, 0)
+    file = list(range(100, 140))
+    assert copy_oracle([], file, step, right=[40 - i for i in range(40)]) == copy_oracle(file, file, step)
+    # the proposal after the first token holds for 9 drafts, none after: 8 drafts + bonus, 30 plain steps
+    assert copy_oracle([], file, step, right=[0, 9] + [0] * 38) == (39, pytest.approx(100 + 30 * 100))
+    with pytest.raises(ValueError, match="one count per reply token"):
+        copy_oracle([], file, step, right=[0] * 39)
+
+
+# ---- scripts/lookup_replay.py asks the policy as decode.spec_steps does
+
+class _Offset:
+    def __init__(self):
+        self.offset, self.state = 0, mx.array(0)
+
+
+class ReplyTarget:
+    """A target whose greedy choice after position p is ``seq[p + 1]`` (``end`` past it): the
+    reply's own next token wherever the inputs so far are the reply's, all a verify reads."""
+
+    def __init__(self, seq, end):
+        self.seq, self.end, self.vocab = seq, end, max(seq + [end]) + 1
+
+    def make_cache(self):
+        return [_Offset()]
+
+    def __call__(self, ids, cache, last_only=False, record=False):
+        p, L = cache[0].offset, ids.shape[1]
+        cache[0].offset += L
+        nxt = [self.seq[r + 1] if r + 1 < len(self.seq) else self.end
+               for r in ([p + L - 1] if last_only else range(p, p + L))]
+        logits = (mx.arange(self.vocab)[None] == mx.array(nxt)[:, None]).astype(mx.float32)[None]
+        return TargetOut(logits, mx.zeros((1, len(nxt), 1)))
+
+    def rollback(self, cache, n, keep):
+        cache[0].offset -= n - keep
+
+
+class _NoDrafter:  # a lookup-only policy never asks it to draft
+    def make_cache(self):
+        return []
+
+    def add_context(self, features, cache):
+        pass
+
+
+class CurveTimed(DraftPolicy):
+    """Learns the cost curve's times (what the replay's Steps carry), not the clock's."""
+
+    def __init__(self, curve, *a, **kw):
+        super().__init__(curve, *a, **kw)
+        self.curve = curve
+
+    def observe(self, step):
+        t = self.curve.t1_ms if step.drafted == 0 else self.curve.verify(step.drafted + 1)
+        super().observe(replace(step, verify_ms=t, draft_ms=0.0, rollback_ms=0.0, elapsed_ms=t))
+
+
+# the bench's CPU curve (runs/issue17-bench6.json): a draft must be likely to pay for its rows
+CPU = Costs(87.8, {}, {1: 88.1, 2: 104.7, 3: 112.3, 4: 137.4, 6: 133.1, 8: 147.0, 12: 197.5, 16: 185.2,
+                       24: 284.4, 33: 298.8}, 239)
+REPLIES = {  # new text (plain runs), copied lines (lookup drafts), edits inside them (re-syncs)
+    "edits": [5] + LINES[0] + [61, 62] + LINES[1] + [12, 7, 70, 32, 9] + LINES[3] + [71, 72, 73]
+             + LINES[4] + [74, 7, 8, 35, 9] + [75, 76, 77, 78],
+    "new text first": [5, 80, 81, 82, 83, 84, 85, 86, 87] + FILE[:12] + [88, 89, 90] + FILE[12:] + [91, 92],
+}
+
+
+def _replay_module():
+    spec = importlib.util.spec_from_file_location(
+        "lookup_replay", Path(__file__).resolve().parent.parent / "scripts" / "lookup_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", list(REPLIES))
+def test_the_replay_makes_the_engines_cycles(name):
+    """The replay's cycles are spec_steps's on a target that answers with the reply: its runs
+    of plain steps pipelined (the next step decided with the context from before the current
+    token), each step observed with the context that predicted it."""
+    reply, eos, max_tokens = REPLIES[name], 0, len(REPLIES[name]) + 4
+    seq = PROMPT + reply
+    engine = list(spec_steps(ReplyTarget(seq, eos), _NoDrafter(), PROMPT, block_size=8, max_tokens=max_tokens,
+                             eos_ids=[eos], policy=CurveTimed(CPU, 8, sources=(LOOKUP,))))
+    assert [t for s in engine for t in s.tokens] == reply + [eos]
+    replayed, queued = _replay_module().replay(PROMPT, reply + [eos], CPU, max_tokens,
+                                               lambda p: SuffixIndex(p, 4, stop=[eos]))
+    cycles = [(s.source, s.block_size, s.accepted) for s in engine[1:]]
+    assert cycles == [(s.source, s.block_size, s.accepted) for s in replayed]
+    # both kinds of cycle, and runs of plain steps (pipelined: decided a token early) between drafts
+    assert any(c[0] == LOOKUP and c[2] > 0 for c in cycles)
+    assert queued >= 5 and queued <= sum(a[0] == b[0] == PLAIN for a, b in zip(cycles, cycles[1:]))
+
+
+def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
+    """Every cycle is decided with the context (lookup proposal, room) of the tokens committed
+    before it, or, a plain step queued while the one before it ran, of all but that one's token:
+    a match the lookup finds at token k costs at most the plain step already queued, never a
+    further cycle. (Never queueing, or queueing only when the context one token on would stay
+    plain too, measured no better: docs/bench.md, session 8.)"""
+    reply, eos = REPLIES["edits"], 0
+    max_tokens = len(reply) + 4
+    rooms = []
+
+    class Noting(CurveTimed):
+        def choose(self, ctx):
+            rooms.append(ctx.room)
+            return super().choose(ctx)
+
+    steps = list(spec_steps(ReplyTarget(PROMPT + reply, eos), _NoDrafter(), PROMPT, block_size=8,
+                            max_tokens=max_tokens, eos_ids=[eos], policy=Noting(CPU, 8, sources=(LOOKUP,))))
+    # one decision per cycle, in order (and one for a step queued as the reply's EOS was read)
+    assert len(rooms) - (len(steps) - 1) in (0, 1)
+    n, lags = 1, []
+    for s, room in zip(steps[1:], rooms):
+        lags.append(room - (max_tokens - n))  # tokens the decision's context lacks
+        n += len(s.tokens)
+    early = [i for i, lag in enumerate(lags) if lag]
+    assert set(lags) == {0, 1} and len(early) >= 5
+    # only a plain step queued while a plain step ran (steps[0] is the prefill's)
+    assert all(i > 0 and steps[i].source == steps[i + 1].source == PLAIN for i in early)
