@@ -206,16 +206,16 @@ class Runner:
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
                               eos_ids=self.eos, policy=policy)
         if method.kind == "lookup":
-            from .lookup import lookup_steps
+            from .baselines import lookup_steps
 
             return lookup_steps(p.model, ids, num_draft=B - 1, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind == "ar-draft":
-            from .lookup import ar_draft_steps
+            from .baselines import ar_draft_steps
 
             return ar_draft_steps(p.model, self.ar_model, ids, num_draft=B - 1, max_tokens=max_tokens,
                                   eos_ids=self.eos)
         if method.kind == "peer":
-            from .lookup import load_peer, peer_steps
+            from .baselines import load_peer, peer_steps
 
             if self._peer is None:
                 self._peer = load_peer(p)

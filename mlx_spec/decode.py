@@ -35,6 +35,7 @@ from mlx_lm.generate import generation_stream
 
 from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .drafter import Drafter, Proposal
+from .lookup import SuffixIndex
 from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, accept_sampled, sample_target
 from .target import Target
@@ -170,8 +171,6 @@ def spec_steps(
     seeded = not greedy and sampling.seed is not None
     index = None
     if policy is not None and LOOKUP in policy.sources:
-        from .lookup import SuffixIndex  # lookup.py's baseline loops import this module
-
         index = SuffixIndex(prompt, lookup_ngram, stop=eos)  # once; then extended by the committed tokens
 
     def sink(features):

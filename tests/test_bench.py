@@ -10,7 +10,7 @@ from mlx_spec.bench import (Costs, Method, PromptRow, Run, Sample, ceiling, copy
                             copy_share, efficiency, engaged, pooled_ceiling, prompt_report,
                             subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
-from mlx_spec.lookup import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
+from mlx_spec.baselines import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
 from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
 from mlx_spec.progress import Bar as ProgressBar
 from mlx_spec.stats import Stats

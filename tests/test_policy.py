@@ -19,7 +19,8 @@ from mlx_spec import decode
 from mlx_spec.adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, Policies, estimate_costs
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step, spec_steps
-from mlx_spec.lookup import SuffixIndex, find_draft
+from mlx_spec.baselines import find_draft
+from mlx_spec.lookup import SuffixIndex
 from mlx_spec.prefix import PrefixCache
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import Stats

@@ -254,7 +254,7 @@ def run(args) -> int:
 
     ar_model = None
     if args.ar_draft and args.ar_draft.startswith("skip:"):
-        from ..lookup import layer_skip_draft
+        from ..baselines import layer_skip_draft
 
         try:
             ar_model = layer_skip_draft(pair.model, int(args.ar_draft[5:]))
