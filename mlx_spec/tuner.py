@@ -526,13 +526,13 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     - Thread count: the one whose best block scores highest; if the ``default_threads`` count
       (all cores, what a machine never tuned runs) has a best block within noise of it, the
       default. (Plain's own thread count is chosen the same way, and is where "off" runs.)
-    - Off: no block beats plain by ``margin``.
-    - Block: the blocks within noise of the best that also beat plain by ``margin`` are a tie (a
+    - Off: no block beats plain by ``margin`` and by its own noise (twice its standard error, at
+      least ``floor``): plain is the safe choice, and a gain within the noise does not overturn it.
+    - Block: the blocks within noise of the best that also beat plain by that much are a tie (a
       block the model puts below that never is). It goes to the largest block that still buys
       expected tokens (E(B) at least ``min_gain`` above the last block kept, going up from the
       smallest tied one). A tolerance above ``cap`` (timings too noisy to separate blocks) makes
-      no tie: the best score is taken if it beats plain by more than that tolerance, else off
-      (plain is the safe choice a gain within the noise cannot overturn), and ``why`` says so.
+      no tie: the best score is taken, and ``why`` says so.
       A tie's lower end moves with the timings; where E(B) stops growing (the drafter's trained
       block) does not, so this lands on the same block run after run. It also leaves the fixed
       engine (``--no-adaptive``) the longer drafts that code and agent edits accept; the per-cycle
@@ -571,22 +571,21 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     spec = sorted(by_t[lead_t], key=lambda c: c.block)
     best = tops[lead_t]
     base = plain.predicted if plain else 1.0
-    if best.predicted < base * (1 + margin):
+    # a block must beat plain by the margin and by more than its own noise (twice its standard
+    # error, at least the floor): a gain within the noise does not overturn plain, the safe choice
+    need = max(margin, _tol(best, plain, floor) if plain is not None else margin)
+    if best.predicted < base * (1 + need):
         why = (f"off: the best block {_lbl(best)} x{best.predicted:.2f} does not beat plain"
                f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
-               f"(x{base:.2f}) by {margin:.0%}")
-        return Decision(1, plain.threads if plain else lead_t, why)
+               f"(x{base:.2f}) by {need:.1%}" + (" (its noise)" if need > margin else ""))
+        return Decision(1, plain.threads if plain else lead_t, "; ".join([why] + words))
     tol = _tol(best, best, floor)
-    if tol > cap and best.predicted < base * (1 + tol):  # the gain over plain is within the noise
-        return Decision(1, plain.threads if plain else lead_t, "; ".join(
-            [f"off: timings too noisy to separate blocks (tolerance {tol:.1%} above {cap:.0%}) and the best "
-             f"block {_lbl(best)} x{best.predicted:.2f} beats plain (x{base:.2f}) by less than that"] + words))
     if tol > cap:  # a tie this wide would be "the largest block" whatever the timings say
         return Decision(best.block, lead_t, "; ".join(
             [f"{_lbl(best)} x{best.predicted:.2f}: timings too noisy to separate blocks (tolerance {tol:.1%} "
              f"above {cap:.0%}), took the best score"] + words), (best.block,))
-    # only blocks that beat plain by the margin themselves can be tied
-    tied = [c for c in spec if c.predicted >= max(best.predicted * (1 - tol), base * (1 + margin))]
+    # only blocks that beat plain by that much themselves can be tied
+    tied = [c for c in spec if c.predicted >= max(best.predicted * (1 - tol), base * (1 + need))]
     kept, gain_of = [], {}
     for c in tied:  # smallest first: a larger block must buy expected tokens over the last kept one
         prev = kept[-1] if kept else None
