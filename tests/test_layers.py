@@ -137,3 +137,42 @@ def test_the_import_reader_sees_function_level_and_relative_imports(tmp_path):
     assert set(imports(src, ["mlx_spec"])) == {"errors", "tui", "server/app", "__init__", "server", "server/tools"}
     src.write_text("def g():\n    from ..engine import Done\n    from . import tools\n")
     assert set(imports(src, ["mlx_spec", "server"])) == {"engine", "server", "server/tools"}
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or round a loop, at the top of a file or inside
+    a function (a package's own __init__ aside: importing a package runs it first anyway). Within
+    a layer this is what keeps the layers' order meaningful: a module can be read, tested and
+    moved knowing only what it imports."""
+    mods = modules()
+    packages = {k for k, p in mods.items() if p.name == "__init__.py"}
+    graph = {name: sorted(d for d in imports(path, _package_of(path)) if d != name and d in mods and d not in packages)
+             for name, path in mods.items() if name not in packages}
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, "modules importing each other (move what both need below them): " + "; ".join(
+        " <-> ".join(c) for c in circles)
