@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from .errors import MlxSpecError, UnsupportedModel
-from .generation import SINGLE, GenConfig, GroupInfo, for_request, token_steps  # noqa: F401 (SINGLE re-exported)
+from .generation import SINGLE, GenConfig, GroupInfo, for_request, token_steps
 
 log = logging.getLogger(__name__)
 
@@ -735,5 +735,5 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
     return plan
 
 
-__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupInfo", "SINGLE", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
+__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
            "shard_target", "shard_problems", "timeout_s", "Wire"]

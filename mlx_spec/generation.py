@@ -89,7 +89,6 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
 SPECULATIVE, PLAIN, TUNED_OFF = "speculative", "plain", "tuned-off"
 
 
-
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
     """How a pair runs: ``size`` processes, this one ``rank``; ``sharded``: the target is split

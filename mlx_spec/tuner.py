@@ -50,6 +50,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -69,6 +70,7 @@ NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small t
 NOISE_CAP = 0.10  # a tie tolerance above this: timings too noisy to separate blocks (no tie, best score)
 CHECK_ROUNDS = 3  # the race overrides the model only with this many rounds run by both (one of each prompt kind)
 CLEAR_Z = 3.0  # a clear margin: the mean gain at least this many standard errors of the race's run-to-run noise
+MIN_NOISE_DF = 4  # ... that noise measured with at least this many degrees of freedom (3 candidates x 3 rounds)
 BUDGET_RESERVE = 0.05  # share of the budget the plan leaves for a round slower than predicted
 MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of them while the budget allows)
 
@@ -497,7 +499,10 @@ class Decision:
 def _tol(a: Candidate, b: Candidate, floor: float) -> float:
     """How far apart two model speedups must be to count as different: twice their combined
     standard error, at least ``floor``."""
-    return max(floor, 2 * math.hypot(a.noise or 0.0, b.noise or 0.0))
+    def sd(c: Candidate) -> float:  # an unmeasured (None, nan, inf) noise: none known, not a free pass or a veto
+        return c.noise if c.noise is not None and math.isfinite(c.noise) else 0.0
+
+    return max(floor, 2 * math.hypot(sd(a), sd(b)))
 
 
 def _pooled(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -573,11 +578,13 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     base = plain.predicted if plain else 1.0
     # a block must beat plain by the margin and by more than its own noise (twice its standard
     # error, at least the floor): a gain within the noise does not overturn plain, the safe choice
-    need = max(margin, _tol(best, plain, floor) if plain is not None else margin)
+    noisy = _tol(best, plain or best, 0.0)  # twice the standard error of the gain over plain
+    need = max(margin, floor, noisy)
     if best.predicted < base * (1 + need):
+        what = "its noise" if noisy >= max(margin, floor) else "the floor" if floor > margin else "the margin"
         why = (f"off: the best block {_lbl(best)} x{best.predicted:.2f} does not beat plain"
                f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
-               f"(x{base:.2f}) by {need:.1%}" + (" (its noise)" if need > margin else ""))
+               f"(x{base:.2f}) by {need:.1%} ({what})")
         return Decision(1, plain.threads if plain else lead_t, "; ".join([why] + words))
     tol = _tol(best, best, floor)
     if tol > cap:  # a tie this wide would be "the largest block" whatever the timings say
@@ -653,19 +660,40 @@ class RaceResult:
 
     @property
     def noise(self) -> float:
-        """The race's run-to-run noise: the standard deviation of one run's log(seconds per
-        cycle), each candidate's runs about their own mean, pooled over the candidates. A cycle of
-        a fixed block costs the same whatever the prompt's drafts accept (at greedy the prompt
-        sets how many cycles a run takes, not what one costs), so this is the timing's noise
-        alone, not the prompts' different acceptance. inf while no candidate has two runs."""
-        ss, df = 0.0, 0
-        for xs in self.cycle_s.values():
-            logs = [math.log(x) for x in xs if x is not None and x > 0]
-            if len(logs) > 1:
-                m = statistics.fmean(logs)
-                ss += sum((x - m) ** 2 for x in logs)
-                df += len(logs) - 1
-        return math.sqrt(ss / df) if df else math.inf
+        """The race's run-to-run noise (``noise_fit``'s first value)."""
+        return self.noise_fit[0]
+
+    @cached_property
+    def noise_fit(self) -> tuple[float, int]:
+        """(sigma, degrees of freedom): the standard deviation of one run's log(seconds per cycle)
+        about a candidate effect plus a round effect, both fitted (alternating means over the
+        runs there are; a candidate that joined late or was dropped has fewer). A cycle of a fixed
+        block costs the same whatever the prompt's drafts accept (at greedy the prompt sets how
+        many cycles a run takes, not what one costs), and what moves every candidate's cycles in
+        a round alike (the round's prompt length, the machine's drift within the round) is the
+        round effect, which the paired ratios cancel too: what is left is the timing's own noise
+        (and a last cycle the run's room cut short). inf with no degree of freedom."""
+        cells = {}
+        for k, xs in self.cycle_s.items():
+            for i, x in enumerate(xs):
+                if x is not None and x > 0:
+                    cells[(k, self.joined.get(k, 0) + i)] = math.log(x)
+        by_k: dict = {}
+        by_r: dict = {}
+        for (k, r), v in cells.items():
+            by_k.setdefault(k, []).append((r, v))
+            by_r.setdefault(r, []).append((k, v))
+        df = len(cells) - len(by_k) - len(by_r) + 1
+        if df < 1:
+            return math.inf, 0
+        a, b = dict.fromkeys(by_k, 0.0), dict.fromkeys(by_r, 0.0)
+        for _ in range(30):  # additive fit log c = a[k] + b[r], alternating means (small tables: converges fast)
+            for k, xs in by_k.items():
+                a[k] = sum(v - b[r] for r, v in xs) / len(xs)
+            for r, xs in by_r.items():
+                b[r] = sum(v - a[k] for k, v in xs) / len(xs)
+        ss = sum((v - a[k] - b[r]) ** 2 for (k, r), v in cells.items())
+        return math.sqrt(ss / df), df
 
 
 @dataclass(frozen=True)
@@ -684,25 +712,31 @@ class Check:
 
 
 def check(res: RaceResult, key: Key, chosen: Key, *, rounds: int = CHECK_ROUNDS, z: float = CLEAR_Z,
-          floor: float = NOISE_FLOOR) -> Check:
+          floor: float = NOISE_FLOOR, min_df: int = MIN_NOISE_DF) -> Check:
     """``key`` against ``chosen`` in the rounds both ran. A clear margin needs at least ``rounds``
-    such rounds (one of each prompt kind), a win in every one, and a geometric-mean gain of at
-    least ``floor`` and at least ``z`` standard errors of a paired round's noise (sqrt(2) times
-    the race's run-to-run noise, over sqrt(rounds)): more rounds let a smaller margin through,
-    a noisier race needs a larger one."""
+    such rounds (one of each prompt kind), a win in every one, a race whose noise was measured
+    with at least ``min_df`` degrees of freedom (``RaceResult.noise_fit``: with fewer, sigma
+    itself is too uncertain for ``z`` to mean much), and a geometric-mean gain of at least
+    ``floor`` and at least ``z`` standard errors of a paired round's noise (sqrt(2) times the
+    race's run-to-run noise, over sqrt(rounds)): more rounds let a smaller margin through, a
+    noisier race needs a larger one."""
     logs = [math.log(a / b) for a, b in res.paired(key, chosen) if a > 0 and b > 0]
     n = len(logs)
     gain = math.exp(statistics.fmean(logs)) if n else math.nan
-    needed = math.exp(max(math.log1p(floor), z * math.sqrt(2 / n) * res.noise)) if n >= rounds else math.inf
+    sigma, df = res.noise_fit
+    enough = n >= rounds and df >= min_df
+    needed = math.exp(max(math.log1p(floor), z * math.sqrt(2 / n) * sigma)) if enough else math.inf
     return Check(key, n, sum(x > 0 for x in logs), gain, needed)
 
 
 def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
     """The raced candidate that beat ``chosen`` by a clear margin (``check``; the largest gain of
-    those), else None. Simulated at 3 rounds of 4 candidates (the default budget's race), the
-    noise estimated as here: a candidate equal to the chosen one passes about 1 time in 160, one
-    3 % slower about 1 in 700 to 1 in 5000, one 20 % faster 3 times in 4 at 6 % run-to-run noise
-    and always at 3 %; a race whose rounds disagree never overrides."""
+    those), else None. Simulated at 3 rounds of 4 candidates (the default budget's race), each
+    round's prompt moving every cycle cost alike by ~10 %, the noise estimated as here (20 000
+    races a figure): a candidate equal to the chosen one passes about 1 time in 100 (one of
+    three equal challengers 1 in 36: harmless, equal speed), one 3 % slower 1 in 700 (6 %
+    run-to-run noise) to 1 in 5000 (3 %), one 20 % faster 3 times in 4 at 6 % noise and always
+    at 3 %; a race whose rounds disagree never overrides."""
     got = [check(res, k, chosen, **kw) for k in res.tps if k != chosen and res.tps[k]]
     return max((c for c in got if c.clear), key=lambda c: c.gain, default=None)
 
@@ -1128,8 +1162,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     if over is not None:
         why = (f"the race overrode the model ({d.why}): {_label(over.key)} beat {_label(chosen)} in every one "
                f"of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
-               f"{CLEAR_Z:g} standard errors of the race's run-to-run noise {res.noise:.1%}, "
-               f"at least {noise_floor:.0%})")
+               f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
+               f"noise {res.noise:.1%}, at least {noise_floor:.0%})")
         best, best_t = over.key
     else:  # say what the race could tell about the stored choice
         why += _unchecked(res, chosen, noise_floor)

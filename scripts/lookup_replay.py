@@ -176,6 +176,9 @@ def main() -> None:
     if "tokens" not in data:
         ap.error(f"{a.replies} does not say how many tokens its replies were generated to (\"tokens\"): "
                  "which of them stopped at EOS is unknown; cache them again")
+    if a.tokens > data["tokens"]:
+        ap.error(f"--tokens {a.tokens}: {a.replies} holds replies of at most {data['tokens']} tokens "
+                 "(cache them again at the length to replay)")
     eos = data["eos"]
     indexes = {"index": lambda p: SuffixIndex(p, 4, stop=eos)}
     if a.baseline:

@@ -5,8 +5,8 @@ beside what that run stored. Nothing is timed or loaded.
     python scripts/tune_replay.py runs/tune8-1.txt runs/tune8-2.txt ...
 """
 
+import argparse
 import re
-import sys
 
 from mlx_spec.tuner import Candidate, decide
 
@@ -26,9 +26,16 @@ def candidates(path: str) -> list[Candidate]:
 
 
 def main() -> None:
-    for path in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tables", nargs="+", metavar="FILE", help="saved output of `mlx_spec tune` (format 3 tables)")
+    for path in ap.parse_args().tables:
+        try:
+            cands = candidates(path)
+        except (OSError, ValueError) as e:
+            ap.error(f"{path}: not a `mlx_spec tune` table this script reads ({e})")
+        if not any(c.block == 1 for c in cands) or not any(c.block > 1 for c in cands):
+            ap.error(f"{path}: no plain row or no block rows: not a `mlx_spec tune` table of this format")
         stored = [line.split()[1] for line in open(path) if line.startswith("*")]
-        cands = candidates(path)
         threads = max((c.threads for c in cands), default=None)  # all cores: the default count
         d = decide(cands, default_threads=threads)
         now = "off" if d.block == 1 else f"B={d.block}"
