@@ -47,10 +47,14 @@ class Bar:
             self.stream.flush()
 
     def close(self, summary: str = "") -> None:
-        """End the step: on a terminal the bar's line is replaced by ``label: summary (time)``."""
+        """End the step: on a terminal the bar's line is replaced by ``label: summary (time)``.
+        A step that never reported progress (nothing to do: a stored result found at once) ends
+        silently, as it started."""
         if self.closed:
             return
         self.closed = True
+        if not self.started:
+            return
         el = clock(time.perf_counter() - self.t0)
         end = f"{self.label}: {summary or 'done'} ({el})\n"
         self.stream.write(f"\r\x1b[2K{end}" if self.tty else end)

