@@ -48,12 +48,12 @@ class Bar:
 
     def close(self, summary: str = "") -> None:
         """End the step: on a terminal the bar's line is replaced by ``label: summary (time)``.
-        A step that never reported progress (nothing to do: a stored result found at once) ends
-        silently, as it started."""
+        A step that never reported progress and is closed without a summary (nothing to do: a
+        stored result found at once) ends silently, as it started; a summary is always shown."""
         if self.closed:
             return
         self.closed = True
-        if not self.started:
+        if not self.started and not summary:
             return
         el = clock(time.perf_counter() - self.t0)
         end = f"{self.label}: {summary or 'done'} ({el})\n"

@@ -114,6 +114,8 @@ def test_a_step_with_nothing_to_do_prints_nothing():
     quiet = io.StringIO()
     Bar(quiet, "tuning block size (first launch)").close()
     assert quiet.getvalue() == ""
+    Bar(quiet, "Fetching z").close("failed")  # a summary (an outcome) is always shown
+    assert quiet.getvalue() == "Fetching z: failed (0:00)\n"
 
 
 def test_first_run_shows_fetch_hash_and_conversion(tmp_path, tiny_gguf, monkeypatch):
