@@ -825,11 +825,6 @@ class BatchPolicy:
             return [1] * n
         return self._choose(wants, accs, plain_runs, probes, extra_rows, passes)
 
-    def would_step_plain(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
-                         probes: Sequence[int], passes: Sequence[bool]) -> bool:
-        """Would ``choose`` (with no prefill rows) give every sequence a plain step? Nothing changes."""
-        return max(self.plan(wants, accs, plain_runs, probes, 0, passes), default=1) <= 1
-
     def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
         n = len(wants)
         if max(wants, default=1) <= 1:
@@ -1117,7 +1112,8 @@ class BatchDecoder:
         wish = [self._wish(s, peek=True, batch=len(decoding)) for s in decoding]
         if any(d is None for d in wish):
             return False
-        return self.policy.would_step_plain(*self._asks(decoding, wish), [d.source == DFLASH for d in wish])
+        plan = self.policy.plan(*self._asks(decoding, wish), 0, [d.source == DFLASH for d in wish])
+        return max(plan, default=1) <= 1
 
     @staticmethod
     def _conf(s: _Seq) -> bool:
@@ -1207,10 +1203,9 @@ class BatchDecoder:
             segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
                             "last" if last else "none"))
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
-        # The target's choices, one host transfer: a plain step's next token for every sequence
-        # (sampled ones drawn in the graph), else every greedy sequence's argmax over its rows.
-        # (a sequence stepping plain: its next token, a sampled one's drawn in the graph; a greedy
-        # draft's rows: their argmax; only a sampled draft is accepted apart, by accept_sampled)
+        # The target's choices, one host transfer: a sequence stepping plain, its next token (a
+        # sampled one's drawn in the graph); a greedy draft's rows, their argmax. Only a sampled
+        # draft is accepted apart, by accept_sampled.
         greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy or blocks[k] == 1]
         choice = (mx.concatenate([next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
                                   if blocks[k] == 1 else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
@@ -1405,7 +1400,7 @@ class BatchDecoder:
 
 class _Queued(NamedTuple):
     """A plain step queued ahead: its sequences (in their slot order then), its outputs and its
-    greedy tokens (lazy)."""
+    next tokens (lazy; sampled ones drawn in the graph)."""
 
     seqs: list
     outs: list

@@ -157,11 +157,11 @@ class SuffixIndex:
         j, m = self._longest()
         if self.pointer is not None:
             pm = self._match(self.pointer)
-            if pm > 0 and (j is None or pm >= m):
+            if pm > 0 and pm >= m:  # (no earlier match at all: m = 0)
                 return self.pointer, pm
-        if self.broke is not None and (j is None or m < 4):
+        if self.broke is not None and m < 4:
             rj, rm = self._rejoin()
-            if rj is not None and (j is None or m < rm + 2):
+            if rj is not None and m < rm + 2:
                 return rj, rm
         return j, m
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import zip_longest
 from types import MappingProxyType
 from typing import Any, Iterable
 
@@ -21,10 +22,13 @@ from .decode import Step
 
 
 def _add_counts(a: Any, b: Any) -> Any:
-    """Nested counters added up: numbers, and dicts of them (block histograms, per-source counts)."""
+    """Nested counters added up: numbers, dicts of them (block histograms, per-source counts) and
+    lists of them by position (the shorter padded with zeros)."""
     if isinstance(a, dict) or isinstance(b, dict):
         a, b = a or {}, b or {}
         return {k: _add_counts(a.get(k), b.get(k)) for k in {**a, **b}}
+    if isinstance(a, list) or isinstance(b, list):
+        return [x + y for x, y in zip_longest(a or [], b or [], fillvalue=0)]
     return (a or 0) + (b or 0)
 
 
@@ -107,17 +111,10 @@ class Stats:
         counts and per-position counts; the per-request fields in ``NOT_MERGED`` keep their
         defaults)."""
         out = cls()
+        names = [f.name for f in fields(cls) if f.name not in NOT_MERGED]
         for p in parts:
-            for f in fields(cls):
-                if f.name in NOT_MERGED:
-                    continue
-                a, b = getattr(out, f.name), getattr(p, f.name)
-                if isinstance(a, list):
-                    n = max(len(a), len(b))
-                    b = [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
-                else:
-                    b = _add_counts(a, b)
-                setattr(out, f.name, b)
+            for name in names:
+                setattr(out, name, _add_counts(getattr(out, name), getattr(p, name)))
         return out
 
     @property

@@ -23,8 +23,10 @@ that still buys expected tokens; the default thread count) and the result says s
 calibrates and checks: it overrides the model only on a clear margin (``race_check``): a
 candidate faster than the model's choice in every one of at least ``CHECK_ROUNDS`` rounds both
 ran, by a mean gain of at least ``CLEAR_Z`` standard errors of the race's own run-to-run noise
-(and ``NOISE_FLOOR``), so a clearly faster block can win within the default budget's 3 rounds
-and a noisy or split race cannot flip the choice.
+(and ``NOISE_FLOOR``), so a block faster by well over the race's noise can win within the
+default budget's 3 rounds (simulated: a 20 % gain at 3-6 % run-to-run noise; the quiet runs
+here, runs/tune8-7..9, measured a noise that put a clear margin at +13 to +37 %), and a noisy or
+split race cannot flip the choice.
 
 The whole sweep keeps to its budget: the probe (fixed work) runs first, the pass-cost rounds take
 their share while the race's core still fits, and the race is planned from the measured costs
@@ -39,7 +41,6 @@ call on start, and it applies the stored thread count.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -203,19 +204,9 @@ def weights_id(path_or_id: str) -> str | None:
     d = _model_dir(path_or_id)
     if d is None:
         return None
-    d = d.resolve()
-    # (a launch asks several times: before loading, for the tuning key, for the policies' prior)
-    return _weights_digest(str(d), tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino)
-                                         for f in sorted(d.iterdir()) if f.is_file() for st in (f.stat(),)))
-
-
-@functools.lru_cache(maxsize=16)
-def _weights_digest(folder: str, files: tuple) -> str:
-    """``weights_id`` of ``folder``, whose files (name, size, mtime, inode) are ``files``: read
-    again only when one of them changes."""
     from .loading import DRAFT_VOCAB_FILE
 
-    d = Path(folder)
+    d = d.resolve()
     h = hashlib.sha256()
     for name in ("config.json", DRAFT_VOCAB_FILE, *sorted(x.name for x in d.glob("*.safetensors.index.json"))):
         f = d / name
@@ -496,13 +487,16 @@ class Decision:
     tied: tuple[int, ...] = ()  # blocks within noise of the best at the chosen thread count
 
 
-def _tol(a: Candidate, b: Candidate, floor: float) -> float:
+def _tol(a: Candidate, b: Candidate | None, floor: float) -> float:
     """How far apart two model speedups must be to count as different: twice their combined
     standard error, at least ``floor``."""
-    def sd(c: Candidate) -> float:  # an unmeasured (None, nan, inf) noise: none known, not a free pass or a veto
-        return c.noise if c.noise is not None and math.isfinite(c.noise) else 0.0
+    return max(floor, 2 * math.hypot(_sd(a), _sd(b)))
 
-    return max(floor, 2 * math.hypot(sd(a), sd(b)))
+
+def _sd(c: Candidate | None) -> float:
+    """A candidate's noise; an unmeasured one (None, nan, inf; no candidate) counts as none, neither
+    a free pass nor a veto."""
+    return c.noise if c is not None and c.noise is not None and math.isfinite(c.noise) else 0.0
 
 
 def _pooled(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -578,7 +572,7 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     base = plain.predicted if plain else 1.0
     # a block must beat plain by the margin and by more than its own noise (twice its standard
     # error, at least the floor): a gain within the noise does not overturn plain, the safe choice
-    noisy = _tol(best, plain or best, 0.0)  # twice the standard error of the gain over plain
+    noisy = _tol(best, plain, 0.0)  # twice the standard error of the gain over plain
     need = max(margin, floor, noisy)
     if best.predicted < base * (1 + need):
         what = "its noise" if noisy >= max(margin, floor) else "the floor" if floor > margin else "the margin"
@@ -729,6 +723,11 @@ def check(res: RaceResult, key: Key, chosen: Key, *, rounds: int = CHECK_ROUNDS,
     return Check(key, n, sum(x > 0 for x in logs), gain, needed)
 
 
+def checks(res: RaceResult, chosen: Key, **kw) -> list[Check]:
+    """Every other raced candidate against ``chosen`` (``check``)."""
+    return [check(res, k, chosen, **kw) for k in res.tps if k != chosen and res.tps[k]]
+
+
 def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
     """The raced candidate that beat ``chosen`` by a clear margin (``check``; the largest gain of
     those), else None. Simulated at 3 rounds of 4 candidates (the default budget's race), each
@@ -737,7 +736,11 @@ def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
     three equal challengers 1 in 36: harmless, equal speed), one 3 % slower 1 in 700 (6 %
     run-to-run noise) to 1 in 5000 (3 %), one 20 % faster 3 times in 4 at 6 % noise and always
     at 3 %; a race whose rounds disagree never overrides."""
-    got = [check(res, k, chosen, **kw) for k in res.tps if k != chosen and res.tps[k]]
+    return _clearest(checks(res, chosen, **kw))
+
+
+def _clearest(got: Sequence[Check]) -> Check | None:
+    """The largest gain among the checks with a clear margin, else None."""
     return max((c for c in got if c.clear), key=lambda c: c.gain, default=None)
 
 
@@ -1158,7 +1161,8 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                  f"({max(0.0, left_after):.0f} s left after the warm-ups)")
         why_budget = f"{why_budget}; {first}" if why_budget else first
     chosen = (best, best_t)
-    over = race_check(res, chosen, floor=noise_floor)
+    every = checks(res, chosen, floor=noise_floor)
+    over = _clearest(every)
     if over is not None:
         why = (f"the race overrode the model ({d.why}): {_label(over.key)} beat {_label(chosen)} in every one "
                f"of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
@@ -1166,7 +1170,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                f"noise {res.noise:.1%}, at least {noise_floor:.0%})")
         best, best_t = over.key
     else:  # say what the race could tell about the stored choice
-        why += _unchecked(res, chosen, noise_floor)
+        why += _unchecked(res, chosen, every)
     if why_budget:
         why += f"; {why_budget}"
     use(best_t)
@@ -1177,18 +1181,17 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
                       overhead_ms=round(o[main_t], 3), phases=phases)
 
 
-def _unchecked(res: RaceResult, chosen: Key, floor: float) -> str:
-    """What the race said of a choice it did not overrule (for ``why``)."""
+def _unchecked(res: RaceResult, chosen: Key, every: Sequence[Check]) -> str:
+    """What the race said of a choice it did not overrule (for ``why``), from its ``checks``."""
     mine = len(res.tps.get(chosen) or [])
     if not mine:
         return "; not checked by the race (not raced)"
     dropped = f", {res.dropped[chosen]}" if chosen in res.dropped else ""
-    checks = [c for c in (check(res, k, chosen, floor=floor) for k in res.tps if k != chosen and res.tps[k])
-              if c.rounds >= CHECK_ROUNDS]
-    if not checks:
+    enough = [c for c in every if c.rounds >= CHECK_ROUNDS]
+    if not enough:
         return (f"; not checked by the race (it ran {mine} rounds{dropped}; no other candidate ran "
                 f"{CHECK_ROUNDS} rounds with it)")
-    c = max(checks, key=lambda c: c.gain)
+    c = max(enough, key=lambda c: c.gain)
     need = f"{c.needed - 1:+.1%}" if math.isfinite(c.needed) else "a run-to-run noise measured"
     return (f"; checked by the race ({mine} rounds{dropped}): no candidate clearly faster (closest "
             f"{_label(c.key)}: {c.gain - 1:+.1%} over {c.rounds} rounds, faster in {c.wins}; a clear margin "

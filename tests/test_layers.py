@@ -10,6 +10,7 @@ the server package or the chat UI.
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
@@ -148,31 +149,8 @@ def test_no_import_circles():
     packages = {k for k, p in mods.items() if p.name == "__init__.py"}
     graph = {name: sorted(d for d in imports(path, _package_of(path)) if d != name and d in mods and d not in packages)
              for name, path in mods.items() if name not in packages}
-    index, low, stack, on, circles = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                circles.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    assert not circles, "modules importing each other (move what both need below them): " + "; ".join(
-        " <-> ".join(c) for c in circles)
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError("modules importing each other (move what both need below them): "
+                             + " -> ".join(e.args[1])) from None

@@ -80,8 +80,12 @@ def test_the_break_is_forgotten_once_the_copy_runs_again():
     reply = LINES[0] + LINES[1] + [99, 7, 8, 32, 9]  # re-synced and copying again
     idx = _index(reply)
     assert idx.broke is None and idx.propose(5)[0] == LINES[3]
-    idx = _index(LINES[0] + LINES[1] + [99] + [97, 96] * 30)  # new text past the expiry
-    assert idx.broke is None
+    # new text that never repeats (so no copy of its own clears the break): kept for ``expire``
+    # tokens that break the copy (99 and the new ones), forgotten after
+    broken = LINES[0] + LINES[1] + [99]
+    expire = _index(broken).expire
+    assert _index(broken + list(range(200, 200 + expire - 1))).broke is not None
+    assert _index(broken + list(range(200, 200 + expire))).broke is None
 
 
 def test_a_short_copy_that_breaks_is_no_anchor():
