@@ -2,16 +2,21 @@
 
 MLX's Linux CPU wheel links the reference Netlib BLAS: a 16-row float32 matmul costs ~20x a
 1-row one, which makes block verification (the thing speculation relies on) look expensive.
-Loading OpenBLAS with RTLD_GLOBAL before ``import mlx`` makes MLX's ``sgemm`` calls resolve to
-it. This must run before the first ``import mlx``; ``mlx_spec/__init__.py`` calls it.
+Loading an optimized BLAS with RTLD_GLOBAL before ``import mlx`` makes MLX's ``sgemm`` calls
+resolve to it. This must run before the first ``import mlx``; ``mlx_spec/__init__.py`` calls it.
 
-Controlled by ``MLX_SPEC_BLAS``: unset/``auto`` (find the system OpenBLAS), ``none`` (keep the
-bundled one), or a path to a BLAS shared library.
+Which one (``MLX_SPEC_BLAS``): unset/``auto`` picks Intel MKL (the ``mkl`` wheel, a dependency on
+Linux x86-64) on an Intel CPU and the system OpenBLAS elsewhere, each falling back to the other;
+``mkl`` or ``openblas`` asks for one; ``none`` keeps the bundled reference BLAS; a path loads that
+library. MKL first on Intel because it was measured faster here: its small-row ``sgemm`` reads
+the weights once, where OpenBLAS 0.3.21 packs them first (a 1-row target pass of the default pair
+~35 % cheaper, docs/bench.md "Session 9").
 
-Threads: measured, not pinned. OpenBLAS starts at its own default (all cores), which is what
+Threads: measured, not pinned. The library starts at its own default (all cores), which is what
 mlx-lm gets too; the tuner times the thread count together with the block size and the engine
-applies the stored choice at load (``set_threads``, through ``openblas_set_num_threads``). A user
-who sets ``OPENBLAS_NUM_THREADS`` pins it (``BlasInfo.pinned``; the tuner then leaves it alone).
+applies the stored choice at load (``set_threads``, through ``openblas_set_num_threads`` or
+``MKL_Set_Num_Threads``). A user who sets ``OPENBLAS_NUM_THREADS`` (OpenBLAS) or
+``MKL_NUM_THREADS`` (MKL) pins it (``BlasInfo.pinned``; the tuner then leaves it alone).
 MLX itself has no CPU thread setting (its other CPU kernels run on the stream's thread), and on
 Metal or a BLAS without the setter there is no knob: ``set_threads`` does nothing there.
 """
@@ -19,6 +24,7 @@ Metal or a BLAS without the setter there is no knob: ``set_threads`` does nothin
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import logging
 import os
 import sys
@@ -33,13 +39,20 @@ _CANDIDATES = (
 )
 
 
+# Each library's thread knob (setter, getter) and the variable a user pins it with.
+_KNOBS = {
+    "openblas": ("openblas_set_num_threads", "openblas_get_num_threads", "OPENBLAS_NUM_THREADS"),
+    "mkl": ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads", "MKL_NUM_THREADS"),
+}
+
+
 @dataclass(frozen=True)
 class BlasInfo:
-    name: str  # "accelerate" | "openblas" | "reference" | "custom"
+    name: str  # "accelerate" | "openblas" | "mkl" | "reference" | "custom"
     path: str | None
     detail: str
-    settable: bool = False  # the library has openblas_set_num_threads (a thread knob exists)
-    pinned: int | None = None  # OPENBLAS_NUM_THREADS as the user set it before start
+    settable: bool = False  # the library has its thread setter (a thread knob exists)
+    pinned: int | None = None  # OPENBLAS_NUM_THREADS / MKL_NUM_THREADS as the user set it before start
 
     def describe(self) -> str:
         threads = get_threads(self)
@@ -74,7 +87,7 @@ def _lib(info: BlasInfo):
 def get_threads(info: BlasInfo) -> int | None:
     """The BLAS's current thread count; None where there is no knob (Metal, reference BLAS)."""
     lib = _lib(info)
-    return int(lib.openblas_get_num_threads()) if lib is not None else None
+    return int(getattr(lib, _KNOBS[info.name][1])()) if lib is not None else None
 
 
 def set_threads(info: BlasInfo, n: int | None) -> int | None:
@@ -89,8 +102,8 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
         from .errors import BadRequest
 
         raise BadRequest(f"BLAS thread count must be an integer >= 1 (got {n!r})")
-    lib.openblas_set_num_threads(ctypes.c_int(n))
-    return int(lib.openblas_get_num_threads())
+    getattr(lib, _KNOBS[info.name][0])(ctypes.c_int(n))
+    return get_threads(info)
 
 
 def _cpu_flags() -> set[str]:
@@ -111,14 +124,62 @@ def _coretype(flags: set[str]) -> str | None:
     return None  # leave OpenBLAS's own detection (it is right for AVX2 Zen/Haswell here)
 
 
-def _pinned(env) -> int | None:
-    raw = env.get("OPENBLAS_NUM_THREADS")
+def _intel(vendor: str | None = None) -> bool:
+    if vendor is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+        except OSError:
+            vendor = ""
+    return vendor == "GenuineIntel"
+
+
+def _pinned(env, name: str = "openblas") -> int | None:
+    var = _KNOBS.get(name, (None, None, "OPENBLAS_NUM_THREADS"))[2]
+    raw = env.get(var)
     try:
         n = int(raw) if raw else None
     except ValueError:
-        logging.getLogger(__name__).warning("mlx_spec: ignoring OPENBLAS_NUM_THREADS=%r (not an integer)", raw)
+        logging.getLogger(__name__).warning("mlx_spec: ignoring %s=%r (not an integer)", var, raw)
         return None
     return n if n and n >= 1 else None
+
+
+def _mkl_paths() -> tuple[str, ...]:
+    """libmkl_rt from the installed ``mkl`` wheel (it finds its sibling libraries itself)."""
+    try:
+        files = importlib.metadata.files("mkl") or ()
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    found = (os.path.realpath(f.locate()) for f in files if f.name.startswith("libmkl_rt.so"))
+    return tuple(sorted(p for p in found if os.path.exists(p)))
+
+
+def _mkl_version(lib) -> str:
+    buf = ctypes.create_string_buffer(256)
+    try:
+        lib.MKL_Get_Version_String(buf, len(buf))
+    except AttributeError:
+        return "version unknown"
+    text = buf.value.decode(errors="replace")  # "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product ..."
+    version = text.split("Version", 1)[1].split()[0].split("-")[0] if "Version" in text else ""
+    return f"version {version}" if version else "version unknown"
+
+
+def _kind(path: str) -> str:
+    base = os.path.basename(path)
+    return "mkl" if "mkl" in base else "openblas" if "openblas" in path else "custom"
+
+
+def candidates(choice: str, mkl: tuple[str, ...], intel: bool) -> tuple[str, ...]:
+    """Library paths to try, in order, for an ``MLX_SPEC_BLAS`` value (not ``none``)."""
+    if choice == "mkl":
+        return mkl
+    if choice == "openblas":
+        return _CANDIDATES
+    if choice == "auto":
+        return mkl + _CANDIDATES if intel else _CANDIDATES + mkl
+    return (choice,)
 
 
 def load_blas(env: dict | None = None) -> BlasInfo:
@@ -131,12 +192,12 @@ def load_blas(env: dict | None = None) -> BlasInfo:
     choice = env.get("MLX_SPEC_BLAS", "auto")
     if choice == "none":
         return BlasInfo("reference", None, "MLX_SPEC_BLAS=none: MLX's bundled reference BLAS")
-    paths = _CANDIDATES if choice == "auto" else (choice,)
-    for path in paths:
+    mkl = _mkl_paths() if choice in ("auto", "mkl") else ()
+    for path in candidates(choice, mkl, _intel()):
         if not os.path.exists(path):
             continue
-        pinned = _pinned(env)
-        if "OPENBLAS_CORETYPE" not in os.environ:
+        name = _kind(path)
+        if name == "openblas" and "OPENBLAS_CORETYPE" not in os.environ:
             core = _coretype(_cpu_flags())
             if core:
                 os.environ["OPENBLAS_CORETYPE"] = core
@@ -144,11 +205,12 @@ def load_blas(env: dict | None = None) -> BlasInfo:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             return BlasInfo("reference", None, f"could not load {path}: {e}")
-        core = os.environ.get("OPENBLAS_CORETYPE", "auto-detected")
-        name = "openblas" if "openblas" in path else "custom"
-        settable = hasattr(lib, "openblas_set_num_threads") and hasattr(lib, "openblas_get_num_threads")
-        return BlasInfo(name, path, f"core={core}", settable, pinned)
-    hint = "apt-get install libopenblas0-pthread" if choice == "auto" else f"{choice} not found"
+        detail = (f"core={os.environ.get('OPENBLAS_CORETYPE', 'auto-detected')}" if name == "openblas"
+                  else _mkl_version(lib) if name == "mkl" else "loaded")
+        settable = name in _KNOBS and all(hasattr(lib, f) for f in _KNOBS[name][:2])
+        return BlasInfo(name, path, detail, settable, _pinned(env, name))
+    hint = {"auto": "pip install mkl, or apt-get install libopenblas0-pthread", "mkl": "pip install mkl",
+            "openblas": "apt-get install libopenblas0-pthread"}.get(choice, f"{choice} not found")
     info = BlasInfo("reference", None, f"no optimized BLAS found ({hint}); block verify is slow")
     # Once per process (mlx_spec/__init__ calls this once), before any command runs.
     logging.getLogger(__name__).warning("mlx_spec: %s; speculative decoding will not pay on this "

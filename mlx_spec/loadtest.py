@@ -115,7 +115,7 @@ def ours(target: str, drafter: str | None, max_batch: int, extra: Sequence[str] 
 
 
 def mlx_lm_server(model_dir: str, blas: str | None = None) -> Server:
-    """``blas``: the BLAS library our process loaded (Linux: OpenBLAS), preloaded into mlx-lm's
+    """``blas``: the BLAS library our process loaded (Linux: MKL or OpenBLAS), preloaded into mlx-lm's
     server too, so both sides multiply with the same library (mlx's CPU wheel alone links a
     reference BLAS many times slower on many rows)."""
     port = free_port()

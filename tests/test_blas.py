@@ -38,3 +38,48 @@ def test_set_threads_round_trip_and_bad_input():
             blas.set_threads(info, 0)
     finally:
         blas.set_threads(info, before)
+
+
+def test_which_library_is_tried_first():
+    mkl = ("/site/lib/libmkl_rt.so.3",)
+    assert blas.candidates("auto", mkl, intel=True) == mkl + blas._CANDIDATES  # measured faster there
+    assert blas.candidates("auto", mkl, intel=False) == blas._CANDIDATES + mkl  # unmeasured: OpenBLAS first
+    assert blas.candidates("auto", (), intel=True) == blas._CANDIDATES  # no mkl wheel: as before
+    assert blas.candidates("mkl", mkl, intel=False) == mkl and blas.candidates("mkl", (), intel=True) == ()
+    assert blas.candidates("openblas", mkl, intel=True) == blas._CANDIDATES
+    assert blas.candidates("/opt/my/libblas.so", mkl, intel=True) == ("/opt/my/libblas.so",)
+    assert blas._kind(mkl[0]) == "mkl" and blas._kind(blas._CANDIDATES[0]) == "openblas"
+    assert blas._kind("/opt/my/libblas.so") == "custom"
+    assert blas._intel("GenuineIntel") and not blas._intel("AuthenticAMD")
+
+
+def test_each_library_is_pinned_by_its_own_variable():
+    assert blas._pinned({"MKL_NUM_THREADS": "3"}, "mkl") == 3
+    assert blas._pinned({"OPENBLAS_NUM_THREADS": "3"}, "mkl") is None
+    assert blas._pinned({"MKL_NUM_THREADS": "3"}, "openblas") is None
+
+
+def _load_in_child(choice: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, mlx_spec, mlx.core as mx; from mlx_spec import blas; b = mlx_spec.BLAS; "
+            "a = mx.arange(12, dtype=mx.float32).reshape(3, 4); "
+            "print(json.dumps({'name': b.name, 'pinned': b.pinned, 'threads': blas.get_threads(b), "
+            "'mm': (a @ a.T).tolist()}))")
+    env = {**os.environ, "MLX_SPEC_BLAS": choice, "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("choice", ["mkl", "openblas"])
+def test_each_library_loads_multiplies_and_takes_its_pin(choice):
+    present = blas._mkl_paths() if choice == "mkl" else [p for p in blas._CANDIDATES if __import__("os").path.exists(p)]
+    if not present:
+        pytest.skip(f"{choice} is not installed here")
+    got = _load_in_child(choice)
+    assert got["name"] == choice and got["pinned"] == 1 and got["threads"] == 1
+    assert got["mm"] == [[14.0, 38.0, 62.0], [38.0, 126.0, 214.0], [62.0, 214.0, 366.0]]

@@ -1,6 +1,6 @@
 """`mlx_spec bench`: plain vs speculative methods side by side, in one process, greedy.
 
-Rows: mlx-lm's own plain decoding (``stream_generate``, OpenBLAS at its default threads: what a
+Rows: mlx-lm's own plain decoding (``stream_generate``, the BLAS at its default threads: what a
 user runs instead of us), our plain path, prompt lookup at a fixed block, mlx-lm's AR draft
 (``--ar-draft``), DFlash at each ``--block-sizes``, the per-cycle policy over DFlash only, lookup
 only and both (the default engine), and optionally the official ``dflash`` package (``--peer``).
@@ -200,8 +200,7 @@ def concurrency(args) -> int:
     if not args.no_mlx_lm:
         import mlx_spec
 
-        blas = mlx_spec.BLAS.path if mlx_spec.BLAS.name == "openblas" else None
-        servers.append(loadtest.mlx_lm_server(target, blas))
+        servers.append(loadtest.mlx_lm_server(target, mlx_spec.BLAS.path))
     rows = loadtest.run(servers, levels, messages, max_tokens=args.max_tokens, requests=args.requests,
                         budget_s=args.time_budget, log=lambda m: print(m, file=sys.stderr))
     report = {"target": args.target, "levels": levels, "requests_per_client": args.requests,
@@ -308,7 +307,7 @@ def run(args) -> int:
         return AdaptiveController(costs, adaptive_max, tuned.acceptance_by_position if tuned else ())
 
     # Our rows at the engine's thread count (the tuner's stored choice, else all cores); the
-    # mlx-lm row at OpenBLAS's own default. Either way a user's OPENBLAS_NUM_THREADS wins.
+    # mlx-lm row at the BLAS's own default. Either way a user's pinned count wins.
     ours = apply_threads(tuned)
     runner = Runner(pair, ar_model=ar_model, costs=costs, controller_factory=controller,
                     stop_at_eos=not args.ignore_eos, tuned=tuned, threads=ours, blas=mlx_spec.BLAS)
