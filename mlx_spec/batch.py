@@ -49,7 +49,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import hybrid
-from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision, expected_tokens
+from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .decode import Step, _finish, _hand_over, _start, untimed
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
@@ -691,15 +691,6 @@ class Acceptance:
         return out
 
 
-class _Curve(NamedTuple):
-    """Acceptance as a per-sequence draft policy keeps it: P(the first k+1 drafts accepted)."""
-
-    probs: tuple
-
-    def expected(self, L: int) -> float:
-        return expected_tokens(self.probs, L)
-
-
 class StepCost(NamedTuple):
     """What a batched step costs, in ms: ``base + row*rows + prefill_row*prefill rows +
     seq*drafting sequences + draft_seq*sequences in the drafter pass + drafter_pass*[it runs]``
@@ -1047,22 +1038,25 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False) -> Decision | None:
+    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False,
+              ahead: bool = False) -> Decision | None:
         """What the sequence would do alone this cycle (its own policy / controller). ``peek``:
         what its policy would choose, nothing counted (None where a controller decides).
         ``asked``: its context is the one a ``peek`` just built (nothing happened since).
+        ``ahead``: the cycle after the step in flight (a step queued ahead: that step's token is
+        not counted yet, and is not room any more).
 
         In a batch of two or more, a policy's plain step (its drafter resting, or drafts not
         paying at the single-stream pass costs) is offered to the batch as a DFlash draft of its
         longest block: the batch judges it at the drafter's running acceptance for this sequence
         against the batch's own step costs, where extra rows cost less than a sequence's plain
         step alone (and the policy learns from what the batch drafted)."""
-        room = s.max_tokens - s.n
+        room = s.max_tokens - s.n - ahead
         ctx, s.ctx = s.ctx, None
         if not s.speculate:
             d = Decision(PLAIN, 1)
         elif s.policy is not None:
-            s.ctx = ctx if asked and ctx is not None else self._context(s)
+            s.ctx = ctx if asked and ctx is not None else self._context(s, room)
             d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
             if d.source == PLAIN and batch > 1 and self.widen and DFLASH in s.policy.sources:
                 d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
@@ -1078,26 +1072,26 @@ class BatchDecoder:
         return Decision(d.source if L > 1 else PLAIN, L, d.probe)
 
     @staticmethod
-    def _context(s: _Seq) -> Context:
-        """What the sequence's policy decides its next cycle from (its lookup proposal)."""
-        room = s.max_tokens - s.n
+    def _context(s: _Seq, room: int) -> Context:
+        """What the sequence's policy decides its next cycle from (its lookup proposal), ``room``
+        tokens left to commit."""
         look, match = s.index.propose(min(s.policy.max_lookup, room - 1)) if s.index is not None else ([], 0)
         return Context(tuple(look), match, room, s.sampling.greedy)
 
     @staticmethod
-    def _acceptance(s: _Seq, d: Decision):
+    def _acceptance(s: _Seq, d: Decision) -> Acceptance:
         """What the batch judges the sequence's wished draft by: its own policy's acceptance for
-        that source (the copy model at this match for a lookup draft), else the batch's count."""
-        if s.policy is None or d.length < 2:
+        that source (the copy model at this match for a lookup draft), else the batch's count.
+        A policy's curve (P(the first k+1 drafts accepted): in [0, 1], never rising) is an
+        ``Acceptance`` with it for its prior and nothing counted, whose ``expected`` is the
+        curve's expected tokens."""
+        if s.policy is None or d.length < 2 or d.source not in (DFLASH, LOOKUP):
             return s.acc
-        if d.source == DFLASH:
-            return _Curve(tuple(s.policy.dflash.curve()))
-        if d.source == LOOKUP:
-            return _Curve(tuple(s.policy.copy.curve(s.ctx.match, d.length - 1)))
-        return s.acc
+        curve = s.policy.dflash.curve() if d.source == DFLASH else s.policy.copy.curve(s.ctx.match, d.length - 1)
+        return Acceptance(len(curve), curve)
 
-    def _choose(self, decoding: list[_Seq], extra_rows: int, asked: bool = False) -> list[Decision]:
-        wish = [self._wish(s, batch=len(decoding), asked=asked) for s in decoding]
+    def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
+        wish = [self._wish(s, batch=len(decoding)) for s in decoding]
         blocks = self.policy.choose(*self._asks(decoding, wish), extra_rows, [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
@@ -1108,8 +1102,9 @@ class BatchDecoder:
                 [s.plain_run for s in decoding], [s.probe_every for s in decoding])
 
     def _plain_next(self, decoding: list[_Seq]) -> bool:
-        """Would the next step be plain for every sequence (asked now, nothing counted)?"""
-        wish = [self._wish(s, peek=True, batch=len(decoding)) for s in decoding]
+        """Would the step after the one in flight be plain for every sequence (asked now,
+        nothing counted)?"""
+        wish = [self._wish(s, peek=True, batch=len(decoding), ahead=True) for s in decoding]
         if any(d is None for d in wish):
             return False
         plan = self.policy.plan(*self._asks(decoding, wish), 0, [d.source == DFLASH for d in wish])
@@ -1301,7 +1296,7 @@ class BatchDecoder:
         if not self._plain_next(decoding):
             return None
         for s in decoding:  # now each policy, and the batch, count the step as chosen
-            self._wish(s, batch=len(decoding), asked=True)
+            self._wish(s, batch=len(decoding), asked=True, ahead=True)
         self.policy.count([1] * len(decoding), len(decoding) > 1)
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)

@@ -5,7 +5,7 @@
 - ``Runner``: one generation of any method (mlx-lm's own ``stream_generate``, our plain path,
   DFlash at a block size, the per-cycle policy over DFlash, lookup or both, fixed prompt lookup,
   mlx-lm AR draft, the official ``dflash`` package), timed by wall clock, at its BLAS thread
-  count (mlx-lm at OpenBLAS's own default, ours at the engine's).
+  count (mlx-lm at the BLAS's own default, ours at the engine's).
 - ``bench``: methods side by side in one process, alternating order, repeated; ``summarize``
   turns the runs into rows (medians, spread, speedup vs our plain path and vs mlx-lm's plain
   decoding, per kind and the worst single prompt, tau, the eta ceiling, efficiency, and the
@@ -25,7 +25,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .adaptive import MAX_LOOKUP
 from .costs import Costs, CostMeter, Progress, ceiling, efficiency  # noqa: F401 (re-exported)
@@ -116,6 +116,27 @@ def copy_ceiling(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n
 
 
 COPY_SUBSET = 0.5  # replies with copy_share >= this count as "repeat their prompt"
+SCOPES = ("all", "copying")  # totals over all replies, and over those that repeat their prompt
+
+
+def scopes(share: float) -> tuple[str, ...]:
+    """The totals a reply of this ``copy_share`` counts in: "all", and "copying" where it
+    repeats its prompt (share >= COPY_SUBSET)."""
+    return SCOPES if share >= COPY_SUBSET else SCOPES[:1]
+
+
+def copy_max_draft(costs: Costs) -> int:
+    """The longest draft the copy ceiling prices: MAX_LOOKUP, or up to the curve's longest
+    measured verify (Tt past it would be extrapolated)."""
+    return min(MAX_LOOKUP, max(costs.tt_ms, default=1) - 1)
+
+
+def oracle_ceiling(oracles: Iterable[tuple[int, float]], t1_ms: float) -> float | None:
+    """The copy ceiling of several replies together, from their ``copy_oracle`` (tokens, ms):
+    all their tokens * T1 / all their oracle time (None without any time)."""
+    oracles = list(oracles)
+    ms = sum(t for _, t in oracles)
+    return sum(n for n, _ in oracles) * t1_ms / ms if ms > 0 else None
 
 # kind -> the per-cycle policy's draft sources (adaptive.Policies); "hybrid" is the default engine
 POLICY_SOURCES = {"adaptive": ("dflash",), "lookup-policy": ("lookup",), "hybrid": ("dflash", "lookup")}
@@ -168,7 +189,8 @@ class Runner:
                  controller_factory: Callable[[], Callable] | None = None, stop_at_eos: bool = True,
                  tuned=None, threads: int | None = None, blas=None):
         """``threads``: BLAS threads for our methods (None: leave the count as it is); the
-        mlx-lm row always runs at OpenBLAS's own default (or the user's OPENBLAS_NUM_THREADS).
+        mlx-lm row always runs at the BLAS's own default (or the user's pinned count:
+        OPENBLAS_NUM_THREADS / MKL_NUM_THREADS).
         ``tuned``: the tuner's stored result (the per-cycle policy's prior)."""
         self.pair, self.ar_model, self.costs = pair, ar_model, costs
         self.controller_factory = controller_factory
@@ -284,7 +306,7 @@ def model_ms(method: Method, blocks: dict[int, int], costs: Costs,
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
     if method.kind in POLICY_SOURCES:
-        return (sum(n * (costs.t1_ms if L == 1 else costs.verify(L)) for L, n in blocks.items())
+        return (sum(n * costs.step_ms(L) for L, n in blocks.items())
                 + sum(n * costs.draft(L) for L, n in (drafter_blocks or {}).items()))
     total = 0.0
     for L, n in blocks.items():
@@ -528,7 +550,7 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
         row = PromptRow(pid, kind, len(ids), len(reply), round(copy_share(ids, reply), 3))
         if costs is not None and len(reply) > 1:
             # blocks up to the longest measured verify: Tt past it would be extrapolated
-            tokens, ms = copy_oracle(ids, reply, costs, max_draft=min(MAX_LOOKUP, max(costs.tt_ms, default=1) - 1))
+            tokens, ms = copy_oracle(ids, reply, costs, max_draft=copy_max_draft(costs))
             row.oracle, row.ceiling = (tokens, round(ms, 1)), _r(tokens * costs.t1_ms / ms)
         for m in dict.fromkeys(s.method for s in mine):
             runs = [s for s in mine if s.method == m]
@@ -547,10 +569,8 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
 
 
 def pooled_ceiling(rows: Sequence[PromptRow], t1_ms: float) -> float | None:
-    """The copy ceiling of several prompts together: their oracle tokens * T1 / oracle time."""
-    got = [r.oracle for r in rows if r.oracle]
-    ms = sum(t for _, t in got)
-    return _r(sum(n for n, _ in got) * t1_ms / ms) if ms > 0 else None
+    """The copy ceiling of several prompts together (``oracle_ceiling`` of their oracles)."""
+    return _r(oracle_ceiling((r.oracle for r in rows if r.oracle), t1_ms))
 
 
 def subset_speedups(samples: list[Sample], prompt_ids: set[str]) -> dict[str, tuple[float | None, float | None]]:

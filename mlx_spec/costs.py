@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -59,6 +59,18 @@ class Costs:
         if B <= 1:
             return 0.0
         return self.td_ms[B] if B in self.td_ms else self._interp(self.td_ms, B)
+
+    def step_ms(self, rows: int, drafter_block: int = 0) -> float:
+        """One cycle's model time by this curve: the target's pass over ``rows`` (T1 for a plain
+        step, Tt(rows) for a verify) plus, where the drafter ran (``drafter_block`` > 0), its
+        Td(drafter_block); no host overhead."""
+        return (self.t1_ms if rows <= 1 else self.verify(rows)) + self.draft(drafter_block)
+
+    def timed(self, step):
+        """``step`` (a ``decode.Step``) as this curve times it: ``step_ms`` of its verified rows
+        and its drafter's block, booked to verify_ms and draft_ms; no rollback, no host overhead."""
+        verify, draft = self.step_ms(step.drafted + 1), self.draft(step.draft_block)
+        return replace(step, verify_ms=verify, draft_ms=draft, rollback_ms=0.0, elapsed_ms=verify + draft)
 
     def smoothed(self) -> "Costs":
         """Td and Tt replaced by their least-squares lines in B (pass costs grow with B; single

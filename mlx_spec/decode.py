@@ -134,6 +134,7 @@ def spec_steps(
     controller: Callable[[Step | None], int] | None = None,
     policy=None,
     lookup_ngram: int = 4,
+    index: SuffixIndex | None = None,
     prefill: Prefill | None = None,
     on_exit: Callable[[Prefill], None] | None = None,
 ) -> Iterator[Step]:
@@ -145,7 +146,10 @@ def spec_steps(
     proposal too, it may switch to the lookup (``pick``); it ``observe``s every Step. Without a
     policy, ``controller`` (optional, older interface) is called before every cycle with the
     previous Step and returns the DFlash block L (1 = a plain step); without either, every
-    cycle drafts ``block_size`` with the drafter.
+    cycle drafts ``block_size`` with the drafter. ``index``: the lookup index over ``prompt``
+    that the policy's lookup drafts come from (default ``SuffixIndex(prompt, lookup_ngram,
+    stop=eos_ids)``; another to compare, e.g. scripts/lookup_replay.py's baseline), extended by
+    the committed tokens.
 
     ``prefill``: caches (target and drafter) already holding a proper prefix of ``prompt``; they
     are advanced in place. ``on_exit`` receives the final caches and the ids they hold when the
@@ -169,8 +173,11 @@ def spec_steps(
     # A seeded sampled run must give the same text every time: its policy may not learn from
     # timings (they vary), only from the tokens (they do not, given the seed and the choices).
     seeded = not greedy and sampling.seed is not None
-    index = None
-    if policy is not None and LOOKUP in policy.sources:
+    if index is not None and (policy is None or LOOKUP not in policy.sources):
+        raise ValueError("a lookup index needs a policy that drafts from it (LOOKUP among its sources)")
+    if index is not None and index.ids != [int(t) for t in prompt]:
+        raise ValueError("the lookup index must hold the prompt, and nothing after it")
+    if index is None and policy is not None and LOOKUP in policy.sources:
         index = SuffixIndex(prompt, lookup_ngram, stop=eos)  # once; then extended by the committed tokens
 
     def sink(features):
@@ -271,8 +278,10 @@ def spec_steps(
                     key, y, h = plain_pass(anchor, key)
                     fed.append(anchor_id)
                     pending.append(h)
+                    # the step queued next commits one token later: one less room (none left: none)
+                    ctx = context(room - 1) if room > 1 else None
                     while True:
-                        more = n + 1 < max_tokens and policy.stays_plain(ctx)
+                        more = ctx is not None and policy.stays_plain(ctx)
                         if more:
                             policy.choose(ctx)
                             key, y_next, h_next = plain_pass(y, key)
@@ -293,8 +302,8 @@ def spec_steps(
                             break
                         tc = time.perf_counter()
                         learn(prev)
-                        # (the last token's step is already queued: no context to ask with)
-                        ctx = context(max_tokens - n) if n + 1 < max_tokens else None
+                        # the next queued step's (the last token's step is already queued: none)
+                        ctx = context(max_tokens - n - 1) if n + 1 < max_tokens else None
                         y = y_next
                     anchor, anchor_id = mx.array(tok, mx.int32), tok
                     continue

@@ -10,6 +10,14 @@ from __future__ import annotations
 import gc
 from typing import Sequence
 
+# Following the copy (SuffixIndex's re-sync after an edit breaks it), in tokens:
+LONG_COPY = 6  # a copy at least this long that breaks is remembered, to re-join
+SHORT_MATCH = 4  # while the tail's own match is shorter, a re-join candidate may win
+REJOIN_MARGIN = 2  # ... unless the tail's match is at least this much longer than the candidate's
+REJOIN_WINDOW = 16  # the reply may re-join its source up to this far after the break
+COPYING_AGAIN = 3  # a copy that runs again this long puts the break behind
+BREAK_EXPIRES = 48  # a break is forgotten after this many tokens that do not copy
+
 
 class SuffixIndex:
     """An n-gram index over a growing token sequence, for lookup drafts inside ``spec_steps``.
@@ -29,32 +37,33 @@ class SuffixIndex:
 
     - locality: the pointer's candidate wins ties of match length (the file's next line, not
       the latest line that ends the same way: after a blank line, a fence, a common token);
-    - re-sync: when a copy of at least ``long`` tokens breaks (a rename, an inserted docstring,
-      a deleted line), the index remembers where in its source it broke; while the tail's own
-      match is short (below 4 tokens), a candidate found by the tail's last token from the
-      token before that point to ``window`` tokens after it (the reply re-joins the source
-      after the edit: after an insertion at the point itself, after a rename or a deletion of
-      up to ``window`` tokens further on) wins unless the tail's match is 2 tokens longer. It
-      is forgotten once a copy runs again for 3 tokens, or after ``expire`` tokens.
+    - re-sync: when a copy of at least ``LONG_COPY`` tokens breaks (a rename, an inserted
+      docstring, a deleted line), the index remembers where in its source it broke; while the
+      tail's own match is short (below ``SHORT_MATCH`` tokens), a candidate found by the tail's
+      last token from the token before that point to ``REJOIN_WINDOW`` tokens after it (the
+      reply re-joins the source after the edit: after an insertion at the point itself, after a
+      rename or a deletion of up to ``REJOIN_WINDOW`` tokens further on) wins unless the tail's
+      match is ``REJOIN_MARGIN`` tokens longer. It is forgotten once a copy runs again for
+      ``COPYING_AGAIN`` tokens, or after ``BREAK_EXPIRES`` tokens.
 
     The index only proposes: the target verifies every draft (greedy output is plain decoding's).
     """
 
     def __init__(self, ids: Sequence[int] = (), ngram_max: int = 4, *, keep: int = 4, max_match: int = 64,
-                 stop: Sequence[int] = (), follow: bool = True, window: int = 16, long: int = 6, expire: int = 48):
+                 stop: Sequence[int] = (), follow: bool = True):
         if ngram_max < 1:
             raise ValueError(f"ngram_max must be >= 1 (got {ngram_max})")
         self.ngram_max, self.keep, self.max_match = ngram_max, keep, max_match
         self.stop = frozenset(int(t) for t in stop)
-        self.window, self.long, self.expire = window, long, expire
         self.ids: list[int] = []
         self._at: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(ngram_max + 1)]
         self.pointer: int | None = None  # where the copy continues: ids[pointer] is its next token
-        self._run = 0  # tokens the pointer has followed since it was taken
+        # tokens the pointer has followed since ``_step`` took it (0: taken at this length, its
+        # choice then is the choice now); None until then (the prompt alone)
+        self._run: int | None = None
         self.broke: int | None = None  # where in its source the last long copy broke
         self._since = 0  # tokens appended since it broke
         self._follow = False  # the constructor's ids (the prompt) are the source, not a copy
-        self._chosen: tuple[int, tuple[int | None, int]] | None = None  # (len(ids), _choose()) at that length
         self.extend(ids)
         self._follow = follow
 
@@ -97,17 +106,17 @@ class SuffixIndex:
         if self.pointer is not None and self.pointer < p and h[self.pointer] == h[p]:
             self.pointer += 1
             self._run += 1
-            if self._run >= 3:  # copying again: the break is behind
+            if self._run >= COPYING_AGAIN:  # copying again: the break is behind
                 self.broke = None
             return
-        if self.pointer is not None and self._run >= self.long:
+        if self.pointer is not None and self._run >= LONG_COPY:
             self.broke, self._since = self.pointer, 0
         if self.broke is not None:
             self._since += 1
-            if self._since > self.expire:
+            if self._since > BREAK_EXPIRES:
                 self.broke = None
         self.pointer = None
-        self.pointer, self._run = self._choice()[0], 0
+        self.pointer, self._run = self._choose()[0], 0
 
     def _match(self, j: int) -> int:
         """How many tokens before position j equal the sequence's last tokens."""
@@ -133,11 +142,11 @@ class SuffixIndex:
 
     def _rejoin(self) -> tuple[int | None, int]:
         """(position, match) after the tail's last token from the token before the break (an
-        insertion that ends as the text before it did re-joins at the break) to ``window``
+        insertion that ends as the text before it did re-joins at the break) to ``REJOIN_WINDOW``
         tokens after it: the longest match, ties: the nearest."""
         h, best_j, best_m = self.ids, None, 0
         t = h[-1]
-        for s in range(max(0, self.broke - 1), min(self.broke + self.window + 1, len(h) - 1)):
+        for s in range(max(0, self.broke - 1), min(self.broke + REJOIN_WINDOW + 1, len(h) - 1)):
             if h[s] == t:
                 m = self._match(s + 1)
                 if m > best_m:
@@ -145,12 +154,12 @@ class SuffixIndex:
         return best_j, best_m
 
     def _choice(self) -> tuple[int | None, int]:
-        """``_choose()`` once per length of the sequence. Where ``_step`` took the pointer from
-        it, the pointer it set does not change the choice (the pointer's own match is the one it
-        was chosen at, which won then), so ``propose`` reuses it."""
-        if self._chosen is None or self._chosen[0] != len(self.ids):
-            self._chosen = (len(self.ids), self._choose())
-        return self._chosen[1]
+        """``_choose()`` now. Where ``_step`` took the pointer at this length, that was the
+        choice, and the pointer it set does not change it (the pointer's own match is the one it
+        was chosen at, which won then): it is not chosen again."""
+        if self._run == 0:
+            return (None, 0) if self.pointer is None else (self.pointer, self._match(self.pointer))
+        return self._choose()
 
     def _choose(self) -> tuple[int | None, int]:
         """(position the proposal copies from, its match length), or (None, 0)."""
@@ -159,9 +168,9 @@ class SuffixIndex:
             pm = self._match(self.pointer)
             if pm > 0 and pm >= m:  # (no earlier match at all: m = 0)
                 return self.pointer, pm
-        if self.broke is not None and m < 4:
+        if self.broke is not None and m < SHORT_MATCH:
             rj, rm = self._rejoin()
-            if rj is not None and m < rm + 2:
+            if rj is not None and m < rm + REJOIN_MARGIN:
                 return rj, rm
         return j, m
 

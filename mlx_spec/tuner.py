@@ -74,23 +74,12 @@ CLEAR_Z = 3.0  # a clear margin: the mean gain at least this many standard error
 MIN_NOISE_DF = 4  # ... that noise measured with at least this many degrees of freedom (3 candidates x 3 rounds)
 BUDGET_RESERVE = 0.05  # share of the budget the plan leaves for a round slower than predicted
 MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of them while the budget allows)
-
-
-@dataclass(frozen=True)
-class Shares:
-    """How ``tune`` shares out its budget. ``costs`` is the one share that changes what is
-    measured: past ``cost_rounds[0]`` a pass-cost round runs only within it. The probe is fixed
-    work and the race takes what is left (planned from the measured costs, stopped by the
-    deadline), so ``probe`` and ``race`` only place the progress bar."""
-    probe: float = 0.15
-    costs: float = 0.3
-
-    @property
-    def race(self) -> float:
-        return 1 - self.probe - self.costs
-
-
-SHARES = Shares()
+# How ``tune`` shares out its budget. The pass costs' share is the one that changes what is
+# measured: past ``cost_rounds[0]`` a pass-cost round runs only within it. The probe is fixed work
+# and the race takes what is left (planned from the measured costs, stopped by the deadline), so
+# the probe's share only places the progress bar.
+PROBE_SHARE = 0.15
+COSTS_SHARE = 0.3
 
 
 class TuneSkipped(MlxSpecError):
@@ -474,7 +463,7 @@ def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, o
     a cycle is never taken below half its passes."""
     if block <= 1:
         return 1.0
-    passes = costs.draft(block) + costs.verify(block)
+    passes = costs.step_ms(block, block)
     return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / \
         _with_overhead(passes, overhead_ms)
 
@@ -631,26 +620,36 @@ class Lap:
     cycle_s: float | None = None  # seconds per cycle (a plain step or a drafted block); None: not known
 
 
+def _ratio(laps: dict, base: Key, key: Key) -> list[float]:
+    """``key``'s tok/s over ``base``'s in the same round (the same prompt), per round it ran in."""
+    b = laps[base]
+    return [lap.tps / b[r].tps if r in b and b[r].tps > 0 else math.nan for r, lap in sorted(laps[key].items())]
+
+
 @dataclass(frozen=True)
 class RaceResult:
-    tps: dict  # key -> tok/s per round it ran in
-    ratio: dict  # key -> (its tok/s / the baseline's tok/s of the same round) per round
+    laps: dict  # key -> {round: its Lap} for every round it ran in; the first key is the baseline (plain)
     final: tuple  # keys still in the race at the end
     dropped: dict  # key -> why
     rounds: int
     order: tuple  # every timed run's key, in the order they ran
     stop: str  # why it stopped: "clear margin" | "budget" | "max rounds"
-    joined: dict = field(default_factory=dict)  # key -> the round it ran first (its runs are consecutive)
-    cycle_s: dict = field(default_factory=dict)  # key -> seconds per cycle per round it ran in (None: not known)
+
+    @cached_property
+    def tps(self) -> dict:
+        """key -> its tok/s per round it ran in, in round order."""
+        return {k: [lap.tps for _, lap in sorted(rs.items())] for k, rs in self.laps.items()}
+
+    @cached_property
+    def ratio(self) -> dict:
+        """key -> its tok/s over the baseline's in the same round, per round it ran in."""
+        return {k: _ratio(self.laps, next(iter(self.laps)), k) for k in self.laps}
 
     def paired(self, a: Key, b: Key) -> list[tuple[float, float]]:
         """The tok/s of ``a`` and of ``b`` in every round both ran (the same prompt, the same
         machine state)."""
-        def by_round(k) -> dict[int, float]:
-            return {self.joined.get(k, 0) + i: x for i, x in enumerate(self.tps.get(k) or [])}
-
-        ra, rb = by_round(a), by_round(b)
-        return [(ra[r], rb[r]) for r in sorted(ra.keys() & rb.keys())]
+        la, lb = self.laps.get(a, {}), self.laps.get(b, {})
+        return [(la[r].tps, lb[r].tps) for r in sorted(la.keys() & lb.keys())]
 
     @property
     def noise(self) -> float:
@@ -667,11 +666,8 @@ class RaceResult:
         a round alike (the round's prompt length, the machine's drift within the round) is the
         round effect, which the paired ratios cancel too: what is left is the timing's own noise
         (and a last cycle the run's room cut short). inf with no degree of freedom."""
-        cells = {}
-        for k, xs in self.cycle_s.items():
-            for i, x in enumerate(xs):
-                if x is not None and x > 0:
-                    cells[(k, self.joined.get(k, 0) + i)] = math.log(x)
+        cells = {(k, r): math.log(lap.cycle_s) for k, rs in self.laps.items() for r, lap in rs.items()
+                 if lap.cycle_s is not None and lap.cycle_s > 0}
         by_k: dict = {}
         by_r: dict = {}
         for (k, r), v in cells.items():
@@ -725,7 +721,7 @@ def check(res: RaceResult, key: Key, chosen: Key, *, rounds: int = CHECK_ROUNDS,
 
 def checks(res: RaceResult, chosen: Key, **kw) -> list[Check]:
     """Every other raced candidate against ``chosen`` (``check``)."""
-    return [check(res, k, chosen, **kw) for k in res.tps if k != chosen and res.tps[k]]
+    return [check(res, k, chosen, **kw) for k, rs in res.laps.items() if k != chosen and rs]
 
 
 def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
@@ -771,10 +767,7 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int,
     """
     base = keys[0]
     alive = list(dict.fromkeys(keys))
-    tps: dict = {k: [] for k in alive}
-    ratio: dict = {k: [] for k in alive}
-    cycle_s: dict = {k: [] for k in alive}
-    joined: dict = {k: 0 for k in alive}
+    laps: dict = {k: {} for k in alive}
     dropped: dict = {}
     order: list = []
     rounds, stop = 0, "max rounds"
@@ -787,39 +780,24 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int,
             return scale * sum(cost(k) for k in ks)
         return last[0] * len(ks) / last[2] if last else 0.0
 
-    def enough() -> bool:
-        return all(len(ratio[k]) >= min_rounds for k in alive)
-
-    def standings():
-        med = {k: statistics.median(ratio[k]) for k in alive if ratio[k]}
-        return med, max(med, key=lambda k: med[k])
-
-    def clear() -> bool:
-        med, lead = standings()
-        return all(max(ratio[k]) < med[lead] * (1 - clear_margin) for k in alive if k != lead)
-
     while rounds < max_rounds:
         if clock() + predict_round(alive) > deadline:
             stop = "budget"
             break
         tr = clock()
-        i = rounds % n_prompts
         k = rounds % len(alive)
-        got = {}
         for key in alive[k:] + alive[:k]:
             if note:
                 note(rounds, key)
-            got[key] = run(key, i)
+            laps[key][rounds] = run(key, rounds % n_prompts)
             order.append(key)
-        for key in alive:
-            tps[key].append(got[key].tps)
-            cycle_s[key].append(got[key].cycle_s)
-            ratio[key].append(got[key].tps / got[base].tps if got[base].tps > 0 else math.nan)
         rounds += 1
         last = (clock() - tr, sum(cost(k) for k in alive) if cost is not None else 0.0, len(alive))
-        if rounds % judge_every or not enough():
+        if rounds % judge_every or any(len(laps[k]) < min_rounds for k in alive):
             continue
-        med, lead = standings()
+        ratio = {k: _ratio(laps, base, k) for k in alive}
+        med = {k: statistics.median(ratio[k]) for k in alive if ratio[k]}
+        lead = max(med, key=lambda k: med[k])
         for key in list(alive):  # clearly worse: even its best round is below the leader's median
             if key not in (base, lead, *keep) and max(ratio[key]) < med[lead] * (1 - drop_margin):
                 alive.remove(key)
@@ -827,17 +805,16 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int,
         added = False
         for n in neighbours(lead):  # the measured leader's neighbours, each while the budget has
             # room for its own min_rounds in rounds with everyone else (the predicted leader's always ran)
-            if n not in tps and clock() + min_rounds * predict_round(alive + [n]) <= deadline:
+            if n not in laps and clock() + min_rounds * predict_round(alive + [n]) <= deadline:
                 alive.append(n)
-                tps[n], ratio[n], cycle_s[n], joined[n] = [], [], [], rounds
+                laps[n] = {}
                 added = True
         if added:
             continue
-        if len(alive) > 1 and clear():
+        if len(alive) > 1 and all(max(ratio[k]) < med[lead] * (1 - clear_margin) for k in alive if k != lead):
             stop = "clear margin"
             break
-    return RaceResult(tps=tps, ratio=ratio, final=tuple(alive), dropped=dropped, rounds=rounds, order=tuple(order),
-                      stop=stop, joined=joined, cycle_s=cycle_s)
+    return RaceResult(laps=laps, final=tuple(alive), dropped=dropped, rounds=rounds, order=tuple(order), stop=stop)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -879,14 +856,13 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
          tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
          clear_margin: float = 0.15, candidates: Sequence[int] | None = None,
          threads: Sequence[int | None] | None = None, blas=None, probe_prompts: int = 6,
-         shares: Shares = SHARES, cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
+         cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
          clock: Callable[[], float] = time.perf_counter) -> TuneResult:
     """Measure and choose the block size and BLAS thread count for this pair on this machine
     (see the module docstring). ``threads``: thread counts to try (default: 1, powers of two,
     all cores; one value where the user pinned it; None where there is no knob).
-    ``shares``: how the budget is shared out (``Shares``: past ``cost_rounds[0]`` timed pass-cost
-    rounds, and up to ``cost_rounds[1]``, only within ``shares.costs`` of it); ``probe_prompts``:
-    prompts in the acceptance probe."""
+    ``cost_rounds``: timed pass-cost rounds, past the first number (and up to the second) only
+    within ``COSTS_SHARE`` of the budget; ``probe_prompts``: prompts in the acceptance probe."""
     from . import BLAS
     from .prompts import CHAT_KINDS, builtin_prompts, interleave
 
@@ -921,7 +897,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     probe = []
     for n, (_, _, ids) in enumerate(encoded[:max(1, probe_prompts)]):
         probe.append(runner.run(Method("dflash", probe_block), ids, tokens))
-        frac(shares.probe * (n + 1) / max(1, probe_prompts), "acceptance probe")
+        frac(PROBE_SHARE * (n + 1) / max(1, probe_prompts), "acceptance probe")
     st = Stats.merged([p.stats for p in probe])
     acc = st.acceptance_by_position + [0.0] * (cands[-1] - probe_block)
     E = {B: expected_tokens(acc, B) for B in cands}
@@ -935,7 +911,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     # others; many short rounds, interleaved across thread counts and rotated within a meter.
     # ``MIN_COST_ROUNDS`` timed rounds always; up to ``cost_rounds[0]`` while the race's core still
     # fits after the next round (plain at T1 so far and the probe's block at the probe's run time,
-    # a warm-up and ``min_rounds`` each), and past it also only within ``shares.costs`` of the budget.
+    # a warm-up and ``min_rounds`` each), and past it also only within ``COSTS_SHARE`` of the budget.
     meters = {t: CostMeter(pair.model, pair.target, pair.drafter, cands if t == main_t else [probe_block], context)
               for t in tlist}
     lo, hi = cost_rounds
@@ -948,15 +924,15 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
     r, round_s = 0, 0.0
     while r <= hi:
         if r > floor and (clock() + round_s + core_s() > deadline
-                          or (r > lo and clock() - t_costs >= shares.costs * budget_s)):
+                          or (r > lo and clock() - t_costs >= COSTS_SHARE * budget_s)):
             break
         tr = clock()
         for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
             use(t)
 
             def step(d, n, m, j=j):
-                done = max((clock() - t_costs) / (shares.costs * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
-                frac(shares.probe + shares.costs * min(1.0, done), m)
+                done = max((clock() - t_costs) / (COSTS_SHARE * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1))
+                frac(PROBE_SHARE + COSTS_SHARE * min(1.0, done), m)
             meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
         r += 1
         round_s = clock() - tr
@@ -970,16 +946,15 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the probe
         block's cycle costs at ``t``; T1 as measured at ``t``."""
         c = all_costs[t]
-        ref = costs.draft(probe_block) + costs.verify(probe_block)
-        k = (c.draft(probe_block) + c.verify(probe_block)) / ref if t != main_t and ref else 1.0
+        ref = costs.step_ms(probe_block, probe_block)
+        k = c.step_ms(probe_block, probe_block) / ref if t != main_t and ref else 1.0
         return Costs(c.t1_ms, {B: v * k for B, v in smooth.td_ms.items()},
                      {B: v * k for B, v in smooth.tt_ms.items()}, c.context)
 
     curves = {t: curve(t) for t in tlist}
 
-    def cycle_ms(t, B: int) -> float:
-        c = curves[t]
-        return c.t1_ms if B == 1 else c.draft(B) + c.verify(B)
+    def cycle_ms(t, B: int) -> float:  # (B = 1: a plain step)
+        return curves[t].step_ms(B, B)
 
     def residuals(t, runs, spec: bool) -> list[float]:
         """Per run: measured time per cycle after the first step minus the passes' model time."""
@@ -1006,7 +981,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / _with_overhead(cycle_ms(main_t, B), o_probe)
         if t == main_t:
             return main
-        ref = c.draft(probe_block) + c.verify(probe_block)
+        ref = c.step_ms(probe_block, probe_block)
         return math.hypot(main, math.hypot(se(t, "td", probe_block), se(t, "tt", probe_block)) / ref)
 
     def model(o: dict, op: dict) -> dict[Key, float]:
@@ -1098,14 +1073,15 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
 
     def timing(rnd: int, key: Key) -> None:
         done = (clock() - start) / max(1e-9, deadline - start)
-        frac(1 - shares.race + shares.race * min(1.0, done), f"round {rnd + 1}: timing {_label(key)}")
+        frac(PROBE_SHARE + COSTS_SHARE + (1 - PROBE_SHARE - COSTS_SHARE) * min(1.0, done),
+             f"round {rnd + 1}: timing {_label(key)}")
 
     if keys:
         res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(kinds)), neighbours=neighbours,
                    clock=clock, deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
                    clear_margin=clear_margin, note=timing, keep=[first_key], cost=lambda k: run_s(k, tokens))
     else:
-        res = RaceResult(tps={}, ratio={}, final=(), dropped={}, rounds=0, order=(), stop="budget")
+        res = RaceResult(laps={}, final=(), dropped={}, rounds=0, order=(), stop="budget")
     left_after = deadline - clock()  # (what a race stopped before its first round had left)
     log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
     phases |= {"race_s": round(clock() - start, 2), "race_rounds": res.rounds, "race_stop": res.stop}
@@ -1145,7 +1121,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
             out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
     d = decide(out, default_threads=dflt, floor=noise_floor)
     best, best_t, why = d.block, d.threads, d.why
-    unaffordable = [k for k in unaffordable if not res.tps.get(k)]  # (a neighbour may have joined later)
+    unaffordable = [k for k in unaffordable if not res.laps.get(k)]  # (a neighbour may have joined later)
     if unaffordable:  # what the budget could not afford, and why
         gone = _names([_label(k) for k in unaffordable])
         why_budget = (f"{gone} not raced: {max(0.0, left):.0f} s of the budget left for the race, "
@@ -1183,7 +1159,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
 
 def _unchecked(res: RaceResult, chosen: Key, every: Sequence[Check]) -> str:
     """What the race said of a choice it did not overrule (for ``why``), from its ``checks``."""
-    mine = len(res.tps.get(chosen) or [])
+    mine = len(res.laps.get(chosen, {}))
     if not mine:
         return "; not checked by the race (not raced)"
     dropped = f", {res.dropped[chosen]}" if chosen in res.dropped else ""
@@ -1221,8 +1197,8 @@ def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None 
 
 
 def apply_threads(result: TuneResult | None, blas=None) -> int | None:
-    """Set the BLAS thread count the engine runs with: the user's OPENBLAS_NUM_THREADS if set,
-    else the stored choice, else the default (all cores). The count in effect; None: no knob."""
+    """Set the BLAS thread count the engine runs with: the user's pin (OPENBLAS_NUM_THREADS or
+    MKL_NUM_THREADS) if set, else the stored choice, else the default (all cores). The count in effect; None: no knob."""
     from . import BLAS
 
     blas = blas or BLAS

@@ -21,13 +21,12 @@ never, or only if the context one token on would stay plain too), to measure tha
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
 
-from mlx_spec.adaptive import MAX_LOOKUP, Policies
-from mlx_spec.bench import COPY_SUBSET, copy_oracle, copy_share
+from mlx_spec.adaptive import Policies
+from mlx_spec.bench import SCOPES, copy_max_draft, copy_oracle, copy_share, oracle_ceiling, scopes
 from mlx_spec.costs import CostMeter, Costs
 from mlx_spec.decode import spec_steps
 from mlx_spec.config import LoadConfig
@@ -68,8 +67,8 @@ def main() -> None:
         with open(a.model_time) as f:
             model = Costs.from_dict(json.load(f)["costs"])
         policies.costs, policies.measured = model, True
-    totals = {scope: {"ms": 0.0, "tokens": 0, "oracle_ms": 0.0, "oracle_tokens": 0, "cycles": 0}
-              for scope in ("all", "copying")}
+    totals = {scope: {"ms": 0.0, "tokens": 0, "cycles": 0} for scope in SCOPES}
+    oracles = {scope: [] for scope in SCOPES}  # copy_oracle's (tokens, ms) per reply
     for p in prompts:
         ids = p.encode(pair.tokenizer)
         policy = queue_rule(policies(), a.queue)
@@ -91,7 +90,7 @@ def main() -> None:
         policy.pick = picking
         if model is not None:  # the policy learns the cost curve's times, not the clock's
             observe = policy.observe
-            policy.observe = lambda step, observe=observe: observe(_model_timed(step, model))
+            policy.observe = lambda step, observe=observe: observe(model.timed(step))
         trace, toks = [], []
         t0 = time.perf_counter()
         for s in spec_steps(pair.target, pair.drafter, ids, block_size=8, max_tokens=a.tokens, eos_ids=eos,
@@ -101,7 +100,8 @@ def main() -> None:
                 trace.append(s)
         ms = (time.perf_counter() - t0) * 1e3
         reply = [t for t in toks if t not in eos]
-        print(f"\n{p.id}: prompt {len(ids)} tok, reply {len(reply)} tok, copy share {copy_share(ids, reply):.0%}, "
+        share = copy_share(ids, reply)
+        print(f"\n{p.id}: prompt {len(ids)} tok, reply {len(reply)} tok, copy share {share:.0%}, "
               f"{len(trace)} cycles, {ms:.0f} ms")
         line = []
         for i, (s, d, m) in enumerate(zip(trace, policy.trace, matches)):
@@ -110,22 +110,22 @@ def main() -> None:
                         + f"/m{m}")
         print(" ".join(line))
         if model is not None and len(reply) > 1:
-            ms = sum(_model_timed(s, model).elapsed_ms for s in trace)
+            ms = sum(model.timed(s).elapsed_ms for s in trace)
             n = sum(len(s.tokens) for s in trace)
-            o_tok, o_ms = copy_oracle(ids, reply, model, max_draft=min(MAX_LOOKUP, max(model.tt_ms) - 1))
+            o_tok, o_ms = copy_oracle(ids, reply, model, max_draft=copy_max_draft(model))
             ceiling = o_tok * model.t1_ms / o_ms
             speedup = n * model.t1_ms / ms
             tau = n / len(trace)
             print(f"model time {ms:.0f} ms, speedup {speedup:.2f}x, tau {tau:.2f}, ceiling {ceiling:.2f}x "
                   f"({speedup / ceiling:.0%})")
-            for scope in ("all", "copying") if copy_share(ids, reply) >= COPY_SUBSET else ("all",):
-                for k, v in (("ms", ms), ("tokens", n), ("oracle_ms", o_ms), ("oracle_tokens", o_tok),
-                             ("cycles", len(trace))):
+            for scope in scopes(share):
+                for k, v in (("ms", ms), ("tokens", n), ("cycles", len(trace))):
                     totals[scope][k] += v
+                oracles[scope].append((o_tok, o_ms))
     for scope, total in totals.items():
         if model is not None and total["ms"] > 0:
             s_ = total["tokens"] * model.t1_ms / total["ms"]
-            c_ = total["oracle_tokens"] * model.t1_ms / total["oracle_ms"]
+            c_ = oracle_ceiling(oracles[scope], model.t1_ms)
             print(f"\n{scope} replies: model-time speedup {s_:.3f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
                   f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
     if a.costs:
@@ -137,15 +137,6 @@ def main() -> None:
         c = meter.costs()
         print(f"\ncontext {c.context}: T1 {c.t1_ms:.1f} ms; Tt(L): "
               + ", ".join(f"{L} {c.tt_ms[L]:.1f}" for L in sizes))
-
-
-def _model_timed(step, costs: Costs):
-    """The step timed by the cost curve: T1 for a plain step, Tt(L) for a verify of L rows, Td(B)
-    where the drafter ran a block of B; no host overhead."""
-    L = step.drafted + 1
-    verify = costs.t1_ms if L == 1 else costs.verify(L)
-    draft = costs.draft(step.draft_block) if step.draft_block else 0.0
-    return dataclasses.replace(step, verify_ms=verify, draft_ms=draft, rollback_ms=0.0, elapsed_ms=verify + draft)
 
 
 if __name__ == "__main__":

@@ -3,17 +3,16 @@ seconds and by counts: how a change to ``lookup.SuffixIndex`` (or to the copy mo
 model-time speedup, with no model pass after the replies are cached.
 
 Greedy replies are deterministic, so a lookup draft's acceptance is known from the reply
-itself: each cycle the index proposes from the prompt and the reply so far, the policy
-(``adaptive.DraftPolicy``, lookup only, learning from the cost curve's times) chooses plain or a
-draft of L rows, and the reply's own next tokens say how many are accepted. The policy is asked
-in the engine's order (``decode.spec_steps``: a run of plain steps is pipelined, the next step
-decided with the context from before the current token); tests/test_lookup.py checks that the
-replay's cycles are the engine's on a target that answers with the reply. Per reply: model time
-(T1 per plain step, Tt(L) per verify), speedup over plain steps, cycles; for the replies that
-repeat their prompt (copy share >= 50 %) also the copy ceiling (bench.copy_ceiling) and a
-clairvoyant bound: bench.copy_oracle's dynamic programme over the index's own proposals, each
-one's acceptance known (what a policy that knew it would reach). ``--baseline`` replays the
-index without following the copy (``follow=False``) and without stop tokens, side by side.
+itself: the engine's own loop (``decode.spec_steps``) runs on a stand-in target that answers
+with the cached reply (``ReplyTarget``), each cycle the index proposes from the prompt and the
+reply so far, the policy (``adaptive.DraftPolicy``, lookup only, learning from the cost curve's
+times: ``CurveTimed``) chooses plain or a draft of L rows, and the reply's own next tokens say
+how many are accepted. Per reply: model time (T1 per plain step, Tt(L) per verify), speedup
+over plain steps, cycles; for the replies that repeat their prompt (copy share >= 50 %) also
+the copy ceiling (bench.copy_ceiling) and a clairvoyant bound: bench.copy_oracle's dynamic
+programme over the index's own proposals, each one's acceptance known (what a policy that knew
+it would reach). ``--baseline`` replays the index without following the copy
+(``follow=False``) and without stop tokens, side by side.
 
     python scripts/lookup_replay.py --replies runs/replies-agent128.json --kinds agent --tokens 128   # caches
     python scripts/lookup_replay.py --replies runs/replies-agent128.json --tokens 64 --costs runs/issue17-bench6.json --baseline
@@ -25,19 +24,19 @@ import argparse
 import json
 import os
 
-from mlx_spec.adaptive import LOOKUP, MAX_LOOKUP, PLAIN, Context, DraftPolicy
-from mlx_spec.bench import COPY_SUBSET, copy_oracle, copy_share
+import mlx.core as mx
+
+from mlx_spec.adaptive import LOOKUP, Context, DraftPolicy
+from mlx_spec.bench import SCOPES, copy_max_draft, copy_oracle, copy_share, oracle_ceiling, scopes
 from mlx_spec.costs import Costs
-from mlx_spec.decode import Step
+from mlx_spec.decode import Step, plain_steps, spec_steps
 from mlx_spec.lookup import SuffixIndex
+from mlx_spec.target import TargetOut
 
 
 def cache_replies(path: str, kinds: tuple[str, ...], tokens: int) -> None:
-    """The default target's greedy replies to the built-in prompts of ``kinds`` (mlx-lm's own
-    generate_step: plain decoding), written to ``path``."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
+    """The default target's greedy replies to the built-in prompts of ``kinds`` (plain decoding:
+    ``decode.plain_steps``, mlx-lm's own generate_step), written to ``path``."""
     from mlx_spec.config import LoadConfig
     from mlx_spec.default_target import DEFAULT_TARGET_ID
     from mlx_spec.prompts import builtin_prompts
@@ -48,11 +47,9 @@ def cache_replies(path: str, kinds: tuple[str, ...], tokens: int) -> None:
     out = {}
     for p in builtin_prompts(kinds):
         ids = [int(t) for t in p.encode(pair.tokenizer)]
-        reply = []
-        for tok, _ in generate_step(mx.array(ids), pair.model, max_tokens=tokens):
-            if int(tok) in eos:
-                break
-            reply.append(int(tok))
+        # (the run ends at its first EOS, which the reply leaves out)
+        reply = [int(t) for s in plain_steps(pair.model, ids, max_tokens=tokens, eos_ids=eos)
+                 for t in s.tokens if t not in eos]
         out[p.id] = {"kind": p.kind, "prompt": ids, "reply": reply}
         print(f"{p.id}: {len(ids)} prompt tokens, {len(reply)} reply tokens", flush=True)
     with open(path, "w") as f:
@@ -66,50 +63,80 @@ def _agreement(look, full, n) -> int:
     return a
 
 
-def replay(prompt, full, costs: Costs, max_tokens: int, make,
+class _Offset:
+    def __init__(self):
+        self.offset, self.state = 0, mx.array(0)
+
+
+class ReplyTarget:
+    """A stand-in target whose greedy choice after position p is ``seq[p + 1]`` (``end`` past
+    it): the reply's own next token wherever the inputs so far are the reply's, all a greedy
+    verify reads."""
+
+    def __init__(self, seq, end):
+        self.seq, self.end, self.vocab = list(seq), end, max(list(seq) + [end]) + 1
+
+    def make_cache(self):
+        return [_Offset()]
+
+    def __call__(self, ids, cache, last_only=False, record=False):
+        p, L = cache[0].offset, ids.shape[1]
+        cache[0].offset += L
+        nxt = [self.seq[r + 1] if r + 1 < len(self.seq) else self.end
+               for r in ([p + L - 1] if last_only else range(p, p + L))]
+        logits = (mx.arange(self.vocab)[None] == mx.array(nxt)[:, None]).astype(mx.float32)[None]
+        return TargetOut(logits, mx.zeros((1, len(nxt), 1)))
+
+    def rollback(self, cache, n, keep):
+        cache[0].offset -= n - keep
+
+
+class NoDrafter:
+    """The drafter of a lookup-only policy, which never asks it to draft: it only takes context."""
+
+    def make_cache(self):
+        return []
+
+    def add_context(self, features, cache):
+        pass
+
+
+class CurveTimed(DraftPolicy):
+    """A policy that learns the cost curve's times (``Costs.timed``), not the clock's."""
+
+    def __init__(self, curve: Costs, *a, **kw):
+        super().__init__(curve, *a, **kw)
+        self.curve = curve
+
+    def observe(self, step):
+        super().observe(self.curve.timed(step))
+
+
+def replay(prompt, full, costs: Costs, max_tokens: int, make, *, eos=(),
            policy: DraftPolicy | None = None) -> tuple[list[Step], int]:
-    """The cycles of a lookup-only policy (default: a fresh ``DraftPolicy``) on the reply
-    ``full`` (its EOS included when it ended early), as Steps timed by the cost curve, with the
-    index ``make(prompt)``, and how many of its plain steps were queued (pipelined). The policy
-    is asked as ``decode.spec_steps`` asks it: a run of plain steps is pipelined, so while one
-    runs the next is decided (``stays_plain``, then ``choose``) with the context from before its
-    token, and each step is observed with the context that predicted it (tests/test_lookup.py
-    pins the two to the same cycles)."""
-    index = make(prompt)
-    policy = DraftPolicy(costs, 8, sources=(LOOKUP,)) if policy is None else policy
-    index.extend(full[:1])  # the first token comes from the prefill
-    steps, n, queued, pipelined = [], 1, False, 0
+    """The cycles of a lookup-only policy (default: a fresh ``CurveTimed``) on the reply
+    ``full`` (its EOS, one of ``eos``, included when it ended early): ``decode.spec_steps`` on
+    a ``ReplyTarget`` that answers with the reply, drafting from the index ``make(prompt)``;
+    as Steps timed by the cost curve, and how many of its plain steps were queued (pipelined:
+    decided while the one before them ran, with the context from before its token)."""
+    policy = CurveTimed(costs, 8, sources=(LOOKUP,)) if policy is None else policy
+    steps, said = [], []  # said: (the step asking, queued?) per stays_plain answer
+    stays = policy.stays_plain
 
-    def context() -> Context:
-        room = max_tokens - n
-        look, match = index.propose(min(policy.max_lookup, room - 1))
-        return Context(tuple(look), match, room, True)
+    def noting(ctx: Context) -> bool:
+        said.append((len(steps), stays(ctx)))
+        return said[-1][1]
 
-    ctx = context()
-    d = policy.choose(ctx)
-    while n < len(full):
-        if queued or min(d.length, max_tokens - n) <= 1:  # a plain step; the next one is queued
-            pipelined += queued
-            queued = n + 1 < max_tokens and policy.stays_plain(ctx)  # while this one runs
-            if queued:
-                policy.choose(ctx)
-            drafts = []
-        else:
-            drafts = list(ctx.lookup[:min(d.length, max_tokens - n) - 1])
-        a = _agreement(drafts, full, n)
-        L = len(drafts) + 1
-        t = costs.t1_ms if L == 1 else costs.verify(L)
-        step = Step(tuple(full[n:n + a + 1]), drafted=len(drafts), accepted=a, block_size=L,
-                    source=LOOKUP if L > 1 else PLAIN, verify_ms=t, elapsed_ms=t)
-        policy.observe(step)
-        steps.append(step)
-        index.extend(step.tokens)
-        n += len(step.tokens)
-        if n < len(full):
-            ctx = context()
-            if not queued:
-                d = policy.choose(ctx)
-    return steps, pipelined
+    policy.stays_plain = noting
+    end = int(eos[0]) if eos else 0  # (never read: the reply ends at EOS or at max_tokens)
+    steps.extend(spec_steps(ReplyTarget(list(prompt) + list(full), end), NoDrafter(), prompt, block_size=8,
+                            max_tokens=max_tokens, eos_ids=eos, policy=policy, index=make(prompt)))
+    got = [t for s in steps for t in s.tokens]
+    if got != list(full):
+        raise ValueError(f"the replay made {len(got)} tokens, not the reply's {len(full)}: "
+                         "is its EOS among eos, or is the reply cut at max_tokens?")
+    # a step queued by a run's last step (the reply ended there) never ran
+    return [costs.timed(s) for s in steps[1:]], sum(1 for k, yes in said if yes and k < len(steps) - 1)
 
 
 QUEUE_RULES = ("engine", "fresh", "ahead")
@@ -184,9 +211,9 @@ def main() -> None:
     if a.baseline:
         indexes = {"baseline": lambda p: SuffixIndex(p, 4, follow=False), **indexes}
     # per index, all replies and the copying ones: ms, tokens, clairvoyant ms, cycles, plain steps, queued ones
-    totals = {(scope, name): [0.0, 0, 0.0, 0, 0, 0] for scope in ("all", "copying") for name in indexes}
-    ceiling = [0, 0.0]
-    max_draft = min(MAX_LOOKUP, max(costs.tt_ms) - 1)  # as bench prices the ceiling
+    totals = {(scope, name): [0.0, 0, 0.0, 0, 0, 0] for scope in SCOPES for name in indexes}
+    oracles = {scope: [] for scope in SCOPES}  # copy_oracle's (tokens, ms) per reply
+    max_draft = copy_max_draft(costs)  # as bench prices the ceiling
     for pid, r in data["replies"].items():
         reply = r["reply"][:a.tokens]
         ended = len(r["reply"]) < data["tokens"]  # (it stopped at EOS before the recording's limit)
@@ -197,21 +224,20 @@ def main() -> None:
         o_tok, o_ms = copy_oracle(r["prompt"], reply, costs, max_draft=max_draft)
         cells = []
         for name, make in indexes.items():
-            policy = queue_rule(DraftPolicy(costs, 8, sources=(LOOKUP,)), a.queue)
-            steps, queued = replay(r["prompt"], full, costs, a.tokens, make, policy)
+            policy = queue_rule(CurveTimed(costs, 8, sources=(LOOKUP,)), a.queue)
+            steps, queued = replay(r["prompt"], full, costs, a.tokens, make, eos=eos, policy=policy)
             ms, cycles = sum(s.elapsed_ms for s in steps), len(steps)
             cv = clairvoyant(r["prompt"], full, costs, a.tokens, make, max_draft)
             cells.append(f"{name} {(len(full) - 1) * costs.t1_ms / ms:.2f}x ({cycles} cycles)")
             plain = sum(1 for s in steps if s.block_size == 1)
-            for scope in ("all", "copying") if share >= COPY_SUBSET else ("all",):
+            for scope in scopes(share):
                 for i, v in enumerate((ms, len(full) - 1, cv, cycles, plain, queued)):
                     totals[scope, name][i] += v
-        if share >= COPY_SUBSET:
-            ceiling[0] += o_tok
-            ceiling[1] += o_ms
+        for scope in scopes(share):
+            oracles[scope].append((o_tok, o_ms))
         print(f"{pid}: copy share {share:.0%}, ceiling {o_tok * costs.t1_ms / o_ms:.2f}x; " + "; ".join(cells))
-    c = ceiling[0] * costs.t1_ms / ceiling[1] if ceiling[1] > 0 else None
-    for scope in ("all", "copying") if c else ("all",):
+    c = oracle_ceiling(oracles["copying"], costs.t1_ms)
+    for scope in SCOPES if c else SCOPES[:1]:
         print(f"\n{scope} replies" + (f" (ceiling {c:.2f}x):" if scope == "copying" else ":"))
         for name in indexes:
             ms, tokens, cv, cycles, plain, queued = totals[scope, name]

@@ -313,6 +313,40 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
     assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)
 
 
+class _Rooms(_StaysPlain):
+    """Stays plain, and notes the room each ask (``peek`` and ``choose``) was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.peeked, self.rooms = [], []
+
+    def peek(self, ctx):
+        self.peeked.append(ctx.room)
+        return super().peek(ctx)
+
+    def choose(self, ctx):
+        self.rooms.append(ctx.room)
+        return super().choose(ctx)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "stepwise"])
+def test_a_step_is_asked_with_the_room_it_has(dense, pipeline):
+    """A sequence's policy is asked about each step with the tokens it may still commit then:
+    N-1 after the prefill's token, one less each step, 1 at its last (a step queued ahead is
+    asked before the step in flight is counted: that token is not room any more). A step queued
+    after a sequence's last one (it leaves with that row) is asked with room 0."""
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg)
+    pols = [_Rooms(), _Rooms()]
+    dec = BatchDecoder(target, d, max_batch=2, prefill_chunk=64, pipeline=pipeline)
+    got, _ = _run_batch(dec, [dict(prompt=PROMPTS[0], max_tokens=N, policy=pols[0]),
+                              dict(prompt=PROMPTS[1], max_tokens=2, policy=pols[1])])
+    assert [len(got[0]), len(got[1])] == [N, 2] and (dec.pipelined > N // 2) == pipeline
+    for pol, n in zip(pols, (N, 2)):
+        assert pol.rooms[: n - 1] == list(range(n - 1, 0, -1)) and pol.rooms[n - 1:] in ([], [0])
+        assert all(r in pol.rooms for r in pol.peeked) and min(pol.peeked, default=0) >= 0
+
+
 def test_pipelined_sampled_plain_steps_draw_as_stepwise(dense):
     """At T > 0 a plain step queued ahead draws its token in the graph with the key an
     unpipelined step would use: seeded replies are the same either way (and pipelining ran)."""
@@ -472,6 +506,31 @@ def test_policy_stops_drafting_when_it_does_not_pay():
     assert pol.choose([8] * 8, [bad] * 8, [9] + [0] * 7, [8] * 8) == [1] * 8
     # a batch of one follows its own controller
     assert pol.choose([5], [bad], [0], [8]) == [5]
+
+
+def test_a_policy_curve_is_judged_at_its_expected_tokens():
+    """The batch judges a sequence's wished draft by its own policy's curve (P(the first k+1
+    drafts accepted), DFlash by position or the copy model at a match) as an ``Acceptance`` with
+    that curve for its prior: its expected tokens are the curve's, at every length."""
+    import random
+
+    from mlx_spec import adaptive
+
+    rng = random.Random(0)
+    curves = []
+    for _ in range(50):
+        a = adaptive.Acceptance(rng.randint(1, 15), [rng.random() for _ in range(rng.randint(0, 15))])
+        cp = adaptive.Copy()
+        for _ in range(rng.randint(0, 20)):
+            n = rng.randint(0, len(a.hits))
+            a.update(n, rng.randint(0, n))
+            m = rng.randint(0, 10)
+            cp.update(rng.randint(0, 40), m, rng.randint(0, m))
+        curves += [a.curve(), cp.curve(rng.randint(0, 40), rng.randint(1, 31))]
+    for c in curves:
+        acc = Acceptance(len(c), c)
+        assert all(acc.expected(L) == pytest.approx(adaptive.expected_tokens(c, L), rel=1e-12)
+                   for L in range(1, len(c) + 3))
 
 
 def _fitted(a, b, c, e, steps=60):

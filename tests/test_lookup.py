@@ -8,24 +8,21 @@ proposed before, and still does with ``follow=False``) is elsewhere. Greedy deco
 these proposals stays lossless: tests/test_policy.py and tests/test_hybrid.py cover that.
 
 Also here: the index chooses once per token; bench.copy_oracle over a drafter's own proposals
-(the replay's clairvoyant bound); scripts/lookup_replay.py asks the policy as decode.spec_steps
-does (checked on a fake target that answers with the reply), whose pipelined plain steps are
-decided one token early, never more.
+(the replay's clairvoyant bound); scripts/lookup_replay.py replays a reply through
+decode.spec_steps itself (on a stand-in target that answers with the reply, drafting from the
+index it is given), whose pipelined plain steps are decided one token early, never more.
 """
 
 import importlib.util
-from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
-from mlx_spec.adaptive import LOOKUP, PLAIN, DraftPolicy
+from mlx_spec.adaptive import LOOKUP, PLAIN
 from mlx_spec.bench import copy_oracle
 from mlx_spec.costs import Costs
 from mlx_spec.decode import spec_steps
-from mlx_spec.lookup import SuffixIndex
-from mlx_spec.target import TargetOut
+from mlx_spec.lookup import BREAK_EXPIRES, SuffixIndex
 
 # A file of lines [A_i, 7, 8, B_i, 9]: A_i and B_i distinct (names), 7, 8, 9 common (brackets,
 # newlines), framed like a chat prompt.
@@ -83,9 +80,8 @@ def test_the_break_is_forgotten_once_the_copy_runs_again():
     # new text that never repeats (so no copy of its own clears the break): kept for ``expire``
     # tokens that break the copy (99 and the new ones), forgotten after
     broken = LINES[0] + LINES[1] + [99]
-    expire = _index(broken).expire
-    assert _index(broken + list(range(200, 200 + expire - 1))).broke is not None
-    assert _index(broken + list(range(200, 200 + expire))).broke is None
+    assert _index(broken + list(range(200, 200 + BREAK_EXPIRES - 1))).broke is not None
+    assert _index(broken + list(range(200, 200 + BREAK_EXPIRES))).broke is None
 
 
 def test_a_short_copy_that_breaks_is_no_anchor():
@@ -130,8 +126,8 @@ EDITED = LINES[0] + LINES[1] + [99, 7, 8, 32, 9] + LINES[3] + [98, 9] + LINES[4]
 
 
 def test_a_proposal_chooses_once_per_token():
-    """Where the copy breaks, ``_step`` chooses the pointer's successor; ``propose`` then reuses
-    that choice (the same at that length, however often it is asked) instead of choosing again."""
+    """Where the copy breaks, ``_step`` chooses the pointer's successor; ``propose`` at that
+    length (as the loops ask: once per token) then takes that choice instead of choosing again."""
     idx = SuffixIndex(PROMPT, 4)
     calls = []
     longest = idx._longest
@@ -139,7 +135,6 @@ def test_a_proposal_chooses_once_per_token():
     for t in EDITED:
         idx.extend([t])
         idx.propose(5)
-        idx.propose(2)
     assert sorted(calls) == list(range(len(PROMPT) + 1, len(PROMPT) + len(EDITED) + 1))
 
 
@@ -151,8 +146,9 @@ def test_a_reused_choice_is_the_choice_now():
         for i in range(0, len(EDITED), chunk):
             idx.extend(EDITED[i:i + chunk])
             got = idx.propose(5)
-            idx._chosen = None  # forget the reused choice
+            run, idx._run = idx._run, None  # as if the pointer had not just been taken: chosen afresh
             assert got == idx.propose(5)
+            idx._run = run
 
 
 def test_the_clairvoyant_bound_is_the_copy_oracle_over_the_proposals():
@@ -169,54 +165,18 @@ def test_the_clairvoyant_bound_is_the_copy_oracle_over_the_proposals():
         copy_oracle([], file, step, right=[0] * 39)
 
 
-# ---- scripts/lookup_replay.py asks the policy as decode.spec_steps does
+# ---- scripts/lookup_replay.py replays a reply through decode.spec_steps
 
-class _Offset:
-    def __init__(self):
-        self.offset, self.state = 0, mx.array(0)
-
-
-class ReplyTarget:
-    """A target whose greedy choice after position p is ``seq[p + 1]`` (``end`` past it): the
-    reply's own next token wherever the inputs so far are the reply's, all a verify reads."""
-
-    def __init__(self, seq, end):
-        self.seq, self.end, self.vocab = seq, end, max(seq + [end]) + 1
-
-    def make_cache(self):
-        return [_Offset()]
-
-    def __call__(self, ids, cache, last_only=False, record=False):
-        p, L = cache[0].offset, ids.shape[1]
-        cache[0].offset += L
-        nxt = [self.seq[r + 1] if r + 1 < len(self.seq) else self.end
-               for r in ([p + L - 1] if last_only else range(p, p + L))]
-        logits = (mx.arange(self.vocab)[None] == mx.array(nxt)[:, None]).astype(mx.float32)[None]
-        return TargetOut(logits, mx.zeros((1, len(nxt), 1)))
-
-    def rollback(self, cache, n, keep):
-        cache[0].offset -= n - keep
+def _replay_module():
+    spec = importlib.util.spec_from_file_location(
+        "lookup_replay", Path(__file__).resolve().parent.parent / "scripts" / "lookup_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-class _NoDrafter:  # a lookup-only policy never asks it to draft
-    def make_cache(self):
-        return []
-
-    def add_context(self, features, cache):
-        pass
-
-
-class CurveTimed(DraftPolicy):
-    """Learns the cost curve's times (what the replay's Steps carry), not the clock's."""
-
-    def __init__(self, curve, *a, **kw):
-        super().__init__(curve, *a, **kw)
-        self.curve = curve
-
-    def observe(self, step):
-        t = self.curve.t1_ms if step.drafted == 0 else self.curve.verify(step.drafted + 1)
-        super().observe(replace(step, verify_ms=t, draft_ms=0.0, rollback_ms=0.0, elapsed_ms=t))
-
+REPLAY = _replay_module()  # its stand-ins: ReplyTarget (answers with the reply), NoDrafter, CurveTimed
+ReplyTarget, NoDrafter, CurveTimed = REPLAY.ReplyTarget, REPLAY.NoDrafter, REPLAY.CurveTimed
 
 # the bench's CPU curve (runs/issue17-bench6.json): a draft must be likely to pay for its rows
 CPU = Costs(87.8, {}, {1: 88.1, 2: 104.7, 3: 112.3, 4: 137.4, 6: 133.1, 8: 147.0, 12: 197.5, 16: 185.2,
@@ -228,55 +188,81 @@ REPLIES = {  # new text (plain runs), copied lines (lookup drafts), edits inside
 }
 
 
-def _replay_module():
-    spec = importlib.util.spec_from_file_location(
-        "lookup_replay", Path(__file__).resolve().parent.parent / "scripts" / "lookup_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("name", list(REPLIES))
-def test_the_replay_makes_the_engines_cycles(name):
-    """The replay's cycles are spec_steps's on a target that answers with the reply: its runs
-    of plain steps pipelined (the next step decided with the context from before the current
-    token), each step observed with the context that predicted it."""
-    reply, eos, max_tokens = REPLIES[name], 0, len(REPLIES[name]) + 4
-    seq = PROMPT + reply
-    engine = list(spec_steps(ReplyTarget(seq, eos), _NoDrafter(), PROMPT, block_size=8, max_tokens=max_tokens,
-                             eos_ids=[eos], policy=CurveTimed(CPU, 8, sources=(LOOKUP,))))
-    assert [t for s in engine for t in s.tokens] == reply + [eos]
-    replayed, queued = _replay_module().replay(PROMPT, reply + [eos], CPU, max_tokens,
-                                               lambda p: SuffixIndex(p, 4, stop=[eos]))
-    cycles = [(s.source, s.block_size, s.accepted) for s in engine[1:]]
-    assert cycles == [(s.source, s.block_size, s.accepted) for s in replayed]
-    # both kinds of cycle, and runs of plain steps (pipelined: decided a token early) between drafts
-    assert any(c[0] == LOOKUP and c[2] > 0 for c in cycles)
-    assert queued >= 5 and queued <= sum(a[0] == b[0] == PLAIN for a, b in zip(cycles, cycles[1:]))
+def test_the_replay_is_the_engines_run_timed_by_the_curve(name):
+    """The replay is spec_steps on a target that answers with the reply, drafting from the index
+    it is given: the reply's tokens, every cycle timed by the cost curve (T1 per plain step,
+    Tt(L) per verify), lookup drafts accepted, and runs of plain steps pipelined (queued while
+    the step before them ran; at most one per pair of plain steps in a row)."""
+    reply, eos = REPLIES[name], 0
+    steps, queued = REPLAY.replay(PROMPT, reply + [eos], CPU, len(reply) + 4,
+                                  lambda p: SuffixIndex(p, 4, stop=[eos]), eos=[eos])
+    assert [t for s in steps for t in s.tokens] == reply[1:] + [eos]  # (the first is the prefill's)
+    assert all(s.elapsed_ms == s.verify_ms == CPU.step_ms(s.block_size) and s.draft_ms == 0 for s in steps)
+    assert any(s.source == LOOKUP and s.accepted > 0 for s in steps)
+    assert 5 <= queued <= sum(a.source == b.source == PLAIN for a, b in zip(steps, steps[1:]))
+    # a reply cut at max_tokens needs no EOS; one that ended needs its EOS named
+    cut, _ = REPLAY.replay(PROMPT, reply[:20], CPU, 20, lambda p: SuffixIndex(p, 4))
+    assert [t for s in cut for t in s.tokens] == reply[1:20]
+    with pytest.raises(ValueError, match="not the reply's"):
+        REPLAY.replay(PROMPT, reply + [eos], CPU, len(reply) + 4, lambda p: SuffixIndex(p, 4))
 
 
-def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
-    """Every cycle is decided with the context (lookup proposal, room) of the tokens committed
-    before it, or, a plain step queued while the one before it ran, of all but that one's token:
-    a match the lookup finds at token k costs at most the plain step already queued, never a
-    further cycle. (Never queueing, or queueing only when the context one token on would stay
-    plain too, measured no better: docs/bench.md, session 8.)"""
+def test_spec_steps_drafts_from_the_index_it_is_given():
+    """``spec_steps(index=...)`` (the replay's --baseline): the loop proposes from and extends
+    that index, not one of its own; an index needs a lookup policy and must hold the prompt."""
     reply, eos = REPLIES["edits"], 0
-    max_tokens = len(reply) + 4
-    rooms = []
 
     class Noting(CurveTimed):
         def choose(self, ctx):
-            rooms.append(ctx.room)
+            shown.append(ctx.lookup)
             return super().choose(ctx)
 
-    steps = list(spec_steps(ReplyTarget(PROMPT + reply, eos), _NoDrafter(), PROMPT, block_size=8,
-                            max_tokens=max_tokens, eos_ids=[eos], policy=Noting(CPU, 8, sources=(LOOKUP,))))
+    def run(index=None, sources=(LOOKUP,)):
+        list(spec_steps(ReplyTarget(PROMPT + reply, eos), NoDrafter(), PROMPT, block_size=8,
+                        max_tokens=len(reply) + 4, eos_ids=[eos], policy=Noting(CPU, 8, sources=sources),
+                        index=index))
+
+    shown = []
+    run()
+    default, shown = shown, []
+    mine = SuffixIndex(PROMPT, 4, stop=[eos])
+    run(mine)
+    assert shown == default and mine.ids == PROMPT + reply + [eos]
+    shown = []
+    run(SuffixIndex(PROMPT, 1, follow=False))  # one token of match: other proposals
+    assert shown != default
+    with pytest.raises(ValueError, match="hold the prompt"):
+        run(SuffixIndex(PROMPT[:-1], 4))
+    with pytest.raises(ValueError, match="hold the prompt"):
+        run(mine)  # (it holds the reply too now)
+    with pytest.raises(ValueError, match="LOOKUP"):
+        run(SuffixIndex(PROMPT, 4), sources=("dflash",))
+
+
+def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
+    """Every cycle is decided with the lookup context of the tokens committed before it, or, a
+    plain step queued while the one before it ran, of all but that one's token: a match the
+    lookup finds at token k costs at most the plain step already queued, never a further cycle.
+    (Never queueing, or queueing only when the context one token on would stay plain too,
+    measured no better: docs/bench.md, session 8.)"""
+    reply, eos = REPLIES["edits"], 0
+    index = SuffixIndex(PROMPT, 4, stop=[eos])
+    seen = []  # the index's length at every decision
+
+    class Noting(CurveTimed):
+        def choose(self, ctx):
+            seen.append(len(index))
+            return super().choose(ctx)
+
+    steps = list(spec_steps(ReplyTarget(PROMPT + reply, eos), NoDrafter(), PROMPT, block_size=8,
+                            max_tokens=len(reply) + 4, eos_ids=[eos], policy=Noting(CPU, 8, sources=(LOOKUP,)),
+                            index=index))
     # one decision per cycle, in order (and one for a step queued as the reply's EOS was read)
-    assert len(rooms) - (len(steps) - 1) in (0, 1)
-    n, lags = 1, []
-    for s, room in zip(steps[1:], rooms):
-        lags.append(room - (max_tokens - n))  # tokens the decision's context lacks
+    assert len(seen) - (len(steps) - 1) in (0, 1)
+    n, lags = len(PROMPT) + 1, []
+    for s, at in zip(steps[1:], seen):
+        lags.append(n - at)  # tokens the decision's lookup context lacks
         n += len(s.tokens)
     early = [i for i, lag in enumerate(lags) if lag]
     assert set(lags) == {0, 1} and len(early) >= 5

@@ -323,6 +323,41 @@ def test_trimmed_blocks_are_lossless(dense, kind):
                for s in steps[1:])
 
 
+class _Rooms:
+    """Stays plain, and notes the room each ask (``stays_plain`` one step ahead, ``choose``) had."""
+
+    sources, max_lookup = (DFLASH,), 0
+
+    def __init__(self):
+        self.rooms, self.asked = [], []
+
+    def choose(self, ctx):
+        self.rooms.append(ctx.room)
+        return Decision(PLAIN, 1)
+
+    def stays_plain(self, ctx):
+        self.asked.append(ctx.room)
+        return True
+
+    def pick(self, *a, **k):
+        raise AssertionError("a plain run never picks")
+
+    def observe(self, step):
+        pass
+
+
+def test_a_queued_plain_step_is_asked_with_its_own_room(dense):
+    """The pipelined plain run asks about the step it queues before the step in flight is read:
+    that token is no longer room. So the policy is asked with N-1 after the prefill's token, one
+    less every step, 1 at the last, and never about a step past the reply (room 0)."""
+    _, target, drafter, refs = dense
+    pol = _Rooms()
+    steps = list(spec_steps(target, drafter, PROMPTS["repeat"], block_size=4, max_tokens=N, policy=pol))
+    assert [t for s in steps for t in s.tokens] == refs["repeat"]
+    assert pol.rooms == list(range(N - 1, 0, -1))
+    assert pol.asked == list(range(N - 2, 0, -1))  # every step after the first was queued
+
+
 def test_top_k_1_sampling_through_lookup_is_greedy(dense):
     """T > 0 with top-k 1: the point-mass lookup proposals and the drafter's go through
     rejection sampling and must give the greedy tokens."""

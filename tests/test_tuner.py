@@ -1,6 +1,5 @@
 """Tuner: the pure choice, the key, storage, first-launch trigger, "off", the online controller."""
 
-import argparse
 import json
 import math
 import random
@@ -120,13 +119,12 @@ def test_race_check_overrules_on_a_clear_margin_and_not_on_a_noisy_or_split_race
 def test_race_check_pairs_the_rounds_both_ran():
     """A neighbour that joined later is compared with the chosen candidate over the rounds both
     ran (same prompt, same machine), not over their first rounds each."""
-    res = RaceResult(tps={(1, None): [10.0] * 6, (8, None): [12.0] * 6, (5, None): [9.0, 15.0, 15.0, 15.0],
-                          (6, None): [11.0] * 3},
-                     ratio={}, final=((1, None), (8, None), (5, None)), dropped={(6, None): "dropped after 3 rounds"},
-                     rounds=6, order=(), stop="max rounds", joined={(1, None): 0, (8, None): 0, (5, None): 2,
-                                                                    (6, None): 0},
-                     cycle_s={(1, None): [0.1] * 6, (8, None): [0.1] * 6, (5, None): [0.1] * 4,
-                                  (6, None): [0.1] * 3})
+    tps = {(1, None): [10.0] * 6, (8, None): [12.0] * 6, (5, None): [9.0, 15.0, 15.0, 15.0], (6, None): [11.0] * 3}
+    joined = {(5, None): 2}  # 5 ran rounds 2-5, the others from round 0
+    res = RaceResult(laps={k: {joined.get(k, 0) + r: Lap(x, 0.1) for r, x in enumerate(xs)} for k, xs in tps.items()},
+                     final=((1, None), (8, None), (5, None)), dropped={(6, None): "dropped after 3 rounds"},
+                     rounds=6, order=(), stop="max rounds")
+    assert res.tps == tps and res.ratio[(5, None)] == [0.9, 1.5, 1.5, 1.5]  # each against plain's same round
     assert res.paired((5, None), (8, None)) == [(9.0, 12.0), (15.0, 12.0), (15.0, 12.0), (15.0, 12.0)]
     assert res.paired((5, None), (6, None)) == [(9.0, 11.0)]  # round 2 only
     c = check(res, (5, None), (8, None))
@@ -148,13 +146,11 @@ def test_race_check_error_rates_by_simulation():
     def overrules(gain, sigma, shared=0.10, n=3, anyone=False):
         keys = [(8, None), (4, None), (1, None), (2, None)]
         per_round = [math.exp(rng.gauss(0, shared)) for _ in range(n)]
-        tps, cyc = {}, {}
+        laps = {}
         for k in keys:
             slow = [per_round[r] * math.exp(rng.gauss(0, sigma)) for r in range(n)]
-            tps[k] = [10.0 * (gain if k == (4, None) else 1.0) / x for x in slow]
-            cyc[k] = [0.1 * x for x in slow]
-        res = RaceResult(tps=tps, ratio={}, final=tuple(keys), dropped={}, rounds=n, order=(), stop="max rounds",
-                         joined={k: 0 for k in keys}, cycle_s=cyc)
+            laps[k] = {r: Lap(10.0 * (gain if k == (4, None) else 1.0) / x, 0.1 * x) for r, x in enumerate(slow)}
+        res = RaceResult(laps=laps, final=tuple(keys), dropped={}, rounds=n, order=(), stop="max rounds")
         c = race_check(res, (8, None))
         return c is not None and (anyone or c.key == (4, None))
 
