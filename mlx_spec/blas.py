@@ -39,6 +39,8 @@ _CANDIDATES = (
 )
 
 
+CHOICES = ("auto", "mkl", "openblas", "none")  # MLX_SPEC_BLAS's names (else a library's path)
+
 # Each library's thread knob (setter, getter) and the variable a user pins it with.
 _KNOBS = {
     "openblas": ("openblas_set_num_threads", "openblas_get_num_threads", "OPENBLAS_NUM_THREADS"),
@@ -53,10 +55,11 @@ class BlasInfo:
     detail: str
     settable: bool = False  # the library has its thread setter (a thread knob exists)
     pinned: int | None = None  # OPENBLAS_NUM_THREADS / MKL_NUM_THREADS as the user set it before start
+    version: str | None = None  # where the library reports it (MKL); part of the tuner's key
 
     def describe(self) -> str:
         threads = get_threads(self)
-        pin = " (pinned by OPENBLAS_NUM_THREADS)" if self.pinned else ""
+        pin = f" (pinned by {_KNOBS[self.name][2]})" if self.pinned and self.name in _KNOBS else ""
         return (f"{self.name}" + (f" ({self.path})" if self.path else "") + f": {self.detail}"
                 + (f" threads={threads}{pin}" if threads else ""))
 
@@ -135,7 +138,9 @@ def _intel(vendor: str | None = None) -> bool:
 
 
 def _pinned(env, name: str = "openblas") -> int | None:
-    var = _KNOBS.get(name, (None, None, "OPENBLAS_NUM_THREADS"))[2]
+    if name not in _KNOBS:  # no thread knob: nothing to pin
+        return None
+    var = _KNOBS[name][2]
     raw = env.get(var)
     try:
         n = int(raw) if raw else None
@@ -155,20 +160,33 @@ def _mkl_paths() -> tuple[str, ...]:
     return tuple(sorted(p for p in found if os.path.exists(p)))
 
 
-def _mkl_version(lib) -> str:
+def _mkl_version(lib) -> str | None:
     buf = ctypes.create_string_buffer(256)
     try:
         lib.MKL_Get_Version_String(buf, len(buf))
     except AttributeError:
-        return "version unknown"
+        return None
     text = buf.value.decode(errors="replace")  # "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product ..."
     version = text.split("Version", 1)[1].split()[0].split("-")[0] if "Version" in text else ""
-    return f"version {version}" if version else "version unknown"
+    return version or None
 
 
 def _kind(path: str) -> str:
+    """What a library file is, guessed from its name (before loading it)."""
     base = os.path.basename(path)
     return "mkl" if "mkl" in base else "openblas" if "openblas" in path else "custom"
+
+
+def _has_knob(lib, name: str) -> bool:
+    return name in _KNOBS and all(hasattr(lib, f) for f in _KNOBS[name][:2])
+
+
+def _identify(lib, path: str) -> tuple[str, bool]:
+    """(name, settable) of a loaded library: by the thread knob it exports (a path such as
+    /usr/lib/x86_64-linux-gnu/libblas.so.3 may be OpenBLAS under another name), else by its
+    file name, without a knob."""
+    name = next((n for n in _KNOBS if _has_knob(lib, n)), None)
+    return (name, True) if name else (_kind(path), False)
 
 
 def candidates(choice: str, mkl: tuple[str, ...], intel: bool) -> tuple[str, ...]:
@@ -189,15 +207,16 @@ def load_blas(env: dict | None = None) -> BlasInfo:
         return BlasInfo("accelerate", None, "MLX uses Metal/Accelerate on macOS")
     if not sys.platform.startswith("linux"):
         return BlasInfo("reference", None, f"no BLAS loading on {sys.platform}")
-    choice = env.get("MLX_SPEC_BLAS", "auto")
+    choice = env.get("MLX_SPEC_BLAS", "").strip() or "auto"
+    if choice.lower() in CHOICES:  # (a path keeps its case)
+        choice = choice.lower()
     if choice == "none":
         return BlasInfo("reference", None, "MLX_SPEC_BLAS=none: MLX's bundled reference BLAS")
     mkl = _mkl_paths() if choice in ("auto", "mkl") else ()
     for path in candidates(choice, mkl, _intel()):
         if not os.path.exists(path):
             continue
-        name = _kind(path)
-        if name == "openblas" and "OPENBLAS_CORETYPE" not in os.environ:
+        if _kind(path) != "mkl" and "OPENBLAS_CORETYPE" not in os.environ:  # (OpenBLAS reads it at load)
             core = _coretype(_cpu_flags())
             if core:
                 os.environ["OPENBLAS_CORETYPE"] = core
@@ -205,12 +224,14 @@ def load_blas(env: dict | None = None) -> BlasInfo:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             return BlasInfo("reference", None, f"could not load {path}: {e}")
+        name, settable = _identify(lib, path)
+        version = _mkl_version(lib) if name == "mkl" else None
         detail = (f"core={os.environ.get('OPENBLAS_CORETYPE', 'auto-detected')}" if name == "openblas"
-                  else _mkl_version(lib) if name == "mkl" else "loaded")
-        settable = name in _KNOBS and all(hasattr(lib, f) for f in _KNOBS[name][:2])
-        return BlasInfo(name, path, detail, settable, _pinned(env, name))
+                  else f"version {version or 'unknown'}" if name == "mkl" else "loaded")
+        return BlasInfo(name, path, detail, settable, _pinned(env, name), version)
     hint = {"auto": "pip install mkl, or apt-get install libopenblas0-pthread", "mkl": "pip install mkl",
-            "openblas": "apt-get install libopenblas0-pthread"}.get(choice, f"{choice} not found")
+            "openblas": "apt-get install libopenblas0-pthread"}.get(
+        choice, f"MLX_SPEC_BLAS={choice!r}: no such file; it takes {'|'.join(CHOICES)} or a library's path")
     info = BlasInfo("reference", None, f"no optimized BLAS found ({hint}); block verify is slow")
     # Once per process (mlx_spec/__init__ calls this once), before any command runs.
     logging.getLogger(__name__).warning("mlx_spec: %s; speculative decoding will not pay on this "

@@ -117,9 +117,9 @@ def ours(target: str, drafter: str | None, max_batch: int, extra: Sequence[str] 
 def mlx_lm_server(model_dir: str, blas: str | None = None) -> Server:
     """``blas``: the BLAS library our process loaded (Linux: MKL or OpenBLAS), preloaded into mlx-lm's
     server too, so both sides multiply with the same library (mlx's CPU wheel alone links a
-    reference BLAS many times slower on many rows)."""
+    reference BLAS many times slower on many rows). A preload of the user's own stays, after it."""
     port = free_port()
-    env = {"LD_PRELOAD": blas} if blas else {}
+    env = {"LD_PRELOAD": ":".join(x for x in (blas, os.environ.get("LD_PRELOAD")) if x)} if blas else {}
     return Server(MLX_LM, [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--host", "127.0.0.1",
                            "--port", str(port)], port, env)
 

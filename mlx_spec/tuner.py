@@ -119,7 +119,7 @@ def machine_info() -> dict:
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(mem / 2**30),
             "os": f"{platform.system()} {platform.release()}", "arch": platform.machine(),
             "backend": "metal" if mx.metal.is_available() else "cpu",
-            "blas": f"{BLAS.name} {BLAS.path or ''}".strip(),
+            "blas": " ".join(x for x in (BLAS.name, BLAS.path, BLAS.version) if x),  # a new library (version) re-tunes
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
 
@@ -1198,7 +1198,8 @@ def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None 
 
 def apply_threads(result: TuneResult | None, blas=None) -> int | None:
     """Set the BLAS thread count the engine runs with: the user's pin (OPENBLAS_NUM_THREADS or
-    MKL_NUM_THREADS) if set, else the stored choice, else the default (all cores). The count in effect; None: no knob."""
+    MKL_NUM_THREADS) if set, else the stored choice, else the default (all cores). The count in
+    effect; None: no knob."""
     from . import BLAS
 
     blas = blas or BLAS

@@ -533,6 +533,26 @@ def test_a_policy_curve_is_judged_at_its_expected_tokens():
                    for L in range(1, len(c) + 3))
 
 
+def test_a_wished_draft_is_judged_by_its_sequences_own_curve():
+    """``BatchDecoder._acceptance``: a DFlash wish by the sequence's drafter curve, a lookup wish
+    by its copy model at this match and length; a plain wish, or a sequence without a policy,
+    by the batch's own count."""
+    from types import SimpleNamespace as NS
+
+    from mlx_spec import adaptive
+
+    asked = []
+    pol = NS(dflash=NS(curve=lambda: [0.9, 0.6, 0.3]),
+             copy=NS(curve=lambda match, n: asked.append((match, n)) or [0.8] * n))
+    s = NS(policy=pol, ctx=NS(match=5), acc="counted")
+    dflash = BatchDecoder._acceptance(s, Decision(adaptive.DFLASH, 4))
+    lookup = BatchDecoder._acceptance(s, Decision(adaptive.LOOKUP, 6))
+    assert dflash.expected(4) == pytest.approx(adaptive.expected_tokens([0.9, 0.6, 0.3], 4))
+    assert lookup.expected(6) == pytest.approx(adaptive.expected_tokens([0.8] * 5, 6)) and asked == [(5, 5)]
+    assert BatchDecoder._acceptance(s, Decision(PLAIN, 1)) == "counted"
+    assert BatchDecoder._acceptance(NS(policy=None, acc="counted"), Decision(adaptive.DFLASH, 4)) == "counted"
+
+
 def _fitted(a, b, c, e, steps=60):
     """A BatchPolicy fitted to steps that cost ``a + b*rows + c*drafting + e*[a pass]`` ms."""
     pol = BatchPolicy()
@@ -984,3 +1004,15 @@ def test_loadtest_levels_against_a_server_in_process(tmp_path):
     assert [r.tokens for r in rows] == [16, 32] and all(r.failed == 0 for r in rows)
     assert all(r.p95_s >= r.p50_s > 0 for r in rows)
     assert "mlx_spec serve" in loadtest.table(rows)
+
+
+def test_mlx_lm_server_multiplies_with_our_blas_and_keeps_a_users_preload(monkeypatch):
+    """bench --concurrency preloads the library our process loaded (MKL or OpenBLAS) into
+    mlx_lm.server, before a preload of the user's own (which our server inherits too)."""
+    from mlx_spec import loadtest
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env == {"LD_PRELOAD": "/x/libmkl_rt.so.3"}
+    assert loadtest.mlx_lm_server("m", None).env == {}  # the reference BLAS: nothing to preload
+    monkeypatch.setenv("LD_PRELOAD", "/y/libjemalloc.so")
+    assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env["LD_PRELOAD"] == "/x/libmkl_rt.so.3:/y/libjemalloc.so"

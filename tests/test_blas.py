@@ -83,3 +83,53 @@ def test_each_library_loads_multiplies_and_takes_its_pin(choice):
     got = _load_in_child(choice)
     assert got["name"] == choice and got["pinned"] == 1 and got["threads"] == 1
     assert got["mm"] == [[14.0, 38.0, 62.0], [38.0, 126.0, 214.0], [62.0, 214.0, 366.0]]
+
+
+def test_a_library_is_known_by_its_thread_knob_not_its_file_name():
+    """A path such as /usr/lib/x86_64-linux-gnu/libblas.so.3 (Debian's alternatives link to
+    OpenBLAS) keeps its thread knob and its pin; a library without a knob is never pinned."""
+    from types import SimpleNamespace
+
+    openblas = SimpleNamespace(openblas_set_num_threads=None, openblas_get_num_threads=None)
+    mkl = SimpleNamespace(MKL_Set_Num_Threads=None, MKL_Get_Max_Threads=None)
+    assert blas._identify(openblas, "/usr/lib/x86_64-linux-gnu/libblas.so.3") == ("openblas", True)
+    assert blas._identify(mkl, "/opt/lib/libblas.so") == ("mkl", True)
+    assert blas._identify(SimpleNamespace(), "/opt/lib/libmkl_rt.so.2") == ("mkl", False)  # no knob: named, not set
+    assert blas._identify(SimpleNamespace(), "/opt/my/libblas.so") == ("custom", False)
+    assert blas._pinned({"OPENBLAS_NUM_THREADS": "3"}, "custom") is None
+
+
+def test_the_pin_is_named_by_the_librarys_own_variable(monkeypatch):
+    from types import SimpleNamespace
+
+    info = blas.BlasInfo("mkl", "/x/libmkl_rt.so.3", "version 2026.2", settable=True, pinned=1)
+    monkeypatch.setattr(blas, "_lib", lambda info: SimpleNamespace(MKL_Get_Max_Threads=lambda: 1))
+    assert info.describe().endswith("threads=1 (pinned by MKL_NUM_THREADS)")
+
+
+def test_the_tuners_key_changes_with_the_library_and_its_version(monkeypatch):
+    from mlx_spec import tuner
+
+    keys = []
+    for info in (blas.BlasInfo("openblas", "/usr/lib/libopenblas.so.0", "core=auto-detected"),
+                 blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.2", version="2026.2"),
+                 blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.3", version="2026.3")):
+        monkeypatch.setattr(mlx_spec, "BLAS", info)
+        keys.append(tuner.machine_info()["blas"])
+    assert keys[0] == "openblas /usr/lib/libopenblas.so.0"  # as stored before (no version: unchanged)
+    assert len(set(keys)) == 3 and keys[2] == "mkl /site/lib/libmkl_rt.so.3 2026.3"
+
+
+@pytest.mark.skipif(not blas._mkl_paths(), reason="the mkl wheel is not installed here")
+def test_the_mkl_version_is_read():
+    import ctypes
+
+    assert blas._mkl_version(ctypes.CDLL(blas._mkl_paths()[0])).count(".") >= 1
+    assert blas._mkl_version(object()) is None
+
+
+def test_mlx_spec_blas_names_any_case_and_a_missing_path_is_named(caplog):
+    assert blas.load_blas({"MLX_SPEC_BLAS": "None"}).detail.startswith("MLX_SPEC_BLAS=none")
+    info = blas.load_blas({"MLX_SPEC_BLAS": "/nope/libblas.so"})
+    assert info.name == "reference" and "MLX_SPEC_BLAS='/nope/libblas.so': no such file" in info.detail
+    assert "auto|mkl|openblas|none" in info.detail and "no such file" in caplog.text

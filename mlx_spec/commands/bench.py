@@ -197,14 +197,14 @@ def concurrency(args) -> int:
     if getattr(args, "block_size", None):
         extra += ["--block-size", str(args.block_size)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
-    if not args.no_mlx_lm:
-        import mlx_spec
+    import mlx_spec
 
+    if not args.no_mlx_lm:
         servers.append(loadtest.mlx_lm_server(target, mlx_spec.BLAS.path))
     rows = loadtest.run(servers, levels, messages, max_tokens=args.max_tokens, requests=args.requests,
                         budget_s=args.time_budget, log=lambda m: print(m, file=sys.stderr))
-    report = {"target": args.target, "levels": levels, "requests_per_client": args.requests,
-              "max_tokens": args.max_tokens, "prompts": [p.id for p in prompts],
+    report = {"target": args.target, "blas": mlx_spec.BLAS.describe(), "levels": levels,
+              "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompts": [p.id for p in prompts],
               "rows": [r.as_dict() for r in rows]}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
