@@ -15,7 +15,8 @@ so a drift of the machine hits both alike:
 
     python scripts/batch_profile.py --versus [--sizes 1,2,4,8] [--tokens 40]
         per batch size, a few steps of each in turn: mlx-lm, ours without a drafter, ours with
-        drafting off, ours with the per-step policy, ours with each sequence drafting as alone
+        drafting off, ours with the per-step policy, the same without widening (a sequence's
+        plain step is not offered to the batch as a draft), ours with each sequence as alone
     python scripts/batch_profile.py --clients 8 [--requests 2] [--tokens 32]
         bench --concurrency's load (clients sending requests one after another) without HTTP
 
@@ -127,12 +128,14 @@ def attention_bench(pair, prompts, reps=12):
           f"per sequence {out[False]:.1f} (x{out[False] / out[True]:.2f})")
 
 
-def _ours(pair, prompts, make_policy, batch_policy, drafter=True):
+def _ours(pair, prompts, make_policy, batch_policy, drafter=True, widen=None):
     """A BatchDecoder with every sequence prefilled; returns one step as a function: tokens
-    committed, and which sequences drafted / accepted (``drafter=False``: no drafter at all)."""
+    committed, and which sequences drafted / accepted (``drafter=False``: no drafter at all).
+    ``widen``: whether a sequence's plain step is offered to the batch as a draft (default: yes,
+    except "as each alone")."""
     dec = BatchDecoder(pair.target, pair.drafter if drafter else None, block_size=4, max_batch=len(prompts),
                        policy=batch_policy())
-    dec.widen = batch_policy is not Always  # "as each alone": each sequence's own wish, plain ones kept plain
+    dec.widen = batch_policy is not Always if widen is None else widen  # "as each alone": plain ones kept plain
     for p in prompts:
         dec.add(p, max_tokens=100_000, policy=make_policy() if make_policy and drafter else None)
     while any(s.anchor_id < 0 for s in dec._seqs.values()):
@@ -168,6 +171,7 @@ def versus(pair, make, prompts, sizes, tokens, block=4):
              "ours, no drafter": lambda ps: _ours(pair, ps, None, Never, drafter=False),
              "ours, drafting off": lambda ps: _ours(pair, ps, make, Never),
              "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchPolicy),
+             "ours, per-step, not widened": lambda ps: _ours(pair, ps, make, BatchPolicy, widen=False),
              "ours, as each alone": lambda ps: _ours(pair, ps, make, Always)}
     print(f"{'':<24} {'tok/s':>7} {'ms/step':>8} {'steps':>5} {'drafting seq-steps':>18} {'acc':>5}")
     for B in sizes:
