@@ -385,9 +385,9 @@ class DraftPolicy:
         return self._plan(ctx, self._options(ctx))
 
     def _options(self, ctx: Context) -> dict[str, tuple[int, float]]:
-        """``options(ctx)``, computed once per context between two ``observe`` calls (the loop
-        asks ``choose`` then ``stays_plain``, or ``stays_plain`` then ``choose``, with one
-        context; only ``observe`` changes what the options depend on)."""
+        """``options(ctx)``, computed once per context between two ``observe`` calls (a queued
+        plain step is asked ``stays_plain`` then ``choose``, the batch's ``peek`` then ``choose``,
+        with one context; only ``observe`` changes what the options depend on)."""
         if self._peek is None or self._peek[0] is not ctx:
             self._peek = (ctx, self.options(ctx))
         return self._peek[1]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 from .adaptive import MAX_LOOKUP
-from .costs import Costs, CostMeter, Progress, ceiling, efficiency  # noqa: F401 (re-exported)
+from .costs import Costs, CostMeter, Progress, ceiling, efficiency
 from .decode import Step, plain_steps, spec_steps
 from .stats import Stats
 

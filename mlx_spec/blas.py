@@ -65,8 +65,9 @@ class BlasInfo:
 
 
 def default_threads() -> int:
-    """OpenBLAS's own default: every core this process may run on (the faster choice on typical
-    hardware; what mlx-lm runs with)."""
+    """Every core this process may run on: OpenBLAS's own default (the faster choice on typical
+    hardware; what mlx-lm runs with). MKL's own default is the physical cores: the same count
+    without SMT (as measured here), half of this with it."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
@@ -109,15 +110,20 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
     return get_threads(info)
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo (``vendor_id``: MKL first on Intel; ``flags``:
+    OpenBLAS's core type); {} where there is none."""
+    out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():  # the first CPU's block ends
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
     except OSError:
         pass
-    return set()
+    return out
 
 
 def _coretype(flags: set[str]) -> str | None:
@@ -127,17 +133,7 @@ def _coretype(flags: set[str]) -> str | None:
     return None  # leave OpenBLAS's own detection (it is right for AVX2 Zen/Haswell here)
 
 
-def _intel(vendor: str | None = None) -> bool:
-    if vendor is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-        except OSError:
-            vendor = ""
-    return vendor == "GenuineIntel"
-
-
-def _pinned(env, name: str = "openblas") -> int | None:
+def _pinned(env, name: str) -> int | None:
     if name not in _KNOBS:  # no thread knob: nothing to pin
         return None
     var = _KNOBS[name][2]
@@ -212,12 +208,13 @@ def load_blas(env: dict | None = None) -> BlasInfo:
         choice = choice.lower()
     if choice == "none":
         return BlasInfo("reference", None, "MLX_SPEC_BLAS=none: MLX's bundled reference BLAS")
+    cpu = _cpuinfo()
     mkl = _mkl_paths() if choice in ("auto", "mkl") else ()
-    for path in candidates(choice, mkl, _intel()):
+    for path in candidates(choice, mkl, intel=cpu.get("vendor_id") == "GenuineIntel"):
         if not os.path.exists(path):
             continue
         if _kind(path) != "mkl" and "OPENBLAS_CORETYPE" not in os.environ:  # (OpenBLAS reads it at load)
-            core = _coretype(_cpu_flags())
+            core = _coretype(set(cpu.get("flags", "").split()))
             if core:
                 os.environ["OPENBLAS_CORETYPE"] = core
         try:

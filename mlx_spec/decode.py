@@ -278,9 +278,10 @@ def spec_steps(
                     key, y, h = plain_pass(anchor, key)
                     fed.append(anchor_id)
                     pending.append(h)
-                    # the step queued next commits one token later: one less room (none left: none)
-                    ctx = context(room - 1) if room > 1 else None
                     while True:
+                        # the step queued next commits one token after the one in flight: one less
+                        # room (the last token's step in flight: none to queue)
+                        ctx = context(max_tokens - n - 1) if n + 1 < max_tokens else None
                         more = ctx is not None and policy.stays_plain(ctx)
                         if more:
                             policy.choose(ctx)
@@ -302,8 +303,6 @@ def spec_steps(
                             break
                         tc = time.perf_counter()
                         learn(prev)
-                        # the next queued step's (the last token's step is already queued: none)
-                        ctx = context(max_tokens - n - 1) if n + 1 < max_tokens else None
                         y = y_next
                     anchor, anchor_id = mx.array(tok, mx.int32), tok
                     continue

@@ -367,7 +367,7 @@ def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = l
     return session
 
 
-def run_follower(cfg: LoadConfig, log: Callable[[str], None]) -> int:
+def run_follower(cfg: LoadConfig, log: Log) -> int:
     """A front end's whole job on a rank other than 0 of an ``mlx.launch`` group: load this
     rank's shard of the pair, then follow rank 0 until it shuts the group down (or is lost: the
     process then exits)."""

@@ -505,8 +505,8 @@ def _names(xs: Sequence[str]) -> str:
     return xs[0] if len(xs) == 1 else f"{', '.join(xs[:-1])} and {xs[-1]}"
 
 
-def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, margin: float = 0.02,
-           floor: float = NOISE_FLOOR, min_gain: float = 0.02, cap: float = NOISE_CAP) -> Decision:
+def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, floor: float = NOISE_FLOOR,
+           min_gain: float = 0.02, cap: float = NOISE_CAP) -> Decision:
     """The (block, threads) to store, from the model speedups (``predicted``, with ``noise``) and
     the deterministic expected tokens per cycle (``tau`` = E(B)). Pure: the same inputs always
     give the same answer, and inputs within noise give the same answer by rule, not by chance.
@@ -514,8 +514,8 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     - Thread count: the one whose best block scores highest; if the ``default_threads`` count
       (all cores, what a machine never tuned runs) has a best block within noise of it, the
       default. (Plain's own thread count is chosen the same way, and is where "off" runs.)
-    - Off: no block beats plain by ``margin`` and by its own noise (twice its standard error, at
-      least ``floor``): plain is the safe choice, and a gain within the noise does not overturn it.
+    - Off: no block beats plain by its own noise (twice the standard error of the gain, at least
+      ``floor``): plain is the safe choice, and a gain within the noise does not overturn it.
     - Block: the blocks within noise of the best that also beat plain by that much are a tie (a
       block the model puts below that never is). It goes to the largest block that still buys
       expected tokens (E(B) at least ``min_gain`` above the last block kept, going up from the
@@ -559,12 +559,12 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, ma
     spec = sorted(by_t[lead_t], key=lambda c: c.block)
     best = tops[lead_t]
     base = plain.predicted if plain else 1.0
-    # a block must beat plain by the margin and by more than its own noise (twice its standard
-    # error, at least the floor): a gain within the noise does not overturn plain, the safe choice
-    noisy = _tol(best, plain, 0.0)  # twice the standard error of the gain over plain
-    need = max(margin, floor, noisy)
+    # a block must beat plain by more than its own noise (twice the standard error of the gain, at
+    # least the floor): a gain within the noise does not overturn plain, the safe choice
+    noisy = _tol(best, plain, 0.0)
+    need = max(floor, noisy)
     if best.predicted < base * (1 + need):
-        what = "its noise" if noisy >= max(margin, floor) else "the floor" if floor > margin else "the margin"
+        what = "its noise" if noisy >= floor else "the floor"
         why = (f"off: the best block {_lbl(best)} x{best.predicted:.2f} does not beat plain"
                f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
                f"(x{base:.2f}) by {need:.1%} ({what})")
@@ -728,10 +728,10 @@ def race_check(res: RaceResult, chosen: Key, **kw) -> Check | None:
     """The raced candidate that beat ``chosen`` by a clear margin (``check``; the largest gain of
     those), else None. Simulated at 3 rounds of 4 candidates (the default budget's race), each
     round's prompt moving every cycle cost alike by ~10 %, the noise estimated as here (20 000
-    races a figure): a candidate equal to the chosen one passes about 1 time in 100 (one of
-    three equal challengers 1 in 36: harmless, equal speed), one 3 % slower 1 in 700 (6 %
-    run-to-run noise) to 1 in 5000 (3 %), one 20 % faster 3 times in 4 at 6 % noise and always
-    at 3 %; a race whose rounds disagree never overrides."""
+    races a figure, runs/tune8-sim.txt): a candidate equal to the chosen one passes about 1
+    time in 100 (one of three equal challengers 1 in 36: harmless, equal speed), one 3 % slower
+    1 in 500 (6 % run-to-run noise) to 1 in 5000 (3 %), one 20 % faster 3 times in 4 at 6 %
+    noise and always at 3 %; a race whose rounds disagree never overrides."""
     return _clearest(checks(res, chosen, **kw))
 
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 
+import mlx_spec  # noqa: F401  (before MLX: it loads the BLAS, or cache_replies runs on the reference one)
 import mlx.core as mx
 
 from mlx_spec.adaptive import LOOKUP, Context, DraftPolicy
@@ -129,8 +130,9 @@ def replay(prompt, full, costs: Costs, max_tokens: int, make, *, eos=(),
 
     policy.stays_plain = noting
     end = int(eos[0]) if eos else 0  # (never read: the reply ends at EOS or at max_tokens)
-    steps.extend(spec_steps(ReplyTarget(list(prompt) + list(full), end), NoDrafter(), prompt, block_size=8,
-                            max_tokens=max_tokens, eos_ids=eos, policy=policy, index=make(prompt)))
+    for s in spec_steps(ReplyTarget(list(prompt) + list(full), end), NoDrafter(), prompt, block_size=8,
+                        max_tokens=max_tokens, eos_ids=eos, policy=policy, index=make(prompt)):
+        steps.append(s)  # one at a time: noting reads how many have come
     got = [t for s in steps for t in s.tokens]
     if got != list(full):
         raise ValueError(f"the replay made {len(got)} tokens, not the reply's {len(full)}: "

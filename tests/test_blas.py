@@ -1,5 +1,7 @@
 """BLAS threads: measured, not pinned; a knob where there is one, a no-op where there is none."""
 
+import os
+
 import pytest
 
 import mlx_spec
@@ -16,8 +18,9 @@ def test_thread_candidates():
 
 
 def test_pinned_only_when_the_user_sets_it():
-    assert blas._pinned({}) is None and blas._pinned({"OPENBLAS_NUM_THREADS": "3"}) == 3
-    assert blas._pinned({"OPENBLAS_NUM_THREADS": "x"}) is None and blas._pinned({"OPENBLAS_NUM_THREADS": "0"}) is None
+    assert blas._pinned({}, "openblas") is None and blas._pinned({"OPENBLAS_NUM_THREADS": "3"}, "openblas") == 3
+    assert blas._pinned({"OPENBLAS_NUM_THREADS": "x"}, "openblas") is None
+    assert blas._pinned({"OPENBLAS_NUM_THREADS": "0"}, "openblas") is None
 
 
 def test_no_knob_is_a_no_op():
@@ -26,7 +29,7 @@ def test_no_knob_is_a_no_op():
         assert "threads" not in info.describe()
 
 
-@pytest.mark.skipif(not mlx_spec.BLAS.settable, reason="no OpenBLAS thread setter on this machine")
+@pytest.mark.skipif(not mlx_spec.BLAS.settable, reason="no BLAS thread setter on this machine")
 def test_set_threads_round_trip_and_bad_input():
     info = mlx_spec.BLAS
     before = blas.get_threads(info)
@@ -50,7 +53,11 @@ def test_which_library_is_tried_first():
     assert blas.candidates("/opt/my/libblas.so", mkl, intel=True) == ("/opt/my/libblas.so",)
     assert blas._kind(mkl[0]) == "mkl" and blas._kind(blas._CANDIDATES[0]) == "openblas"
     assert blas._kind("/opt/my/libblas.so") == "custom"
-    assert blas._intel("GenuineIntel") and not blas._intel("AuthenticAMD")
+    cpu = blas._cpuinfo()  # one read gives both the vendor (MKL first on Intel) and the flags (OpenBLAS's core)
+    text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert ("vendor_id" in cpu) == ("vendor_id" in text) and ("flags" in cpu) == ("\nflags" in text)
+    if cpu.get("vendor_id") == "GenuineIntel" and blas._mkl_paths():
+        assert blas.load_blas({}).name == "mkl"  # auto on this Intel CPU
 
 
 def test_each_library_is_pinned_by_its_own_variable():
@@ -61,7 +68,6 @@ def test_each_library_is_pinned_by_its_own_variable():
 
 def _load_in_child(choice: str) -> dict:
     import json
-    import os
     import subprocess
     import sys
 
@@ -69,7 +75,9 @@ def _load_in_child(choice: str) -> dict:
             "a = mx.arange(12, dtype=mx.float32).reshape(3, 4); "
             "print(json.dumps({'name': b.name, 'pinned': b.pinned, 'threads': blas.get_threads(b), "
             "'mm': (a @ a.T).tolist()}))")
-    env = {**os.environ, "MLX_SPEC_BLAS": choice, "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env["MLX_SPEC_BLAS"] = choice
+    env[{"mkl": "MKL_NUM_THREADS", "openblas": "OPENBLAS_NUM_THREADS"}[choice]] = "1"  # its own variable alone
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,7 +85,7 @@ def _load_in_child(choice: str) -> dict:
 
 @pytest.mark.parametrize("choice", ["mkl", "openblas"])
 def test_each_library_loads_multiplies_and_takes_its_pin(choice):
-    present = blas._mkl_paths() if choice == "mkl" else [p for p in blas._CANDIDATES if __import__("os").path.exists(p)]
+    present = blas._mkl_paths() if choice == "mkl" else [p for p in blas._CANDIDATES if os.path.exists(p)]
     if not present:
         pytest.skip(f"{choice} is not installed here")
     got = _load_in_child(choice)

@@ -14,6 +14,7 @@ index it is given), whose pipelined plain steps are decided one token early, nev
 """
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
@@ -138,13 +139,32 @@ def test_a_proposal_chooses_once_per_token():
     assert sorted(calls) == list(range(len(PROMPT) + 1, len(PROMPT) + len(EDITED) + 1))
 
 
+def _edited_copies(n=300):
+    """(prompt, reply) pairs over a 12-token vocabulary: replies copy spans of their prompt with
+    new tokens between them, so matches of every length compete with the pointer's."""
+    rng = random.Random(0)
+    for _ in range(n):
+        prompt, reply = [rng.randrange(12) for _ in range(rng.randint(20, 80))], []
+        while len(reply) < 60:
+            if rng.random() < 0.6:
+                s = rng.randrange(len(prompt))
+                reply += prompt[s:s + rng.randint(3, 20)]
+            else:
+                reply += [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+        yield prompt, reply[:60]
+
+
 def test_a_reused_choice_is_the_choice_now():
     """Every proposal along an edited copy (a rename, an insertion, a deletion), a token or a few
-    at a time, equals the one chosen afresh at that point."""
-    for chunk in (1, 3):
-        idx = SuffixIndex(PROMPT, 4)
-        for i in range(0, len(EDITED), chunk):
-            idx.extend(EDITED[i:i + chunk])
+    at a time, equals the one chosen afresh at that point; so along random edited copies, where
+    a longer match elsewhere often beats a pointer that has followed the copy (reusing the
+    pointer then, not only where it was just taken, fails here)."""
+    cases = [(PROMPT, EDITED, chunk) for chunk in (1, 3)]
+    cases += [(p, r, 1 + k % 3) for k, (p, r) in enumerate(_edited_copies())]
+    for prompt, reply, chunk in cases:
+        idx = SuffixIndex(prompt, 4, stop=[0])
+        for i in range(0, len(reply), chunk):
+            idx.extend(reply[i:i + chunk])
             got = idx.propose(5)
             run, idx._run = idx._run, None  # as if the pointer had not just been taken: chosen afresh
             assert got == idx.propose(5)
@@ -247,12 +267,23 @@ def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
     (Never queueing, or queueing only when the context one token on would stay plain too,
     measured no better: docs/bench.md, session 8.)"""
     reply, eos = REPLIES["edits"], 0
-    index = SuffixIndex(PROMPT, 4, stop=[eos])
-    seen = []  # the index's length at every decision
+
+    class At(int):
+        """A match length that also says how long the index was when it was proposed."""
+
+    class Noted(SuffixIndex):
+        def propose(self, k):
+            look, match = super().propose(k)
+            match = At(match)
+            match.at = len(self)
+            return look, match
+
+    index = Noted(PROMPT, 4, stop=[eos])
+    seen = []  # at every decision, the index's length its lookup context was proposed at
 
     class Noting(CurveTimed):
         def choose(self, ctx):
-            seen.append(len(index))
+            seen.append(ctx.match.at)
             return super().choose(ctx)
 
     steps = list(spec_steps(ReplyTarget(PROMPT + reply, eos), NoDrafter(), PROMPT, block_size=8,

@@ -39,7 +39,7 @@ def run(args) -> int:
 
     from ..errors import BadRequest
     from ..cli import load_config
-    from ..progress import Bar as ProgressBar
+    from ..progress import Bar
     from ..session import open_session
     from ..tuner import DEFAULT_BUDGET_S, save_result, tune
 
@@ -60,7 +60,7 @@ def run(args) -> int:
         raise BadRequest(f"--budget must be a positive number of seconds (got {args.budget:g})")
     budget = args.budget or DEFAULT_BUDGET_S
     pair = open_session(load, log=lambda m: print(m, file=err), tuning="none").pair
-    bar = ProgressBar(err, "tuning")
+    bar = Bar(err, "tuning")
     result = tune(pair, budget_s=budget, progress=bar, tokens=args.tokens, candidates=cands)
     bar.close()
     path = save_result(result)
