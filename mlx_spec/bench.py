@@ -393,6 +393,7 @@ class Row:
     worst_mlx: tuple | None = None
     sources: dict = field(default_factory=dict)  # draft source -> {cycles, drafted, accepted}
     tau: float | None = None
+    tau_by_kind: dict = field(default_factory=dict)  # prompt kind -> tau over that kind's runs
     acceptance: float | None = None
     acceptance_by_position: list = field(default_factory=list)
     drafted: int = 0
@@ -467,6 +468,10 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
                   diverged=sum(1 for s in mine if plain_tokens.get((s.repeat, s.prompt_id), s.run.tokens) != s.run.tokens))
         if m.speculative:
             row.tau = _r(st.mean_acceptance_length)
+            for k in kinds:
+                st_k = Stats.merged([s.run.stats for s in mine if s.kind == k])
+                if st_k.cycles:
+                    row.tau_by_kind[k] = _r(st_k.mean_acceptance_length)
             row.acceptance = _r(st.acceptance_rate)
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
@@ -565,6 +570,18 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
             if m.speculative and row.ceiling and m.label in row.speedup:
                 row.of_ceiling[m.label] = _r(row.speedup[m.label] / row.ceiling)
         out.append(row)
+    return out
+
+
+def reach_table(costs: Costs, dflash_max: int = 0) -> list:
+    """``Costs.reach`` at every block the curve measured, one sequence: for the lookup (free
+    proposals) at each, for DFlash up to ``dflash_max`` (the longest block the drafter proposes;
+    0: none)."""
+    out = []
+    for B in sorted(b for b in costs.tt_ms if b >= 2):
+        if B <= dflash_max and B in costs.td_ms:
+            out.append(costs.reach(B))
+        out.append(costs.reach(B, source="lookup"))
     return out
 
 

@@ -24,6 +24,7 @@ Metal or a BLAS without the setter there is no knob: ``set_threads`` does nothin
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 import logging
 import os
@@ -110,12 +111,14 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
     return get_threads(info)
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first CPU's fields in /proc/cpuinfo (``vendor_id``: MKL first on Intel; ``flags``:
-    OpenBLAS's core type); {} where there is none."""
+@functools.lru_cache(maxsize=None)
+def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo, read once per path (``vendor_id``: MKL first on
+    Intel; ``flags``: OpenBLAS's core type; ``model name``: the tuner's machine key); {} where
+    there is none. The dict is shared: do not change it."""
     out: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             for line in f:
                 if not line.strip():  # the first CPU's block ends
                     break
@@ -208,7 +211,7 @@ def load_blas(env: dict | None = None) -> BlasInfo:
         choice = choice.lower()
     if choice == "none":
         return BlasInfo("reference", None, "MLX_SPEC_BLAS=none: MLX's bundled reference BLAS")
-    cpu = _cpuinfo()
+    cpu = cpuinfo()
     mkl = _mkl_paths() if choice in ("auto", "mkl") else ()
     for path in candidates(choice, mkl, intel=cpu.get("vendor_id") == "GenuineIntel"):
         if not os.path.exists(path):

@@ -30,6 +30,25 @@ def efficiency(speedup: float, ceil: float) -> float:
 
 
 @dataclass(frozen=True)
+class Reach:
+    """What drafting at one block size can give on a pass-cost curve (no host overhead, the
+    measured passes only). A cycle of ``seqs`` sequences verifies ``block`` rows per sequence
+    (the anchor and ``block - 1`` drafts) and commits tau tokens per sequence; it replaces tau
+    plain steps of those sequences. ``break_even`` is the tau at which the cycle costs exactly
+    the plain steps it replaces, so drafting that commits tau runs ``tau / break_even`` times as
+    fast as plain decoding, and ``perfect`` (every draft accepted: tau = block) is the most this
+    block can give, whatever the drafter."""
+    block: int
+    seqs: int
+    source: str  # "dflash": the drafter's pass is paid each cycle; "lookup": proposals are free
+    break_even: float
+    perfect: float
+
+    def speedup(self, tau: float) -> float:
+        return tau / self.break_even
+
+
+@dataclass(frozen=True)
 class Costs:
     t1_ms: float  # plain decode step of the target (mlx-lm model)
     td_ms: dict[int, float]  # draft pass at block size B
@@ -65,6 +84,20 @@ class Costs:
         step, Tt(rows) for a verify) plus, where the drafter ran (``drafter_block`` > 0), its
         Td(drafter_block); no host overhead."""
         return (self.t1_ms if rows <= 1 else self.verify(rows)) + self.draft(drafter_block)
+
+    def reach(self, block: int, *, seqs: int = 1, source: str = "dflash") -> Reach:
+        """``Reach`` of drafting ``block`` rows per sequence for ``seqs`` sequences at once: the
+        cycle is one verify over ``seqs * block`` rows (plus, for "dflash", a draft pass over as
+        many rows: Td of that size), against one plain step over ``seqs`` rows (T1 alone, Tt(seqs)
+        for a batch: a verify pass of that many rows stands in for a batched plain step)."""
+        if block < 2 or seqs < 1:
+            raise ValueError(f"reach wants block >= 2 and seqs >= 1 (got {block}, {seqs})")
+        if source not in ("dflash", "lookup"):
+            raise ValueError(f"unknown draft source {source!r} (dflash, lookup)")
+        rows = seqs * block
+        plain = self.step_ms(seqs)
+        be = self.step_ms(rows, rows if source == "dflash" else 0) / plain
+        return Reach(block, seqs, source, be, block / be)
 
     def timed(self, step):
         """``step`` (a ``decode.Step``) as this curve times it: ``step_ms`` of its verified rows

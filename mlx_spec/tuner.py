@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .adaptive import expected_tokens
-from .bench import Method, Runner, spread
-from .blas import default_threads, set_threads, thread_candidates
+from .bench import Method, Runner, model_ms, spread
+from .blas import cpuinfo, default_threads, set_threads, thread_candidates
 from .costs import Costs, CostMeter, Progress
 from .errors import MlxSpecError
 from .stats import Stats
@@ -96,14 +96,7 @@ def cpu_name() -> str:
             return str(mx.device_info().get("device_name", "apple-gpu"))
     except Exception:
         pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:
@@ -448,6 +441,16 @@ def load_result(key: dict, root: Path | None = None) -> TuneResult | None:
 
 
 # ---------------------------------------------------------------- pure choice
+
+def cycle_overhead(run, costs: Costs, spec: bool) -> float | None:
+    """A run's measured time per cycle after the first step minus its passes' model time
+    (``bench.model_ms``: a drafted run's last cycle with one token of room verifies the anchor
+    alone, a Tt(1) pass, not a plain step's T1); None for a run without cycles."""
+    n = sum(run.blocks.values())
+    if not n:
+        return None
+    return (run.decode_s * 1e3 - model_ms(Method("dflash" if spec else "plain", 2), run.blocks, costs)) / n
+
 
 def _with_overhead(passes_ms: float, overhead_ms: float) -> float:
     """A loop's time from its passes and the overhead on top, never below half the passes (a loop
@@ -957,14 +960,7 @@ def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None 
         return curves[t].step_ms(B, B)
 
     def residuals(t, runs, spec: bool) -> list[float]:
-        """Per run: measured time per cycle after the first step minus the passes' model time."""
-        out = []
-        for run_ in runs:
-            n = sum(run_.blocks.values())
-            if n:
-                model = sum(k * cycle_ms(t, L if spec else 1) for L, k in run_.blocks.items())
-                out.append((run_.decode_s * 1e3 - model) / n)
-        return out
+        return [x for x in (cycle_overhead(r, curves[t], spec) for r in runs) if x is not None]
 
     o_probe = statistics.median(residuals(main_t, warm, True) or [0.0])
 

@@ -1,8 +1,9 @@
 """Where a target pass's time goes as its rows grow: attention (norm, projections, RoPE, the
 softmax over the context), the MLP (norm, projections, SiLU), the output head, per decoder
 layer stack, at 1..32 rows; plus what one elementwise transcendental op (sigmoid) and one
-matmul cost per row on this backend. It explains the verify-cost curve Tt(L) that decides
-whether drafting pays: on a GPU rows are nearly free up to the compute bound; on MLX's CPU
+matmul cost per row on this backend; then the tau a cycle must commit per sequence to pay for
+its rows, alone and for 2, 4, 8 sequences at once (``Costs.reach``). It explains the verify-cost
+curve Tt(L) that decides whether drafting pays: on a GPU rows are nearly free up to the compute bound; on MLX's CPU
 backend the matmuls stay nearly flat (memory bound) but elementwise work grows with the rows.
 
     python scripts/pass_anatomy.py [--target ID] [--context 240] [--rows 1,2,4,8,16,32] [--rounds 8]
@@ -23,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.config import LoadConfig
+from mlx_spec.costs import Costs
 from mlx_spec.default_target import DEFAULT_TARGET_ID
 from mlx_spec.session import open_session
 from mlx_spec.target import Target
@@ -112,6 +114,23 @@ def main() -> None:
         print(f"{R:>5} " + " ".join(f"{med[(c, R)]:>10.1f}" for c in cols)
               + f"   {med[('pass', R)] / med[('pass', rows[0])]:>12.2f}  {ns:>15.1f}")
     print(f"(sigmoid: {n} ops over rows x {I}, the SiLU's shape; matmul: {n} of rows x {H} @ {H} x {I})")
+    if 1 in rows:
+        reach(Costs(med[("pass", 1)], {}, {R: med[("pass", R)] for R in rows}, a.context), rows)
+
+
+def reach(curve: Costs, rows: list[int]) -> None:
+    """Break-even tau per sequence of drafting B rows for n sequences at once (costs.Costs.reach,
+    the target's passes alone: no draft pass, no taps, so a lower bound for DFlash): n sequences'
+    plain step is one pass of n rows, their cycle one pass of n * B rows."""
+    seqs = [s for s in (1, 2, 4, 8) if s in rows]
+    blocks = [B for B in (2, 3, 4, 6, 8) if any(s * B in rows for s in seqs)]
+    print("\nbreak-even tau per sequence (tokens a cycle must commit to pay for its rows; only the "
+          "row counts measured above):")
+    print(f"{'block':>5} " + " ".join(f"{f'{s} seq':>8}" for s in seqs))
+    for B in blocks:
+        cells = [f"{curve.reach(B, seqs=s, source='lookup').break_even:>8.2f}" if s * B in rows else f"{'-':>8}"
+                 for s in seqs]
+        print(f"{B:>5} " + " ".join(cells))
 
 
 if __name__ == "__main__":

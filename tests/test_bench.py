@@ -8,7 +8,7 @@ from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, ti
 
 from mlx_spec.bench import (Costs, Method, PromptRow, Run, Sample, ceiling, copy_ceiling, copy_oracle,
                             copy_share, efficiency, engaged, pooled_ceiling, prompt_report,
-                            subset_speedups, summarize)
+                            reach_table, subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.baselines import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
 from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
@@ -134,6 +134,18 @@ def test_a_policy_rows_model_time_charges_the_draft_pass_only_where_the_drafter_
     assert model_ms(Method("dflash", 4), {4: 3}, costs) == pytest.approx(3 * 150)
 
 
+def test_a_fixed_block_runs_one_row_cycle_is_a_verify_pass_not_a_plain_step():
+    """Without a policy, spec_steps verifies the anchor alone through the target's verify pass
+    (taps recorded) when one token of room is left (L = 1: most 24-token tuner runs end so):
+    model_ms books Tt(1), not T1 as Costs.step_ms(1, 1) would, and no draft pass."""
+    from mlx_spec.bench import model_ms
+
+    costs = Costs(100.0, {4: 20.0}, {1: 110.0, 4: 130.0}, 32)
+    assert model_ms(Method("dflash", 4), {1: 1, 4: 3}, costs) == 110.0 + 3 * (20.0 + 130.0)
+    assert costs.step_ms(1, 1) == 100.0  # (the policy loop's one-row cycle: a plain step)
+    assert model_ms(Method("plain"), {1: 5}, costs) == 5 * 100.0
+
+
 def test_a_switched_cycle_charges_the_draft_pass_at_the_drafters_block(monkeypatch):
     """pick() may verify the lookup's 32 drafts after the drafter ran at 8: the drafter's pass is
     charged at Td(8), not Td(33)."""
@@ -188,6 +200,7 @@ def test_two_baselines_per_kind_and_the_worst_prompt():
     assert p.speedup == 1.0 and p.speedup_mlx == pytest.approx(0.8) and m.speedup == pytest.approx(1.25)
     assert s.speedup_by_kind == {"code": pytest.approx(24 * 0.1 / (8 * 0.075)), "prose": pytest.approx(1.5)}
     assert s.speedup_by_kind_mlx["prose"] == pytest.approx(1.2)
+    assert s.tau_by_kind == {"code": 3.0, "prose": 3.0} and p.tau_by_kind == {}  # drafting rows only
     assert s.worst == ("p1", pytest.approx(1.5)) and s.worst_mlx == ("p1", pytest.approx(1.2))
     assert m.worst_mlx == (m.worst_mlx[0], 1.0)
     prompts = [("c1", "code", [0, 1, 2, 3, 4, 5]), ("c2", "code", [7]), ("p1", "prose", [9])]
@@ -341,6 +354,10 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
             tokens, ms = p["oracle"]
             assert p["ceiling"] == pytest.approx(tokens * out["costs"]["t1_ms"] / ms, rel=0.05) and p["ceiling"] >= 1.0
     assert "agent_ceiling" in out
+    reach = {(r["block"], r["source"]): r for r in out["reach"]}  # every measured block, DFlash to its max
+    assert {(2, "dflash"), (4, "dflash"), (2, "lookup"), (4, "lookup")} <= set(reach)
+    tt, td, t1 = out["costs"]["tt_ms"], out["costs"]["td_ms"], out["costs"]["t1_ms"]
+    assert reach[(4, "dflash")]["break_even"] == pytest.approx((tt["4"] + td["4"]) / t1, rel=1e-3)
 
 
 def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
@@ -415,3 +432,17 @@ def test_merged_stats_add_the_drafter_counters():
         parts.append(st)
     m = Stats.merged(parts)
     assert (m.cycles, m.plain_cycles, m.drafter_passes, m.trimmed) == (3, 2, 2, 1)
+
+
+def test_the_reach_table_prices_every_measured_block_and_dflash_up_to_the_drafters():
+    from mlx_spec.commands.bench import reach_lines
+
+    costs = Costs(100.0, {2: 10.0, 4: 20.0, 8: 30.0}, {1: 105.0, 2: 120.0, 4: 150.0, 8: 200.0, 16: 300.0}, 0)
+    got = {(r.block, r.source): r for r in reach_table(costs, dflash_max=4)}
+    assert sorted(got) == [(2, "dflash"), (2, "lookup"), (4, "dflash"), (4, "lookup"), (8, "lookup"), (16, "lookup")]
+    assert got[(4, "dflash")].break_even == pytest.approx(1.7) and got[(16, "lookup")].perfect == pytest.approx(16 / 3)
+    assert all(r.source == "lookup" for r in reach_table(costs))  # no drafter: the lookup only
+    row = summarize([Sample(Method("dflash", 4), 0, "c1", "code", _run(_steps([(3, 2)] * 8), 0.1))])[0]
+    text = reach_lines(reach_table(costs, dflash_max=4), [row], ["code"])
+    assert "4      1.70                   x2.35" in text  # break-even tau, perfect speedup
+    assert "dflash B=4: measured tau code 3.00 (x1.76)" in text  # 3 / 1.7

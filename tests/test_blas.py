@@ -53,7 +53,7 @@ def test_which_library_is_tried_first():
     assert blas.candidates("/opt/my/libblas.so", mkl, intel=True) == ("/opt/my/libblas.so",)
     assert blas._kind(mkl[0]) == "mkl" and blas._kind(blas._CANDIDATES[0]) == "openblas"
     assert blas._kind("/opt/my/libblas.so") == "custom"
-    cpu = blas._cpuinfo()  # one read gives both the vendor (MKL first on Intel) and the flags (OpenBLAS's core)
+    cpu = blas.cpuinfo()  # one read gives both the vendor (MKL first on Intel) and the flags (OpenBLAS's core)
     text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert ("vendor_id" in cpu) == ("vendor_id" in text) and ("flags" in cpu) == ("\nflags" in text)
     if cpu.get("vendor_id") == "GenuineIntel" and blas._mkl_paths():

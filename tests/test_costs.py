@@ -24,3 +24,28 @@ def test_a_timed_step_carries_the_curves_times_and_nothing_else():
     assert got.tokens == step.tokens and got.draft_block == 8 and got.source == "dflash"
     plain = CURVE.timed(Step((5,), elapsed_ms=3.0, verify_ms=3.0, source="plain"))
     assert (plain.verify_ms, plain.draft_ms, plain.elapsed_ms) == (100.0, 0.0, 100.0)
+
+
+def test_reach_is_the_tau_where_a_cycle_costs_the_plain_steps_it_replaces():
+    """Costs.reach: break-even tau = cycle / plain step; speedup at tau = tau / break-even;
+    perfect = block / break-even (every draft accepted)."""
+    r = CURVE.reach(4)  # Td(4) + Tt(4) = 170 against T1 = 100
+    assert (r.block, r.seqs, r.source) == (4, 1, "dflash")
+    assert r.break_even == pytest.approx(1.7) and r.perfect == pytest.approx(4 / 1.7)
+    assert r.speedup(3.4) == pytest.approx(2.0)
+    lookup = CURVE.reach(4, source="lookup")  # free proposals: the verify alone
+    assert lookup.break_even == pytest.approx(1.4) and lookup.perfect == pytest.approx(4 / 1.4)
+    # two sequences at once: one verify over 8 rows (and a draft pass over 8) against one plain
+    # step of the pair, priced as a verify of 2 rows (110 + 30/3 by the line from 1 to 4 rows)
+    two = CURVE.reach(4, seqs=2)
+    assert two.break_even == pytest.approx((180.0 + 50.0) / 120.0)
+    assert CURVE.reach(4, seqs=2, source="lookup").break_even == pytest.approx(180.0 / 120.0)
+
+
+def test_reach_refuses_what_it_cannot_price():
+    with pytest.raises(ValueError, match="block >= 2"):
+        CURVE.reach(1)
+    with pytest.raises(ValueError, match="seqs >= 1"):
+        CURVE.reach(4, seqs=0)
+    with pytest.raises(ValueError, match="unknown draft source"):
+        CURVE.reach(4, source="ngram")

@@ -11,7 +11,9 @@ from helpers import save_tiny_pair
 from mlx_spec.adaptive import AdaptiveController, expected_tokens
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
-from mlx_spec.tuner import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check, decide,
+from mlx_spec.stats import Stats
+from mlx_spec.tuner import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check,
+                            cycle_overhead, decide,
                             default_candidates, ensure_tuned, key_hash, load_result, median_se, predict, race,
                             race_check, result_path, save_result, tune, tune_key)
 
@@ -461,6 +463,27 @@ def test_race_times_the_leaders_neighbours_and_drops_clear_losers():
     res = race(keys, _fake_runs(truth, clock, 0.01), n_prompts=3, judge_every=1, neighbours=neighbours,
                clock=clock, min_rounds=3, max_rounds=20, clear_margin=0.5, keep=[(8, None)])
     assert (8, None) not in res.dropped and (8, None) in res.final and len(res.ratio[(8, None)]) >= 5
+
+
+def test_cpu_name_is_the_first_cpus_model_name_from_the_blas_read(tmp_path, monkeypatch):
+    """The key's CPU name comes from blas's one /proc/cpuinfo parse (the first CPU's block);
+    without a model name (no /proc/cpuinfo: macOS without Metal, others) it is platform's."""
+    import platform
+
+    import mlx.core as mx
+
+    from mlx_spec import blas, tuner
+
+    if mx.metal.is_available():
+        pytest.skip("on Metal the key names the GPU")
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Fake(R) CPU 9000 @ 1.00GHz\n"
+                    "flags\t\t: fpu avx2\n\nprocessor\t: 1\nmodel name\t: another\n")
+    assert blas.cpuinfo(str(fake))["model name"] == "Fake(R) CPU 9000 @ 1.00GHz"
+    monkeypatch.setattr(tuner, "cpuinfo", lambda: blas.cpuinfo(str(fake)))
+    assert tuner.cpu_name() == "Fake(R) CPU 9000 @ 1.00GHz"
+    monkeypatch.setattr(tuner, "cpuinfo", lambda: blas.cpuinfo(str(tmp_path / "missing")))
+    assert tuner.cpu_name() == (platform.processor() or platform.machine())
 
 
 @pytest.fixture(scope="module")
@@ -926,3 +949,16 @@ def test_controller_reaches_most_of_the_best_fixed_rate():
                 L = c(_step(L, a, cycle_ms(L)) if L > 1 else _step(1, 0, cycle_ms(1)))
             rates.append(toks / ms)
         assert sum(rates) / len(rates) >= 0.9 * best, cond
+
+
+def test_a_runs_overhead_books_its_one_row_cycle_as_a_verify_pass():
+    """The tuner's per-cycle overhead: a drafted run's last cycle with one token of room verifies
+    the anchor alone (Tt(1) = 60 ms here), not a plain step (T1 = 50 ms)."""
+    from mlx_spec.bench import Run
+
+    curve = Costs(50.0, {4: 10.0}, {1: 60.0, 4: 90.0}, 0)
+    run = Run([0] * 32, 1.0 + 0.9 + 0.07, 1.0, 1, Stats(), {4: 9, 1: 1})  # 9 x (10 + 90) + 60 = 960 ms of passes
+    assert cycle_overhead(run, curve, spec=True) == pytest.approx((970.0 - 960.0) / 10)
+    plain = Run([0] * 10, 1.0 + 0.53, 1.0, 1, Stats(), {1: 10})  # 10 x T1 = 500 ms
+    assert cycle_overhead(plain, curve, spec=False) == pytest.approx(3.0)
+    assert cycle_overhead(Run([0], 1.0, 1.0, 1, Stats(), {}), curve, spec=True) is None

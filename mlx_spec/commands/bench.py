@@ -171,6 +171,31 @@ def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
     return "\n".join(out)
 
 
+def reach_lines(reach, rows, kinds) -> str:
+    """What drafting can reach on this run's pass costs (``bench.reach_table``): per block, the
+    tau at which a cycle breaks even and the speedup of a perfect drafter, DFlash (its pass paid)
+    and lookup (free proposals); then each fixed DFlash row's tau by prompt kind and what that tau
+    gives at its block."""
+    by = {(r.block, r.source): r for r in reach}
+    blocks = sorted({r.block for r in reach})
+    cell = lambda r, f: "-" if r is None else f(r)  # noqa: E731
+    lines = [[str(B), *[cell(by.get((B, src)), f) for src in ("dflash", "lookup")
+                         for f in (lambda r: _fmt(r.break_even), lambda r: "x" + _fmt(r.perfect))]]
+             for B in blocks]
+    out = ["what drafting can reach here (this run's pass costs, one sequence, no host overhead; tau = tokens a "
+           "cycle commits; a cycle committing tau runs tau / break-even times as fast as plain steps; perfect = "
+           "every draft accepted):"]
+    out += _grid(["block", "dflash break-even tau", "dflash perfect", "lookup break-even tau", "lookup perfect"], lines)
+    fixed = [r for r in rows if r.status == "ok" and r.kind == "dflash" and r.tau_by_kind
+             and (r.block_size, "dflash") in by]
+    for r in fixed:
+        R = by[(r.block_size, "dflash")]
+        out.append(f"  {r.label}: measured tau " + ", ".join(
+            f"{k} {_fmt(r.tau_by_kind[k])} (x{_fmt(R.speedup(r.tau_by_kind[k]))})"
+            for k in kinds if k in r.tau_by_kind))
+    return "\n".join(out)
+
+
 def concurrency(args) -> int:
     """``--concurrency``: mlx_spec serve and mlx_lm.server under 1..N concurrent clients."""
     from .. import loadtest
@@ -229,7 +254,7 @@ def run(args) -> int:
 
     from .. import adaptive
     from ..bench import (COPY_SUBSET, CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report,
-                         subset_speedups, summarize)
+                         reach_table, subset_speedups, summarize)
     from ..blas import default_threads
     from ..errors import BadRequest
     from ..cli import load_config
@@ -325,6 +350,7 @@ def run(args) -> int:
     subset = subset_speedups(samples, copying) if copying else {}
     ceilings = {"agent": pooled_ceiling(agent, costs.t1_ms),
                 "copying": pooled_ceiling([p for p in agent if p.prompt_id in copying], costs.t1_ms)}
+    reach = reach_table(costs, adaptive_max if pair.drafter is not None else 0)
     fixed = [r for r in rows if r.kind == "dflash" and r.status == "ok" and r.decode_tps]
     best_fixed = max(fixed, key=lambda r: r.e2e_speedup or 0).label if fixed else None
     report = {
@@ -340,6 +366,8 @@ def run(args) -> int:
             "min_share": COPY_SUBSET, "prompts": sorted(copying), "ceiling": ceilings["copying"],
             "speedup": {m: {"plain": a, "mlx-lm": b} for m, (a, b) in subset.items()}},
         "agent_ceiling": ceilings["agent"],
+        "reach": [{**asdict(r), "break_even": round(r.break_even, 3), "perfect": round(r.perfect, 3)}
+                  for r in reach],
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -356,6 +384,9 @@ def run(args) -> int:
         if agent:
             print()
             print(copy_table(agent, rows, subset, ceilings))
+        if reach:
+            print()
+            print(reach_lines(reach, rows, kinds))
         if best_fixed:
             by = {r.label: r for r in rows}
             line = f"\nbest fixed block: {best_fixed} (e2e x{_fmt(by[best_fixed].e2e_speedup)})"
