@@ -9,10 +9,11 @@ file (T1, Td(L), Tt(L)) instead of the wall clock, so its choices, and the figur
 on how busy the machine is (greedy tokens are deterministic): per reply the model time (T1 per
 plain step, Tt(L) per verify, Td(L) where the drafter ran), the model-time speedup over plain
 steps, the copy ceiling (bench.copy_ceiling) and its share, and the totals over the replies that
-repeat their prompt (copy share >= 50 %).
+repeat their prompt (copy share >= 50 %) and, where the prompts are of several kinds, per kind.
 
     python scripts/agent_trace.py [--tokens 128] [--prompts agent-1,agent-3] [--sources dflash,lookup] [--costs]
-    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench6.json [--queue fresh]
+    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench9-mkl.json [--queue fresh]
+    python scripts/agent_trace.py --tokens 64 --model-time runs/issue17-bench9-mkl.json --prompts code-1,math-1,prose-1
 
 ``--queue fresh|ahead`` changes when a run of plain steps queues the next one (lookup_replay.queue_rule:
 never, or only if the context one token on would stay plain too), to measure that one-token lag.
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="default: the bundled drafter")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", default=None, help="prompt ids (default: all of --kinds)")
-    ap.add_argument("--kinds", default="agent", help="built-in prompt kinds (default: agent)")
+    ap.add_argument("--kinds", default=None, help="built-in prompt kinds (default: agent; with --prompts: all)")
     ap.add_argument("--sources", default="dflash,lookup")
     ap.add_argument("--costs", action="store_true", help="also time Tt(L), L = 1..33, at the prompts' context")
     ap.add_argument("--model-time", metavar="BENCH_JSON", default=None,
@@ -52,6 +53,11 @@ def main() -> None:
     ap.add_argument("--queue", choices=QUEUE_RULES, default="engine",
                     help="when a run of plain steps queues the next one (default: as the engine)")
     a = ap.parse_args()
+    want = set(a.prompts.split(",")) if a.prompts else None
+    kinds = tuple(a.kinds.split(",")) if a.kinds else None if want else ("agent",)
+    prompts = [p for p in builtin_prompts(kinds) if want is None or p.id in want]
+    if want and want - {p.id for p in prompts}:
+        ap.error(f"no built-in prompt {', '.join(sorted(want - {p.id for p in prompts}))} among kinds {kinds or 'all'}")
     # loaded as the commands load it (the tuned result's key names the target as they do)
     cfg = LoadConfig(target=a.target, drafter=a.drafter and os.path.abspath(a.drafter))
     pair = open_session(cfg, tuning="none").pair
@@ -59,8 +65,6 @@ def main() -> None:
     print(f"tuned result: {tuned.source if tuned else 'none (the estimate)'}")
     apply_threads(tuned)
     eos = tuple(pair.tokenizer.eos_token_ids)
-    want = set(a.prompts.split(",")) if a.prompts else None
-    prompts = [p for p in builtin_prompts(tuple(a.kinds.split(","))) if want is None or p.id in want]
     policies = Policies(pair, tuned, sources=tuple(a.sources.split(",")))
     model = None
     if a.model_time:  # the policies price cycles by this curve (the tuned prior is kept)
@@ -68,6 +72,7 @@ def main() -> None:
             model = Costs.from_dict(json.load(f)["costs"])
         policies.costs, policies.measured = model, True
     totals = {scope: {"ms": 0.0, "tokens": 0, "cycles": 0} for scope in SCOPES}
+    kinds = {}  # kind -> the same totals, where the prompts are of several kinds
     oracles = {scope: [] for scope in SCOPES}  # copy_oracle's (tokens, ms) per reply
     for p in prompts:
         ids = p.encode(pair.tokenizer)
@@ -122,11 +127,18 @@ def main() -> None:
                 for k, v in (("ms", ms), ("tokens", n), ("cycles", len(trace))):
                     totals[scope][k] += v
                 oracles[scope].append((o_tok, o_ms))
+            kind = kinds.setdefault(p.kind, {"ms": 0.0, "tokens": 0, "cycles": 0})
+            for k, v in (("ms", ms), ("tokens", n), ("cycles", len(trace))):
+                kind[k] += v
     for scope, total in totals.items():
         if model is not None and total["ms"] > 0:
             s_ = total["tokens"] * model.t1_ms / total["ms"]
             c_ = oracle_ceiling(oracles[scope], model.t1_ms)
             print(f"\n{scope} replies: model-time speedup {s_:.3f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
+                  f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
+    if model is not None and len(kinds) > 1:
+        for kind, total in kinds.items():
+            print(f"{kind} replies: model-time speedup {total['tokens'] * model.t1_ms / total['ms']:.3f}x, "
                   f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
     if a.costs:
         ids = prompts[0].encode(pair.tokenizer)
