@@ -1,9 +1,10 @@
 """Where a target pass's time goes as its rows grow: attention (norm, projections, RoPE, the
 softmax over the context), the MLP (norm, projections, SiLU), the output head, per decoder
 layer stack, at 1..32 rows; plus what one elementwise transcendental op (sigmoid) and one
-matmul cost per row on this backend; then the tau a cycle must commit per sequence to pay for
-its rows, alone and for 2, 4, 8 sequences at once (``Costs.reach``). It explains the verify-cost
-curve Tt(L) that decides whether drafting pays: on a GPU rows are nearly free up to the compute bound; on MLX's CPU
+matmul cost per row on this backend, and one exp / sigmoid per element against numpy's exp;
+then the tau a cycle must commit per sequence to pay for its rows, alone and for 2, 4, 8
+sequences at once (``Costs.reach``). It explains the verify-cost curve Tt(L) that decides
+whether drafting pays: on a GPU rows are nearly free up to the compute bound; on MLX's CPU
 backend the matmuls stay nearly flat (memory bound) but elementwise work grows with the rows.
 
     python scripts/pass_anatomy.py [--target ID] [--context 240] [--rows 1,2,4,8,16,32] [--rounds 8]
@@ -114,8 +115,32 @@ def main() -> None:
         print(f"{R:>5} " + " ".join(f"{med[(c, R)]:>10.1f}" for c in cols)
               + f"   {med[('pass', R)] / med[('pass', rows[0])]:>12.2f}  {ns:>15.1f}")
     print(f"(sigmoid: {n} ops over rows x {I}, the SiLU's shape; matmul: {n} of rows x {H} @ {H} x {I})")
+    print(elementwise_line())
     if 1 in rows:
         reach(Costs(med[("pass", 1)], {}, {R: med[("pass", R)] for R in rows}, a.context), rows)
+
+
+def elementwise_line(n: int = 1 << 20, reps: int = 9) -> str:
+    """One exp and one sigmoid over ``n`` float32 elements, MLX on this backend against numpy's
+    exp (the same machine, the same elements): what a transcendental costs per element here."""
+    import numpy as np
+
+    x = mx.random.normal((n,))
+    mx.eval(x)
+    xn = np.array(x)
+
+    def ns(f) -> float:
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e9 / n
+
+    return (f"per element over {n} float32: MLX exp {ns(lambda: mx.eval(mx.exp(x))):.1f} ns, "
+            f"sigmoid {ns(lambda: mx.eval(mx.sigmoid(x))):.1f} ns, add {ns(lambda: mx.eval(x + 1)):.2f} ns; "
+            f"numpy exp {ns(lambda: np.exp(xn)):.2f} ns")
 
 
 def reach(curve: Costs, rows: list[int]) -> None:
