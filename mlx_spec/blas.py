@@ -30,6 +30,8 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -112,10 +114,10 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+def cpuinfo(path: str = "/proc/cpuinfo") -> Mapping[str, str]:
     """The first CPU's fields in /proc/cpuinfo, read once per path (``vendor_id``: MKL first on
-    Intel; ``flags``: OpenBLAS's core type; ``model name``: the tuner's machine key); {} where
-    there is none. The dict is shared: do not change it."""
+    Intel; ``flags``: OpenBLAS's core type; ``model name``: the tuner's machine key); empty where
+    there is none. Shared between callers, so read-only."""
     out: dict[str, str] = {}
     try:
         with open(path) as f:
@@ -126,7 +128,7 @@ def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
                 out[key.strip()] = value.strip()
     except OSError:
         pass
-    return out
+    return MappingProxyType(out)
 
 
 def _coretype(flags: set[str]) -> str | None:

@@ -89,11 +89,16 @@ class Costs:
         """``Reach`` of drafting ``block`` rows per sequence for ``seqs`` sequences at once: the
         cycle is one verify over ``seqs * block`` rows (plus, for "dflash", a draft pass over as
         many rows: Td of that size), against one plain step over ``seqs`` rows (T1 alone, Tt(seqs)
-        for a batch: a verify pass of that many rows stands in for a batched plain step)."""
+        for a batch: a verify pass of that many rows stands in for a batched plain step). Sizes
+        the curve did not measure are read off it as ``verify``/``draft`` read them: linear
+        between measured sizes, extrapolated along the last segment past the largest."""
         if block < 2 or seqs < 1:
             raise ValueError(f"reach wants block >= 2 and seqs >= 1 (got {block}, {seqs})")
         if source not in ("dflash", "lookup"):
             raise ValueError(f"unknown draft source {source!r} (dflash, lookup)")
+        if not self.tt_ms or (source == "dflash" and not self.td_ms):
+            raise ValueError(f"reach for {source}: this curve has no {'verify' if not self.tt_ms else 'draft'} "
+                             "pass measured")
         rows = seqs * block
         plain = self.step_ms(seqs)
         be = self.step_ms(rows, rows if source == "dflash" else 0) / plain

@@ -442,7 +442,15 @@ def test_the_reach_table_prices_every_measured_block_and_dflash_up_to_the_drafte
     assert sorted(got) == [(2, "dflash"), (2, "lookup"), (4, "dflash"), (4, "lookup"), (8, "lookup"), (16, "lookup")]
     assert got[(4, "dflash")].break_even == pytest.approx(1.7) and got[(16, "lookup")].perfect == pytest.approx(16 / 3)
     assert all(r.source == "lookup" for r in reach_table(costs))  # no drafter: the lookup only
-    row = summarize([Sample(Method("dflash", 4), 0, "c1", "code", _run(_steps([(3, 2)] * 8), 0.1))])[0]
-    text = reach_lines(reach_table(costs, dflash_max=4), [row], ["code"])
+    gap = Costs(100.0, {4: 20.0}, costs.tt_ms, 0)  # Td not measured at 2: no DFlash price there (not Td(4))
+    assert [(r.block, r.source) for r in reach_table(gap, dflash_max=4)][:3] == [(2, "lookup"), (4, "dflash"),
+                                                                                  (4, "lookup")]
+    methods = [Method("dflash", 4), Method("dflash", 4, full_vocab=True)]
+    samples = [Sample(m, 0, "c1", "code", _run(_steps([(3, 2)] * 8), 0.1)) for m in methods]
+    samples.append(Sample(methods[0], 0, "p1", "prose", _run(_steps([(3, 1)] * 8), 0.1)))
+    rows = summarize(samples, costs)
+    assert rows[0].tau_by_kind == {"code": 3.0, "prose": 2.0} and rows[1].tau_by_kind == {"code": 3.0}
+    text = reach_lines(reach_table(costs, dflash_max=4), rows, ["code", "prose"])
     assert "4      1.70                   x2.35" in text  # break-even tau, perfect speedup
-    assert "dflash B=4: measured tau code 3.00 (x1.76)" in text  # 3 / 1.7
+    assert "dflash B=4: measured tau code 3.00 (x1.76), prose 2.00 (x1.18)" in text  # 3 / 1.7, 2 / 1.7
+    assert "full-vocab:" not in text  # its draft pass is not the curve's

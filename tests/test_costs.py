@@ -49,3 +49,17 @@ def test_reach_refuses_what_it_cannot_price():
         CURVE.reach(4, seqs=0)
     with pytest.raises(ValueError, match="unknown draft source"):
         CURVE.reach(4, source="ngram")
+    no_drafter = Costs(100.0, {}, {1: 110.0, 4: 140.0}, 0)  # no draft pass: the lookup only, no nan
+    with pytest.raises(ValueError, match="no draft pass"):
+        no_drafter.reach(4)
+    assert no_drafter.reach(4, source="lookup").break_even == pytest.approx(1.4)
+    with pytest.raises(ValueError, match="no verify pass"):
+        Costs(100.0, {}, {}, 0).reach(4, source="lookup")
+
+
+def test_reach_reads_unmeasured_sizes_off_the_curves_lines():
+    """Past the largest measured size the curve goes on along its last segment (Tt(16) = 180 +
+    8 * 10: 4 -> 8 rows cost 10 ms a row; Td(16) likewise 50 + 8 * 5); between sizes, linear."""
+    r = CURVE.reach(8, seqs=2)
+    assert r.break_even == pytest.approx((260.0 + 90.0) / 120.0) and r.perfect == pytest.approx(8 / r.break_even)
+    assert CURVE.reach(6, source="lookup").break_even == pytest.approx(1.6)

@@ -186,8 +186,9 @@ def reach_lines(reach, rows, kinds) -> str:
            "cycle commits; a cycle committing tau runs tau / break-even times as fast as plain steps; perfect = "
            "every draft accepted):"]
     out += _grid(["block", "dflash break-even tau", "dflash perfect", "lookup break-even tau", "lookup perfect"], lines)
+    # (a full-vocab row's draft pass is not the curve's: its td_ms is None)
     fixed = [r for r in rows if r.status == "ok" and r.kind == "dflash" and r.tau_by_kind
-             and (r.block_size, "dflash") in by]
+             and r.td_ms is not None and (r.block_size, "dflash") in by]
     for r in fixed:
         R = by[(r.block_size, "dflash")]
         out.append(f"  {r.label}: measured tau " + ", ".join(
