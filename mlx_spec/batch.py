@@ -50,7 +50,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import hybrid
 from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
-from .decode import Step, _finish, _hand_over, _start, untimed
+from .decode import Step, _finish, _hand_over, _start, lookup_context, untimed
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
@@ -1075,8 +1075,7 @@ class BatchDecoder:
     def _context(s: _Seq, room: int) -> Context:
         """What the sequence's policy decides its next cycle from (its lookup proposal), ``room``
         tokens left to commit."""
-        look, match = s.index.propose(min(s.policy.max_lookup, room - 1)) if s.index is not None else ([], 0)
-        return Context(tuple(look), match, room, s.sampling.greedy)
+        return lookup_context(s.index, s.policy.max_lookup, room, s.sampling.greedy)
 
     @staticmethod
     def _acceptance(s: _Seq, d: Decision) -> Acceptance:

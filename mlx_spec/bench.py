@@ -556,7 +556,7 @@ def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[
         if costs is not None and len(reply) > 1:
             # blocks up to the longest measured verify: Tt past it would be extrapolated
             tokens, ms = copy_oracle(ids, reply, costs, max_draft=copy_max_draft(costs))
-            row.oracle, row.ceiling = (tokens, round(ms, 1)), _r(tokens * costs.t1_ms / ms)
+            row.oracle, row.ceiling = (tokens, round(ms, 1)), _r(oracle_ceiling([(tokens, ms)], costs.t1_ms))
         for m in dict.fromkeys(s.method for s in mine):
             runs = [s for s in mine if s.method == m]
             if m.speculative:

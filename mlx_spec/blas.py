@@ -215,6 +215,7 @@ def load_blas(env: dict | None = None) -> BlasInfo:
         return BlasInfo("reference", None, "MLX_SPEC_BLAS=none: MLX's bundled reference BLAS")
     cpu = cpuinfo()
     mkl = _mkl_paths() if choice in ("auto", "mkl") else ()
+    failed = []  # "could not load PATH: why", for the warning if nothing loads
     for path in candidates(choice, mkl, intel=cpu.get("vendor_id") == "GenuineIntel"):
         if not os.path.exists(path):
             continue
@@ -224,8 +225,9 @@ def load_blas(env: dict | None = None) -> BlasInfo:
                 os.environ["OPENBLAS_CORETYPE"] = core
         try:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as e:
-            return BlasInfo("reference", None, f"could not load {path}: {e}")
+        except OSError as e:  # (the next candidate is tried)
+            failed.append(f"could not load {path}: {e}")
+            continue
         name, settable = _identify(lib, path)
         version = _mkl_version(lib) if name == "mkl" else None
         detail = (f"core={os.environ.get('OPENBLAS_CORETYPE', 'auto-detected')}" if name == "openblas"
@@ -234,8 +236,14 @@ def load_blas(env: dict | None = None) -> BlasInfo:
     hint = {"auto": "pip install mkl, or apt-get install libopenblas0-pthread", "mkl": "pip install mkl",
             "openblas": "apt-get install libopenblas0-pthread"}.get(
         choice, f"MLX_SPEC_BLAS={choice!r}: no such file; it takes {'|'.join(CHOICES)} or a library's path")
-    info = BlasInfo("reference", None, f"no optimized BLAS found ({hint}); block verify is slow")
-    # Once per process (mlx_spec/__init__ calls this once), before any command runs.
+    if failed:
+        return _reference("; ".join(failed))
+    return _reference(f"no optimized BLAS found ({hint}); block verify is slow")
+
+
+def _reference(detail: str) -> BlasInfo:
+    """MLX's bundled reference BLAS, where an optimized one was wanted but is not loaded: said
+    once per process (mlx_spec/__init__ calls ``load_blas`` once), before any command runs."""
     logging.getLogger(__name__).warning("mlx_spec: %s; speculative decoding will not pay on this "
-                                        "CPU (set MLX_SPEC_BLAS=none to silence)", info.detail)
-    return info
+                                        "CPU (set MLX_SPEC_BLAS=none to silence)", detail)
+    return BlasInfo("reference", None, detail)

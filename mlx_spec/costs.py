@@ -36,13 +36,17 @@ class Reach:
     (the anchor and ``block - 1`` drafts) and commits tau tokens per sequence; it replaces tau
     plain steps of those sequences. ``break_even`` is the tau at which the cycle costs exactly
     the plain steps it replaces, so drafting that commits tau runs ``tau / break_even`` times as
-    fast as plain decoding, and ``perfect`` (every draft accepted: tau = block) is the most this
-    block can give, whatever the drafter."""
+    fast as plain decoding (for "dflash" at one sequence that is the eta ``ceiling`` of tau at
+    this block), and ``perfect`` (every draft accepted: tau = block) is the most this block can
+    give, whatever the drafter."""
     block: int
     seqs: int
     source: str  # "dflash": the drafter's pass is paid each cycle; "lookup": proposals are free
     break_even: float
-    perfect: float
+
+    @property
+    def perfect(self) -> float:
+        return self.speedup(self.block)
 
     def speedup(self, tau: float) -> float:
         return tau / self.break_even
@@ -102,7 +106,7 @@ class Costs:
         rows = seqs * block
         plain = self.step_ms(seqs)
         be = self.step_ms(rows, rows if source == "dflash" else 0) / plain
-        return Reach(block, seqs, source, be, block / be)
+        return Reach(block, seqs, source, be)
 
     def timed(self, step):
         """``step`` (a ``decode.Step``) as this curve times it: ``step_ms`` of its verified rows

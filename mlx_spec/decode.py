@@ -121,6 +121,14 @@ def _prefill(target: Target, ids: list[int], cache, step: int, sink) -> mx.array
     return out.logits[0, -1]
 
 
+def lookup_context(index, max_lookup: int, room: int, greedy: bool) -> Context:
+    """What a per-cycle policy decides a sequence's next cycle from: the lookup ``index``'s
+    proposal (none without an index), at most ``max_lookup`` drafts and one fewer than the
+    ``room`` tokens left to commit."""
+    look, match = index.propose(min(max_lookup, room - 1)) if index is not None else ([], 0)
+    return Context(tuple(look), match, room, greedy)
+
+
 def spec_steps(
     target: Target,
     drafter: Drafter,
@@ -192,8 +200,7 @@ def spec_steps(
         return features
 
     def context(room: int) -> Context:
-        look, match = index.propose(min(policy.max_lookup, room - 1)) if index is not None else ([], 0)
-        return Context(tuple(look), match, room, greedy)
+        return lookup_context(index, policy.max_lookup, room, greedy)
 
     def plain_pass(token: mx.array, key: mx.array):
         """Queue one plain step fed ``token`` (on the host or still lazy): (key, its token, its

@@ -449,7 +449,7 @@ def cycle_overhead(run, costs: Costs, spec: bool) -> float | None:
     n = sum(run.blocks.values())
     if not n:
         return None
-    return (run.decode_s * 1e3 - model_ms(Method("dflash" if spec else "plain", 2), run.blocks, costs)) / n
+    return (run.decode_s * 1e3 - model_ms(Method("dflash" if spec else "plain"), run.blocks, costs)) / n
 
 
 def _with_overhead(passes_ms: float, overhead_ms: float) -> float:

@@ -72,7 +72,7 @@ def main() -> None:
             model = Costs.from_dict(json.load(f)["costs"])
         policies.costs, policies.measured = model, True
     totals = {scope: {"ms": 0.0, "tokens": 0, "cycles": 0} for scope in SCOPES}
-    kinds = {}  # kind -> the same totals, where the prompts are of several kinds
+    per_kind = {}  # kind -> the same totals, where the prompts are of several kinds
     oracles = {scope: [] for scope in SCOPES}  # copy_oracle's (tokens, ms) per reply
     for p in prompts:
         ids = p.encode(pair.tokenizer)
@@ -127,7 +127,7 @@ def main() -> None:
                 for k, v in (("ms", ms), ("tokens", n), ("cycles", len(trace))):
                     totals[scope][k] += v
                 oracles[scope].append((o_tok, o_ms))
-            kind = kinds.setdefault(p.kind, {"ms": 0.0, "tokens": 0, "cycles": 0})
+            kind = per_kind.setdefault(p.kind, {"ms": 0.0, "tokens": 0, "cycles": 0})
             for k, v in (("ms", ms), ("tokens", n), ("cycles", len(trace))):
                 kind[k] += v
     for scope, total in totals.items():
@@ -136,8 +136,8 @@ def main() -> None:
             c_ = oracle_ceiling(oracles[scope], model.t1_ms)
             print(f"\n{scope} replies: model-time speedup {s_:.3f}x, ceiling {c_:.2f}x ({s_ / c_:.0%}), "
                   f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
-    if model is not None and len(kinds) > 1:
-        for kind, total in kinds.items():
+    if model is not None and len(per_kind) > 1:
+        for kind, total in per_kind.items():
             print(f"{kind} replies: model-time speedup {total['tokens'] * model.t1_ms / total['ms']:.3f}x, "
                   f"{total['cycles']} cycles, tau {total['tokens'] / total['cycles']:.2f}")
     if a.costs:

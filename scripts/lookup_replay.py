@@ -214,7 +214,7 @@ def main() -> None:
         indexes = {"baseline": lambda p: SuffixIndex(p, 4, follow=False), **indexes}
     # per index, all replies and the copying ones: ms, tokens, clairvoyant ms, cycles, plain steps, queued ones
     totals = {(scope, name): [0.0, 0, 0.0, 0, 0, 0] for scope in SCOPES for name in indexes}
-    oracles = {scope: [] for scope in SCOPES}  # copy_oracle's (tokens, ms) per reply
+    copying = []  # copy_oracle's (tokens, ms) per reply that repeats its prompt (the ceiling's)
     max_draft = copy_max_draft(costs)  # as bench prices the ceiling
     for pid, r in data["replies"].items():
         reply = r["reply"][:a.tokens]
@@ -235,10 +235,10 @@ def main() -> None:
             for scope in scopes(share):
                 for i, v in enumerate((ms, len(full) - 1, cv, cycles, plain, queued)):
                     totals[scope, name][i] += v
-        for scope in scopes(share):
-            oracles[scope].append((o_tok, o_ms))
+        if "copying" in scopes(share):
+            copying.append((o_tok, o_ms))
         print(f"{pid}: copy share {share:.0%}, ceiling {o_tok * costs.t1_ms / o_ms:.2f}x; " + "; ".join(cells))
-    c = oracle_ceiling(oracles["copying"], costs.t1_ms)
+    c = oracle_ceiling(copying, costs.t1_ms)
     for scope in SCOPES if c else SCOPES[:1]:
         print(f"\n{scope} replies" + (f" (ceiling {c:.2f}x):" if scope == "copying" else ":"))
         for name in indexes:

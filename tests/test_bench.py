@@ -6,9 +6,9 @@ import math
 import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
-from mlx_spec.bench import (Costs, Method, PromptRow, Run, Sample, ceiling, copy_ceiling, copy_oracle,
-                            copy_share, efficiency, engaged, pooled_ceiling, prompt_report,
-                            reach_table, subset_speedups, summarize)
+from mlx_spec.bench import (COPY_SUBSET, Costs, Method, PromptRow, Run, Sample, ceiling, copy_ceiling,
+                            copy_max_draft, copy_oracle, copy_share, efficiency, engaged, pooled_ceiling,
+                            prompt_report, reach_table, scopes, subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.baselines import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
 from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
@@ -100,6 +100,8 @@ def test_copy_share_counts_reply_tokens_in_spans_of_the_prompt():
     assert copy_share(prompt, [1, 2, 3, 9, 5, 6, 7]) == 0.0  # spans shorter than 4 do not count
     assert copy_share(prompt, [5, 6, 7, 8, 1, 2, 3, 4]) == 1.0 and copy_share(prompt, []) == 0.0
     assert copy_share(prompt, [1, 2, 3, 4, 5, 6], n=6) == 1.0 and copy_share(prompt, [1, 2, 3, 4, 5], n=6) == 0.0
+    # a reply counts in the "copying" totals from COPY_SUBSET on (the scripts' scopes), as in bench's table
+    assert scopes(COPY_SUBSET) == ("all", "copying") and scopes(COPY_SUBSET - 0.01) == ("all",)
 
 
 def test_copy_ceiling_is_an_oracle_over_the_copied_spans():
@@ -214,6 +216,12 @@ def test_two_baselines_per_kind_and_the_worst_prompt():
     assert c1.oracle == (24, pytest.approx(125.0 + 18 * 100)) and c1.ceiling == pytest.approx(2400 / 1925, abs=1e-3)
     assert c1.of_ceiling == {"dflash B=4": pytest.approx(6.0 / c1.ceiling, abs=1e-3)}  # speculative rows only
     assert pr["c2"].ceiling == 1.0
+    # past the longest measured verify Tt would be extrapolated (falling here: Tt(6) 110 < Tt(4)),
+    # so the oracle keeps to blocks of up to 3 drafts (copy_max_draft): Tt(4) for tokens 1-4, Tt(2)
+    # for 5-6, plain steps after (not one block of 5 drafts at the extrapolated 110)
+    falling = Costs(100.0, {}, {1: 100.0, 2: 150.0, 4: 130.0}, 0)
+    c1 = {x.prompt_id: x for x in prompt_report(samples, prompts, costs=falling)}["c1"]
+    assert copy_max_draft(falling) == 3 and c1.oracle == (24, pytest.approx(130.0 + 150.0 + 18 * 100))
     sub = subset_speedups(samples, {"c1"})
     assert sub["dflash B=4"] == (pytest.approx(6.0), pytest.approx(4.8))
 

@@ -1,6 +1,7 @@
 """BLAS threads: measured, not pinned; a knob where there is one, a no-op where there is none."""
 
 import os
+import re
 
 import pytest
 
@@ -132,7 +133,7 @@ def test_the_tuners_key_changes_with_the_library_and_its_version(monkeypatch):
 def test_the_mkl_version_is_read():
     import ctypes
 
-    assert blas._mkl_version(ctypes.CDLL(blas._mkl_paths()[0])).count(".") >= 1
+    assert re.fullmatch(r"\d+(\.\d+)+", blas._mkl_version(ctypes.CDLL(blas._mkl_paths()[0])))  # "2026.2"
     assert blas._mkl_version(object()) is None
 
 
@@ -141,3 +142,18 @@ def test_mlx_spec_blas_names_any_case_and_a_missing_path_is_named(caplog):
     info = blas.load_blas({"MLX_SPEC_BLAS": "/nope/libblas.so"})
     assert info.name == "reference" and "MLX_SPEC_BLAS='/nope/libblas.so': no such file" in info.detail
     assert "auto|mkl|openblas|none" in info.detail and "no such file" in caplog.text
+
+
+def test_a_library_that_fails_to_load_is_said_not_silently_dropped(tmp_path, monkeypatch, caplog):
+    junk = tmp_path / "libblas.so"
+    junk.write_bytes(b"not a shared library")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "SKYLAKEX")  # (load_blas would set it for the process)
+    info = blas.load_blas({"MLX_SPEC_BLAS": str(junk)})
+    assert info.name == "reference" and info.detail.startswith(f"could not load {junk}")
+    assert f"could not load {junk}" in caplog.text and "will not pay" in caplog.text
+    # a candidate that fails to load does not end the search: the next one is tried (and both named)
+    other = tmp_path / "libother.so"
+    other.write_bytes(b"not one either")
+    monkeypatch.setattr(blas, "candidates", lambda choice, mkl, intel: (str(junk), str(other)))
+    info = blas.load_blas({"MLX_SPEC_BLAS": "auto"})
+    assert info.name == "reference" and f"could not load {junk}" in info.detail and f"could not load {other}" in info.detail

@@ -78,7 +78,7 @@ def test_the_break_is_forgotten_once_the_copy_runs_again():
     reply = LINES[0] + LINES[1] + [99, 7, 8, 32, 9]  # re-synced and copying again
     idx = _index(reply)
     assert idx.broke is None and idx.propose(5)[0] == LINES[3]
-    # new text that never repeats (so no copy of its own clears the break): kept for ``expire``
+    # new text that never repeats (so no copy of its own clears the break): kept for ``BREAK_EXPIRES``
     # tokens that break the copy (99 and the new ones), forgotten after
     broken = LINES[0] + LINES[1] + [99]
     assert _index(broken + list(range(200, 200 + BREAK_EXPIRES - 1))).broke is not None

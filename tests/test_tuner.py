@@ -142,6 +142,10 @@ def test_race_check_pairs_the_rounds_both_ran():
                      final=((1, None), (8, None), (5, None)), dropped={(6, None): "dropped after 3 rounds"},
                      rounds=6, order=(), stop="max rounds")
     assert res.tps == tps and res.ratio[(5, None)] == [0.9, 1.5, 1.5, 1.5]  # each against plain's same round
+    late = RaceResult(laps={(1, None): {0: Lap(10.0), 1: Lap(20.0), 2: Lap(10.0)},
+                            (4, None): {1: Lap(20.0), 2: Lap(15.0)}},
+                      final=(), dropped={}, rounds=3, order=(), stop="max rounds")
+    assert late.ratio[(4, None)] == [1.0, 1.5]  # plain's rounds 1 and 2, not its first two
     assert res.paired((5, None), (8, None)) == [(9.0, 12.0), (15.0, 12.0), (15.0, 12.0), (15.0, 12.0)]
     assert res.paired((5, None), (6, None)) == [(9.0, 11.0)]  # round 2 only
     c = check(res, (5, None), (8, None))

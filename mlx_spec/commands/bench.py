@@ -177,11 +177,12 @@ def reach_lines(reach, rows, kinds) -> str:
     and lookup (free proposals); then each fixed DFlash row's tau by prompt kind and what that tau
     gives at its block."""
     by = {(r.block, r.source): r for r in reach}
-    blocks = sorted({r.block for r in reach})
-    cell = lambda r, f: "-" if r is None else f(r)  # noqa: E731
-    lines = [[str(B), *[cell(by.get((B, src)), f) for src in ("dflash", "lookup")
-                         for f in (lambda r: _fmt(r.break_even), lambda r: "x" + _fmt(r.perfect))]]
-             for B in blocks]
+
+    def cells(r) -> list[str]:
+        return ["-", "-"] if r is None else [_fmt(r.break_even), "x" + _fmt(r.perfect)]
+
+    lines = [[str(B), *cells(by.get((B, "dflash"))), *cells(by.get((B, "lookup")))]
+             for B in sorted({r.block for r in reach})]
     out = ["what drafting can reach here (this run's pass costs, one sequence, no host overhead; tau = tokens a "
            "cycle commits; a cycle committing tau runs tau / break-even times as fast as plain steps; perfect = "
            "every draft accepted):"]
