@@ -218,7 +218,7 @@ def policies(pair: Pair, info: EngineInfo):
     if not info.adaptive_max or not info.speculative:
         return None
     from .adaptive import Policies
-    from .tuner import load_result, tune_key
+    from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
     return Policies(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)

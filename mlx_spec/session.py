@@ -222,25 +222,25 @@ def _checkpoint_block(path: Path) -> int | None:
 
 def _stored_result(cfg: LoadConfig, drafter: str):
     """The newest stored tuning result whose machine, target and drafter match (the weights'
-    identity, however the command spells them: ``tuner.same_models``); quantization and draft
+    identity, however the command spells them: ``tuning.same_models``); quantization and draft
     vocabulary are checked where they are known before loading."""
-    from . import tuner
+    from . import tuning
     from .default_target import cache_dir
 
     folder = cache_dir() / "tuning"
     if not folder.is_dir():
         return None
-    machine, models = tuner.machine_info(), tuner.models_of(cfg.target, drafter)
+    machine, models = tuning.machine_info(), tuning.models_of(cfg.target, drafter)
     best = None
     for f in sorted(folder.glob("*.json")):
         try:
-            result = tuner.TuneResult.from_dict(json.loads(f.read_text()))
+            result = tuning.TuneResult.from_dict(json.loads(f.read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         key = result.key
-        if result.format not in tuner.READ_FORMATS or key.get("machine") != machine:
+        if result.format not in tuning.READ_FORMATS or key.get("machine") != machine:
             continue
-        if not tuner.same_models(key, models):
+        if not tuning.same_models(key, models):
             continue
         if cfg.target_bits in ("4", "8") and not key["target"].get("quant", "").startswith(f"q{cfg.target_bits}"):
             continue
@@ -252,7 +252,7 @@ def _stored_result(cfg: LoadConfig, drafter: str):
 
 
 def from_tuning(result) -> BlockChoice:
-    """The block choice a ``tuner.TuneResult`` makes (``best == 1``: plain decoding, "tuned-off")."""
+    """The block choice a ``tuning.TuneResult`` makes (``best == 1``: plain decoding, "tuned-off")."""
     return BlockChoice(result.block_size, result.source, off=result.best == 1)
 
 
@@ -269,7 +269,7 @@ def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tun
     this machine and pair. ``tuning``: "tune" tunes first (once) when nothing is stored; "stored"
     never tunes (the checkpoint's when nothing is stored: verify); "none" does not consult the
     tuner at all (bench and tune measure for themselves)."""
-    from . import tuner
+    from . import tuning as tuner  # (``tuning`` is this function's parameter)
 
     if tuning not in TUNING:
         raise ValueError(f"tuning must be one of {TUNING}, not {tuning!r}")

@@ -117,14 +117,14 @@ def test_the_pin_is_named_by_the_librarys_own_variable(monkeypatch):
 
 
 def test_the_tuners_key_changes_with_the_library_and_its_version(monkeypatch):
-    from mlx_spec import tuner
+    from mlx_spec import tuning
 
     keys = []
     for info in (blas.BlasInfo("openblas", "/usr/lib/libopenblas.so.0", "core=auto-detected"),
                  blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.2", version="2026.2"),
                  blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.3", version="2026.3")):
         monkeypatch.setattr(mlx_spec, "BLAS", info)
-        keys.append(tuner.machine_info()["blas"])
+        keys.append(tuning.machine_info()["blas"])
     assert keys[0] == "openblas /usr/lib/libopenblas.so.0"  # as stored before (no version: unchanged)
     assert len(set(keys)) == 3 and keys[2] == "mkl /site/lib/libmkl_rt.so.3 2026.3"
 

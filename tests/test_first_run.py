@@ -254,13 +254,13 @@ def test_hub_cache_hint_names_the_repo(pair_dirs, tmp_path):
 
 @pytest.mark.parametrize("content", [b"\x00\xff garbage", b"[1, 2]", b'{"key": {}, "best": "x"', b""])
 def test_damaged_tuning_record_is_ignored_with_a_notice(tmp_path, content, caplog):
-    from mlx_spec import tuner
+    from mlx_spec import tuning
 
     key = {"target": "t", "drafter": "d"}
-    path = tuner.result_path(key, tmp_path)
+    path = tuning.result_path(key, tmp_path)
     path.parent.mkdir(parents=True)
     path.write_bytes(content)
-    assert tuner.load_result(key, tmp_path) is None
+    assert tuning.load_result(key, tmp_path) is None
     assert any("tuning result" in r.getMessage() for r in caplog.records)
 
 

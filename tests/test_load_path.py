@@ -105,7 +105,7 @@ def test_names_are_checked_before_anything_loads(pair_dirs, tmp_path):
 
 
 def _stored(key, best, date="2026-11-29T12:00:00+00:00"):
-    from mlx_spec.tuner import Candidate, TuneResult
+    from mlx_spec.tuning import Candidate, TuneResult
 
     cands = (Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
              Candidate(6, True, 13.0, 0.04, 1.3, 2.5, 1.3, 3, final=True))
@@ -115,7 +115,7 @@ def _stored(key, best, date="2026-11-29T12:00:00+00:00"):
 def test_one_rule_for_the_block_size(pair, tmp_path):
     """--block-size wins, then --no-tune (checkpoint), then the stored result (tuned once)."""
     from mlx_spec.session import BlockChoice, choose_block
-    from mlx_spec.tuner import save_result, tune_key
+    from mlx_spec.tuning import save_result, tune_key
 
     calls = []
 
@@ -228,7 +228,7 @@ def test_plan_verify_and_generate_name_the_block_the_engine_runs(pair, pair_dirs
     """With a stored tuning result (block 6) every command reports block 6 and where it came from;
     without one, plan says the first load tunes."""
     from mlx_spec.cli import main
-    from mlx_spec.tuner import save_result, tune_key
+    from mlx_spec.tuning import save_result, tune_key
 
     t, d = pair_dirs
     flags = ["--target", str(t), "--drafter", str(d)]

@@ -12,7 +12,7 @@ from mlx_spec.adaptive import AdaptiveController, expected_tokens
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
 from mlx_spec.stats import Stats
-from mlx_spec.tuner import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check,
+from mlx_spec.tuning import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check,
                             cycle_overhead, decide,
                             default_candidates, ensure_tuned, key_hash, load_result, median_se, predict, race,
                             race_check, result_path, save_result, tune, tune_key)
@@ -48,7 +48,7 @@ def test_decide_never_chooses_a_block_below_plain():
     # to separate blocks, the best score is taken where it beats plain by more than the noise...
     d = decide([C(1, 1.0), C(4, 1.60, noise=0.15), C(8, 0.95, noise=0.15)])
     assert (d.block, d.tied) == (4, (4,)) and "timings too noisy to separate blocks (tolerance 42.4%" in d.why
-    # ... and off where its gain is within its noise (session 8: quiet runs at the boundary
+    # ... and off where its gain is within its noise (quiet runs at the boundary
     # flipped between off and B=3..6 on gains of 3-9 % with standard errors of 2.5-5 %)
     d = decide([C(1, 1.0), C(4, 1.10, noise=0.15), C(8, 0.95, noise=0.15)])
     assert d.block == 1 and d.why == "off: the best block B=4 x1.10 does not beat plain (x1.00) by 30.0% (its noise)"
@@ -160,7 +160,7 @@ def overrule_rate(rng, gain, sigma, trials=1000, shared=0.10, n=3, anyone=False)
     """How often ``race_check`` overrules the chosen B=8 in simulated ``n``-round races of 4
     candidates: B=4 ``gain`` times as fast, log-normal timing noise ``sigma``, each round's prompt
     moving every candidate's cycle cost alike (log-normal ``shared``). ``anyone``: by any
-    challenger, not B=4 alone. (docs/tuner.md's figures: runs/tune8-sim.txt, 20 000 trials.)"""
+    challenger, not B=4 alone. (docs/tuner.md's figures: 20 000 trials each.)"""
     keys = [(8, None), (4, None), (1, None), (2, None)]
     hits = 0
     for _ in range(trials):
@@ -313,9 +313,9 @@ def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
     assert load_result(key, tmp_path) is None
 
 
-def test_stored_formats_old_results_load_or_retune(tmp_path):
-    """Format 3 adds why / noise / overhead_ms; a format-2 file (without them) still loads, a
-    format-1 file (no thread count) is re-tuned."""
+def test_a_result_of_another_format_is_tuned_again(tmp_path):
+    """Format 3 stores why / noise / overhead_ms and loads back equal; a file of any other
+    format (an earlier development build's) is not read: the pair is tuned again."""
     key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
     from dataclasses import replace
 
@@ -324,21 +324,16 @@ def test_stored_formats_old_results_load_or_retune(tmp_path):
     d = json.loads(path.read_text())
     assert d["format"] == FORMAT == 3 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
     assert load_result(key, tmp_path) == r
-    for c in d["candidates"]:
-        del c["noise"]
-    del d["why"], d["overhead_ms"]
-    path.write_text(json.dumps(d | {"format": 2}))
-    old = load_result(key, tmp_path)
-    assert old is not None and old.format == 2 and old.why == "" and old.best == 4 and old.threads == 2
-    assert old.costs == r.costs and old.acceptance_by_position == r.acceptance_by_position
-    path.write_text(json.dumps(d | {"format": 1}))
-    assert load_result(key, tmp_path) is None
+    for old in (1, 2):
+        path.write_text(json.dumps(d | {"format": old}))
+        assert load_result(key, tmp_path) is None
+    assert not list(tmp_path.rglob("*.tmp*"))  # saving is atomic: no temporary file left
 
 
 def test_timing_line_by_phase():
-    """The first line of `mlx_spec tune` (runs/tune7-1.txt): every phase ``tune`` writes; over
+    """The first line of `mlx_spec tune`: every phase ``tune`` writes; over
     budget said so, and why when the fixed work alone overran; a result stored without phases
-    (before session 7) has the elapsed time alone."""
+    has the elapsed time alone."""
     from dataclasses import replace
 
     phases = {"probe_s": 16.2, "costs_s": 28.1, "cost_rounds": 11, "race_s": 36.0, "race_rounds": 3,
@@ -418,8 +413,8 @@ def test_race_stops_on_a_clear_margin_and_not_on_a_close_one():
 
 
 def test_race_deadline_bounds_every_round_the_minimum_ones_too():
-    """The deadline is checked before every round: ``min_rounds`` no longer run past it (the
-    session-5 tuner overran its 90 s by 12-30 s that way). Rounds are predicted from ``cost``
+    """The deadline is checked before every round: ``min_rounds`` never run past it (a tuner
+    that let them overran its 90 s by 12-30 s). Rounds are predicted from ``cost``
     (one run's estimated seconds), scaled by how the last round compared with its estimate."""
     keys = [(1, None), (4, None), (8, None)]
     close = {(1, None): 10.0, (4, None): 14.0, (8, None): 13.8}
@@ -476,7 +471,8 @@ def test_cpu_name_is_the_first_cpus_model_name_from_the_blas_read(tmp_path, monk
 
     import mlx.core as mx
 
-    from mlx_spec import blas, tuner
+    from mlx_spec import blas
+    from mlx_spec.tuning import store as tuner
 
     if mx.metal.is_available():
         pytest.skip("on Metal the key names the GPU")
@@ -512,7 +508,7 @@ def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, 
     from mlx_spec.config import LoadConfig
     from mlx_spec.default_target import CACHE_ENV, DEFAULT_TARGET_ID
     from mlx_spec.session import _stored_result
-    from mlx_spec.tuner import weights_id
+    from mlx_spec.tuning import weights_id
 
     t = Path(pair.target_id)
     cache = tmp_path / "cache"
@@ -549,33 +545,6 @@ def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, 
     assert weights_id(str(other)) == weights_id(str(t))
     (other / "config.json").write_text(json.dumps(cfg | {"rope_theta": 1.0}))
     assert weights_id(str(other)) != weights_id(str(t))
-
-
-def test_results_under_the_old_spelled_key_are_migrated(pair, tmp_path, caplog):
-    """A result stored before the weights' key (keyed by the spelled id and a hash of the path,
-    sizes and mtimes) still loads: it is saved under the new key on first read (the old file is
-    left as it was) and every spelling finds it from then on."""
-    import logging
-    from dataclasses import replace
-
-    from mlx_spec.tuner import legacy_key
-
-    key = tune_key(pair)
-    old = legacy_key(key)
-    assert old["target"]["id"] == pair.target_id and "hash" in old["target"] and "weights" not in old["target"]
-    assert result_path(old, tmp_path) != result_path(key, tmp_path)
-    old_path = save_result(_result(old, best=5), tmp_path)
-    with caplog.at_level(logging.INFO, logger="mlx_spec.tuner"):
-        got = load_result(key, tmp_path)
-    assert got.best == 5 and got.key == key and "moved to the weights' key" in caplog.text
-    assert result_path(key, tmp_path).exists() and old_path.exists()
-    assert load_result(tune_key(replace(pair, target_id=pair.target_id + "/")), tmp_path).best == 5
-    assert legacy_key({"machine": {}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}) is None
-    # a migration never overwrites a result already there (a tune in another process saved it
-    # between this process's read and its write)
-    save_result(_result(key, best=7), tmp_path)
-    save_result(replace(got, best=5), tmp_path, keep_existing=True)
-    assert load_result(key, tmp_path).best == 7 and not list(tmp_path.rglob("*.tmp*"))
 
 
 def test_first_launch_tunes_once_then_reads_the_store(pair, tmp_path):
@@ -656,7 +625,7 @@ def test_a_tiny_budget_skips_the_race_and_says_so(pair):
 
 def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
     """tune() on a tiny pair with a fake clock and scripted runs: which candidates it times."""
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
 
     clock = FakeClock()
     timed = []
@@ -694,7 +663,7 @@ def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, mo
     slower than plain on one prompt kind) do not, nor blocks up to 10 % faster on a noisy machine
     (+-40 % run to run): the choice stays off, and ``why`` names the closest challenger; after 2
     rounds nothing is checked."""
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
 
     truth = {(1, None): 10.0, (2, None): 12.0, (3, None): 13.0, (4, None): 14.0}
     script = {}
@@ -727,7 +696,7 @@ def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, mo
 def test_a_race_stopped_before_its_first_round_says_so(pair, monkeypatch):
     """Planned, then stopped by the deadline before its first round (the warm-ups ran long):
     ``why`` names the budget as the reason and the planned rows say "not raced: budget"."""
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
 
     def late(keys, run, **kw):
         planned.extend(keys)
@@ -809,7 +778,7 @@ class _Machine:
 def test_tune_chooses_the_same_block_across_seeds_of_noise(pair, monkeypatch):
     """The whole of ``tune`` on a scripted machine (fake clock, pass costs and runs with 8 %
     log-normal noise and a heavy tail): the same (block, threads) for every seed, the tie named."""
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
 
     fake_blas = type("B", (), {"settable": True, "pinned": None})()
     got = set()
@@ -835,9 +804,8 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
     """The whole of ``tune`` on the scripted machine (fake clock): it ends within its budget at
     every size, the race planned from the measured pass costs. At 30 s the race cannot afford
     every candidate: those left out are named in ``why`` and marked "not raced: budget"; on a
-    machine 5x slower, fewer pass-cost rounds. (The session-5 tuner ran its minimum race rounds
-    past any deadline: its 90 s runs took 105.6-107.5 s wall quiet, 119.8 s under load, runs/tune5-*.txt.)"""
-    import mlx_spec.tuner as T
+    machine 5x slower, fewer pass-cost rounds."""
+    import mlx_spec.tuning.run as T
 
     fake_blas = type("B", (), {"settable": True, "pinned": None})()
     for budget, slow in ((90.0, 1.0), (45.0, 1.0), (30.0, 1.0), (90.0, 5.0)):
@@ -861,7 +829,7 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
     from dataclasses import replace
 
     applied = []
@@ -879,7 +847,7 @@ def test_apply_threads_honours_a_pinned_count_and_no_knob():
     class B:
         settable, pinned, path = True, None, None
 
-    import mlx_spec.tuner as T
+    import mlx_spec.tuning.run as T
     orig = T.set_threads
     T.set_threads = lambda b, n: calls.append(n) or n
     try:

@@ -58,7 +58,7 @@ class SpecChatApp(App):
     def _tuning_progress(self, fraction: float, text: str) -> None:
         """First-launch tuning progress (engine thread); stops the tuner once the user skipped it."""
         if self.skip_tuning.is_set():
-            from mlx_spec.tuner import TuneSkipped
+            from mlx_spec.tuning import TuneSkipped
 
             raise TuneSkipped("tuning skipped from the TUI")
         self.post_message(TuneProgress(fraction, text))

@@ -143,9 +143,9 @@ def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0
                   rss=psutil.Process().memory_info().rss)
 
 
-# -- the tuner (mlx_spec/tuner.py) and the losslessness check (mlx_spec/verify.py) -------------
+# -- the tuner (mlx_spec/tuning/) and the losslessness check (mlx_spec/verify.py) -------------
 def tune_view(result) -> TuneView:
-    """A ``tuner.TuneResult`` as the UI shows it: the rows at the chosen thread count; a raced
+    """A ``tuning.TuneResult`` as the UI shows it: the rows at the chosen thread count; a raced
     row's speedup is the race's measured median (the model's figure, which decided, in its
     note), a row the race did not time shows the model's figure, marked "model"."""
     shown = [c for c in result.candidates if result.threads is None or c.threads == result.threads]
@@ -161,9 +161,9 @@ def tune_view(result) -> TuneView:
 
 
 def _stored_tune(pair) -> TuneView | None:
-    from mlx_spec import tuner
+    from mlx_spec import tuning
 
-    result = tuner.load_result(tuner.tune_key(pair))
+    result = tuning.load_result(tuning.tune_key(pair))
     return tune_view(result) if result is not None else None
 
 
@@ -171,11 +171,11 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
     """An engine-thread job: tune, store, and switch the engine to the new block size."""
 
     def job(pair) -> TuneView:
-        from mlx_spec import session, tuner
+        from mlx_spec import session, tuning
 
-        # tune() keys its result by tuner.tune_key(pair) itself.
-        result = tuner.tune(pair, budget_s=budget_s, progress=lambda d, t, m: progress(d / t if t else 0.0, m))
-        tuner.save_result(result)
+        # tune() keys its result by tuning.tune_key(pair) itself.
+        result = tuning.tune(pair, budget_s=budget_s, progress=lambda d, t, m: progress(d / t if t else 0.0, m))
+        tuning.save_result(result)
         # Between requests, on the engine thread: the next turn runs the tuned engine.
         engine.use_info(session.info_for(pair, session.from_tuning(result),
                                          adaptive=bool(engine.info and engine.info.adaptive_max)))
@@ -294,7 +294,7 @@ class LocalBackend:
         reason = self.tuner_unavailable()
         if reason:
             raise MlxSpecError(reason)
-        from mlx_spec.tuner import DEFAULT_BUDGET_S
+        from mlx_spec.tuning import DEFAULT_BUDGET_S
 
         job = _retune(self.engine, self.tune_budget_s or DEFAULT_BUDGET_S, progress)
         return self.engine.call(job).result()

@@ -67,7 +67,7 @@ class FakeBackend:
         if self.load_error:
             raise MlxSpecError(self.load_error)
         if self.tune_on_start and self.tuner:
-            from mlx_spec.tuner import TuneSkipped
+            from mlx_spec.tuning import TuneSkipped
 
             try:
                 self.retune(progress or (lambda f, m: None))

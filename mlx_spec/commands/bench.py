@@ -263,7 +263,7 @@ def run(args) -> int:
     from ..progress import Bar as ProgressBar
     from ..session import open_session
     from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
-    from ..tuner import apply_threads, load_result, machine_info, tune_key
+    from ..tuning import apply_threads, load_result, machine_info, tune_key
 
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")

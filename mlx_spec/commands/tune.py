@@ -41,7 +41,7 @@ def run(args) -> int:
     from ..cli import load_config
     from ..progress import Bar
     from ..session import open_session
-    from ..tuner import DEFAULT_BUDGET_S, save_result, tune
+    from ..tuning import DEFAULT_BUDGET_S, save_result, tune
 
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)

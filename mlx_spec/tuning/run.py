@@ -1,0 +1,499 @@
+"""The tuner's sweep: measure on this machine, decide, and store the result.
+
+``tune`` runs in named phases, each a method of ``Sweep``:
+
+1. ``measure_acceptance``: the acceptance by position of one deterministic probe (DFlash at the
+   checkpoint's block on a fixed, balanced set of built-in prompts; at greedy on fixed prompts
+   it is the same every run). E(B) = 1 + the sum of the first B-1 positions, for every block.
+   It runs first: it is fixed work, and what it takes tells the rest what a run costs here.
+2. ``measure_costs``: the pass-cost curve, T1, Td(B), Tt(B) for every candidate block (and T1 and
+   the probe's block at every other BLAS thread count), each pass timed alone in interleaved,
+   rotated rounds, medians with their standard errors (``costs.CostMeter``).
+3. ``plan_race`` and ``race``: the candidates the model puts in front, plain decoding, the
+   model's own choice and their neighbours, timed end to end within what is left of the budget
+   (``decide.race``); candidates it cannot afford are not raced, and ``why`` names them.
+4. ``calibrate``: the per-cycle overhead (loop and host time beyond the two passes) and the
+   plain loop's overhead beyond T1, each a median of per-run residuals over the race's runs.
+5. ``decide``: ``decide.decide`` on the calibrated model; the race overrides it only on a clear
+   margin (``decide.race_check``).
+
+``ensure_tuned`` stores the result (``store.save_result``) and is what generate, chat and serve
+call on start; it also applies the stored BLAS thread count (``apply_threads``). The sweep keeps
+to its budget: the deadline is checked before every pass-cost and race round, and the result
+reports the time taken against the budget by phase (``TuneResult.timing``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..adaptive import expected_tokens
+from ..bench import Method, Runner, spread
+from ..blas import default_threads, set_threads, thread_candidates
+from ..costs import Costs, CostMeter, Progress
+from ..errors import MlxSpecError
+from ..prompts import CHAT_KINDS, builtin_prompts, interleave
+from ..stats import Stats
+from .decide import (CHECK_ROUNDS, CLEAR_Z, NOISE_FLOOR, Check, Key, Lap, RaceResult, checks, clearest,
+                     cycle_overhead, decide, default_candidates, join_names, key_label, median_se, predict, race,
+                     with_overhead)
+from .store import FORMAT, Candidate, TuneResult, load_result, save_result, tune_key
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_S = 90.0
+BUDGET_RESERVE = 0.05  # share of the budget the plan leaves for a round slower than predicted
+MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of them while the budget allows)
+# How ``tune`` shares out its budget. The pass costs' share is the one that changes what is
+# measured: past ``cost_rounds[0]`` a pass-cost round runs only within it. The probe is fixed work
+# and the race takes what is left (planned from the measured costs, stopped by the deadline), so
+# the probe's share only places the progress bar.
+PROBE_SHARE = 0.15
+COSTS_SHARE = 0.3
+
+
+class TuneSkipped(MlxSpecError):
+    """The user skipped first-launch tuning (a key in the TUI): nothing is stored."""
+
+
+def _threads_to_try(blas) -> list[int | None]:
+    """Thread counts the tuner times: none where there is no knob or the user pinned it."""
+    if not blas.settable:
+        return [None]
+    if blas.pinned:
+        return [blas.pinned]
+    return thread_candidates()
+
+
+def _threads(t: int) -> str:
+    return f"{t} thread{'s' if t != 1 else ''}"
+
+
+def _decode_rate(r) -> float:
+    """Committed tokens per second after the first step (the prefill is the same for every
+    candidate and only adds noise); the whole run's rate when the reply ended at once."""
+    n = len(r.tokens) - r.first_tokens
+    return n / r.decode_s if n > 0 and r.decode_s > 0 else len(r.tokens) / r.total_s
+
+
+def _method(B: int) -> Method:
+    return Method("plain") if B == 1 else Method("dflash", B)
+
+
+class Sweep:
+    """One tuning sweep's state, phase by phase (``tune`` runs them in order)."""
+
+    def __init__(self, pair, *, budget_s: float, progress: Progress | None, prompts, tokens: int, finalists: int,
+                 min_rounds: int, max_rounds: int, clear_margin: float, candidates: Sequence[int] | None,
+                 threads: Sequence[int | None] | None, blas, probe_prompts: int, cost_rounds: tuple[int, int],
+                 noise_floor: float, clock: Callable[[], float]):
+        from .. import BLAS  # (the process's BLAS, loaded by the package root before MLX)
+
+        self.pair, self.budget_s, self.tokens, self.finalists = pair, budget_s, tokens, finalists
+        self.min_rounds, self.max_rounds, self.clear_margin = min_rounds, max_rounds, clear_margin
+        self.probe_prompts, self.cost_rounds, self.noise_floor, self.clock = probe_prompts, cost_rounds, noise_floor, clock
+        self.blas = blas or BLAS
+        self.t0 = clock()
+        self.deadline = self.t0 + (1 - BUDGET_RESERVE) * budget_s  # what the plan aims at: a round may run slow
+        self.cands = sorted(set(candidates or default_candidates(pair.drafter.args.block_size)))
+        prompts = prompts or interleave(builtin_prompts(CHAT_KINDS))
+        self.encoded = [(p.id, p.kind, p.encode(pair.tokenizer)) for p in prompts]
+        self.note = progress or (lambda d, t, m: None)
+        self.tlist = list(dict.fromkeys(threads if threads is not None else _threads_to_try(self.blas)))
+        tlist = self.tlist
+        self.main_t = tlist[0] if len(tlist) == 1 else (default_threads() if default_threads() in tlist else tlist[-1])
+        self.kinds = list(dict.fromkeys(k for _, k, _ in self.encoded))
+        self.context = max((ids for _, _, ids in self.encoded), key=len)
+        # Probe at the trained block: more masks than the drafter saw in training lower the early
+        # positions too. Positions past it are untrained (counted as never accepted).
+        self.probe_block = min(pair.drafter.args.block_size, self.cands[-1])
+        self.phases: dict = {}
+        self.runner = Runner(pair)
+
+    def use(self, t: int | None) -> None:
+        if t is not None:
+            set_threads(self.blas, t)
+
+    def frac(self, x: float, msg: str) -> None:  # progress as a share of the budget
+        self.note(min(999, int(1000 * x)), 1000, msg)
+
+    # ------------------------------------------------------------ 1. acceptance
+
+    def measure_acceptance(self) -> None:
+        """The deterministic probe: acceptance by position, E(B), and what a run costs here."""
+        self.use(self.main_t)
+        probe = []
+        n_probe = max(1, self.probe_prompts)
+        for n, (_, _, ids) in enumerate(self.encoded[:n_probe]):
+            probe.append(self.runner.run(Method("dflash", self.probe_block), ids, self.tokens))
+            self.frac(PROBE_SHARE * (n + 1) / max(1, self.probe_prompts), "acceptance probe")
+        st = Stats.merged([p.stats for p in probe])
+        self.acc = st.acceptance_by_position + [0.0] * (self.cands[-1] - self.probe_block)
+        self.E = {B: expected_tokens(self.acc, B) for B in self.cands}
+        self.warm = probe[1:] or probe  # the first run pays one-time costs
+        self.probe_run_s = statistics.median(r.total_s for r in self.warm)
+        self.prefill_s = statistics.median(r.first_s for r in self.warm)
+        self.t_costs = self.clock()
+        self.phases["probe_s"] = round(self.t_costs - self.t0, 2)
+
+    # ------------------------------------------------------------ 2. pass costs
+
+    def measure_costs(self) -> None:
+        """Every candidate block at the main thread count, the probe block at the others; many
+        short rounds, interleaved across thread counts and rotated within a meter.
+        ``MIN_COST_ROUNDS`` timed rounds always; up to ``cost_rounds[0]`` while the race's core
+        still fits after the next round (plain at T1 so far and the probe's block at the probe's
+        run time, a warm-up and ``min_rounds`` each), and past it also only within
+        ``COSTS_SHARE`` of the budget."""
+        pair, tlist, main_t, clock = self.pair, self.tlist, self.main_t, self.clock
+        meters = {t: CostMeter(pair.model, pair.target, pair.drafter,
+                               self.cands if t == main_t else [self.probe_block], self.context)
+                  for t in tlist}
+        lo, hi = self.cost_rounds
+        t_costs, budget_s = self.t_costs, self.budget_s
+
+        def core_s() -> float:
+            plain_run = self.prefill_s + max(0, self.tokens - 1) * meters[main_t].costs().t1_ms / 1e3
+            return (self.min_rounds + 8 / max(1, self.tokens)) * (plain_run + self.probe_run_s)
+
+        floor = max(1, min(lo, MIN_COST_ROUNDS))
+        r, round_s = 0, 0.0
+        while r <= hi:
+            if r > floor and (clock() + round_s + core_s() > self.deadline
+                              or (r > lo and clock() - t_costs >= COSTS_SHARE * budget_s)):
+                break
+            tr = clock()
+            for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
+                self.use(t)
+
+                def step(d, n, m, j=j):
+                    done = max((clock() - t_costs) / (COSTS_SHARE * budget_s),
+                               (r + (j + d / n) / len(tlist)) / (hi + 1))
+                    self.frac(PROBE_SHARE + COSTS_SHARE * min(1.0, done), m)
+                meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
+            r += 1
+            round_s = clock() - tr
+        self.phases |= {"costs_s": round(clock() - t_costs, 2), "cost_rounds": r - 1}  # timed rounds (after the warm-up)
+        self.meters = meters
+        self.all_costs = {t: m.costs() for t, m in meters.items()}
+        self.costs = self.all_costs[main_t]
+        smooth = self.costs.smoothed()
+        self.use(main_t)
+        probe_block = self.probe_block
+
+        def curve(t) -> Costs:
+            """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the probe
+            block's cycle costs at ``t``; T1 as measured at ``t``."""
+            c = self.all_costs[t]
+            ref = self.costs.step_ms(probe_block, probe_block)
+            k = c.step_ms(probe_block, probe_block) / ref if t != main_t and ref else 1.0
+            return Costs(c.t1_ms, {B: v * k for B, v in smooth.td_ms.items()},
+                         {B: v * k for B, v in smooth.tt_ms.items()}, c.context)
+
+        self.curves = {t: curve(t) for t in tlist}
+        self.o_probe = statistics.median(self.residuals(main_t, self.warm, True) or [0.0])
+
+    # ------------------------------------------------------------ the model over the measurements
+
+    def cycle_ms(self, t, B: int) -> float:  # (B = 1: a plain step)
+        return self.curves[t].step_ms(B, B)
+
+    def residuals(self, t, runs, spec: bool) -> list[float]:
+        return [x for x in (cycle_overhead(r, self.curves[t], spec) for r in runs) if x is not None]
+
+    def se(self, t, name: str, B: int) -> float:
+        return median_se(self.meters[t].times.get((name, B)) or [])
+
+    def noise(self, key: Key) -> float:
+        """Relative standard error of a key's model speedup from its own pass timings: blocks at
+        one thread count share T1 and the overhead, so only Td(B) and Tt(B) tell them apart."""
+        B, t = key
+        main_t, se, costs = self.main_t, self.se, self.costs
+        c = self.all_costs[t]
+        if B == 1:
+            return 0.0 if t == main_t else math.hypot(se(t, "t1", 1) / c.t1_ms, se(main_t, "t1", 1) / costs.t1_ms)
+        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / with_overhead(self.cycle_ms(main_t, B),
+                                                                                    self.o_probe)
+        if t == main_t:
+            return main
+        ref = c.step_ms(self.probe_block, self.probe_block)
+        return math.hypot(main, math.hypot(se(t, "td", self.probe_block), se(t, "tt", self.probe_block)) / ref)
+
+    def model(self, o: dict, op: dict) -> dict[Key, float]:
+        """Speedup over plain at the main thread count: E(B) * plain step / cycle."""
+        def step(t):  # the plain loop may beat a synced T1 (it overlaps the next step): never below half
+            return with_overhead(self.all_costs[t].t1_ms, op.get(t, 0.0))
+
+        plain = step(self.main_t)
+        out = {}
+        for t in self.tlist:
+            out[(1, t)] = plain / step(t)
+            for B in self.cands:
+                out[(B, t)] = predict(self.curves[t], self.acc, B, o.get(t, self.o_probe), plain)
+        return out
+
+    def candidates_of(self, predicted: dict[Key, float]) -> list[Candidate]:
+        E = self.E
+        return [Candidate(B, False, tau=round(E[B], 3) if B > 1 else None, predicted=round(x, 4), threads=t,
+                          noise=round(self.noise((B, t)), 4)) for (B, t), x in predicted.items()]
+
+    def run_s(self, key: Key, n: int) -> float:
+        """Estimated seconds of one ``n``-token run (prefill as the probe's, the cycles from the
+        pass costs, the expected tokens and the probe's overhead)."""
+        B, t = key
+        per = with_overhead(self.cycle_ms(t, B), self.o_probe) if B > 1 else self.all_costs[t].t1_ms
+        return self.prefill_s + max(0, n - 1) / (self.E[B] if B > 1 else 1.0) * per / 1e3
+
+    # ------------------------------------------------------------ 3. the race
+
+    def plan_race(self) -> None:
+        """Which candidates the first model (the probe's overhead) puts in front, to be timed end
+        to end to calibrate the overheads and to check the model; planned within what is left of
+        the budget."""
+        cands, tlist, main_t, min_rounds, tokens = self.cands, self.tlist, self.main_t, self.min_rounds, self.tokens
+        predicted = self.model({}, {})
+        by_thread = sorted(tlist, key=lambda t: (-max(predicted[(B, t)] for B in [1] + cands), t != main_t))
+        lead_t = by_thread[0]
+        ranked = sorted(cands, key=lambda B: (-predicted[(B, lead_t)], -B))
+        top = ranked[:max(2, self.finalists)]  # the predicted runner-up is always timed
+        i = cands.index(ranked[0])
+        near = cands[max(0, i - 1):i + 2]  # and the neighbours of the predicted leader
+        keys = [(1, lead_t)] + [(B, lead_t) for B in sorted(set(top) | set(near))]
+        if len(by_thread) > 1:  # the runner-up thread count: plain and the predicted leader
+            keys += [(1, by_thread[1]), (ranked[0], by_thread[1])]
+        dflt = main_t if len(tlist) > 1 else None
+        first = decide(self.candidates_of(predicted), default_threads=dflt, floor=self.noise_floor)
+        first_key = (first.block, first.threads)
+        keys += [first_key]  # what the tie rule would choose: the race checks it too
+        keys = list(dict.fromkeys(keys))
+
+        # In order of importance (plain, the model's choice, the predicted leader and runner-up,
+        # ...), a candidate is raced only if its warm-up and ``min_rounds`` rounds still fit.
+        # Without room for plain and one block, no race.
+        left = self.deadline - self.clock()
+        need, planned, unaffordable = 0.0, [], []
+        for k in dict.fromkeys([(1, lead_t), first_key] + [(B, lead_t) for B in ranked if (B, lead_t) in keys] + keys):
+            c = self.run_s(k, 8) + min_rounds * self.run_s(k, tokens)
+            if need + c <= left:
+                planned.append(k)
+                need += c
+            else:
+                unaffordable.append(k)
+        if len(planned) < 2 or planned[0] != (1, lead_t) or all(B == 1 for B, _ in planned):  # (a block, raced)
+            unaffordable, planned = list(dict.fromkeys(planned + unaffordable)), []
+        self.keys = [k for k in keys if k in planned]
+        self.planned, self.unaffordable, self.left = planned, unaffordable, left
+        self.lead_t, self.dflt, self.first_key = lead_t, dflt, first_key
+
+    def neighbours(self, key: Key) -> list[Key]:
+        """The next smaller and larger block at its thread count, and its block at the next
+        smaller and larger thread count."""
+        B, t = key
+        j = self.tlist.index(t)
+        out = [(B, u) for u in self.tlist[max(0, j - 1):j + 2] if u != t]
+        if B > 1:
+            i = self.cands.index(B)
+            out += [(b, t) for b in self.cands[max(0, i - 1):i + 2] if b != B]
+        return out
+
+    def race(self) -> None:
+        """The planned candidates timed end to end (``decide.race``), after a discarded warm-up."""
+        clock, keys, encoded, runner = self.clock, self.keys, self.encoded, self.runner
+        start = clock()
+        for B, t in keys:  # warm-up, discarded
+            self.use(t)
+            runner.run(_method(B), encoded[0][2], 8)
+
+        runs: dict[Key, list] = {}
+
+        def run(key: Key, i: int) -> Lap:
+            B, t = key
+            self.use(t)
+            r = runner.run(_method(B), encoded[i][2], self.tokens)
+            runs.setdefault(key, []).append(r)
+            n = sum(r.blocks.values())
+            return Lap(_decode_rate(r), r.decode_s / n if n else None)
+
+        def timing(rnd: int, key: Key) -> None:
+            done = (clock() - start) / max(1e-9, self.deadline - start)
+            self.frac(PROBE_SHARE + COSTS_SHARE + (1 - PROBE_SHARE - COSTS_SHARE) * min(1.0, done),
+                      f"round {rnd + 1}: timing {key_label(key)}")
+
+        if keys:
+            res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(self.kinds)),
+                       neighbours=self.neighbours, clock=clock, deadline=self.deadline, min_rounds=self.min_rounds,
+                       max_rounds=self.max_rounds, clear_margin=self.clear_margin, note=timing,
+                       keep=[self.first_key], cost=lambda k: self.run_s(k, self.tokens))
+        else:
+            res = RaceResult(laps={}, final=(), dropped={}, rounds=0, order=(), stop="budget")
+        self.left_after = self.deadline - clock()  # (what a race stopped before its first round had left)
+        log.debug("tuner race: %d rounds in %.1f s, stopped on %s", res.rounds, clock() - start, res.stop)
+        self.phases |= {"race_s": round(clock() - start, 2), "race_rounds": res.rounds, "race_stop": res.stop}
+        self.res, self.runs = res, runs
+
+    # ------------------------------------------------------------ 4. calibration
+
+    def calibrate(self) -> None:
+        """The per-cycle overhead pooled over every drafted run at a thread count (the main one's
+        where another has too few), the plain loop's beyond T1 likewise."""
+        o, op = {}, {}
+        for t in self.tlist:
+            spec_res = [x for k, rs in self.runs.items() if k[1] == t and k[0] > 1 for x in self.residuals(t, rs, True)]
+            plain_res = [x for k, rs in self.runs.items() if k == (1, t) for x in self.residuals(t, rs, False)]
+            if len(spec_res) >= 3:
+                o[t] = statistics.median(spec_res)
+            if plain_res:
+                op[t] = statistics.median(plain_res)
+        if self.main_t not in o:
+            o[self.main_t] = self.o_probe
+        for t in self.tlist:
+            o.setdefault(t, o[self.main_t])
+            op.setdefault(t, op.get(self.main_t, 0.0))
+        self.overhead = o
+        self.predicted = self.model(o, op)
+
+    # ------------------------------------------------------------ 5. the decision
+
+    def decide(self) -> TuneResult:
+        """``decide.decide`` on the calibrated model, overridden by the race only on a clear
+        margin; the result with every candidate and why."""
+        res, lead_t, predicted, tokens, min_rounds = self.res, self.lead_t, self.predicted, self.tokens, self.min_rounds
+        keys, noise_floor = self.keys, self.noise_floor
+        out = []
+        shown = [(B, lead_t) for B in [1] + self.cands] + [k for k in predicted if k[1] != lead_t]
+        for key in dict.fromkeys(shown):
+            B, t = key
+            other = "" if t == lead_t or t is None else _threads(t)
+            tau = round(self.E[B], 3) if B > 1 else None
+            common = dict(tau=tau, predicted=round(predicted[key], 4), threads=t, noise=round(self.noise(key), 4))
+            if res.tps.get(key):
+                out.append(Candidate(B, True, round(statistics.median(res.tps[key]), 3),
+                                     round(spread(res.ratio[key] if B > 1 else res.tps[key]), 4),
+                                     round(statistics.median(res.ratio[key]), 4), rounds=len(res.tps[key]),
+                                     note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
+                                     final=key in res.final, **common))
+            else:
+                why_not = ("not raced: budget" if key in self.unaffordable or (key in keys and not res.rounds)
+                           else "not raced")
+                out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
+        d = decide(out, default_threads=self.dflt, floor=noise_floor)
+        best, best_t, why = d.block, d.threads, d.why
+        unaffordable = [k for k in self.unaffordable if not res.laps.get(k)]  # (a neighbour may have joined later)
+        if unaffordable:  # what the budget could not afford, and why
+            gone = join_names([key_label(k) for k in unaffordable])
+            why_budget = (f"{gone} not raced: {max(0.0, self.left):.0f} s of the budget left for the race, "
+                          f"{min_rounds} rounds of each would need ~"
+                          f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f} s more")
+            if not self.planned:
+                why_budget = f"no race ({why_budget})"
+        else:
+            why_budget = ""
+        if keys and not res.rounds:  # planned, then the warm-ups left too little for one round
+            first = (f"no race: its first round (~{sum(self.run_s(k, tokens) for k in keys):.0f} s: "
+                     f"{join_names([key_label(k) for k in keys])}) would have ended past the budget "
+                     f"({max(0.0, self.left_after):.0f} s left after the warm-ups)")
+            why_budget = f"{why_budget}; {first}" if why_budget else first
+        chosen = (best, best_t)
+        every = checks(res, chosen, floor=noise_floor)
+        over = clearest(every)
+        if over is not None:
+            why = (f"the race overrode the model ({d.why}): {key_label(over.key)} beat {key_label(chosen)} in every "
+                   f"one of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
+                   f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
+                   f"noise {res.noise:.1%}, at least {noise_floor:.0%})")
+            best, best_t = over.key
+        else:  # say what the race could tell about the stored choice
+            why += _unchecked(res, chosen, every)
+        if why_budget:
+            why += f"; {why_budget}"
+        self.use(best_t)
+        return TuneResult(key=tune_key(self.pair), best=best,
+                          date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          candidates=tuple(out), costs=self.costs,
+                          acceptance_by_position=tuple(round(x, 4) for x in self.acc),
+                          prompt_kinds=tuple(self.kinds), tokens_per_run=tokens, budget_s=self.budget_s,
+                          elapsed_s=round(self.clock() - self.t0, 2), format=FORMAT, threads=best_t, why=why,
+                          overhead_ms=round(self.overhead[self.main_t], 3), phases=self.phases)
+
+
+def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None = None, prompts=None,
+         tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
+         clear_margin: float = 0.15, candidates: Sequence[int] | None = None,
+         threads: Sequence[int | None] | None = None, blas=None, probe_prompts: int = 6,
+         cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
+         clock: Callable[[], float] = time.perf_counter) -> TuneResult:
+    """Measure and choose the block size and BLAS thread count for this pair on this machine
+    (see the module docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
+    counts to try (default: 1, powers of two, all cores; one value where the user pinned it; None
+    where there is no knob). ``cost_rounds``: timed pass-cost rounds, past the first number (and
+    up to the second) only within ``COSTS_SHARE`` of the budget; ``probe_prompts``: prompts in
+    the acceptance probe."""
+    sweep = Sweep(pair, budget_s=budget_s, progress=progress, prompts=prompts, tokens=tokens, finalists=finalists,
+                  min_rounds=min_rounds, max_rounds=max_rounds, clear_margin=clear_margin, candidates=candidates,
+                  threads=threads, blas=blas, probe_prompts=probe_prompts, cost_rounds=cost_rounds,
+                  noise_floor=noise_floor, clock=clock)
+    sweep.measure_acceptance()
+    sweep.measure_costs()
+    sweep.plan_race()
+    sweep.race()
+    sweep.calibrate()
+    return sweep.decide()
+
+
+def _unchecked(res: RaceResult, chosen: Key, every: Sequence[Check]) -> str:
+    """What the race said of a choice it did not overrule (for ``why``), from its ``checks``."""
+    mine = len(res.laps.get(chosen, {}))
+    if not mine:
+        return "; not checked by the race (not raced)"
+    dropped = f", {res.dropped[chosen]}" if chosen in res.dropped else ""
+    enough = [c for c in every if c.rounds >= CHECK_ROUNDS]
+    if not enough:
+        return (f"; not checked by the race (it ran {mine} rounds{dropped}; no other candidate ran "
+                f"{CHECK_ROUNDS} rounds with it)")
+    c = max(enough, key=lambda c: c.gain)
+    need = f"{c.needed - 1:+.1%}" if math.isfinite(c.needed) else "a run-to-run noise measured"
+    return (f"; checked by the race ({mine} rounds{dropped}): no candidate clearly faster (closest "
+            f"{key_label(c.key)}: {c.gain - 1:+.1%} over {c.rounds} rounds, faster in {c.wins}; a clear margin "
+            f"needs every round and {need})")
+
+
+def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None = None, *,
+                 root: Path | None = None, tune_fn: Callable[..., TuneResult] = tune) -> TuneResult | None:
+    """The stored result for this machine and pair, tuning first (within ``budget_s``, default
+    ``DEFAULT_BUDGET_S``) and storing it if there is none; None when the user skipped tuning.
+    Applies the result's BLAS thread count. Which block size wins (the flag, --no-tune, this
+    result) is decided by ``session.choose_block``; ``best == 1`` means "off"."""
+    key = tune_key(pair)
+    result = load_result(key, root)
+    if result is None:
+        budget = budget_s or DEFAULT_BUDGET_S
+        log.info("no tuned block size for this machine and pair: tuning (at most ~%.0f s)", budget)
+        try:
+            result = replace(tune_fn(pair, budget_s=budget, progress=progress), key=key)
+        except TuneSkipped:  # skipped by the user: nothing stored, tuned next launch
+            apply_threads(None)
+            return None
+        path = save_result(result, root)
+        log.info("tuning result stored in %s", path)
+    apply_threads(result)
+    return result
+
+
+def apply_threads(result: TuneResult | None, blas=None) -> int | None:
+    """Set the BLAS thread count the engine runs with: the user's pin (OPENBLAS_NUM_THREADS or
+    MKL_NUM_THREADS) if set, else the stored choice, else the default (all cores). The count in
+    effect; None: no knob."""
+    from .. import BLAS  # (the process's BLAS, loaded by the package root before MLX)
+
+    blas = blas or BLAS
+    if not blas.settable:
+        return None
+    n = blas.pinned or (result.threads if result is not None else None)
+    return set_threads(blas, n)
