@@ -10,7 +10,7 @@ Linux x86-64) on an Intel CPU and the system OpenBLAS elsewhere, each falling ba
 ``mkl`` or ``openblas`` asks for one; ``none`` keeps the bundled reference BLAS; a path loads that
 library. MKL first on Intel because it was measured faster here: its small-row ``sgemm`` reads
 the weights once, where OpenBLAS 0.3.21 packs them first (a 1-row target pass of the default pair
-~35 % cheaper, docs/bench.md "Session 9").
+~35 % cheaper: docs/bench.md, "Why MKL").
 
 Threads: measured, not pinned. The library starts at its own default (all cores), which is what
 mlx-lm gets too; the tuner times the thread count together with the block size and the engine

@@ -156,7 +156,7 @@ def spec_steps(
     previous Step and returns the DFlash block L (1 = a plain step); without either, every
     cycle drafts ``block_size`` with the drafter. ``index``: the lookup index over ``prompt``
     that the policy's lookup drafts come from (default ``SuffixIndex(prompt, lookup_ngram,
-    stop=eos_ids)``; another to compare, e.g. scripts/lookup_replay.py's baseline), extended by
+    stop=eos_ids)``; another to compare, e.g. a replay's baseline), extended by
     the committed tokens.
 
     ``prefill``: caches (target and drafter) already holding a proper prefix of ``prompt``; they

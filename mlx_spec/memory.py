@@ -5,7 +5,7 @@ and weight byte counts (from safetensors headers or lazily built modules, see qu
 is testable on synthetic configs. ``plan_for`` is the glue that reads a pair's files;
 ``check`` refuses a plan over budget; ``live`` reports what MLX really holds.
 
-Activation coefficients are measured on mlx 0.32 (scripts/plan_accuracy.py, docs/memory.md).
+Activation coefficients are measured on mlx 0.32 (benchmarks/plan_accuracy.py, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def make_plan(p: PlanInputs, *, context: int, block_size: int, budget: int, budg
                       budget, budget_source, lo, notes)
 
 
-# -- continuous batching: what each sequence of a batch adds (issue 18) ---------------------------
+# -- continuous batching: what each sequence of a batch adds --------------------------------------
 
 PER_SEQUENCE = ("target KV cache", "recurrent state", "drafter context cache", "target features for the drafter",
                 "verify / prefill scratch")

@@ -6,9 +6,9 @@ import math
 import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
-from mlx_spec.bench import (COPY_SUBSET, Costs, Method, PromptRow, Run, Sample, ceiling, copy_ceiling,
-                            copy_max_draft, copy_oracle, copy_share, efficiency, engaged, pooled_ceiling,
-                            prompt_report, reach_table, scopes, subset_speedups, summarize)
+from mlx_spec.analysis import COPY_SUBSET, copy_ceiling, copy_max_draft, copy_oracle, copy_share, reach_table, scopes
+from mlx_spec.bench import (Costs, Method, PromptRow, Run, Sample, ceiling, efficiency, engaged, pooled_ceiling,
+                            prompt_report, subset_speedups, summarize)
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.baselines import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
 from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts

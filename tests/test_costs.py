@@ -1,5 +1,5 @@
 """The pass-cost curve's model time of a cycle (costs.Costs.step_ms / timed): what bench's
-per-cycle rows, scripts/agent_trace.py --model-time and scripts/lookup_replay.py charge."""
+per-cycle rows and tests/reply_replay.py charge."""
 
 import pytest
 

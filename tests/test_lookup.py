@@ -7,23 +7,23 @@ copy broke and proposes the file's text after the edit; the latest occurrence (w
 proposed before, and still does with ``follow=False``) is elsewhere. Greedy decoding through
 these proposals stays lossless: tests/test_policy.py and tests/test_hybrid.py cover that.
 
-Also here: the index chooses once per token; bench.copy_oracle over a drafter's own proposals
-(the replay's clairvoyant bound); scripts/lookup_replay.py replays a reply through
+Also here: the index chooses once per token; analysis.copy_oracle over a drafter's own proposals
+(a clairvoyant bound); tests/reply_replay.py replays a reply through
 decode.spec_steps itself (on a stand-in target that answers with the reply, drafting from the
 index it is given), whose pipelined plain steps are decided one token early, never more.
 """
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from mlx_spec.adaptive import LOOKUP, PLAIN
-from mlx_spec.bench import copy_oracle
+from mlx_spec.analysis import copy_oracle
 from mlx_spec.costs import Costs
 from mlx_spec.decode import spec_steps
 from mlx_spec.lookup import BREAK_EXPIRES, SuffixIndex
+
+import reply_replay
 
 # A file of lines [A_i, 7, 8, B_i, 9]: A_i and B_i distinct (names), 7, 8, 9 common (brackets,
 # newlines), framed like a chat prompt.
@@ -172,8 +172,8 @@ def test_a_reused_choice_is_the_choice_now():
 
 
 def test_the_clairvoyant_bound_is_the_copy_oracle_over_the_proposals():
-    """``bench.copy_oracle(right=...)`` prices a drafter's own proposals, each one's acceptance
-    known (scripts/lookup_replay.py's clairvoyant bound): the copied spans' runs give the default
+    """``analysis.copy_oracle(right=...)`` prices a drafter's own proposals, each one's acceptance
+    known (a clairvoyant bound): the copied spans' runs give the default
     oracle back, and where the cost curve jumps a proposal is drafted shorter than it would hold
     (drafting all that it gets right, or nothing, would cost 3900 ms here)."""
     step = Costs(100.0, {}, {1: 100.0, 9: 100.0, 10: 1000.0, 33: 1000.0}, 0)
@@ -185,20 +185,12 @@ def test_the_clairvoyant_bound_is_the_copy_oracle_over_the_proposals():
         copy_oracle([], file, step, right=[0] * 39)
 
 
-# ---- scripts/lookup_replay.py replays a reply through decode.spec_steps
+# ---- tests/reply_replay.py replays a reply through decode.spec_steps
 
-def _replay_module():
-    spec = importlib.util.spec_from_file_location(
-        "lookup_replay", Path(__file__).resolve().parent.parent / "scripts" / "lookup_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-REPLAY = _replay_module()  # its stand-ins: ReplyTarget (answers with the reply), NoDrafter, CurveTimed
+REPLAY = reply_replay  # its stand-ins: ReplyTarget (answers with the reply), NoDrafter, CurveTimed
 ReplyTarget, NoDrafter, CurveTimed = REPLAY.ReplyTarget, REPLAY.NoDrafter, REPLAY.CurveTimed
 
-# the bench's CPU curve (runs/issue17-bench6.json): a draft must be likely to pay for its rows
+# a CPU cost curve `mlx_spec bench` measured on a 2-core x86 machine: a draft must be likely to pay for its rows
 CPU = Costs(87.8, {}, {1: 88.1, 2: 104.7, 3: 112.3, 4: 137.4, 6: 133.1, 8: 147.0, 12: 197.5, 16: 185.2,
                        24: 284.4, 33: 298.8}, 239)
 REPLIES = {  # new text (plain runs), copied lines (lookup drafts), edits inside them (re-syncs)
@@ -265,7 +257,7 @@ def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
     plain step queued while the one before it ran, of all but that one's token: a match the
     lookup finds at token k costs at most the plain step already queued, never a further cycle.
     (Never queueing, or queueing only when the context one token on would stay plain too,
-    measured no better: docs/bench.md, session 8.)"""
+    measured no better.)"""
     reply, eos = REPLIES["edits"], 0
 
     class At(int):

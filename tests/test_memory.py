@@ -201,7 +201,7 @@ ACCURACY = dict(TARGET_CONFIGS["qwen3"], hidden_size=256, intermediate_size=768,
 
 def test_planned_peak_within_15_percent_of_measured():
     """Prefill 256 + 256 generated tokens, block 8, random DFlash 2 drafter (small case of
-    scripts/plan_accuracy.py)."""
+    benchmarks/plan_accuracy.py)."""
     from mlx_lm.models import qwen3
 
     from mlx_spec.decode import spec_steps

@@ -711,9 +711,9 @@ def test_copy_model_by_match_length():
 def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_both_sources():
     """A scripted agent edit: the reply re-emits a 150-token file with two edits (a new line
     inserted, a token changed). The policy's model time against an oracle that drafts every
-    copied token (bench.copy_oracle at the same costs), lookup only, DFlash only (a weak
+    copied token (analysis.copy_oracle at the same costs), lookup only, DFlash only (a weak
     drafter) and both."""
-    from mlx_spec.bench import copy_oracle
+    from mlx_spec.analysis import copy_oracle
 
     file = _file(150)
     reply = [7, 8] + file[:50] + _file(6, seed=2) + file[50:110] + [9] + file[111:150]

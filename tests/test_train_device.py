@@ -1,24 +1,32 @@
-"""The prepared GPU session (scripts/device_stage.sh, device_run.sh, device_tasks.py; docs/training.md
+"""The prepared GPU session (benchmarks/device/: device_stage.sh, device_run.sh, device_tasks.py; docs/training.md
 "When a session has the GPU"): its report renders, and a dry run on this CPU goes end to end."""
 
+import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+DEVICE = ROOT / "benchmarks" / "device"
 
-import device_tasks  # noqa: E402
+
+def _device_tasks():
+    spec = importlib.util.spec_from_file_location("device_tasks", DEVICE / "device_tasks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+device_tasks = _device_tasks()
 
 
 def test_scripts_parse():
     for name in ("device_run.sh", "device_stage.sh"):
-        r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True)
+        r = subprocess.run(["bash", "-n", str(DEVICE / name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
 
@@ -46,7 +54,7 @@ def test_device_run_dry_on_this_cpu(tmp_path):
     """The whole script with --dry (no install, tiny settings, the default pair): every step runs
     and the bundle unpacks to the exported drafter, the cost curve and both evals (~2-3 min)."""
     env = {**os.environ, "OUT": str(tmp_path / "out")}
-    r = subprocess.run(["bash", "scripts/device_run.sh", "--dry", "--budget-s", "400"], cwd=ROOT, env=env,
+    r = subprocess.run(["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "400"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
@@ -69,7 +77,7 @@ def test_device_run_caps_every_step_by_the_time_left(tmp_path):
 
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     t = time.monotonic()
-    r = subprocess.run(["bash", "scripts/device_run.sh", "--dry", "--budget-s", "45"], cwd=ROOT, env=env,
+    r = subprocess.run(["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "45"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     log = (tmp_path / "out" / "log.txt").read_text()
     assert r.returncode == 1 and "probe: skipped (no time left)" in log, log

@@ -141,7 +141,7 @@ def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
     (the copy ceiling), next to every drafting method's tau and speedups (vs our plain / vs
     mlx-lm) and its share of the ceiling; then the speedups over the replies that do repeat their
     prompt. ``ceilings``: {"agent": pooled ceiling of all agent prompts, "copying": of those}."""
-    from ..bench import COPY_SUBSET
+    from ..analysis import COPY_SUBSET
 
     ceilings = ceilings or {}
     labels = [r.label for r in rows if r.status == "ok" and r.tau is not None]
@@ -172,7 +172,7 @@ def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
 
 
 def reach_lines(reach, rows, kinds) -> str:
-    """What drafting can reach on this run's pass costs (``bench.reach_table``): per block, the
+    """What drafting can reach on this run's pass costs (``analysis.reach_table``): per block, the
     tau at which a cycle breaks even and the speedup of a perfect drafter, DFlash (its pass paid)
     and lookup (free proposals); then each fixed DFlash row's tau by prompt kind and what that tau
     gives at its block."""
@@ -255,8 +255,8 @@ def run(args) -> int:
         return costs_run(args)
 
     from .. import adaptive
-    from ..bench import (COPY_SUBSET, CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report,
-                         reach_table, subset_speedups, summarize)
+    from ..analysis import COPY_SUBSET, reach_table
+    from ..bench import CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report, subset_speedups, summarize
     from ..blas import default_threads
     from ..errors import BadRequest
     from ..cli import load_config

@@ -1,0 +1,54 @@
+"""The benchmark harness in benchmarks/ stays runnable from a clone: every script imports (only
+the package and its dependencies: no folder outside the repository on ``sys.path``) and answers
+``--help``; every shell script parses; benchmarks/README.md names every script."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+PY = sorted(BENCH.rglob("*.py"))
+SH = sorted(BENCH.rglob("*.sh"))
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"harness_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_harness_is_there():
+    assert {p.name for p in PY} >= {"pass_anatomy.py", "batch_profile.py", "plan_accuracy.py", "device_tasks.py"}
+
+
+@pytest.mark.parametrize("path", PY, ids=lambda p: str(p.relative_to(BENCH)))
+def test_each_harness_script_imports_and_answers_help(path, monkeypatch, capsys):
+    assert "sys.path" not in path.read_text(), f"{path.name} edits sys.path: run it from a clone as it is"
+    mod = _load(path)
+    assert callable(getattr(mod, "main", None)), f"{path.name} has no main()"
+    monkeypatch.setattr(sys, "argv", [path.name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", SH, ids=lambda p: str(p.relative_to(BENCH)))
+def test_each_shell_script_parses(path):
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_readme_names_every_script_and_every_results_folder():
+    readme = (BENCH / "README.md").read_text()
+    missing = [str(p.relative_to(BENCH)) for p in PY + SH if p.name not in readme]
+    assert not missing, f"benchmarks/README.md does not say what these do: {missing}"
+    results = BENCH / "results"
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        assert (folder / "README.md").is_file(), f"{folder.name} has no README.md saying which command made each file"
