@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         with Engine(loader, prefix_cache=budget) as e:
             e.wait_ready(120)
             d1 = e.submit(Request(messages=turn1, max_tokens=args.tokens)).result()
-            turn2 = turn1 + [{"role": "assistant", "content": d1.text}, {"role": "user", "content": "Now add type hints."}]
+            turn2 = turn1 + [{"role": "assistant", "content": d1.text},
+                             {"role": "user", "content": "Now add type hints."}]
             d2 = e.submit(Request(messages=turn2, max_tokens=args.tokens)).result()
             digest = hashlib.sha256(d2.text.encode()).hexdigest()[:12]
             print(f"prefix cache {budget >> 20} MiB: turn 2 prompt {d2.prompt_tokens} tok, cached "

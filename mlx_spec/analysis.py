@@ -16,7 +16,7 @@ harness in benchmarks/.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .adaptive import MAX_LOOKUP
 from .costs import Costs

@@ -91,7 +91,3 @@ def replay(prompt, full, costs: Costs, max_tokens: int, make, *, eos=(),
                          "is its EOS among eos, or is the reply cut at max_tokens?")
     # a step queued by a run's last step (the reply ended there) never ran
     return [costs.timed(s) for s in steps[1:]], sum(1 for k, yes in said if yes and k < len(steps) - 1)
-
-
-QUEUE_RULES = ("engine", "fresh", "ahead")
-

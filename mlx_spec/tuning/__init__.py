@@ -10,13 +10,46 @@
 How the choice is made and why it is the same run after run: docs/tuner.md.
 """
 
-from .decide import (CHECK_ROUNDS, CLEAR_Z, MIN_NOISE_DF, NOISE_CAP, NOISE_FLOOR, Check, Decision, Key, Lap,
-                     RaceResult, check, checks, cycle_overhead, decide, default_candidates, median_se, predict, race,
-                     race_check)
-from .run import (DEFAULT_BUDGET_S, Sweep, TuneSkipped, apply_threads, ensure_tuned, tune)
-from .store import (FORMAT, READ_FORMATS, Candidate, TuneResult, cpu_name, identity, key_hash, load_result,
-                    machine_info, models_of, quantization, result_path, same_models, save_result, tune_key,
-                    weights_id)
+from .decide import (
+                     CHECK_ROUNDS,
+                     CLEAR_Z,
+                     MIN_NOISE_DF,
+                     NOISE_CAP,
+                     NOISE_FLOOR,
+                     Check,
+                     Decision,
+                     Key,
+                     Lap,
+                     RaceResult,
+                     check,
+                     checks,
+                     cycle_overhead,
+                     decide,
+                     default_candidates,
+                     median_se,
+                     predict,
+                     race,
+                     race_check,
+)
+from .run import DEFAULT_BUDGET_S, Sweep, TuneSkipped, apply_threads, ensure_tuned, tune
+from .store import (
+                     FORMAT,
+                     READ_FORMATS,
+                     Candidate,
+                     TuneResult,
+                     cpu_name,
+                     identity,
+                     key_hash,
+                     load_result,
+                     machine_info,
+                     models_of,
+                     quantization,
+                     result_path,
+                     same_models,
+                     save_result,
+                     tune_key,
+                     weights_id,
+)
 
 __all__ = [
     "CHECK_ROUNDS", "CLEAR_Z", "DEFAULT_BUDGET_S", "FORMAT", "MIN_NOISE_DF", "NOISE_CAP", "NOISE_FLOOR",

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Callable, Sequence
 
 from ..adaptive import expected_tokens
 from ..bench import Method, model_ms

@@ -29,21 +29,38 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..adaptive import expected_tokens
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
-from ..costs import Costs, CostMeter, Progress
+from ..costs import CostMeter, Costs, Progress
 from ..errors import MlxSpecError
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
 from ..stats import Stats
-from .decide import (CHECK_ROUNDS, CLEAR_Z, NOISE_FLOOR, Check, Key, Lap, RaceResult, checks, clearest,
-                     cycle_overhead, decide, default_candidates, join_names, key_label, median_se, predict, race,
-                     with_overhead)
+from .decide import (
+    CHECK_ROUNDS,
+    CLEAR_Z,
+    NOISE_FLOOR,
+    Check,
+    Key,
+    Lap,
+    RaceResult,
+    checks,
+    clearest,
+    cycle_overhead,
+    decide,
+    default_candidates,
+    join_names,
+    key_label,
+    median_se,
+    predict,
+    race,
+    with_overhead,
+)
 from .store import FORMAT, Candidate, TuneResult, load_result, save_result, tune_key
 
 log = logging.getLogger(__name__)
@@ -98,7 +115,8 @@ class Sweep:
 
         self.pair, self.budget_s, self.tokens, self.finalists = pair, budget_s, tokens, finalists
         self.min_rounds, self.max_rounds, self.clear_margin = min_rounds, max_rounds, clear_margin
-        self.probe_prompts, self.cost_rounds, self.noise_floor, self.clock = probe_prompts, cost_rounds, noise_floor, clock
+        self.probe_prompts, self.cost_rounds = probe_prompts, cost_rounds
+        self.noise_floor, self.clock = noise_floor, clock
         self.blas = blas or BLAS
         self.t0 = clock()
         self.deadline = self.t0 + (1 - BUDGET_RESERVE) * budget_s  # what the plan aims at: a round may run slow
@@ -173,14 +191,15 @@ class Sweep:
             for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
                 self.use(t)
 
-                def step(d, n, m, j=j):
+                def step(d, n, m, j=j, r=r):
                     done = max((clock() - t_costs) / (COSTS_SHARE * budget_s),
                                (r + (j + d / n) / len(tlist)) / (hi + 1))
                     self.frac(PROBE_SHARE + COSTS_SHARE * min(1.0, done), m)
                 meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
             r += 1
             round_s = clock() - tr
-        self.phases |= {"costs_s": round(clock() - t_costs, 2), "cost_rounds": r - 1}  # timed rounds (after the warm-up)
+        # timed rounds (after the warm-up)
+        self.phases |= {"costs_s": round(clock() - t_costs, 2), "cost_rounds": r - 1}
         self.meters = meters
         self.all_costs = {t: m.costs() for t, m in meters.items()}
         self.costs = self.all_costs[main_t]
@@ -390,7 +409,8 @@ class Sweep:
             gone = join_names([key_label(k) for k in unaffordable])
             why_budget = (f"{gone} not raced: {max(0.0, self.left):.0f} s of the budget left for the race, "
                           f"{min_rounds} rounds of each would need ~"
-                          f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f} s more")
+                          f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f}"
+                          " s more")
             if not self.planned:
                 why_budget = f"no race ({why_budget})"
         else:

@@ -269,7 +269,7 @@ class TuneResult:
                 "why": self.why, "overhead_ms": self.overhead_ms, "phases": dict(self.phases)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TuneResult":
+    def from_dict(cls, d: dict) -> TuneResult:
         def block(x):
             return 1 if x == "off" else int(x)
 
