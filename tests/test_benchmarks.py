@@ -5,6 +5,7 @@ the package and its dependencies: no folder outside the repository on ``sys.path
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 PY = sorted(BENCH.rglob("*.py"))
 SH = sorted(BENCH.rglob("*.sh"))
+
+
+@pytest.fixture
+def same_environment():
+    """A script may set environment variables when imported (blas_sgemm.py asks for no BLAS):
+    they must not leak into later tests' subprocesses."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _load(path: Path):
@@ -29,7 +40,7 @@ def test_the_harness_is_there():
 
 
 @pytest.mark.parametrize("path", PY, ids=lambda p: str(p.relative_to(BENCH)))
-def test_each_harness_script_imports_and_answers_help(path, monkeypatch, capsys):
+def test_each_harness_script_imports_and_answers_help(path, monkeypatch, capsys, same_environment):
     assert "sys.path" not in path.read_text(), f"{path.name} edits sys.path: run it from a clone as it is"
     mod = _load(path)
     assert callable(getattr(mod, "main", None)), f"{path.name} has no main()"
