@@ -4,6 +4,8 @@ the package and its dependencies: no folder outside the repository on ``sys.path
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -48,6 +50,34 @@ def test_each_harness_script_imports_and_answers_help(path, monkeypatch, capsys,
     with pytest.raises(SystemExit) as e:
         mod.main()
     assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", PY, ids=lambda p: str(p.relative_to(BENCH)))
+def test_every_package_name_a_script_imports_exists(path):
+    """Imports inside functions too (they run only past ``--help``): each ``from mlx_spec... import
+    name`` names a module and a name the package has."""
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mlx_spec":
+            try:
+                mod = importlib.import_module(node.module)
+            except ImportError as e:
+                missing.append(f"line {node.lineno}: {node.module} ({e})")
+                continue
+            for alias in node.names:
+                if not hasattr(mod, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"line {node.lineno}: {node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mlx_spec":
+                    try:
+                        importlib.import_module(alias.name)
+                    except ImportError as e:
+                        missing.append(f"line {node.lineno}: {alias.name} ({e})")
+    assert not missing, f"{path.name} imports what the package no longer has: {missing}"
 
 
 @pytest.mark.parametrize("path", SH, ids=lambda p: str(p.relative_to(BENCH)))
