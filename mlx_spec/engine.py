@@ -173,7 +173,7 @@ class Engine:
         self._ready = threading.Event()
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
-        self._controllers = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
+        self._policy_factory = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
         self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                           "prefix_cache_bytes": 0}
         self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
@@ -396,9 +396,9 @@ class Engine:
         from .generation import policies
 
         handle._put(Started(handle.request.id, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
-        if self._controllers[0] is not info:
-            self._controllers = (info, policies(pair, info))
-        return self._controllers[1]
+        if self._policy_factory[0] is not info:
+            self._policy_factory = (info, policies(pair, info))
+        return self._policy_factory[1]
 
     # -- continuous batching ---------------------------------------------------------------------
     def _make_decoder(self, session):

@@ -55,7 +55,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .adaptive import expected_tokens
+from .policy import expected_tokens
 from .bench import Method, Runner, model_ms, spread
 from .blas import cpuinfo, default_threads, set_threads, thread_candidates
 from .costs import Costs, CostMeter, Progress

@@ -122,7 +122,7 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     from those caches equals a fresh run."""
     from test_hybrid import build
 
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
     from mlx_spec.prefix import Prefill
 
@@ -166,7 +166,7 @@ def test_pipelined_plain_runs_sample_the_targets_law():
     import numpy as np
     from test_sampling import gof_pvalue
 
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
     from mlx_spec.sampling import SamplingConfig, target_probs
 

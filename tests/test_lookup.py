@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_spec.adaptive import LOOKUP, PLAIN
+from mlx_spec.policy import LOOKUP, PLAIN
 from mlx_spec.bench import copy_oracle
 from mlx_spec.costs import Costs
 from mlx_spec.decode import spec_steps
