@@ -773,21 +773,41 @@ def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array 
     return drafter.norm(x)[:, 1:]
 
 
-def _mirrors_drafter(drafter) -> bool:
-    """The packed drafter pass equals ``Drafter.hidden`` (two sequences, checked numerically)."""
+def _drafter_tol(dtype) -> float:
+    """How close the packed drafter pass must come to ``Drafter.hidden`` (relative and absolute):
+    the same sums over another row count and block layout, rounded in another order. float32
+    rounds at ~1e-7 (1e-5 leaves room for a few layers of it); float16 / bfloat16 activations
+    round at ~1e-3 / ~4e-3 per operation, so a few ulps of a 16-bit value (3e-2) is the bound,
+    far below what a wrong mirror gives (differences of order one)."""
+    return 1e-5 if dtype == mx.float32 else 3e-2
+
+
+def _mirrors_drafter(drafter) -> str | None:
+    """None when the packed drafter pass equals ``Drafter.hidden`` (two sequences, checked
+    numerically), else why not. The feature width comes from the drafter's args (the tapped
+    target layers times the target's width): a quantized ``fc``'s weight is packed."""
+    args = drafter.args
+    F = len(args.target_layer_ids) * (args.target_hidden_size or args.hidden_size)
     try:
-        F = drafter.fc.weight.shape[-1]
-        f = mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5
-        want = [drafter.hidden(mx.array([[a] + [drafter.args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
+        f = (mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5).astype(drafter.norm.weight.dtype)
+        want = [drafter.hidden(mx.array([[a] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
                 for a, n in ((3, 7), (5, 4))]
         got = draft_hidden_many(drafter, [3, 5], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
-        return all(_same(w, g) for w, g in zip(want, got))
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return False
+        pairs = list(zip(want, got))
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+        return f"the packed pass could not run ({type(e).__name__}: {e})"
+    dtype = want[0].dtype  # the drafter's activations (a 16-bit drafter's own, or promoted)
+    tol = _drafter_tol(dtype)
+    if all(_same(w, g, tol) for w, g in pairs):
+        return None
+    if any(w.shape != g.shape for w, g in pairs):
+        return "the packed pass's output has another shape than the drafter's"
+    diff = max(float(mx.abs(w.astype(mx.float32) - g.astype(mx.float32)).max()) for w, g in pairs)
+    return f"the packed pass differs from the drafter's by up to {diff:.2g} in {dtype} (tolerance {tol:g})"
 
 
 # --------------------------------------------------------------------------------------------
-# The per-step controller
+# The per-step budget
 
 
 class Acceptance:

@@ -52,7 +52,8 @@ class Scripted:
     def add_context(self, features, cache):
         cache[0].offset += features.shape[1]
 
-    def propose(self, anchor, features, cache, block_size, sampling=0.0, key=None):
+    def propose(self, anchor, features, cache, block_size, sampling=0.0, key=None, confidence=False):
+        # (no confidence even when asked: the policy then verifies the block as drafted)
         c = cache[0]
         if features is not None:
             c.offset += features.shape[1]
@@ -268,12 +269,15 @@ class _StaysPlain:
     def peek(self, ctx):
         return Decision(PLAIN, 1)
 
+    def stays_plain(self, ctx):  # (what a sequence alone is asked, as the single stream asks it)
+        return True
+
     def choose(self, ctx):
         self.chosen += 1
         return Decision(PLAIN, 1)
 
     def observe(self, step):
-        self.observed += 1
+        self.observed += not step.prefill  # (the prefill is shown too; a policy ignores it)
 
 
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "stepwise"])
