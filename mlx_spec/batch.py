@@ -54,7 +54,7 @@ from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
 from .prefix import Prefill
-from .sampling import SamplingConfig, accept_greedy, accept_sampled, next_token, sample_target
+from .sampling import SamplingConfig, accept_greedy, next_token, sample_target, sampled_acceptance
 from .target import Target
 
 log = logging.getLogger(__name__)
@@ -1234,6 +1234,8 @@ class BatchDecoder:
         L = max(1, min(d.length, room))
         if d.source == LOOKUP:
             L = min(L, len(s.ctx.lookup) + 1)
+        if L == d.length and (L > 1 or d.source == PLAIN):
+            return d  # the policy's own decision (its trace holds it: ``pick`` replaces it there)
         return Decision(d.source if L > 1 else PLAIN, L, d.probe)
 
     @staticmethod
@@ -1397,6 +1399,7 @@ class BatchDecoder:
             blocks.append(len(drafts.get(s.id, ())) + 1)
 
         # verify: one target pass over every decoding sequence's rows and the prefill chunks
+        ts = time.perf_counter()  # (pick and the host's work before it are the step's overhead)
         segs = []
         for s in decoding:
             segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
@@ -1407,7 +1410,7 @@ class BatchDecoder:
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # The target's choices, one host transfer: a sequence stepping plain, its next token (a
         # sampled one's drawn in the graph); a greedy draft's rows, their argmax. Only a sampled
-        # draft is accepted apart, by accept_sampled.
+        # draft is accepted apart (sampling.sampled_acceptance), read in the same wait.
         greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy or blocks[k] == 1]
         choice = (mx.concatenate([next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
                                   if blocks[k] == 1 else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
@@ -1423,20 +1426,27 @@ class BatchDecoder:
         verify_ms = 0.0
         rollback_s = 0.0
         greedy_ids: dict[int, list[int]] = {}
-        if choice is not None:
-            (flat,), r = self.waits.read(choice), 0  # the verify pass ends here
-            for k in greedy:
-                greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
+        sampled = {k: sampled_acceptance(outs[k].logits, props.get(s.id), s.sampling, keys[s.id][1])
+                   for k, s in enumerate(decoding) if k not in set(greedy)}
+        tw = time.perf_counter()
+        if decoding:  # the target's choices and the sampled acceptances: one wait (the verify pass ends here)
+            got = self.waits.read(*([] if choice is None else [choice]), *sampled.values())
+            if choice is not None:
+                flat, r = got.pop(0), 0
+                for k in greedy:
+                    greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
+            sampled = dict(zip(sampled, got))
+        # the verify pass: from building its graph to its choices on the host; a plain step with
+        # the next one queued ahead: the wait for its tokens (its pass overlapped the host's work)
+        verify_ms = (time.perf_counter() - (tw if ahead is not None else ts)) * 1e3
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
             if k in greedy_ids:  # (a sampled sequence's plain step too)
                 a, bonus = accept_greedy(draft_list, greedy_ids[k])
             else:
-                self.waits.count += 1  # (accept_sampled reads the pass's probabilities)
-                a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
+                a, bonus = sampled[k]
             tr0 = time.perf_counter()
-            verify_ms = max(verify_ms, (tr0 - td) * 1e3)
             self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
             rollback_s += time.perf_counter() - tr0
             if s.dcache is not None:
