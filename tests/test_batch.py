@@ -1020,3 +1020,43 @@ def test_mlx_lm_server_multiplies_with_our_blas_and_keeps_a_users_preload(monkey
     assert loadtest.mlx_lm_server("m", None).env == {}  # the reference BLAS: nothing to preload
     monkeypatch.setenv("LD_PRELOAD", "/y/libjemalloc.so")
     assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env["LD_PRELOAD"] == "/x/libmkl_rt.so.3:/y/libjemalloc.so"
+
+
+@pytest.mark.parametrize("form", ["4-bit", "8-bit", "float16"])
+def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form):
+    """A quantized drafter's ``fc`` holds packed weights (its width is not the features'), and a
+    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences."""
+    from mlx_spec import quantize
+
+    model, cfg = dense
+    if form == "float16":  # the pair in float16: the drafter's activations too (its block's embedding is the target's)
+        model, cfg = tiny_model("qwen3")
+        model.set_dtype(mx.float16)
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    if form == "float16":
+        d.set_dtype(mx.float16)
+    else:
+        assert quantize.quantize_module(d, int(form[0]), 32) > 0 and quantize.is_quantized(d)
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert dec.packed_drafter and dec.drafter_path == "one pass for all"
+
+
+def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dense, monkeypatch, caplog):
+    import logging
+
+    from mlx_spec import batch
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    real = batch.draft_hidden_many
+    monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: real(*a, **k) + 0.5)  # a wrong mirror
+    with caplog.at_level(logging.INFO, logger="mlx_spec.batch"):
+        dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert not dec.packed_drafter
+    assert dec.drafter_path.startswith("per sequence (the packed pass differs from the drafter's by up to 0.5")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "packed pass is off" in r.getMessage()]
+    assert warned and dec.drafter_path[len("per sequence ("):-1] in warned[0].getMessage()
+    monkeypatch.undo()
+    alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=8)) for p in PROMPTS[:2]]
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=8) for p in PROMPTS[:2]])
+    assert [got[0], got[1]] == alone  # (the per-sequence drafter path, taken instead, stays exact)
