@@ -1277,10 +1277,12 @@ class BatchDecoder:
         """Would the step after the one in flight be plain for every sequence (asked now,
         nothing counted)? A sequence alone asks its policy's ``stays_plain``, as the single
         stream always has (what ``distributed.RankSharedPolicy`` shares with the other ranks)."""
+        if len(decoding) == 1 and decoding[0].max_tokens - decoding[0].n <= 1:
+            return False  # alone, the step in flight commits its last token: nothing to queue
         if len(decoding) == 1 and decoding[0].policy is not None:
             s = decoding[0]
             room = s.max_tokens - s.n - 1
-            if not s.speculate or room < 1:
+            if not s.speculate:
                 return False
             s.ctx = self._lookup_context(s, room)
             return bool(s.policy.stays_plain(s.ctx))
@@ -1437,8 +1439,12 @@ class BatchDecoder:
                     greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
             sampled = dict(zip(sampled, got))
         # the verify pass: from building its graph to its choices on the host; a plain step with
-        # the next one queued ahead: the wait for its tokens (its pass overlapped the host's work)
-        verify_ms = (time.perf_counter() - (tw if ahead is not None else ts)) * 1e3
+        # the next one queued ahead, or a policy's plain step alone (queued before the policy is
+        # asked about the next, as the single stream always has): the wait for its tokens at the
+        # read (its pass overlapped the host's work)
+        waited = ahead is not None or (alone and blocks == [1] and decisions[0].source == PLAIN
+                                       and decoding[0].policy is not None)
+        verify_ms = (time.perf_counter() - (tw if waited else ts)) * 1e3
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])

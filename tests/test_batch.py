@@ -773,6 +773,7 @@ def test_engine_batches_concurrent_requests_exactly(engines):
         assert h.result().text == single.submit(Request(prompt=p, max_tokens=12, speculate=False)).result().text
     assert batched.snapshot()["batch_pipelined"] > before
     assert snap["batch_attention"].startswith("shared K/V over") and single.snapshot()["batch_attention"] is None
+    assert snap["batch_drafter"] == "one pass for all" and single.snapshot()["batch_drafter"] is None
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 
 
