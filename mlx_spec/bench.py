@@ -25,7 +25,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .policy import MAX_LOOKUP, PolicyFactory
 from .costs import Costs, CostMeter, Progress, ceiling, efficiency
