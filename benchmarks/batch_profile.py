@@ -35,19 +35,19 @@ import mlx_spec  # noqa: F401  (before MLX: it loads OpenBLAS)
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlx_spec.batch import BatchDecoder, BatchPolicy, batched_steps
+from mlx_spec.batch import BatchDecoder, BatchBudget, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
 from mlx_spec.loading import load_pair
 from mlx_spec.prompts import builtin_prompts
 
 
-class Always(BatchPolicy):
+class Always(BatchBudget):
     def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
         return list(wants)
 
 
-class Never(BatchPolicy):
+class Never(BatchBudget):
     def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
         return [1] * len(wants)
 
@@ -84,7 +84,7 @@ def summarize(label, dec, steps, tokens, wall, cpu):
           f"draft {statistics.fmean(drf) if drf else 0:5.1f}  verify {statistics.fmean(ver) if ver else 0:5.1f}  "
           f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
     pol = dec.policy
-    if pol.obs:  # the step-cost line BatchPolicy fitted, against the steps it measured
+    if pol.obs:  # the step-cost line BatchBudget fitted, against the steps it measured
         errs = [abs(pol.costs(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
         k = pol.costs
         print(f"{'':<28} cost line: {k.base:.1f} + {k.row:.2f}*rows + {k.prefill_row:.2f}*prefill rows + "
@@ -170,8 +170,8 @@ def versus(pair, make, prompts, sizes, tokens, block=4):
     kinds = {"mlx-lm BatchGenerator": lambda ps: _theirs(pair, ps),
              "ours, no drafter": lambda ps: _ours(pair, ps, None, Never, drafter=False),
              "ours, drafting off": lambda ps: _ours(pair, ps, make, Never),
-             "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchPolicy),
-             "ours, per-step, not widened": lambda ps: _ours(pair, ps, make, BatchPolicy, widen=False),
+             "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchBudget),
+             "ours, per-step, not widened": lambda ps: _ours(pair, ps, make, BatchBudget, widen=False),
              "ours, as each alone": lambda ps: _ours(pair, ps, make, Always)}
     print(f"{'':<24} {'tok/s':>7} {'ms/step':>8} {'steps':>5} {'drafting seq-steps':>18} {'acc':>5}")
     for B in sizes:
@@ -256,7 +256,7 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
                         add(c)
         return toks, time.perf_counter() - t0, lat
 
-    runs = {"mlx-lm BatchGenerator": theirs, "ours, per-step policy": lambda: ours(BatchPolicy),
+    runs = {"mlx-lm BatchGenerator": theirs, "ours, per-step policy": lambda: ours(BatchBudget),
             "ours, drafting off": lambda: ours(Never, drafting=False)}
     got = {k: [] for k in runs}
     for _ in range(rounds):
@@ -293,13 +293,13 @@ def main() -> None:
 
     make = None
     try:
-        from mlx_spec.adaptive import Policies
+        from mlx_spec.policy import PolicyFactory
         from mlx_spec.tuning import load_result, tune_key
 
-        make = Policies(pair, load_result(tune_key(pair)), block_size=None, max_block=8)
+        make = PolicyFactory(pair, load_result(tune_key(pair)), block_size=None, max_block=8)
     except Exception as e:  # noqa: BLE001
         print(f"(no per-sequence policy: {e})")
-    bp = {"auto": BatchPolicy, "always": Always, "plain": Never}[a.policy]
+    bp = {"auto": BatchBudget, "always": Always, "plain": Never}[a.policy]
     prompts = [p.encode(pair.tokenizer) for p in builtin_prompts(tuple(a.kinds.split(",")))]
     sizes = [int(x) for x in a.sizes.split(",")]
     if a.versus:

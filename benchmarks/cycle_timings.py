@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from mlx_spec.adaptive import DraftPolicy, estimate_costs
+from mlx_spec.policy import DraftPolicy, estimate_costs
 from mlx_spec.costs import CostMeter
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id

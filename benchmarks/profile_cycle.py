@@ -91,11 +91,10 @@ def phases(target, drafter, ids, B: int, cycles: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-def loop(target, drafter, ids, B: int, tokens: int, controller=None) -> dict[str, float]:
+def loop(target, drafter, ids, B: int, tokens: int) -> dict[str, float]:
     from mlx_spec.decode import spec_steps
 
-    kw = {"controller": controller} if controller else {}
-    steps = list(spec_steps(target, drafter, ids, block_size=B, max_tokens=tokens, **kw))
+    steps = list(spec_steps(target, drafter, ids, block_size=B, max_tokens=tokens))
     cyc = [s for s in steps[2:] if s.block_size == B and not s.finish_reason]  # drop prefill + 1st cycle
     return {"cycle_ms": statistics.median(s.elapsed_ms for s in cyc), "cycles": len(cyc),
             "tau": sum(len(s.tokens) for s in steps[1:]) / max(1, len(steps) - 1)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from .adaptive import MAX_LOOKUP
+from .policy import MAX_LOOKUP
 from .costs import Costs
 
 

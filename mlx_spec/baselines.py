@@ -17,7 +17,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 
-from .decode import Step, _finish
+from .batch import Step, truncate_reply
 from .sampling import accept_greedy
 
 
@@ -60,7 +60,7 @@ def lookup_steps(
         logits = model(x[:, s:s + prefill_step], cache=cache)
         mx.eval(logits, [c.state for c in cache])
     first = mx.argmax(logits[0, -1]).item()
-    toks, reason = _finish([first], 0, max_tokens, eos)
+    toks, reason = truncate_reply([first], 0, max_tokens, eos)
     ms = (time.perf_counter() - t0) * 1e3
     yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(prompt),
                finish_reason=reason)
@@ -75,7 +75,7 @@ def lookup_steps(
         tv = time.perf_counter()
         a, bonus = accept_greedy(drafts, choice)
         trim_prompt_cache(cache, len(drafts) - a)
-        committed, reason = _finish(drafts[:a] + [bonus], n, max_tokens, eos)
+        committed, reason = truncate_reply(drafts[:a] + [bonus], n, max_tokens, eos)
         n += len(committed)
         history.extend(committed)
         yield Step(tuple(committed), drafted=len(drafts), accepted=a, block_size=len(drafts) + 1, source="lookup",
@@ -113,7 +113,7 @@ def ar_draft_steps(
             if drafted and tok not in eos and n + len(toks) < max_tokens:
                 continue  # the round goes on until the target's own token
             drafts = min(num_draft, max_tokens - n)  # what mlx-lm drafted this round
-            committed, reason = _finish(toks, n, max_tokens, eos)
+            committed, reason = truncate_reply(toks, n, max_tokens, eos)
             now = time.perf_counter()
             yield Step(tuple(committed), drafted=drafts, accepted=from_draft, block_size=drafts + 1,
                        elapsed_ms=(now - t) * 1e3, verify_ms=(now - t) * 1e3, finish_reason=reason)

@@ -24,7 +24,7 @@ masked SDPA over the longest row's keys) can differ: greedy output is tested equ
 token in float32; in 16-bit a near-tie between two tokens can round the other way. Which
 attention path runs (``BatchDecoder.attention``) is checked at build time and logged.
 
-The per-step controller (``BatchPolicy``) chooses, from the batch size, each sequence's running
+The per-step budget (``BatchBudget``) chooses, from the batch size, each sequence's running
 acceptance and a step-cost model fitted online (``t = a + b*rows + c*drafting``), which
 sequences draft this step and how long their blocks are: as the batch grows and compute binds,
 drafting must pay for its rows or stop (a sequence that stopped is probed now and then).
@@ -39,7 +39,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
@@ -48,17 +48,115 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from . import hybrid
-from .adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision
-from .decode import Step, _finish, _hand_over, _start, lookup_context, untimed
+from . import gdn
+from .policy import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
 from .prefix import Prefill
-from .sampling import SamplingConfig, accept_greedy, accept_sampled, next_token, sample_target
+from .sampling import SamplingConfig, accept_greedy, next_token, sample_target, sampled_acceptance
 from .target import Target
 
 log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# What a decoding step commits
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Tokens committed by one step. The first step of a run is the prefill (target's token)."""
+
+    tokens: tuple[int, ...]
+    drafted: int = 0  # draft tokens proposed this cycle (block_size - 1)
+    accepted: int = 0  # of those, accepted (tokens = accepted + 1 bonus, before truncation)
+    block_size: int = 1
+    # the drafter's pass, until its tokens are on the host (0 for lookup/plain)
+    draft_ms: float = 0.0
+    # the target's pass: from building its graph until its choice is on the host; a pipelined
+    # plain step: the wait for its token when it is read (its pass partly overlapped host work)
+    verify_ms: float = 0.0
+    rollback_ms: float = 0.0  # target cache rollback (hybrid targets: GDN state rebuild)
+    elapsed_ms: float = 0.0  # wall time of the whole step, host work included
+    prefill: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill step)
+    finish_reason: str | None = None  # "stop" (EOS) | "length" | None
+    source: str = ""  # "plain" | "dflash" | "lookup" for a decoding cycle ("" otherwise)
+    draft_block: int = 0  # the block the drafter ran at this cycle (0: it did not run); pick() may
+    # then have verified a prefix of it or the lookup's draft: block_size is what was verified
+    # points where the loop waited for the device this step (``DeviceWaits``; 0: not counted)
+    host_syncs: int = 0
+
+
+def untimed(step: Step) -> Step:
+    """The step without its timings (what a seeded sampled run's policy may learn from)."""
+    return replace(step, draft_ms=0.0, verify_ms=0.0, rollback_ms=0.0, elapsed_ms=0.0)
+
+
+def prefix_start(prefill: Prefill | None, prompt: Sequence[int]) -> int:
+    """How many prompt tokens ``prefill``'s caches hold already (0 without one)."""
+    if prefill is None:
+        return 0
+    n = len(prefill.tokens)
+    if n >= len(prompt) or tuple(prompt[:n]) != tuple(prefill.tokens):
+        raise ValueError("the prefill's tokens must be a proper prefix of the prompt")
+    return n
+
+
+def hand_over(on_exit, make) -> None:
+    """Give the final caches (``make()``; None = nothing to keep) away; a failure here must not
+    turn a finished reply into an error."""
+    if on_exit is None:
+        return
+    try:
+        got = make()
+        if got is not None:
+            on_exit(got)
+    except Exception:  # pragma: no cover - logged, the reply is already complete
+        log.exception("could not keep the caches for prefix reuse")
+
+
+def truncate_reply(tokens: list[int], n_done: int, max_tokens: int, eos: frozenset[int]):
+    """Truncate after the first EOS or at max_tokens; return (tokens, finish_reason)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], "stop"
+    room = max_tokens - n_done
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None
+
+
+def lookup_context(index, max_lookup: int, room: int, greedy: bool) -> Context:
+    """What a per-cycle policy decides a sequence's next cycle from: the lookup ``index``'s
+    proposal (none without an index), at most ``max_lookup`` drafts and one fewer than the
+    ``room`` tokens left to commit."""
+    look, match = index.propose(min(max_lookup, room - 1)) if index is not None else ([], 0)
+    return Context(tuple(look), match, room, greedy)
+
+
+class DeviceWaits:
+    """Every point where the decode loop waits for the device (``mx.eval``, a read of an array's
+    values to the host) goes through one of these, so the waits per step are counted (and a test
+    can count them by replacing it). ``count`` is the running total."""
+
+    def __init__(self):
+        self.count = 0
+
+    def eval(self, *arrays) -> None:
+        """Wait until ``arrays`` are computed."""
+        self.count += 1
+        mx.eval(*arrays)
+
+    def read(self, *arrays: mx.array) -> list:
+        """The values of ``arrays`` on the host (each a Python number or list), all computed in
+        one wait."""
+        self.count += 1
+        mx.eval(*arrays)
+        return [a.tolist() for a in arrays]
+
 
 # --------------------------------------------------------------------------------------------
 # The packed target forward
@@ -77,7 +175,7 @@ class Seg(NamedTuple):
 class SegOut(NamedTuple):
     logits: mx.array | None  # (r, V), (1, V) or None
     hidden: mx.array | None  # (1, r, n_taps * H) tapped features, or None
-    records: dict  # GDN layer index -> hybrid.GDNRecord (record=True on a hybrid target)
+    records: dict  # GDN layer index -> gdn.GDNRecord (record=True on a hybrid target)
 
 
 def _same(a, b, tol: float = 1e-5) -> bool:
@@ -517,7 +615,7 @@ class PackedTarget:
                         outs.append(layer.self_attn(part, fa[k], s.cache[i]))
                     elif s.record:
                         rec: list = []
-                        outs.append(hybrid.gdn_forward(layer.linear_attn, part, ssm[k], s.cache[i], rec))
+                        outs.append(gdn.gdn_forward(layer.linear_attn, part, ssm[k], s.cache[i], rec))
                         records[k][i] = rec[0]
                     else:
                         outs.append(layer.linear_attn(part, ssm[k], s.cache[i]))
@@ -566,6 +664,35 @@ class PackedTarget:
                 raise MlxSpecError("rolling back a hybrid sequence needs its verify rows recorded")
             t.restore([cache[i] for i in gdn], [records[i] for i in gdn],
                       [t.layers[i].linear_attn for i in gdn], n_keep)
+
+
+class OwnForward:
+    """The target's own forward (``Target.__call__`` / ``Target.rollback``), one segment at a
+    time: what a batch of one runs (the single stream, ``decode.spec_steps``), so its numerics
+    are the target's own, every model ``Target`` loads runs (also a layer form the packed forward
+    refuses) and a stand-in target with the same three methods does too. A hybrid target keeps
+    one verify tape, so this path serves one decoding sequence at a time."""
+
+    slotted: frozenset = frozenset()
+    mismatch = False
+
+    def __init__(self, target, why: str = "a batch of one"):
+        self.t = target
+        self.attention = f"the target's own forward, one sequence ({why})"
+
+    def __call__(self, segs: Sequence[Seg], taps: bool = True, kv: BatchKV | None = None) -> list[SegOut]:
+        out = []
+        for s in segs:
+            ids = s.ids[None]
+            # a plain step (one row) is never rolled back: no tape to record
+            o = self.t(ids, s.cache, last_only=s.logits != "all", record=s.record and ids.shape[1] > 1)
+            lg = None if s.logits == "none" else o.logits[0]
+            out.append(SegOut(lg, o.hidden if taps else None, {}))
+        return out
+
+    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
+        if n_verified > 1:
+            self.t.rollback(cache, n_verified, n_keep)
 
 
 # --------------------------------------------------------------------------------------------
@@ -646,21 +773,41 @@ def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array 
     return drafter.norm(x)[:, 1:]
 
 
-def _mirrors_drafter(drafter) -> bool:
-    """The packed drafter pass equals ``Drafter.hidden`` (two sequences, checked numerically)."""
+def _drafter_tol(dtype) -> float:
+    """How close the packed drafter pass must come to ``Drafter.hidden`` (relative and absolute):
+    the same sums over another row count and block layout, rounded in another order. float32
+    rounds at ~1e-7 (1e-5 leaves room for a few layers of it); float16 / bfloat16 activations
+    round at ~1e-3 / ~4e-3 per operation, so a few ulps of a 16-bit value (3e-2) is the bound,
+    far below what a wrong mirror gives (differences of order one)."""
+    return 1e-5 if dtype == mx.float32 else 3e-2
+
+
+def _mirrors_drafter(drafter) -> str | None:
+    """None when the packed drafter pass equals ``Drafter.hidden`` (two sequences, checked
+    numerically), else why not. The feature width comes from the drafter's args (the tapped
+    target layers times the target's width): a quantized ``fc``'s weight is packed."""
+    args = drafter.args
+    F = len(args.target_layer_ids) * (args.target_hidden_size or args.hidden_size)
     try:
-        F = drafter.fc.weight.shape[-1]
-        f = mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5
-        want = [drafter.hidden(mx.array([[a] + [drafter.args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
+        f = (mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5).astype(drafter.norm.weight.dtype)
+        want = [drafter.hidden(mx.array([[a] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
                 for a, n in ((3, 7), (5, 4))]
         got = draft_hidden_many(drafter, [3, 5], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
-        return all(_same(w, g) for w, g in zip(want, got))
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return False
+        pairs = list(zip(want, got))
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+        return f"the packed pass could not run ({type(e).__name__}: {e})"
+    dtype = want[0].dtype  # the drafter's activations (a 16-bit drafter's own, or promoted)
+    tol = _drafter_tol(dtype)
+    if all(_same(w, g, tol) for w, g in pairs):
+        return None
+    if any(w.shape != g.shape for w, g in pairs):
+        return "the packed pass's output has another shape than the drafter's"
+    diff = max(float(mx.abs(w.astype(mx.float32) - g.astype(mx.float32)).max()) for w, g in pairs)
+    return f"the packed pass differs from the drafter's by up to {diff:.2g} in {dtype} (tolerance {tol:g})"
 
 
 # --------------------------------------------------------------------------------------------
-# The per-step controller
+# The per-step budget
 
 
 class Acceptance:
@@ -694,7 +841,7 @@ class Acceptance:
 class StepCost(NamedTuple):
     """What a batched step costs, in ms: ``base + row*rows + prefill_row*prefill rows +
     seq*drafting sequences + draft_seq*sequences in the drafter pass + drafter_pass*[it runs]``
-    (``BatchPolicy`` fits it to measured steps)."""
+    (``BatchBudget`` fits it to measured steps)."""
 
     base: float
     row: float
@@ -709,7 +856,7 @@ class StepCost(NamedTuple):
                 + self.draft_seq * drafting + (self.drafter_pass if drafting else 0.0))
 
 
-class BatchPolicy:
+class BatchBudget:
     """Which sequences draft this step, and how long their blocks are.
 
     Step cost is a ``StepCost`` (rows: the decoding sequences' packed rows; the drafter pass runs
@@ -873,8 +1020,8 @@ class _Seq:
     max_tokens: int
     eos: frozenset
     sampling: SamplingConfig
-    controller: Callable | None  # older interface: prev Step -> DFlash block
-    policy: object | None  # adaptive.DraftPolicy: source and length per cycle
+    block_size: int  # the DFlash block it drafts without a policy
+    policy: object | None  # policy.DraftPolicy: source and length per cycle
     index: SuffixIndex | None  # lookup drafts (when the policy allows them)
     on_exit: Callable | None
     speculate: bool
@@ -916,40 +1063,58 @@ class BatchDecoder:
     Args:
         target: the ``Target`` (taps are read only when there is a drafter).
         drafter: a DFlash drafter, or None for batched plain decoding.
-        block_size: the block a sequence drafts when its own controller does not say.
+        block_size: the block a sequence without a draft policy drafts (fixed-block runs).
         max_batch: sequences admitted at once (``add`` refuses beyond it).
         prefill_chunk: prompt rows per step while other sequences decode (a joining sequence's
             prefill is spread over steps so the others keep going); ``prefill_step`` when the
             batch has nothing else to do.
-        policy: the per-step ``BatchPolicy`` (a fresh default one if None).
+        policy: the per-step ``BatchBudget`` (a fresh default one if None).
         pipeline: queue the next plain step before reading this one's tokens when every sequence
             stays plain (no joiner prefilling, attention-only targets; sampled sequences draw their
             token in the graph, with the key an unpipelined step would use), as mlx-lm's
             ``BatchGenerator`` does: the host's work on a step overlaps the next step's pass.
+        own_forward: run the target's own forward (``OwnForward``) instead of the packed one: a
+            batch of one (``max_batch`` must be 1), the single stream ``decode.spec_steps`` drives.
+        waits: the ``DeviceWaits`` every wait for the device goes through (a fresh one if None).
     """
 
     def __init__(self, target: Target, drafter=None, *, block_size: int = 1, max_batch: int = 8,
-                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchPolicy | None = None,
-                 pipeline: bool = True):
+                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchBudget | None = None,
+                 pipeline: bool = True, own_forward: bool = False, waits: DeviceWaits | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        if own_forward and max_batch != 1:
+            raise ValueError("the target's own forward serves a batch of one (max_batch=1)")
         self.target, self.drafter = target, drafter
-        self.packed = PackedTarget(target)
+        self.waits = waits or DeviceWaits()
+        self.packed = OwnForward(target) if own_forward else PackedTarget(target)
+        self.gdn = getattr(target, "gdn", ())
         # decoding sequences' K/V for the batched attention layers (None: attention per sequence)
         self.kv = BatchKV(self.packed.slotted) if self.packed.slotted else None
         # one drafter pass for all drafting sequences when our mirror of its layers checks out
-        self.packed_drafter = isinstance(drafter, Drafter) and _mirrors_drafter(drafter)
+        self.packed_drafter, self.drafter_path = False, "none" if drafter is None else "per sequence (a batch of one)"
+        if isinstance(drafter, Drafter) and max_batch > 1:
+            why = _mirrors_drafter(drafter)
+            self.packed_drafter = why is None
+            # "one pass for all" | "per sequence (<reason>)": said, and shown by the engine
+            self.drafter_path = "one pass for all" if why is None else f"per sequence ({why})"
+            if why is not None:
+                log.warning("batched drafter: the packed pass is off, one drafter pass per sequence (%s)", why)
+        elif drafter is not None and max_batch > 1:
+            self.drafter_path = "per sequence (not a DFlash drafter)"
         self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
         log.log(logging.WARNING if self.packed.mismatch else logging.INFO, "batched attention: %s; drafter: %s",
-                self.attention, "none" if drafter is None else "one pass for all" if self.packed_drafter else "per sequence")
+                self.attention, self.drafter_path)
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
-        self.policy = policy or BatchPolicy()
-        self.pipeline = pipeline and not target.gdn  # (a hybrid's GDN state is evaluated after every step)
-        # in a batch of 2+, a policy's plain step is offered to the drafter (``_wish``)
+        self.policy = policy or BatchBudget()
+        # (a hybrid's GDN state is evaluated after every packed step; the target's own forward
+        # evaluates it in its rollback)
+        self.pipeline = pipeline and (not self.gdn or own_forward)
+        # in a batch of 2+, a policy's plain step is offered to the drafter (``_wished_decision``)
         self.widen = drafter is not None
         self._queued: _Queued | None = None  # a plain step queued ahead (pipeline)
         self._seqs: dict[int, _Seq] = {}
@@ -965,13 +1130,15 @@ class BatchDecoder:
 
     def add(self, prompt: Sequence[int], *, max_tokens: int, eos_ids: Sequence[int] = (),
             sampling: SamplingConfig = SamplingConfig(), prefill: Prefill | None = None,
-            on_exit: Callable[[Prefill], None] | None = None, controller: Callable | None = None,
-            policy=None, lookup_ngram: int = 4, speculate: bool = True) -> int:
+            on_exit: Callable[[Prefill], None] | None = None, policy=None, lookup_ngram: int = 4,
+            speculate: bool = True, block_size: int | None = None, index: SuffixIndex | None = None) -> int:
         """Admit a sequence; it joins at the next ``step``. Returns its id.
 
-        ``policy`` (an ``adaptive.DraftPolicy``, one per sequence) or ``controller`` (prev Step ->
-        DFlash block) say what the sequence would draft alone; ``BatchPolicy`` then decides what
-        the batch can afford. Without either it wishes ``block_size`` DFlash drafts."""
+        ``policy`` (a ``policy.DraftPolicy``, one per sequence) says what the sequence would draft
+        alone; ``BatchBudget`` then decides what the batch can afford. Without one it wishes
+        ``block_size`` DFlash drafts (default: the decoder's). ``index``: the lookup index over
+        ``prompt`` its policy's lookup drafts come from (default ``SuffixIndex(prompt,
+        lookup_ngram, stop=eos_ids)``), extended by the committed tokens."""
         if len(self._seqs) >= self.max_batch:
             raise MlxSpecError(f"the batch is full ({self.max_batch} sequences)")
         if not prompt:
@@ -981,21 +1148,23 @@ class BatchDecoder:
         if self.drafter is None and policy is not None and DFLASH in policy.sources:
             raise ValueError("a DFlash draft policy needs a drafter")
         speculate = speculate and (self.drafter is not None or policy is not None)
-        done = _start(prefill, prompt)
+        done = prefix_start(prefill, prompt)
         if prefill is not None and speculate and prefill.drafter is None:
             raise ValueError("a speculative sequence needs the drafter's context cache in its prefill")
         cache = prefill.target if prefill else self.target.make_cache()
         dcache = None
         if speculate and self.drafter is not None:
             dcache = prefill.drafter if prefill else self.drafter.make_cache()
-        index = None
-        if speculate and policy is not None and LOOKUP in policy.sources:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        if index is None and speculate and policy is not None and LOOKUP in policy.sources:
             index = SuffixIndex(prompt, lookup_ngram, stop=eos_ids)
         seed = sampling.seed if sampling.seed is not None else time.time_ns() % 2**31
         sid = next(self._ids)
         self._seqs[sid] = _Seq(
-            sid, list(prompt), max_tokens, frozenset(eos_ids), sampling, controller, policy if speculate else None,
-            index, on_exit, speculate,
+            sid, list(prompt), max_tokens, frozenset(eos_ids), sampling,
+            self.block_size if block_size is None or self.drafter is None else block_size,
+            policy if speculate else None, index if speculate else None, on_exit, speculate,
             cache, dcache, done, done, mx.random.key(seed),
             Acceptance(max(1, self.block_size - 1)), time.perf_counter(),
             probe_every=self.policy.probe_every)
@@ -1009,7 +1178,7 @@ class BatchDecoder:
             if not keep:
                 s.on_exit = None
             self._release(s)
-            _hand_over(s.on_exit, lambda: s.final(self.drafter))
+            hand_over(s.on_exit, lambda: s.final(self.drafter))
             self._drop_queued()
 
     def _release(self, s: _Seq) -> None:
@@ -1038,13 +1207,13 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wish(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False,
-              ahead: bool = False) -> Decision | None:
-        """What the sequence would do alone this cycle (its own policy / controller). ``peek``:
-        what its policy would choose, nothing counted (None where a controller decides).
-        ``asked``: its context is the one a ``peek`` just built (nothing happened since).
-        ``ahead``: the cycle after the step in flight (a step queued ahead: that step's token is
-        not counted yet, and is not room any more).
+    def _wished_decision(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False,
+                         ahead: bool = False) -> Decision:
+        """What the sequence would do alone this cycle (its own policy, else its fixed block).
+        ``peek``: what its policy would choose, nothing counted. ``asked``: its context is the
+        one a ``peek`` just built (nothing happened since). ``ahead``: the cycle after the step
+        in flight (a step queued ahead: that step's token is not counted yet, and is not room
+        any more).
 
         In a batch of two or more, a policy's plain step (its drafter resting, or drafts not
         paying at the single-stream pass costs) is offered to the batch as a DFlash draft of its
@@ -1056,23 +1225,21 @@ class BatchDecoder:
         if not s.speculate:
             d = Decision(PLAIN, 1)
         elif s.policy is not None:
-            s.ctx = ctx if asked and ctx is not None else self._context(s, room)
+            s.ctx = ctx if asked and ctx is not None else self._lookup_context(s, room)
             d = s.policy.peek(s.ctx) if peek else s.policy.choose(s.ctx)
             if d.source == PLAIN and batch > 1 and self.widen and DFLASH in s.policy.sources:
                 d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
-        elif peek and s.controller is not None:
-            return None
-        elif s.controller is not None:
-            d = Decision(DFLASH, s.controller(s.prev))
         else:
-            d = Decision(DFLASH, self.block_size)
+            d = Decision(DFLASH, s.block_size)
         L = max(1, min(d.length, room))
         if d.source == LOOKUP:
             L = min(L, len(s.ctx.lookup) + 1)
+        if L == d.length and (L > 1 or d.source == PLAIN):
+            return d  # the policy's own decision (its trace holds it: ``pick`` replaces it there)
         return Decision(d.source if L > 1 else PLAIN, L, d.probe)
 
     @staticmethod
-    def _context(s: _Seq, room: int) -> Context:
+    def _lookup_context(s: _Seq, room: int) -> Context:
         """What the sequence's policy decides its next cycle from (its lookup proposal), ``room``
         tokens left to commit."""
         return lookup_context(s.index, s.policy.max_lookup, room, s.sampling.greedy)
@@ -1089,33 +1256,48 @@ class BatchDecoder:
         curve = s.policy.dflash.curve() if d.source == DFLASH else s.policy.copy.curve(s.ctx.match, d.length - 1)
         return Acceptance(len(curve), curve)
 
-    def _choose(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
-        wish = [self._wish(s, batch=len(decoding)) for s in decoding]
-        blocks = self.policy.choose(*self._asks(decoding, wish), extra_rows, [d.source == DFLASH for d in wish])
+    def _decide(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
+        """Every decoding sequence's decision this step: its wish, within what the batch affords
+        (a batch of one with no prefill rows: its wish)."""
+        wish = [self._wished_decision(s, batch=len(decoding)) for s in decoding]
+        if len(decoding) == 1 and not extra_rows:  # (``BatchBudget.plan`` returns the wish)
+            self.policy.count([wish[0].length], False)
+            return wish
+        blocks = self.policy.choose(*self._budget_inputs(decoding, wish), extra_rows,
+                                    [d.source == DFLASH for d in wish])
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
-    def _asks(self, decoding: list[_Seq], wish: list[Decision]) -> tuple:
-        """What ``BatchPolicy.choose`` weighs: the wished lengths, the acceptances they are judged
+    def _budget_inputs(self, decoding: list[_Seq], wish: list[Decision]) -> tuple:
+        """What ``BatchBudget.choose`` weighs: the wished lengths, the acceptances they are judged
         by, the plain runs and the probe spacings."""
         return ([d.length for d in wish], [self._acceptance(s, d) for s, d in zip(decoding, wish)],
                 [s.plain_run for s in decoding], [s.probe_every for s in decoding])
 
-    def _plain_next(self, decoding: list[_Seq]) -> bool:
+    def _next_stays_plain(self, decoding: list[_Seq]) -> bool:
         """Would the step after the one in flight be plain for every sequence (asked now,
-        nothing counted)?"""
-        wish = [self._wish(s, peek=True, batch=len(decoding), ahead=True) for s in decoding]
-        if any(d is None for d in wish):
-            return False
-        plan = self.policy.plan(*self._asks(decoding, wish), 0, [d.source == DFLASH for d in wish])
+        nothing counted)? A sequence alone asks its policy's ``stays_plain``, as the single
+        stream always has (what ``distributed.RankSharedPolicy`` shares with the other ranks)."""
+        if len(decoding) == 1 and decoding[0].max_tokens - decoding[0].n <= 1:
+            return False  # alone, the step in flight commits its last token: nothing to queue
+        if len(decoding) == 1 and decoding[0].policy is not None:
+            s = decoding[0]
+            room = s.max_tokens - s.n - 1
+            if not s.speculate:
+                return False
+            s.ctx = self._lookup_context(s, room)
+            return bool(s.policy.stays_plain(s.ctx))
+        wish = [self._wished_decision(s, peek=True, batch=len(decoding), ahead=True) for s in decoding]
+        plan = self.policy.plan(*self._budget_inputs(decoding, wish), 0, [d.source == DFLASH for d in wish])
         return max(plan, default=1) <= 1
 
     @staticmethod
-    def _conf(s: _Seq) -> bool:
-        """Greedy with a lookup proposal too: the policy's ``pick`` wants the drafter's confidence."""
-        return s.sampling.greedy and s.ctx is not None and bool(s.ctx.lookup)
+    def _wants_confidence(s: _Seq, alone: bool) -> bool:
+        """Greedy with a policy that may ``pick``: alone (it may trim the block), or with a lookup
+        proposal too (it may switch to it): the drafter's confidence is wanted."""
+        return s.sampling.greedy and s.ctx is not None and (alone or bool(s.ctx.lookup))
 
     @staticmethod
-    def _keys(s: _Seq) -> tuple:
+    def _split_keys(s: _Seq) -> tuple:
         """This step's keys of a sampled sequence (its draft's, its acceptance's); greedy: none."""
         if s.sampling.greedy:
             return None, None
@@ -1123,13 +1305,26 @@ class BatchDecoder:
         return kd, ka
 
     @staticmethod
-    def _take(s: _Seq) -> mx.array | None:
+    def _take_pending(s: _Seq) -> mx.array | None:
+        """The sequence's queued features (for its drafter's context cache), taken: one array."""
         f = (mx.concatenate(s.pending, axis=1) if len(s.pending) > 1 else s.pending[0]) if s.pending else None
         s.pending.clear()
         return f
 
+    def _feed_drafter(self, s: _Seq) -> None:
+        """A long run of cycles without the drafter: push the queued features into its context
+        cache (queued, not waited for), so they do not pile up for its next pass."""
+        if s.dcache is not None and len(s.pending) >= 32:
+            self.drafter.add_context(self._take_pending(s), s.dcache)
+            mx.async_eval([c.state for c in s.dcache])
+
     def _step(self) -> list[tuple[int, Step]]:
+        """One step, in its named phases: decide (each sequence's source and length) -> propose
+        (DFlash passes, lookup drafts) -> pick (greedy: trim the block or take the lookup's) ->
+        verify (one target pass over every sequence's rows and the prefill chunks) -> accept and
+        roll back (per sequence) -> hand over (committed tokens, finished sequences' caches)."""
         t0 = time.perf_counter()
+        waits0 = self.waits.count
         q, self._queued = self._queued, None
         if q is not None:  # (one of its sequences is live: ``_drop_queued`` sees to that)
             return self._run_queued(q, t0)
@@ -1146,42 +1341,58 @@ class BatchDecoder:
             chunks.append((s, n))
             budget -= n
         extra = sum(n for _, n in chunks)
-        decisions = self._choose(decoding, extra)
+        alone = len(decoding) == 1 and not chunks  # a batch of one: its policy may trim its block
+        decisions = self._decide(decoding, extra)
         tc = time.perf_counter()
 
-        # DFlash drafts: every drafting sequence's proposal in one lazy graph, evaluated together.
+        # propose: every drafting sequence's DFlash proposal in one lazy graph, evaluated together
         keys, props, group = {}, {}, {}
         for s, d in zip(decoding, decisions):
-            keys[s.id] = self._keys(s)
+            keys[s.id] = self._split_keys(s)
             kd = keys[s.id][0]
             if d.source == DFLASH:
                 if self.packed_drafter:
                     group.setdefault(d.length, []).append(s)
                     continue
-                props[s.id] = self.drafter.propose(s.anchor, self._take(s), s.dcache, d.length, s.sampling, kd,
-                                                   **({"confidence": True} if self._conf(s) else {}))
-            elif d.source == LOOKUP and s.dcache is not None and len(s.pending) >= 32:
-                self.drafter.add_context(self._take(s), s.dcache)  # a long run without the drafter
+                props[s.id] = self.drafter.propose(s.anchor, self._take_pending(s), s.dcache, d.length, s.sampling,
+                                                   kd, **({"confidence": True} if self._wants_confidence(s, alone) else {}))
         for L, ss in group.items():  # one block pass per block length for all its sequences
-            h = draft_hidden_many(self.drafter, [s.anchor_id for s in ss], [self._take(s) for s in ss],
+            h = draft_hidden_many(self.drafter, [s.anchor_id for s in ss], [self._take_pending(s) for s in ss],
                                   [s.dcache for s in ss], L)
             unary = self.drafter.logits(h)
             for i, s in enumerate(ss):
-                props[s.id] = self.drafter.proposal(h[i], unary[i], s.anchor, s.sampling, keys[s.id][0], self._conf(s))
+                props[s.id] = self.drafter.proposal(h[i], unary[i], s.anchor, s.sampling, keys[s.id][0],
+                                                    self._wants_confidence(s, alone))
         ran = len(props)  # drafter passes this step
-        if props:
-            mx.eval([[x for x in p if x is not None] for p in props.values()])
+        ids = list(props)
+        # the drafts (and the drafter's confidence) on the host: one wait for all
+        got = self.waits.read(*[x for sid in ids for x in (props[sid].tokens, props[sid].confidence)
+                                if x is not None]) if props else []
         td = time.perf_counter()
+        # pick: greedy, the drafter's block kept, trimmed (alone) or the lookup's taken instead
         drafts: dict[int, list[int]] = {}
+        ran_block: dict[int, int] = {}
+        j = 0
+        for sid in ids:
+            drafts[sid] = got[j]
+            conf = got[j + 1] if props[sid].confidence is not None else None
+            j += 1 + (conf is not None)
+            props[sid] = (props[sid], conf)
         blocks = []
         for k, (s, d) in enumerate(zip(decoding, decisions)):
-            p = props.get(s.id)
+            p, conf = props.get(s.id, (None, None))
             if p is not None:
-                drafts[s.id] = p.tokens.tolist()
-                if p.confidence is not None:  # greedy: keep the drafter's block or take the lookup's
-                    d = s.policy.pick(d, drafts[s.id], p.confidence.tolist(), s.ctx)
+                ran_block[s.id] = d.length
+                if conf is not None:
+                    d = s.policy.pick(d, drafts[s.id], conf, s.ctx, trim=alone)
                     if d.source == LOOKUP:
-                        props.pop(s.id)
+                        p = None
+                    elif d.length < len(drafts[s.id]) + 1:  # verify a prefix (or the anchor alone)
+                        drafts[s.id] = drafts[s.id][: d.length - 1]
+            if p is not None:
+                props[s.id] = p
+            else:
+                props.pop(s.id, None)
             if d.source == LOOKUP:
                 drafts[s.id] = list(s.ctx.lookup[: d.length - 1])
                 if not s.sampling.greedy:  # a point-mass proposal
@@ -1189,6 +1400,8 @@ class BatchDecoder:
             decisions[k] = d
             blocks.append(len(drafts.get(s.id, ())) + 1)
 
+        # verify: one target pass over every decoding sequence's rows and the prefill chunks
+        ts = time.perf_counter()  # (pick and the host's work before it are the step's overhead)
         segs = []
         for s in decoding:
             segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
@@ -1199,7 +1412,7 @@ class BatchDecoder:
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # The target's choices, one host transfer: a sequence stepping plain, its next token (a
         # sampled one's drawn in the graph); a greedy draft's rows, their argmax. Only a sampled
-        # draft is accepted apart, by accept_sampled.
+        # draft is accepted apart (sampling.sampled_acceptance), read in the same wait.
         greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy or blocks[k] == 1]
         choice = (mx.concatenate([next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
                                   if blocks[k] == 1 else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
@@ -1209,24 +1422,37 @@ class BatchDecoder:
         if decoding and all(L == 1 for L in blocks) and not prefilling:
             ahead = self._queue(decoding, [choice[k:k + 1] for k in range(len(decoding))])
 
+        # accept and roll back, per sequence
         results: list[tuple[int, Step]] = []
         finished: list[_Seq] = []
         verify_ms = 0.0
         rollback_s = 0.0
         greedy_ids: dict[int, list[int]] = {}
-        if choice is not None:
-            flat, r = choice.tolist(), 0
-            for k in greedy:
-                greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
+        sampled = {k: sampled_acceptance(outs[k].logits, props.get(s.id), s.sampling, keys[s.id][1])
+                   for k, s in enumerate(decoding) if k not in set(greedy)}
+        tw = time.perf_counter()
+        if decoding:  # the target's choices and the sampled acceptances: one wait (the verify pass ends here)
+            got = self.waits.read(*([] if choice is None else [choice]), *sampled.values())
+            if choice is not None:
+                flat, r = got.pop(0), 0
+                for k in greedy:
+                    greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
+            sampled = dict(zip(sampled, got))
+        # the verify pass: from building its graph to its choices on the host; a plain step with
+        # the next one queued ahead, or a policy's plain step alone (queued before the policy is
+        # asked about the next, as the single stream always has): the wait for its tokens at the
+        # read (its pass overlapped the host's work)
+        waited = ahead is not None or (alone and blocks == [1] and decisions[0].source == PLAIN
+                                       and decoding[0].policy is not None)
+        verify_ms = (time.perf_counter() - (tw if waited else ts)) * 1e3
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
             draft_list = drafts.get(s.id, [])
             if k in greedy_ids:  # (a sampled sequence's plain step too)
                 a, bonus = accept_greedy(draft_list, greedy_ids[k])
             else:
-                a, bonus = accept_sampled(out.logits, props.get(s.id), s.sampling, keys[s.id][1])
+                a, bonus = sampled[k]
             tr0 = time.perf_counter()
-            verify_ms = max(verify_ms, (tr0 - td) * 1e3)
             self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
             rollback_s += time.perf_counter() - tr0
             if s.dcache is not None:
@@ -1234,14 +1460,16 @@ class BatchDecoder:
             s.fed.append(s.anchor_id)
             s.fed.extend(draft_list[:a])
             step = self._commit(s, draft_list[:a], bonus, L, a, decisions[k].source,
-                                (td - t0) * 1e3 if decisions[k].source == DFLASH else 0.0)
+                                (td - tc) * 1e3 if s.id in ran_block else 0.0, ran_block.get(s.id, 0))
             if ahead is not None:
                 self._fed_ahead(s, ahead.outs[k])
             results.append((s.id, step))
             if step.finish_reason is not None:
                 finished.append(s)
-        if self.target.gdn:
-            mx.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.target.gdn])
+        if self.gdn and isinstance(self.packed, PackedTarget):
+            self.waits.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.gdn])
+
+        # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first token
         for k, (s, n) in enumerate(chunks, start=len(decoding)):
             out = outs[k]
             s.done += n
@@ -1252,9 +1480,9 @@ class BatchDecoder:
             if s.done < len(s.prompt):
                 continue
             s.key, sub = mx.random.split(s.key)
-            s.anchor_id = sample_target(out.logits, s.sampling, sub)[0].item()
+            (s.anchor_id,) = self.waits.read(sample_target(out.logits, s.sampling, sub)[0])
             s.fed = list(s.prompt)
-            toks, reason = _finish([s.anchor_id], 0, s.max_tokens, s.eos)
+            toks, reason = truncate_reply([s.anchor_id], 0, s.max_tokens, s.eos)
             s.n = len(toks)
             if s.index is not None:
                 s.index.extend(toks)
@@ -1265,16 +1493,16 @@ class BatchDecoder:
             results.append((s.id, step))
             if reason is not None:
                 finished.append(s)
-        if chunks:  # evaluate the prefill chunks' caches now (bounded graphs, as decode._prefill does)
-            mx.eval([c.state for s, _ in chunks for c in s.cache],
-                    [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
+        if chunks:  # evaluate the prefill chunks' caches now (bounded graphs)
+            self.waits.eval([c.state for s, _ in chunks for c in s.cache],
+                            [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
                 for s, _ in chunks:
                     if s.anchor_id >= 0 and s not in finished:
                         s.row = self.kv.join(s.cache)
         self._queued = ahead
         out = self._close(t0, results, finished, len(decoding), bool(chunks), blocks, extra, ran,
-                           (td - tc) * 1e3 if ran else 0.0, verify_ms, rollback_s * 1e3)
+                          (td - tc) * 1e3 if ran else 0.0, verify_ms, rollback_s * 1e3, self.waits.count - waits0)
         self._drop_queued()
         return out
 
@@ -1292,15 +1520,15 @@ class BatchDecoder:
             return None
         if self.kv is not None and len(self.kv.rows) != len(decoding):
             return None
-        if not self._plain_next(decoding):
+        if not self._next_stays_plain(decoding):
             return None
         for s in decoding:  # now each policy, and the batch, count the step as chosen
-            self._wish(s, batch=len(decoding), asked=True, ahead=True)
+            self._wished_decision(s, batch=len(decoding), asked=True, ahead=True)
         self.policy.count([1] * len(decoding), len(decoding) > 1)
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # (a sampled sequence's keys are consumed as by an unpipelined plain step)
-        choice = mx.concatenate([next_token(o.logits, s.sampling, self._keys(s)[1]) for o, s in zip(outs, decoding)])
+        choice = mx.concatenate([next_token(o.logits, s.sampling, self._split_keys(s)[1]) for o, s in zip(outs, decoding)])
         mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
         return _Queued(list(decoding), outs, choice)
 
@@ -1320,7 +1548,8 @@ class BatchDecoder:
         prefilling = any(s.anchor_id < 0 for s in self._seqs.values())
         ahead = None if prefilling else self._queue(decoding, [q.choice[k:k + 1] for k, _ in live])
         tw = time.perf_counter()
-        flat = q.choice.tolist()  # the queued pass ends here
+        waits0 = self.waits.count
+        (flat,) = self.waits.read(q.choice)  # the queued pass ends here
         self.pipelined += 1
         verify_ms = (time.perf_counter() - tw) * 1e3
         results, finished = [], []
@@ -1333,16 +1562,17 @@ class BatchDecoder:
                 finished.append(s)
         self._queued = ahead
         out = self._close(t0, results, finished, len(decoding), False, [1] * len(decoding), 0, 0, 0.0,
-                          verify_ms, 0.0)
+                          verify_ms, 0.0, self.waits.count - waits0)
         self._drop_queued()
         return out
 
     # -- committing a step ------------------------------------------------------------------------
     def _commit(self, s: _Seq, accepted: list[int], bonus: int, L: int, a: int, source: str,
-                draft_ms: float) -> Step:
+                draft_ms: float, draft_block: int = 0) -> Step:
         """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
-        index, its new anchor, its acceptance and probe spacing."""
-        committed, reason = _finish(accepted + [bonus], s.n, s.max_tokens, s.eos)
+        index, its new anchor, its acceptance and probe spacing (``draft_block``: the block its
+        drafter ran at, 0 if it did not run)."""
+        committed, reason = truncate_reply(accepted + [bonus], s.n, s.max_tokens, s.eos)
         s.n += len(committed)
         if s.index is not None:
             s.index.extend(committed)
@@ -1354,12 +1584,14 @@ class BatchDecoder:
             s.probe_every = self.policy.probe_every if gained else min(self.policy.max_probe, s.probe_every * 2)
         else:
             s.plain_run += 1
+        if not draft_block:
+            self._feed_drafter(s)
         return Step(tuple(committed), drafted=L - 1, accepted=a, block_size=L, draft_ms=draft_ms,
-                    finish_reason=reason, source=source)
+                    finish_reason=reason, source=source, draft_block=draft_block)
 
     def _close(self, t0: float, results: list, finished: list, n_decoding: int, prefilled: bool,
                blocks: list[int], extra: int, ran: int, draft_ms: float, verify_ms: float,
-               rollback_ms: float) -> list[tuple[int, Step]]:
+               rollback_ms: float, waits: int) -> list[tuple[int, Step]]:
         """The step's bookkeeping: the cost fit, the counters, each decoding Step's timings and its
         policy's lesson, finished sequences out (their caches to ``on_exit``)."""
         elapsed = (time.perf_counter() - t0) * 1e3
@@ -1370,21 +1602,26 @@ class BatchDecoder:
             self.steps["drafted" if drafting else "plain"] += 1
         out_steps = []
         for sid, st in results:
-            if not st.prefill:
-                st = Step(st.tokens, drafted=st.drafted, accepted=st.accepted, block_size=st.block_size,
-                          draft_ms=st.draft_ms, verify_ms=verify_ms, rollback_ms=rollback_ms,
-                          elapsed_ms=elapsed, finish_reason=st.finish_reason, source=st.source)
+            if st.prefill:
+                st = replace(st, host_syncs=waits)
+                if self._seqs[sid].policy is not None:  # (a policy ignores it; it is shown every step)
+                    self._seqs[sid].policy.observe(st)
+            else:
+                st = replace(st, verify_ms=verify_ms, rollback_ms=rollback_ms, elapsed_ms=elapsed, host_syncs=waits)
                 s = self._seqs[sid]
                 s.prev = st
                 if s.policy is not None:
                     # A sequence's own policy learns acceptance; step costs under a batch are the
-                    # batch's (BatchPolicy's business), so it sees them only when it ran alone.
-                    s.policy.observe(st if n_decoding == 1 and not prefilled else untimed(st))
+                    # batch's (BatchBudget's business), so it sees them only when it ran alone. A
+                    # seeded sampled run must give the same text every time: its policy may not
+                    # learn from timings (they vary), only from the tokens.
+                    seeded = not s.sampling.greedy and s.sampling.seed is not None
+                    s.policy.observe(st if n_decoding == 1 and not prefilled and not seeded else untimed(st))
             out_steps.append((sid, st))
         for s in finished:
             self._seqs.pop(s.id, None)
             self._release(s)
-            _hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
+            hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
         self._since_clear += sum(len(st.tokens) for _, st in out_steps)
         if self._since_clear >= 256:
             self._since_clear = 0
@@ -1426,4 +1663,4 @@ def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, 
         t += 1
 
 
-__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "StepCost", "BatchPolicy", "BatchDecoder", "batched_steps"]
+__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "StepCost", "BatchBudget", "BatchDecoder", "batched_steps"]

@@ -25,9 +25,10 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from .analysis import copy_max_draft, copy_oracle, copy_share, oracle_ceiling
+from .policy import PolicyFactory
 from .costs import Costs, CostMeter, Progress, ceiling, efficiency
 from .decode import Step, plain_steps, spec_steps
 from .stats import Stats
@@ -56,7 +57,7 @@ def spread(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- one generation
 
-# kind -> the per-cycle policy's draft sources (adaptive.Policies); "hybrid" is the default engine
+# kind -> the per-cycle policy's draft sources (policy.PolicyFactory); "hybrid" is the default engine
 POLICY_SOURCES = {"adaptive": ("dflash",), "lookup-policy": ("lookup",), "hybrid": ("dflash", "lookup")}
 
 
@@ -103,15 +104,13 @@ class Run:
 class Runner:
     """Runs any method on one loaded pair. Everything here must run on the pair's thread."""
 
-    def __init__(self, pair, *, ar_model=None, costs: Costs | None = None,
-                 controller_factory: Callable[[], Callable] | None = None, stop_at_eos: bool = True,
+    def __init__(self, pair, *, ar_model=None, costs: Costs | None = None, stop_at_eos: bool = True,
                  tuned=None, threads: int | None = None, blas=None):
         """``threads``: BLAS threads for our methods (None: leave the count as it is); the
         mlx-lm row always runs at the BLAS's own default (or the user's pinned count:
         OPENBLAS_NUM_THREADS / MKL_NUM_THREADS).
         ``tuned``: the tuner's stored result (the per-cycle policy's prior)."""
         self.pair, self.ar_model, self.costs = pair, ar_model, costs
-        self.controller_factory = controller_factory
         self.stop_at_eos = stop_at_eos
         self.eos = tuple(pair.tokenizer.eos_token_ids) if stop_at_eos else ()
         self.tuned, self.threads, self.blas = tuned, threads, blas
@@ -119,15 +118,9 @@ class Runner:
         self._policies: dict = {}
 
     def _policy(self, method: Method):
-        """A fresh per-cycle policy over ``method``'s draft sources (adaptive.Policies)."""
-        from . import adaptive
-
-        if not hasattr(adaptive, "Policies"):
-            if method.kind == "adaptive" and self.controller_factory is not None:
-                return None  # the older block-size controller stands in until the policy lands
-            raise NotImplementedError(f"{method.label}: this build has no per-cycle policy (adaptive.Policies)")
+        """A fresh per-cycle policy over ``method``'s draft sources (policy.PolicyFactory)."""
         if method not in self._policies:  # as the engine builds them: the tuner's curve and prior
-            self._policies[method] = adaptive.Policies(self.pair, self.tuned, sources=POLICY_SOURCES[method.kind])
+            self._policies[method] = PolicyFactory(self.pair, self.tuned, sources=POLICY_SOURCES[method.kind])
         return self._policies[method]()
 
     def steps(self, method: Method, ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
@@ -139,12 +132,8 @@ class Runner:
         if method.kind == "dflash":
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind in POLICY_SOURCES:
-            policy = self._policy(method)
-            if policy is None:
-                return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
-                                  eos_ids=self.eos, controller=self.controller_factory())
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
-                              eos_ids=self.eos, policy=policy)
+                              eos_ids=self.eos, policy=self._policy(method))
         if method.kind == "lookup":
             from .baselines import lookup_steps
 

@@ -254,19 +254,18 @@ def _next(wire: Wire, it: Iterator):
 # -- rank 0 ------------------------------------------------------------------------------------
 
 
-def _header(ids, cfg, info, policy=None, controlled: bool = False) -> tuple[list[int], list[float]]:
+def _header(ids, cfg, info, policy=None) -> tuple[list[int], list[float]]:
     s = cfg.sampling
     seed = s.seed if s.seed is not None else 0
     method = PLAIN if info.method == "plain" else SPEC
     mask = 0 if policy is None else sum(1 << SOURCE_CODES.index(x) for x in policy.sources)
-    adaptive = max(info.adaptive_max, info.block_size) if controlled else 0
-    ints = [GEN, len(ids), cfg.max_tokens, seed, s.top_k, info.block_size, method, adaptive,
+    ints = [GEN, len(ids), cfg.max_tokens, seed, s.top_k, info.block_size, method, 0,  # (slot 7: unused)
             mask, 0 if policy is None else policy.max_lookup]
     return ints, [s.temperature, s.top_p]
 
 
-class SharedPolicy:
-    """A draft policy (``adaptive.DraftPolicy``) whose choices rank 0 makes and every rank follows.
+class RankSharedPolicy:
+    """A draft policy (``policy.DraftPolicy``) whose choices rank 0 makes and every rank follows.
 
     The policy learns from local timings, so two ranks running their own would choose different
     sources or lengths and their collectives would no longer pair up. Rank 0 wraps its policy
@@ -289,7 +288,7 @@ class SharedPolicy:
         return getattr(inner, name)
 
     def _share(self, decision):
-        from .adaptive import Decision
+        from .policy import Decision
 
         ints = None if decision is None else [SOURCE_CODES.index(decision.source), decision.length,
                                               int(decision.probe)]
@@ -305,7 +304,7 @@ class SharedPolicy:
     def choose(self, ctx):
         mine = self.inner.choose(ctx) if self.inner is not None else None
         if self.queued:  # already agreed (plain): no message
-            from .adaptive import PLAIN, Decision
+            from .policy import PLAIN, Decision
 
             self.queued = False
             return mine if mine is not None else Decision(PLAIN, 1)
@@ -372,15 +371,13 @@ class Leader:
             return cfg
         return replace(cfg, sampling=replace(cfg.sampling, seed=time.time_ns() % 2**31))
 
-    def lead(self, steps: Iterator, ids, cfg, info, policy: SharedPolicy | None = None,
-             controlled: bool = False) -> Iterator:
+    def lead(self, steps: Iterator, ids, cfg, info, policy: RankSharedPolicy | None = None) -> Iterator:
         """Wrap rank 0's steps: announce the request at the first pull, then after each step
         tell the followers whether another step is wanted (1) or the run ends here (0).
-        ``policy``: the ``SharedPolicy`` the steps were made with (its sources go in the header);
-        ``controlled``: the steps take their block sizes from ``controller`` (sent every cycle).
+        ``policy``: the ``RankSharedPolicy`` the steps were made with (its sources go in the header);
         A run still open when the next one (or a heartbeat) starts is closed first."""
         self.finish()
-        self._active = self._lead(steps, ids, cfg, info, policy, controlled)
+        self._active = self._lead(steps, ids, cfg, info, policy)
         return self._active
 
     def finish(self) -> None:
@@ -389,9 +386,9 @@ class Leader:
         if gen is not None:
             gen.close()
 
-    def _lead(self, steps, ids, cfg, info, policy, controlled) -> Iterator:
+    def _lead(self, steps, ids, cfg, info, policy) -> Iterator:
         self.ensure_healthy()
-        ints, floats = _header(ids, cfg, info, policy, controlled)
+        ints, floats = _header(ids, cfg, info, policy)
         self.wire.exchange(ints, HEADER, floats, 2, what="request header")
         self.wire.exchange(list(ids), len(ids), what="prompt ids")
         width = max(info.block_size, ints[7], 1)
@@ -414,16 +411,9 @@ class Leader:
             it.close()
             self._last = time.monotonic()
 
-    def share(self, policy) -> SharedPolicy | None:
+    def share(self, policy) -> RankSharedPolicy | None:
         """Rank 0's draft policy, its choices sent to every rank (None stays None)."""
-        return None if policy is None else SharedPolicy(self.wire, policy)
-
-    def controller(self, inner: Callable | None, block_size: int) -> Callable:
-        """Rank 0's per-cycle block size (the adaptive controller's choice) sent to every rank."""
-        def choose(prev):
-            L = inner(prev) if inner is not None else block_size
-            return self.wire.exchange([int(L)], 1, what="block size")[0][0]
-        return choose
+        return None if policy is None else RankSharedPolicy(self.wire, policy)
 
     def heartbeat(self) -> None:
         """Call while idle (at least every HEARTBEAT_S): followers exit without it, and a dead
@@ -456,9 +446,9 @@ class Leader:
 def follow(group, run_steps: Callable, *, timeout: float | None = None, check: bool | None = None,
            exit_fn: Callable[[int], None] = os._exit) -> int:
     """A follower's main loop: run every request rank 0 announces, step for step, until it says
-    shut down. ``run_steps(ids, cfg, method, block_size, controller, policy)`` returns the step
-    generator (the same ``token_steps`` rank 0 runs; ``controller`` / ``policy`` are None or
-    receive rank 0's per-cycle choices). Returns the number of requests followed.
+    shut down. ``run_steps(ids, cfg, method, block_size, policy)`` returns the step generator
+    (the same ``token_steps`` rank 0 runs, through the one decode loop; ``policy`` is None or a
+    ``RankSharedPolicy`` that receives rank 0's per-cycle choices). Returns the number of requests followed.
 
     If rank 0 is silent for ``timeout`` seconds (it died or hangs), ``exit_fn(3)`` ends this
     process: its collectives could otherwise block forever."""
@@ -476,7 +466,7 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
     while True:
         wire.busy("waiting for rank 0")  # heartbeats arrive every HEARTBEAT_S while idle
         try:
-            (cmd, n, max_tokens, seed, top_k, block, method, adaptive, mask, max_lookup), (temp, top_p) = \
+            (cmd, n, max_tokens, seed, top_k, block, method, _, mask, max_lookup), (temp, top_p) = \
                 wire.exchange(None, HEADER, None, 2, what="waiting for rank 0")
         except GroupFailed as e:
             lost(str(e))
@@ -490,15 +480,11 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
         cfg = GenConfig(max_tokens=max_tokens,
                         sampling=SamplingConfig(temp, top_p, top_k, seed if temp > 0 else None))
 
-        def choose(prev):
-            return wire.exchange(None, 1, what="block size")[0][0]
-
         policy = None
         if mask:
-            policy = SharedPolicy(wire, None, [c for i, c in enumerate(SOURCE_CODES) if mask >> i & 1], max_lookup)
-        steps = run_steps(ids, cfg, "plain" if method == PLAIN else "spec", block,
-                          choose if adaptive else None, policy)
-        width = max(block, adaptive, 1)
+            policy = RankSharedPolicy(wire, None, [c for i, c in enumerate(SOURCE_CODES) if mask >> i & 1], max_lookup)
+        steps = run_steps(ids, cfg, "plain" if method == PLAIN else "spec", block, policy)
+        width = max(block, 1)
         try:
             while True:
                 step = _next(wire, steps)
@@ -522,12 +508,12 @@ def follow_session(session, *, timeout: float | None = None) -> int:
     ``generation.token_steps`` rank 0 runs, until rank 0 shuts the group down."""
     pair, info = session.pair, session.info
 
-    def run_steps(ids, cfg, method, block, controller, policy):
+    def run_steps(ids, cfg, method, block, policy):
         if method == "plain":
             p, i = for_request(pair, info, speculate=False)
         else:
             p, i = pair, replace(info, block_size=block)
-        return token_steps(p, i, ids, cfg, controller=controller, policy=policy)
+        return token_steps(p, i, ids, cfg, policy=policy)
 
     return follow(session.group, run_steps, timeout=timeout)
 
@@ -735,5 +721,5 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
     return plan
 
 
-__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupFailed", "Leader", "SharedPolicy", "follow", "init_group", "group_info", "launched",
+__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupFailed", "Leader", "RankSharedPolicy", "follow", "init_group", "group_info", "launched",
            "shard_target", "shard_problems", "timeout_s", "Wire"]

@@ -165,6 +165,8 @@ class Engine:
         # which attention path the batch runs: "shared K/V over N layers" | "per sequence (<reason>)"
         # (None: no batching); in snapshot() and /health
         self.batch_attention: str | None = None
+        # the batch's drafter pass: "one pass for all" | "per sequence (<reason>)" | "none" (None: no batching)
+        self.batch_drafter: str | None = None
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
         self.error: str | None = None
@@ -173,7 +175,7 @@ class Engine:
         self._ready = threading.Event()
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
-        self._controllers = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
+        self._policy_factory = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
         self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                           "prefix_cache_bytes": 0}
         self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
@@ -396,9 +398,9 @@ class Engine:
         from .generation import policies
 
         handle._put(Started(handle.request.id, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
-        if self._controllers[0] is not info:
-            self._controllers = (info, policies(pair, info))
-        return self._controllers[1]
+        if self._policy_factory[0] is not info:
+            self._policy_factory = (info, policies(pair, info))
+        return self._policy_factory[1]
 
     # -- continuous batching ---------------------------------------------------------------------
     def _make_decoder(self, session):
@@ -432,6 +434,7 @@ class Engine:
             return None
         self.max_batch = asked
         self.batch_attention = dec.attention
+        self.batch_drafter = dec.drafter_path
         log.info("continuous batching of up to %d requests (the decoder logs its attention path)", asked)
         return dec
 
@@ -615,7 +618,7 @@ class Engine:
             batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
                      "batch_pipelined": self._batch["pipelined"],
                      "batch_active": len(self._live), "max_batch": self.max_batch,
-                     "batch_attention": self.batch_attention}
+                     "batch_attention": self.batch_attention, "batch_drafter": self.batch_drafter}
         cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
                   "drafted_by_position": [], "plain_cycles": 0, "drafter_passes": 0, "trimmed": 0,
                   "block_sizes": {}, "sources": {}}

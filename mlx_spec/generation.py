@@ -210,35 +210,33 @@ def for_request(pair: Pair, info: EngineInfo, speculate: bool = True) -> tuple[P
 
 
 def policies(pair: Pair, info: EngineInfo):
-    """A factory of fresh drafting policies, one per sequence (``adaptive.DraftPolicy``: each
+    """A factory of fresh drafting policies, one per sequence (``policy.DraftPolicy``: each
     cycle a plain step, a DFlash draft or a lookup draft), from the tuner's stored result for this
     pair (cost curve and acceptance prior), else a cheap estimate from the models' sizes (no
     timing); a ``--block-size`` flag pins the DFlash block. None when the policy is off
     (``--no-adaptive``) or nothing is drafted."""
     if not info.adaptive_max or not info.speculative:
         return None
-    from .adaptive import Policies
+    from .policy import PolicyFactory
     from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
-    return Policies(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
+    return PolicyFactory(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
 
 
 def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-                prefix: PrefixCache | None = None, controller=None, lead=None, policy=None) -> Iterator[Step]:
+                prefix: PrefixCache | None = None, lead=None, policy=None) -> Iterator[Step]:
     """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
-    and keep the final caches there for the next request. ``controller``: a fresh
-    ``adaptive.AdaptiveController`` for this generation (older interface); ``policy``: a fresh
-    ``adaptive.DraftPolicy`` (from ``policies``; the default engine). ``lead``: rank 0's
-    ``distributed.Leader`` when the target is sharded over a group: the other ranks run the same
-    steps (no prefix cache there; the seed, the controller's choices and every step are shared)."""
+    and keep the final caches there for the next request. ``policy``: a fresh
+    ``policy.DraftPolicy`` (from ``policies``; the default engine; None: every cycle drafts the
+    engine's block). ``lead``: rank 0's ``distributed.Leader`` when the target is sharded over a
+    group: the other ranks run the same steps (no prefix cache there; the seed, the policy's
+    choices and every step are shared)."""
     if lead is not None:
         cfg = lead.seeded(cfg)
-        if controller is not None:
-            controller = lead.controller(controller, info.block_size)
         policy = lead.share(policy)
-        steps = token_steps(pair, info, prompt, cfg, None, controller, policy=policy)
-        return lead.lead(steps, prompt, cfg, info, policy=policy, controlled=controller is not None)
+        steps = token_steps(pair, info, prompt, cfg, None, policy=policy)
+        return lead.lead(steps, prompt, cfg, info, policy=policy)
     eos = tuple(pair.tokenizer.eos_token_ids)
     plain = not info.speculative
     reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
@@ -247,7 +245,7 @@ def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenCon
                            sampling=cfg.sampling, prefill_step=cfg.prefill_step, **reuse)
     return spec_steps(pair.target, pair.drafter, prompt, block_size=info.block_size,
                       max_tokens=cfg.max_tokens, eos_ids=eos, sampling=cfg.sampling,
-                      prefill_step=cfg.prefill_step, controller=controller, policy=policy, **reuse)
+                      prefill_step=cfg.prefill_step, policy=policy, **reuse)
 
 
 @dataclass
@@ -261,7 +259,7 @@ class Result:
 
 def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
              result: Result | None = None, prefix: PrefixCache | None = None,
-             controller=None, lead=None, policy=None) -> Iterator[Chunk]:
+             lead=None, policy=None) -> Iterator[Chunk]:
     """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come.
     ``lead``: see ``token_steps``."""
     result = Result() if result is None else result
@@ -272,7 +270,7 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, controller, lead, policy)), pair.tokenizer,
+    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, lead, policy)), pair.tokenizer,
                              cfg.stop, eos):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)

@@ -168,13 +168,22 @@ def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.arra
     (L-1, V), the distribution the drafts were drawn from; ``q`` None means a deterministic
     proposal (q = point mass on the tokens, e.g. a lookup draft). ``proposal`` None or empty:
     no drafts. Returns (accepted, token after them)."""
+    a, tok = sampled_acceptance(logits, proposal, cfg, key, residual).tolist()  # one read
+    return int(a), int(tok)
+
+
+def sampled_acceptance(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
+                       residual: bool = True) -> mx.array:
+    """``accept_sampled``'s answer still on the device: (2,) int32 [accepted, token after them],
+    so a loop reads it with its other values in one wait."""
     if proposal is None or proposal.tokens.size == 0:
-        return 0, int(next_token(logits, cfg, key).item())
+        return mx.concatenate([mx.zeros((1,), mx.int32), next_token(logits, cfg, key).reshape(1)])
     p = target_probs(logits, cfg)[None]  # (1, L, V)
     q = proposal.q if proposal.q is not None else point_mass(proposal.tokens, p.shape[-1])
     a, tok = speculative_sample(p, q[None], proposal.tokens[None], key, residual)
-    return int(a.item()), int(tok.item())
+    return mx.stack([a.reshape(()).astype(mx.int32), tok.reshape(()).astype(mx.int32)])
 
 
 __all__ = ["SamplingConfig", "accept_greedy", "filtered_logprobs", "target_probs", "sample_probs",
-           "sample_target", "sample_proposal", "speculative_sample", "next_token", "accept_sampled", "point_mass"]
+           "sample_target", "sample_proposal", "speculative_sample", "next_token", "accept_sampled",
+           "sampled_acceptance", "point_mass"]

@@ -18,12 +18,12 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import hybrid
+from . import gdn
 from .errors import MlxSpecError, UnsupportedModel
 
 # model_type -> layer-loop family. Dense families have only trimmable KVCache layers.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
-SUPPORTED = DENSE | hybrid.HYBRID
+SUPPORTED = DENSE | gdn.HYBRID
 
 
 class TargetOut(NamedTuple):
@@ -36,7 +36,7 @@ class _Tape(NamedTuple):
 
     cache: list
     length: int
-    records: dict  # layer index -> hybrid.GDNRecord
+    records: dict  # layer index -> gdn.GDNRecord
 
 
 def text_parts(model: nn.Module):
@@ -56,7 +56,7 @@ def _model_type(model: nn.Module) -> str | None:
 def _refusal(model: nn.Module, model_type: str | None) -> str:
     msg = f"target architecture '{model_type}' is not supported for speculative decoding"
     try:
-        problems = hybrid.rollback_problems(list(model.layers), make_prompt_cache(model))
+        problems = gdn.rollback_problems(list(model.layers), make_prompt_cache(model))
     except Exception:  # an unknown layout: the architecture name is all we can say
         problems = []
     if problems:
@@ -70,11 +70,11 @@ class Target:
     Args:
         model: an mlx-lm model of a supported architecture.
         taps: decoder layers whose outputs the drafter reads.
-        restore: GDN rollback function (``hybrid.restore``); injectable so tests can break it.
+        restore: GDN rollback function (``gdn.restore``); injectable so tests can break it.
     """
 
     def __init__(self, model: nn.Module, taps: Sequence[int] = (), *,
-                 restore: Callable[..., None] = hybrid.restore):
+                 restore: Callable[..., None] = gdn.restore):
         self.model = model
         self.model_type = _model_type(model)
         if self.model_type not in SUPPORTED:
@@ -88,15 +88,15 @@ class Target:
         bad = [j for j in self.taps if not 0 <= j < self.num_layers]
         if bad:
             raise UnsupportedModel(f"tap layers {bad} out of range for a {self.num_layers}-layer target")
-        problems = hybrid.rollback_problems(self.layers, make_prompt_cache(model))
+        problems = gdn.rollback_problems(self.layers, make_prompt_cache(model))
         if problems:
             raise UnsupportedModel(f"target '{self.model_type}': " + "; ".join(problems))
-        self.gdn = {i for i, layer in enumerate(self.layers) if hybrid.is_gdn(layer)}
+        self.gdn = {i for i, layer in enumerate(self.layers) if gdn.is_gdn(layer)}
         if self.gdn:
             if getattr(self.inner, "pipeline_size", 1) > 1:
                 raise UnsupportedModel("pipelined hybrid targets are not supported (tensor-parallel "
                                        "sharding with mlx-lm's shard() is)")
-            hybrid.check_mirror(self.layers[min(self.gdn)], self.model_type)
+            gdn.check_mirror(self.layers[min(self.gdn)], self.model_type)
         self.restore = restore
         self._tape: _Tape | None = None
 
@@ -145,7 +145,7 @@ class Target:
             ssm_mask = create_ssm_mask(h, cache[self.inner.ssm_idx])
         else:
             fa_mask, ssm_mask = create_attention_mask(h, cache[0]), None
-        records: dict[int, hybrid.GDNRecord] = {}
+        records: dict[int, gdn.GDNRecord] = {}
         feats = []
         want = set(self.taps) if taps else set()
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
@@ -153,7 +153,7 @@ class Target:
                 h = layer(h, fa_mask, cache=c)
             elif record:
                 rec: list = []
-                h = hybrid.gdn_block(layer, h, ssm_mask, c, rec)
+                h = gdn.gdn_block(layer, h, ssm_mask, c, rec)
                 records[i] = rec[0]
             else:
                 h = layer(h, ssm_mask, cache=c)

@@ -37,12 +37,12 @@ def main(job_path: str) -> int:
         drafter.bind(target.embed, target.head)
         pairs.append((models[t], target, drafter))
 
-    def run_steps(pair, ids, cfg, method, block, controller, policy=None):
+    def run_steps(pair, ids, cfg, method, block, policy=None):
         model, target, drafter = pair
         if method == "plain":
             return plain_steps(model, ids, max_tokens=cfg.max_tokens, sampling=cfg.sampling)
         return spec_steps(target, drafter, ids, block_size=block, max_tokens=cfg.max_tokens,
-                          sampling=cfg.sampling, controller=controller, policy=policy)
+                          sampling=cfg.sampling, policy=policy)
 
     results = []
 
@@ -86,14 +86,14 @@ def main(job_path: str) -> int:
                 method = "plain" if case["block"] == 1 else "spec"
                 policy = None
                 if case.get("policy"):  # the adaptive policy (dflash + lookup), rank 0's choices shared
-                    from mlx_spec.adaptive import DraftPolicy
+                    from mlx_spec.policy import DraftPolicy
                     from mlx_spec.costs import Costs
 
                     costs = Costs(1.0, {2: 0.5, 4: 0.6, 8: 0.8}, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}, 64)
                     if case["policy"] == "plain":  # drafting never pays: runs of pipelined plain steps
                         costs = Costs(1.0, {2: 50.0, 4: 60.0, 8: 80.0}, {1: 1.0, 2: 40.0, 4: 60.0, 8: 90.0}, 64)
                     policy = leader.share(DraftPolicy(costs, case["block"]))
-                steps = leader.lead(run_steps(pair, case["prompt"], cfg, method, case["block"], None, policy),
+                steps = leader.lead(run_steps(pair, case["prompt"], cfg, method, case["block"], policy),
                                     case["prompt"], cfg, info, policy)
                 for s in steps:
                     toks.extend(s.tokens)

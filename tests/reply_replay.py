@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_spec.adaptive import LOOKUP, Context, DraftPolicy
+from mlx_spec.policy import LOOKUP, Context, DraftPolicy
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.target import TargetOut

@@ -12,8 +12,8 @@ from helpers import VOCAB, greedy_reference, tiny_drafter, tiny_model
 from test_hybrid import build
 from test_sampling import gof_pvalue
 
-from mlx_spec.adaptive import PLAIN, Decision
-from mlx_spec.batch import Acceptance, BatchDecoder, BatchPolicy, StepCost, batched_steps
+from mlx_spec.policy import PLAIN, Decision
+from mlx_spec.batch import Acceptance, BatchDecoder, BatchBudget, StepCost, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
 from mlx_spec.errors import MlxSpecError
@@ -27,7 +27,7 @@ PROMPTS = [[1, 5, 9, 17, 33, 2, 8, 40, 77], [3, 4, 5], list(range(10, 60)), [7] 
 N = 24
 
 
-class AlwaysDraft(BatchPolicy):
+class AlwaysDraft(BatchBudget):
     """Every sequence drafts the block it wishes (so tests exercise ragged rollback)."""
 
     def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None):
@@ -52,7 +52,8 @@ class Scripted:
     def add_context(self, features, cache):
         cache[0].offset += features.shape[1]
 
-    def propose(self, anchor, features, cache, block_size, sampling=0.0, key=None):
+    def propose(self, anchor, features, cache, block_size, sampling=0.0, key=None, confidence=False):
+        # (no confidence even when asked: the policy then verifies the block as drafted)
         c = cache[0]
         if features is not None:
             c.offset += features.shape[1]
@@ -85,7 +86,7 @@ def dense():
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
-@pytest.mark.parametrize("policy", [AlwaysDraft, BatchPolicy], ids=["always", "policy"])
+@pytest.mark.parametrize("policy", [AlwaysDraft, BatchBudget], ids=["always", "policy"])
 def test_batched_equals_alone_dense(dense, v2, policy):
     model, cfg = dense
     target, d, _ = tiny_drafter(model, cfg, v2=v2)
@@ -148,7 +149,7 @@ def test_few_drafting_among_plain_rows_attend_split_exactly(dense, split_at, kin
     plans = []
     plan = dec.kv.plan
     dec.kv.plan = lambda b: plans.append(plan(b)) or plans[-1]
-    jobs = [dict(prompt=p, max_tokens=N, controller=lambda prev, L=L: L) for p, L in zip(prompts, blocks)]
+    jobs = [dict(prompt=p, max_tokens=N, block_size=L) for p, L in zip(prompts, blocks)]
     got, steps = _run_batch(dec, jobs)
     for i in range(len(prompts)):
         assert got[i] == refs[i], f"prompt {i}"
@@ -268,12 +269,15 @@ class _StaysPlain:
     def peek(self, ctx):
         return Decision(PLAIN, 1)
 
+    def stays_plain(self, ctx):  # (what a sequence alone is asked, as the single stream asks it)
+        return True
+
     def choose(self, ctx):
         self.chosen += 1
         return Decision(PLAIN, 1)
 
     def observe(self, step):
-        self.observed += 1
+        self.observed += not step.prefill  # (the prefill is shown too; a policy ignores it)
 
 
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "stepwise"])
@@ -487,14 +491,14 @@ def test_sampled_batch_keeps_the_target_distribution():
 
 
 def test_policy_stops_drafting_when_it_does_not_pay():
-    pol = BatchPolicy()
+    pol = BatchBudget()
     for _ in range(40):  # measured: rows are expensive, a drafting sequence too
         for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
             pol.observe(rows, drafting, 20 + 5 * rows + 10 * drafting, 10 * drafting)
     good, bad = Acceptance(7, [0.9] * 7), Acceptance(7, [0.05] * 7)
     L = pol.choose([8] * 8, [good, good] + [bad] * 6, [0] * 8, [8] * 8)
     assert L[2:] == [1] * 6  # poor acceptance: plain rows
-    cheap = BatchPolicy()
+    cheap = BatchBudget()
     for _ in range(40):  # rows nearly free (memory-bound): everyone with fair acceptance drafts
         for rows, drafting in ((8, 0), (16, 2), (30, 5), (40, 8)):
             cheap.observe(rows, drafting, 100 + 0.1 * rows + 1 * drafting, 1 * drafting)
@@ -514,7 +518,7 @@ def test_a_policy_curve_is_judged_at_its_expected_tokens():
     that curve for its prior: its expected tokens are the curve's, at every length."""
     import random
 
-    from mlx_spec import adaptive
+    from mlx_spec import policy as adaptive
 
     rng = random.Random(0)
     curves = []
@@ -539,7 +543,7 @@ def test_a_wished_draft_is_judged_by_its_sequences_own_curve():
     by the batch's own count."""
     from types import SimpleNamespace as NS
 
-    from mlx_spec import adaptive
+    from mlx_spec import policy as adaptive
 
     asked = []
     pol = NS(dflash=NS(curve=lambda: [0.9, 0.6, 0.3]),
@@ -554,8 +558,8 @@ def test_a_wished_draft_is_judged_by_its_sequences_own_curve():
 
 
 def _fitted(a, b, c, e, steps=60):
-    """A BatchPolicy fitted to steps that cost ``a + b*rows + c*drafting + e*[a pass]`` ms."""
-    pol = BatchPolicy()
+    """A BatchBudget fitted to steps that cost ``a + b*rows + c*drafting + e*[a pass]`` ms."""
+    pol = BatchBudget()
     for k in range(steps):
         n = 1 + k % 8
         d = k % (n + 1)
@@ -602,7 +606,7 @@ def test_step_costs_are_refitted_only_when_read():
     fit; the first read after new steps refits once, and sees all of them."""
     fits = []
 
-    class Counting(BatchPolicy):
+    class Counting(BatchBudget):
         def _fit(self):
             fits.append(len(self.obs))
             return super()._fit()
@@ -619,8 +623,8 @@ def test_step_costs_are_refitted_only_when_read():
     assert abs(pol.costs(9, 0) - 126) < 5 and fits == [40, 41]
 
 
-class _FixedCost(BatchPolicy):
-    """A BatchPolicy whose step costs are given, not measured (the tiny model's are noise)."""
+class _FixedCost(BatchBudget):
+    """A BatchBudget whose step costs are given, not measured (the tiny model's are noise)."""
 
     def __init__(self, theta):
         super().__init__()
@@ -663,7 +667,7 @@ def test_plain_steps_the_batch_decides_are_pipelined_too(dense):
     """Sequences whose own policies wish to draft, in a batch whose rows cost more than drafts
     return: the batch steps plain, and those steps are queued ahead (asked one step early, nothing
     counted twice); outputs stay plain greedy."""
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
 
     model, cfg = dense
@@ -686,7 +690,7 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
     step: the batch offers their steps to the drafter, judges them at its running acceptance,
     and drafts (the drafter is right: accepted); alone, the same sequence never drafts.
     Outputs stay plain greedy."""
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
 
     model, _ = dense
@@ -710,7 +714,7 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
 @pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
 def test_per_sequence_draft_policies_with_lookup(dense, sources):
     """Each sequence brings its own DraftPolicy (DFlash and/or lookup drafts): still plain greedy."""
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
 
     model, cfg = dense
@@ -769,6 +773,7 @@ def test_engine_batches_concurrent_requests_exactly(engines):
         assert h.result().text == single.submit(Request(prompt=p, max_tokens=12, speculate=False)).result().text
     assert batched.snapshot()["batch_pipelined"] > before
     assert snap["batch_attention"].startswith("shared K/V over") and single.snapshot()["batch_attention"] is None
+    assert snap["batch_drafter"] == "one pass for all" and single.snapshot()["batch_drafter"] is None
     assert snap["tokens"] >= sum(d.completion_tokens for d in dones)
 
 
@@ -1016,3 +1021,43 @@ def test_mlx_lm_server_multiplies_with_our_blas_and_keeps_a_users_preload(monkey
     assert loadtest.mlx_lm_server("m", None).env == {}  # the reference BLAS: nothing to preload
     monkeypatch.setenv("LD_PRELOAD", "/y/libjemalloc.so")
     assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env["LD_PRELOAD"] == "/x/libmkl_rt.so.3:/y/libjemalloc.so"
+
+
+@pytest.mark.parametrize("form", ["4-bit", "8-bit", "float16"])
+def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form):
+    """A quantized drafter's ``fc`` holds packed weights (its width is not the features'), and a
+    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences."""
+    from mlx_spec import quantize
+
+    model, cfg = dense
+    if form == "float16":  # the pair in float16: the drafter's activations too (its block's embedding is the target's)
+        model, cfg = tiny_model("qwen3")
+        model.set_dtype(mx.float16)
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    if form == "float16":
+        d.set_dtype(mx.float16)
+    else:
+        assert quantize.quantize_module(d, int(form[0]), 32) > 0 and quantize.is_quantized(d)
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert dec.packed_drafter and dec.drafter_path == "one pass for all"
+
+
+def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dense, monkeypatch, caplog):
+    import logging
+
+    from mlx_spec import batch
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    real = batch.draft_hidden_many
+    monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: real(*a, **k) + 0.5)  # a wrong mirror
+    with caplog.at_level(logging.INFO, logger="mlx_spec.batch"):
+        dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert not dec.packed_drafter
+    assert dec.drafter_path.startswith("per sequence (the packed pass differs from the drafter's by up to 0.5")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "packed pass is off" in r.getMessage()]
+    assert warned and dec.drafter_path[len("per sequence ("):-1] in warned[0].getMessage()
+    monkeypatch.undo()
+    alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=8)) for p in PROMPTS[:2]]
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=8) for p in PROMPTS[:2]])
+    assert [got[0], got[1]] == alone  # (the per-sequence drafter path, taken instead, stays exact)

@@ -257,18 +257,38 @@ def test_lookup_and_ar_draft_are_lossless(tiny):
     assert [t for s in steps for t in s.tokens] == ref
 
 
-def test_spec_steps_controller_sets_each_cycle(tiny):
+class _Planned:
+    """A DFlash-only policy that takes its blocks from ``plan`` (1 = a plain step) and keeps what
+    it is shown: the least a per-cycle policy must answer to the decode loop."""
+
+    sources, max_lookup = ("dflash",), 0
+
+    def __init__(self, plan, seen):
+        self.plan, self.seen = list(plan), seen
+
+    def stays_plain(self, ctx) -> bool:
+        return self.plan[0] == 1
+
+    def choose(self, ctx):
+        from mlx_spec.policy import DFLASH, PLAIN, Decision
+
+        L = self.plan.pop(0)
+        return Decision(DFLASH if L > 1 else PLAIN, L)
+
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        return decision
+
+    def observe(self, step) -> None:
+        self.seen.append(step)
+
+
+def test_spec_steps_policy_sets_each_cycle(tiny):
     model, cfg, ref = tiny
     target = Target(model, [0])
-    plan = iter([4, 1, 1, 6, 2, 8] * 20)
     seen = []
-
-    def controller(prev):
-        seen.append(prev)
-        return next(plan)
-
+    policy = _Planned([4, 1, 1, 6, 2, 8] * 20, seen)
     steps = list(spec_steps(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT, block_size=16,
-                            max_tokens=30, controller=controller))
+                            max_tokens=30, policy=policy))
     assert [t for s in steps for t in s.tokens] == ref
     assert seen[0].prefill and [s.block_size for s in steps[1:5]] == [4, 1, 1, 6]
     assert steps[2].drafted == 0 and steps[4].accepted == 2
@@ -339,7 +359,7 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
-    policy = ["lookup per-cycle", "hybrid (default)"] if hasattr(__import__("mlx_spec.adaptive").adaptive, "Policies") else []
+    policy = ["lookup per-cycle", "hybrid (default)"] if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory") else []
     assert labels == ["mlx-lm plain", "plain (ours)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4",
                       "dflash per-cycle", *policy]
     assert out["blas"] and out["costs"]["t1_ms"] > 0 and out["kinds"] == ["code", "prose"]

@@ -122,7 +122,7 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     from those caches equals a fresh run."""
     from test_hybrid import build
 
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
     from mlx_spec.prefix import Prefill
 
@@ -166,7 +166,7 @@ def test_pipelined_plain_runs_sample_the_targets_law():
     import numpy as np
     from test_sampling import gof_pvalue
 
-    from mlx_spec.adaptive import DraftPolicy
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
     from mlx_spec.sampling import SamplingConfig, target_probs
 
@@ -184,3 +184,75 @@ def test_pipelined_plain_runs_sample_the_targets_law():
             logits = model(mx.array([SHORT + toks[:pos]]))[0, -1:]
             expect += np.array(target_probs(logits, sc)[0])
         assert gof_pvalue(counts, expect / n) > 0.001, pos
+
+
+class _CountingWaits:
+    """Stands in for ``batch.DeviceWaits``: every wait the loop takes, by kind."""
+
+    def __init__(self):
+        self.count, self.calls = 0, []
+
+    def eval(self, *arrays):
+        self.count += 1
+        self.calls.append("eval")
+        mx.eval(*arrays)
+
+    def read(self, *arrays):
+        self.count += 1
+        self.calls.append("read")
+        mx.eval(*arrays)
+        return [a.tolist() for a in arrays]
+
+
+class _Script:
+    """A greedy policy that follows a script of sources ("dflash", "lookup" while the lookup has
+    a proposal, else "plain")."""
+
+    sources, max_lookup = ("dflash", "lookup"), 8
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def _next(self, ctx):
+        from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Decision
+
+        kind = self.script[0] if self.script else "plain"
+        if kind == "dflash":
+            return Decision(DFLASH, 4)
+        if kind == "lookup" and ctx.lookup:
+            return Decision(LOOKUP, min(4, len(ctx.lookup) + 1))
+        return Decision(PLAIN, 1)
+
+    def stays_plain(self, ctx):
+        return self._next(ctx).source == "plain"
+
+    def choose(self, ctx):
+        d = self._next(ctx)
+        self.script = self.script[1:]
+        return d
+
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        return decision
+
+    def observe(self, step):
+        pass
+
+
+def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
+    """Waits for the device per cycle, single stream: a DFlash cycle two (its drafts and the
+    drafter's confidence, which ``pick`` decides the verify from; then the target's choices), a
+    lookup cycle and a plain step one (the target's choices). ``Step.host_syncs`` says the same."""
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg)
+    prompt = LONG + LONG[:20]  # the lookup finds the prompt's own repeat
+    script = ["dflash", "plain", "plain", "lookup", "dflash", "plain", "lookup", "lookup", "plain"]
+    waits = _CountingWaits()
+    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=12, policy=_Script(script),
+                            waits=waits))
+    assert sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
+    per = {}
+    for s in steps[1:]:
+        per.setdefault(s.source, set()).add(s.host_syncs)
+    assert per == {"dflash": {2}, "lookup": {1}, "plain": {1}}, per
+    ref = greedy_reference(model, prompt, 12)
+    assert _tokens(steps) == ref

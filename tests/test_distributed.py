@@ -85,7 +85,9 @@ def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None 
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
     job = dict(job, out=str(tmp / "out.json"))
     (tmp / "job.json").write_text(json.dumps(job))
-    base = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=str(HERE), **(env or {}))
+    # (the ranks import the mlx_spec this test runs on: a PYTHONPATH already set stays, after HERE)
+    path = os.pathsep.join([str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    base = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=path, **(env or {}))
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(HERE / "distributed_worker.py"), str(tmp / "job.json")],
                               env=dict(base, MLX_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

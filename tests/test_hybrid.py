@@ -13,7 +13,7 @@ import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from mlx_spec import hybrid
+from mlx_spec import gdn
 from mlx_spec.decode import spec_steps
 from mlx_spec.errors import MlxSpecError, UnsupportedModel
 from mlx_spec.target import Target
@@ -149,15 +149,15 @@ def test_lossless_and_cache_exact_after_every_cycle(arch, block):
 
 
 def _off_by_one(caches, records, attns, n_keep, **kw):
-    hybrid.restore(caches, records, attns, n_keep - 1 if n_keep > 1 else n_keep + 1, **kw)
+    gdn.restore(caches, records, attns, n_keep - 1 if n_keep > 1 else n_keep + 1, **kw)
 
 
 @pytest.mark.parametrize("broken", ["no_conv", "no_state", "off_by_one"])
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_broken_rollback_is_caught(prepared, kind, broken):
     _, model, _, ref, states = prepared(kind)
-    restore = {"no_conv": partial(hybrid.restore, conv=False),
-               "no_state": partial(hybrid.restore, state=False),
+    restore = {"no_conv": partial(gdn.restore, conv=False),
+               "no_state": partial(gdn.restore, state=False),
                "off_by_one": _off_by_one}[broken]
     target = Target(model, [0, 2], restore=restore)
     steps, problems = run_checked(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=1), 4, states)
@@ -181,7 +181,7 @@ def test_mirror_equals_the_real_layer(kind):
     for x, m in zip(xs, masks):
         want = layer(x, m, real)
         records = []
-        got = hybrid.gdn_block(layer, x, m, mine, records)
+        got = gdn.gdn_block(layer, x, m, mine, records)
         assert mx.array_equal(want, got)
         for w, g in zip(real.cache, mine.cache):
             assert mx.array_equal(w, g)

@@ -154,3 +154,52 @@ def test_no_import_circles():
     except graphlib.CycleError as e:
         raise AssertionError("modules importing each other (move what both need below them): "
                              + " -> ".join(e.args[1])) from None
+
+
+def private_uses(path: Path, package: list[str]) -> list[str]:
+    """Another of our modules' underscore names that this file takes: ``from .x import _y``, or
+    ``x._y`` where ``x`` is one of our modules imported by name (dunders aside)."""
+    own = key(path) if path.is_relative_to(PKG) else None
+    found, bound = [], {}
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                head = package[: len(package) - node.level + 1]
+                base = ".".join(head + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = _ours(f"{base}.{a.name}")
+                if sub is not None and sub != _ours(base):  # a module imported by name
+                    bound[a.asname or a.name] = sub
+                elif private(a.name) and _ours(base) not in (None, own):
+                    found.append(f"{node.lineno}: from {base} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and _ours(a.name) is not None:
+                    bound[a.asname] = _ours(a.name)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and bound[node.value.id] != own and private(node.attr)):
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_takes_another_modules_underscore_names():
+    """A leading underscore means "this module's own": no other module imports or reads it (what
+    two modules share is public, named for what it does)."""
+    problems = [f"mlx_spec/{path.relative_to(PKG)}:{hit}" for name, path in modules().items()
+                for hit in private_uses(path, _package_of(path))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_underscore_reader_sees_both_spellings(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("from .decode import _finish, Step\nfrom . import batch\n\ndef f():\n    return batch._take\n")
+    assert private_uses(src, ["mlx_spec"]) == ["1: from mlx_spec.decode import _finish", "5: batch._take"]
+    src.write_text("from .decode import Step\nfrom . import batch\n\ndef f():\n    return batch.Step, batch.__name__\n")
+    assert private_uses(src, ["mlx_spec"]) == []

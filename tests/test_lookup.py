@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from mlx_spec.adaptive import LOOKUP, PLAIN
+from mlx_spec.policy import LOOKUP, PLAIN
 from mlx_spec.analysis import copy_oracle
 from mlx_spec.costs import Costs
 from mlx_spec.decode import spec_steps

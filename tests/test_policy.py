@@ -1,4 +1,4 @@
-"""The per-cycle drafting policy (adaptive.DraftPolicy) and hybrid DFlash + lookup drafting.
+"""The per-cycle drafting policy (policy.DraftPolicy) and hybrid DFlash + lookup drafting.
 
 - the policy on scripted acceptance: drops to plain after failed drafts, probes back with growing
   spacing, recovers; a long lookup match skips the drafter; ``pick`` after a DFlash pass;
@@ -16,7 +16,7 @@ from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny
 from test_hybrid import build
 
 from mlx_spec import decode
-from mlx_spec.adaptive import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, Policies, estimate_costs
+from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, PolicyFactory, estimate_costs
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step, spec_steps
 from mlx_spec.baselines import find_draft
@@ -378,15 +378,15 @@ def test_sampled_runs_with_the_policy_are_seed_reproducible(dense):
 def test_policies_factory_uses_the_tuned_result_or_an_estimate(dense):
     model, target, drafter, _ = dense
 
-    class P:  # the pair's fields Policies reads
+    class P:  # the pair's fields PolicyFactory reads
         pass
 
     pair = P()
     pair.model, pair.target, pair.drafter = model, target, drafter
-    make = Policies(pair, None)
+    make = PolicyFactory(pair, None)
     assert not make.measured and make.costs.verify(8) > make.costs.verify(1) > make.costs.draft(2) > 0
     assert make() is not make() and make().sources == (DFLASH, LOOKUP)
-    assert Policies(pair, None, block_size=3)().pinned == 3
+    assert PolicyFactory(pair, None, block_size=3)().pinned == 3
     est = estimate_costs(pair)
     assert est.tt_ms[1] == 1.0 and 0 < est.td_ms[2] < 1.0
 
@@ -634,7 +634,7 @@ def _replay(prompt, reply, sources, costs=FLAT, drafter_right=0.0, seed=0):
     """The policy over a known reply, the way spec_steps drives it (suffix index over the prompt
     and the reply so far; a simulated drafter right with chance ``drafter_right`` per position;
     every pass at ``costs``): (model ms, trace of (source, rows, accepted, match))."""
-    from mlx_spec.adaptive import MAX_LOOKUP
+    from mlx_spec.policy import MAX_LOOKUP
 
     rng = random.Random(seed)
     p = DraftPolicy(costs, 8, prior=[0.4, 0.2, 0.1], sources=sources)
@@ -695,7 +695,7 @@ def test_accepted_copies_draft_long_and_an_edit_point_drafts_short():
 
 
 def test_copy_model_by_match_length():
-    from mlx_spec.adaptive import LOOKUP_PRIOR, Copy
+    from mlx_spec.policy import LOOKUP_PRIOR, Copy
 
     c = Copy()
     assert [c.cond(top - 1 if top else 99) for top, _ in LOOKUP_PRIOR] == pytest.approx([x for _, x in LOOKUP_PRIOR])
@@ -732,7 +732,7 @@ def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_b
 def test_long_lookup_drafts_are_lossless(dense):
     """Lookup drafts of up to 32 tokens (33 verify rows), accepted or not, commit the target's own
     greedy tokens."""
-    from mlx_spec.adaptive import Copy
+    from mlx_spec.policy import Copy
 
     model, target, drafter, _ = dense
     prompt = PROMPTS["repeat"] * 3
@@ -862,7 +862,7 @@ def test_the_prior_keeps_the_tuners_measured_acceptance():
     """The DFlash prior is only held non-increasing (P(first k+1 accepted) never grows): the
     tuner's CPU prior keeps its measured E(8) (1.88; 1.87 with its one small rise clamped), and a
     conditional acceptance that rises after the first positions (DFlash's usual shape) is kept."""
-    from mlx_spec.adaptive import Acceptance, expected_tokens
+    from mlx_spec.policy import Acceptance, expected_tokens
 
     prior = Acceptance(15, CPU_PRIOR).prior
     assert prior[:7] == pytest.approx([0.32, 0.15, 0.094, 0.094, 0.094, 0.077, 0.044])

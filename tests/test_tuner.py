@@ -8,7 +8,7 @@ import statistics
 import pytest
 from helpers import save_tiny_pair
 
-from mlx_spec.adaptive import AdaptiveController, expected_tokens
+from mlx_spec.policy import DFLASH, Context, DraftPolicy, expected_tokens
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
 from mlx_spec.stats import Stats
@@ -875,9 +875,24 @@ def _step(L, accepted, ms):
     return Step(tuple(range(accepted + 1)), drafted=L - 1, accepted=accepted, block_size=L, elapsed_ms=ms)
 
 
-def test_controller_picks_the_block_that_pays_falls_back_and_recovers():
+class _DFlashOnly:
+    """A DFlash-only ``DraftPolicy`` driven as the loop drives it: each call observes the last
+    step and returns the next cycle's block (1 = a plain step); ``trace`` keeps the blocks."""
+
+    def __init__(self, costs, max_block, prior=()):
+        self.policy = DraftPolicy(costs, max_block, prior, sources=(DFLASH,))
+        self.trace: list[int] = []
+
+    def __call__(self, prev) -> int:
+        if prev is not None:
+            self.policy.observe(prev)
+        self.trace.append(self.policy.choose(Context()).length)
+        return self.trace[-1]
+
+
+def test_the_policy_picks_the_block_that_pays_falls_back_and_recovers():
     costs = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
-    c = AdaptiveController(costs, 16, prior=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    c = _DFlashOnly(costs, 16, prior=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
     L = c(Step((1,), prefill=True))
     assert L >= 4  # a good prior: draft a real block
     for _ in range(30):  # the drafter stops agreeing: nothing accepted
@@ -889,18 +904,18 @@ def test_controller_picks_the_block_that_pays_falls_back_and_recovers():
     assert all(x >= 8 for x in c.trace[-5:])  # recovered to long blocks
 
 
-def test_controller_for_uses_the_stored_curve_and_prior(pair):
-    from mlx_spec.adaptive import controller_for
+def test_the_policy_factory_uses_the_stored_curve_and_prior(pair):
+    from mlx_spec.policy import PolicyFactory
 
     r = _result({}, best=4)
-    c = controller_for(pair, r)
-    assert c.costs == r.costs.smoothed() and c.max_block == 8 and c.prior[:3] == [0.8, 0.6, 0.4]
-    fresh = controller_for(pair, None, max_block=4, context=[5, 6, 7, 8])  # no result: measures now
+    c = PolicyFactory(pair, r, sources=(DFLASH,))()
+    assert c.costs == r.costs.smoothed() and c.max_block == 8 and list(c.dflash.prior[:3]) == [0.8, 0.6, 0.4]
+    fresh = PolicyFactory(pair, None, max_block=4, sources=(DFLASH,))()  # no result: the estimate
     assert fresh.max_block == 4 and fresh.costs.t1_ms > 0 and 4 in fresh.costs.tt_ms
 
 
-def test_controller_reaches_most_of_the_best_fixed_rate():
-    """Simulated drafter with stationary per-position acceptance c: the controller, knowing only
+def test_the_policy_reaches_most_of_the_best_fixed_rate():
+    """Simulated drafter with stationary per-position acceptance c: the policy, knowing only
     the cost curve, commits tokens at >= 90 % of the rate of the best fixed block for that c."""
     costs = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
 
@@ -911,7 +926,7 @@ def test_controller_reaches_most_of_the_best_fixed_rate():
         best = max(sum(cond ** i for i in range(L)) / cycle_ms(L) for L in range(1, 17))
         rates = []
         for seed in range(8):
-            rng, c = random.Random(seed), AdaptiveController(costs, 16)
+            rng, c = random.Random(seed), _DFlashOnly(costs, 16)
             L, toks, ms = c(None), 0, 0.0
             for _ in range(150):
                 a = 0

@@ -254,7 +254,7 @@ def run(args) -> int:
     if distributed.launched() or args.costs_only or launch_of(args) is not None:
         return costs_run(args)
 
-    from .. import adaptive
+    from .. import policy
     from ..analysis import COPY_SUBSET, reach_table
     from ..bench import CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report, subset_speedups, summarize
     from ..blas import default_threads
@@ -307,18 +307,14 @@ def run(args) -> int:
         tuned = load_result(tune_key(pair))
         adaptive_max = max(sizes + [pair.drafter.args.block_size])
         if not args.no_adaptive:
-            methods.append(Method("adaptive", adaptive_max))
-            if hasattr(adaptive, "Policies"):  # the per-cycle policy with lookup drafting
-                methods += [Method("lookup-policy", adaptive_max), Method("hybrid", adaptive_max)]
-            else:
-                print("bench: this build has no per-cycle policy with lookup drafting (adaptive.Policies): "
-                      "no 'lookup per-cycle' / 'hybrid (default)' rows", file=err)
+            methods += [Method("adaptive", adaptive_max), Method("lookup-policy", adaptive_max),
+                        Method("hybrid", adaptive_max)]
         if args.peer:
             methods += [Method("peer", B) for B in sizes]
     cost_sizes = sorted({*sizes, args.lookup_block if args.lookup_block >= 2 else 2,
                          args.ar_draft_tokens + 1, *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else []),
                          # the copy ceiling's blocks (agent prompts): Tt(L) up to a full lookup draft
-                         *([16, 24, adaptive.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else [])})
+                         *([16, 24, policy.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else [])})
     context = max((ids for _, _, ids in encoded), key=len)
     bar = ProgressBar(err, "bench")
     meter = CostMeter(pair.model, pair.target, pair.drafter, [s for s in cost_sizes if s <= 64], context,
@@ -327,16 +323,10 @@ def run(args) -> int:
         meter.round(bar, f"measuring pass costs ({r + 1}/3)")
     costs = meter.costs()
 
-    def controller():
-        from ..adaptive import AdaptiveController
-
-        # the bench's own cost curve (same machine state as the rows), the tuner's prior if stored
-        return AdaptiveController(costs, adaptive_max, tuned.acceptance_by_position if tuned else ())
-
     # Our rows at the engine's thread count (the tuner's stored choice, else all cores); the
     # mlx-lm row at the BLAS's own default. Either way a user's pinned count wins.
     ours = apply_threads(tuned)
-    runner = Runner(pair, ar_model=ar_model, costs=costs, controller_factory=controller,
+    runner = Runner(pair, ar_model=ar_model, costs=costs,
                     stop_at_eos=not args.ignore_eos, tuned=tuned, threads=ours, blas=mlx_spec.BLAS)
     threads = {"ours": ours, "mlx-lm": mlx_spec.BLAS.pinned or (default_threads() if ours else None)}
     samples, failed = bench(runner, methods, encoded, repeats=args.repeats, max_tokens=args.max_tokens,

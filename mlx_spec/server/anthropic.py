@@ -65,12 +65,12 @@ def http_error(status: int, detail: str) -> JSONResponse:
 # -- requests ----------------------------------------------------------------------------------
 
 
-class AnthropicMessage(schemas._Body):
+class AnthropicMessage(schemas.RequestBody):
     role: Literal["user", "assistant"]
     content: str | list[dict]
 
 
-class _Conversation(schemas._Body):
+class _Conversation(schemas.RequestBody):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict] | None = None

@@ -56,27 +56,27 @@ class RequestDefaults:
 NO_DEFAULTS = RequestDefaults()
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # allow_inf_nan=False: a NaN / Infinity literal is refused as "not a finite number", not as
     # out of range.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
-class _Generation(_Body):
+class _Generation(RequestBody):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from ..adaptive import expected_tokens
+from ..policy import expected_tokens
 from ..bench import Method, model_ms
 from ..costs import Costs
 from .store import Candidate

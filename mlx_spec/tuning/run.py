@@ -34,7 +34,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..adaptive import expected_tokens
+from ..policy import expected_tokens
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
 from ..costs import CostMeter, Costs, Progress

@@ -535,7 +535,7 @@ def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     return Costs(1.0, td, tt, 0)
 
 
-class Policies:
+class PolicyFactory:
     """A fresh ``DraftPolicy`` per sequence, all from one cost curve and prior: the tuner's
     stored result (``tuner.TuneResult``) or ``estimate_costs``. ``block_size`` pins the DFlash
     block; ``sources`` limits the draft sources."""
@@ -556,26 +556,3 @@ class Policies:
     def __call__(self) -> DraftPolicy:
         return DraftPolicy(self.costs, self.max_block, self.prior, sources=self.sources, pinned=self.pinned,
                            measured=self.measured, **self.kw)
-
-
-class AdaptiveController:
-    """A DFlash-only policy behind the older callable interface: ``controller(prev_step) -> L``
-    (``spec_steps(controller=...)``; L = 1 is a plain step)."""
-
-    def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), **kw):
-        self.policy = DraftPolicy(costs, max_block, prior, sources=(DFLASH,), **kw)
-        self.costs, self.max_block, self.prior = self.policy.costs, self.policy.max_block, self.policy.dflash.prior
-        self.trace: list[int] = []
-
-    def __call__(self, prev) -> int:
-        if prev is not None:
-            self.policy.observe(prev)
-        L = self.policy.choose(Context()).length
-        self.trace.append(L)
-        return L
-
-
-def controller_for(pair, result=None, max_block: int | None = None, context: Sequence[int] | None = None):
-    """A DFlash-only ``AdaptiveController`` from the tuner's stored result, else the estimate."""
-    p = Policies(pair, result, max_block=max_block, sources=(DFLASH,))
-    return AdaptiveController(p.costs, p.max_block, p.prior, measured=p.measured)
