@@ -363,86 +363,90 @@ def sse_event(name: str, data: dict) -> str:
 
 
 # -- routes ------------------------------------------------------------------------------------
+# Module-level handlers; ``create_app`` registers ``HANDLERS``. ``request.app.state.served`` is
+# server/app.py's ``Served``: the engine, the model check, ``respond`` (submit a request and answer
+# it plainly or as a stream, cancelling on disconnect) and the generations in flight.
 
 
-def register(app, engine, *, auth, check_model, respond, handles: set, read_body,
-             defaults: schemas.RequestDefaults, keepalive_s: float, max_body_bytes: int) -> None:
-    """Add the Messages routes to ``create_app``'s app; the callables are create_app's own, so the
-    queue, the model check, cancellation on disconnect and shutdown handling are shared
-    (``respond`` submits a request and answers it plainly or as a stream)."""
+def _reply_stream(engine, started: Started | None, tools: list | None) -> output.OutputStream:
+    tool_fmt = getattr(engine, "tool_format", None) if tools else None
+    return output.OutputStream(getattr(engine, "think_format", None), bool(started and started.reasoning),
+                               tool_fmt, tools)
 
-    def reply_stream(started: Started | None, tools: list | None) -> output.OutputStream:
-        tool_fmt = getattr(engine, "tool_format", None) if tools else None
-        return output.OutputStream(getattr(engine, "think_format", None), bool(started and started.reasoning),
-                                   tool_fmt, tools)
 
-    @app.post(PREFIX, dependencies=auth)
-    async def messages(request: HTTPRequest):
-        body = schemas.parse(MessagesRequest, await read_body(request, max_body_bytes))
-        served = check_model(body.model)
-        req = body.to_engine(engine.context_length, defaults)
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
+async def messages(request: HTTPRequest):
+    s = request.app.state.served
+    engine = s.engine
+    body = schemas.parse(MessagesRequest, await s.body(request))
+    served = s.check_model(body.model)
+    req = body.to_engine(engine.context_length, s.defaults)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
 
-        def reply(started: Started | None, done: Done) -> dict:
-            out = reply_stream(started, req.tools)
-            content, called = blocks(out.feed(done.text) + out.finish())
-            return message(mid, served, done, content, called)
+    def reply(started: Started | None, done: Done) -> dict:
+        out = _reply_stream(engine, started, req.tools)
+        content, called = blocks(out.feed(done.text) + out.finish())
+        return message(mid, served, done, content, called)
 
-        return await respond(request, req, body.stream, reply,
-                             lambda handle, first, watcher: stream(handle, first, watcher, mid, served, req.tools))
+    return await s.respond(request, req, body.stream, reply,
+                           lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req.tools))
 
-    async def stream(handle, first, watcher, mid: str, model: str, tools) -> AsyncIterator[str]:
-        ev, out, built = first, None, _Blocks()
+
+async def stream(s, handle, first, watcher, mid: str, model: str, tools) -> AsyncIterator[str]:
+    ev, out, built = first, None, _Blocks()
+    try:
+        while True:
+            if ev is None:  # before message_start an SSE comment; after it Anthropic's ping
+                yield sse_event("ping", {"type": "ping"}) if out is not None else ": keep-alive\n\n"
+            elif isinstance(ev, Started):
+                out = _reply_stream(s.engine, ev, tools)
+                yield sse_event("message_start", {"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0}}})
+                yield sse_event("ping", {"type": "ping"})
+            elif isinstance(ev, Failed):
+                status, content = errors.to_body(errors.from_failed(ev))
+                yield sse_event("error", error_body(status, content["error"]["message"]))
+                break
+            elif isinstance(ev, Done):
+                if ev.finish_reason == "cancelled" or out is None:
+                    yield sse_event("error", error_body(503, "generation cancelled: the server is shutting down"))
+                    break
+                for name, data in built.items(out.finish()) + built.close():
+                    yield sse_event(name, data)
+                reason, seq = stop_reason(ev, built.called)
+                yield sse_event("message_delta", {
+                    "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine)})
+                yield sse_event("message_stop", {"type": "message_stop"})
+                break
+            elif ev.text and out is not None:
+                for name, data in built.items(out.feed(ev.text)):
+                    yield sse_event(name, data)
+            ev = await handle.next_event(s.keepalive_s)
+    finally:
+        handle.cancel()
+        s.handles.discard(handle)
+        watcher.cancel()
+
+
+async def count_tokens(request: HTTPRequest):
+    s = request.app.state.served
+    body = schemas.parse(CountTokensRequest, await s.body(request))
+    s.check_model(body.model)
+    prompt = body.prompt(s.defaults)
+
+    def count(pair) -> int:
+        from ..errors import BadRequest
+        from ..text import encode_prompt
+
         try:
-            while True:
-                if ev is None:  # before message_start an SSE comment; after it Anthropic's ping
-                    yield sse_event("ping", {"type": "ping"}) if out is not None else ": keep-alive\n\n"
-                elif isinstance(ev, Started):
-                    out = reply_stream(ev, tools)
-                    yield sse_event("message_start", {"type": "message_start", "message": {
-                        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                        "stop_reason": None, "stop_sequence": None,
-                        "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0}}})
-                    yield sse_event("ping", {"type": "ping"})
-                elif isinstance(ev, Failed):
-                    status, content = errors.to_body(errors.from_failed(ev))
-                    yield sse_event("error", error_body(status, content["error"]["message"]))
-                    break
-                elif isinstance(ev, Done):
-                    if ev.finish_reason == "cancelled" or out is None:
-                        yield sse_event("error", error_body(503, "generation cancelled: the server is shutting down"))
-                        break
-                    for name, data in built.items(out.finish()) + built.close():
-                        yield sse_event(name, data)
-                    reason, seq = stop_reason(ev, built.called)
-                    yield sse_event("message_delta", {
-                        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine)})
-                    yield sse_event("message_stop", {"type": "message_stop"})
-                    break
-                elif ev.text and out is not None:
-                    for name, data in built.items(out.feed(ev.text)):
-                        yield sse_event(name, data)
-                ev = await handle.next_event(keepalive_s)
-        finally:
-            handle.cancel()
-            handles.discard(handle)
-            watcher.cancel()
+            return len(encode_prompt(pair.tokenizer, None, prompt["messages"], tools=prompt["tools"],
+                                     template_kwargs=prompt["template_kwargs"]))
+        except Exception as e:  # e.g. the chat template rejects these messages
+            raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
 
-    @app.post(PREFIX + "/count_tokens", dependencies=auth)
-    async def count_tokens(request: HTTPRequest):
-        body = schemas.parse(CountTokensRequest, await read_body(request, max_body_bytes))
-        check_model(body.model)
-        prompt = body.prompt(defaults)
+    return {"input_tokens": await asyncio.wrap_future(s.engine.call(count))}
 
-        def count(pair) -> int:
-            from ..errors import BadRequest
-            from ..text import encode_prompt
 
-            try:
-                return len(encode_prompt(pair.tokenizer, None, prompt["messages"], tools=prompt["tools"],
-                                         template_kwargs=prompt["template_kwargs"]))
-            except Exception as e:  # e.g. the chat template rejects these messages
-                raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
-
-        return {"input_tokens": await asyncio.wrap_future(engine.call(count))}
+HANDLERS = ((PREFIX, messages), (PREFIX + "/count_tokens", count_tokens))
