@@ -66,7 +66,9 @@ def http_error(status: int, detail: str) -> JSONResponse:
 
 
 class AnthropicMessage(schemas._Body):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code puts system entries among the messages (the template gets a system
+    # message there; before the first turn they join the system prompt)
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict]
 
 
@@ -84,6 +86,13 @@ class _Conversation(schemas._Body):
         tools = self.active_tools()
         messages = ([{"role": "system", "content": system_text(self.system)}] if self.system else [])
         for i, m in enumerate(self.messages):
+            if m.role == "system":
+                text = system_text(m.content, f"messages[{i}].content")
+                if all(x["role"] == "system" for x in messages) and messages:
+                    messages[0]["content"] += "\n" + text
+                else:
+                    messages.append({"role": "system", "content": text})
+                continue
             messages += template_messages(m, i)
         return {"messages": messages, "tools": tools, "template_kwargs": defaults.template(self.template_kwargs())}
 
@@ -121,9 +130,8 @@ class MessagesRequest(_Conversation):
     speculate: bool | None = True  # extension, as on the OpenAI routes
 
     def to_engine(self, context_length: int | None, defaults: schemas.RequestDefaults) -> Request:
-        if context_length and self.max_tokens >= context_length:
-            raise InvalidField(f"max_tokens ({self.max_tokens}) must be below the context length "
-                               f"({context_length})", "max_tokens")
+        # max_tokens is an upper bound (Claude Code sends 32000 on any model): the reply stops where
+        # the context ends, with stop_reason "max_tokens"; a prompt that fills it is refused.
         stops = [s for s in self.stop_sequences or [] if s]
         if len(stops) > 16:
             raise InvalidField(f"at most 16 stop sequences (got {len(stops)})", "stop_sequences")
@@ -136,10 +144,10 @@ class CountTokensRequest(_Conversation):
     pass
 
 
-def system_text(system: str | list[dict]) -> str:
+def system_text(system: str | list[dict], where: str = "system") -> str:
     if isinstance(system, str):
         return system
-    return "\n".join(_text_block(b, f"system[{j}]") for j, b in enumerate(system))
+    return "\n".join(_text_block(b, f"{where}[{j}]") for j, b in enumerate(system))
 
 
 def _text_block(b, where: str) -> str:
@@ -298,11 +306,11 @@ def _raw_call(call: dict) -> str:
     return json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
 
 
-def message(mid: str, model: str, done: Done, content: list[dict], called: bool) -> dict:
+def message(mid: str, model: str, done: Done, content: list[dict], called: bool, limits: dict | None = None) -> dict:
     reason, seq = stop_reason(done, called)
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq, "usage": usage(done),
-            "timings": done.timings, "speculation": schemas.speculation(done.engine)}
+            "timings": done.timings, "speculation": schemas.speculation(done.engine), "limits": limits}
 
 
 class _Blocks:
@@ -385,13 +393,14 @@ async def messages(request: HTTPRequest):
     def reply(started: Started | None, done: Done) -> dict:
         out = _reply_stream(engine, started, req.tools)
         content, called = blocks(out.feed(done.text) + out.finish())
-        return message(mid, served, done, content, called)
+        return message(mid, served, done, content, called, s.limits(req, done.prompt_tokens))
 
     return await s.respond(request, req, body.stream, reply,
-                           lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req.tools))
+                           lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req))
 
 
-async def stream(s, handle, first, watcher, mid: str, model: str, tools) -> AsyncIterator[str]:
+async def stream(s, handle, first, watcher, mid: str, model: str, req) -> AsyncIterator[str]:
+    tools = req.tools
     ev, out, built = first, None, _Blocks()
     try:
         while True:
@@ -417,7 +426,8 @@ async def stream(s, handle, first, watcher, mid: str, model: str, tools) -> Asyn
                 reason, seq = stop_reason(ev, built.called)
                 yield sse_event("message_delta", {
                     "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine)})
+                    "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine),
+                    "limits": s.limits(req, ev.prompt_tokens)})
                 yield sse_event("message_stop", {"type": "message_stop"})
                 break
             elif ev.text and out is not None:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI
@@ -42,6 +41,7 @@ class Served:
     keepalive_s: float = KEEPALIVE_S
     defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS
     created: int = 0
+    names: schemas.ModelNames = schemas.ANY_NAME
     http_counts: dict = field(default_factory=dict)
     live: dict = field(default_factory=lambda: {"in_flight": 0, "rejected": 0})
     handles: set = field(default_factory=set)
@@ -64,11 +64,22 @@ class Served:
         return self.engine.info
 
     def check_model(self, name: str | None) -> str:
-        """The served model's id, for a request that names ``name`` (None: any)."""
+        """The id of the model that answers a request naming ``name``: the target, under any name
+        unless ``names.strict`` (then only its id, folder name and aliases; others 404)."""
         served = self.ready_info().target
-        if name is not None and name not in (served, Path(served).name):
-            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'")
+        if name is not None and not self.names.accepts(name, served):
+            also = f" (also as {', '.join(repr(a) for a in self.names.aliases)})" if self.names.aliases else ""
+            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'{also} "
+                                "(--strict-model-name is on)")
         return served
+
+    def max_tokens_header(self, req, prompt_tokens: int) -> dict:
+        """The response header that says how many completion tokens the context allowed."""
+        n = schemas.max_tokens_allowed(self.engine.context_length, req.max_tokens, prompt_tokens)
+        return {} if n is None else {schemas.MAX_TOKENS_HEADER: str(n)}
+
+    def limits(self, req, prompt_tokens: int) -> dict:
+        return schemas.limits(self.engine.context_length, req.max_tokens, prompt_tokens)
 
     async def respond(self, request: HTTPRequest, req, stream: bool, reply, events):
         """Queue ``req`` and answer it: for a plain request ``reply(started, done)``, for a streamed
@@ -81,7 +92,7 @@ class Served:
             if not stream:
                 started, done = await self.collect(handle)
                 watcher.cancel()
-                return reply(started, done)
+                return JSONResponse(reply(started, done), headers=self.max_tokens_header(req, done.prompt_tokens))
             # Wait briefly for the first event so early failures get a real HTTP status.
             first = await handle.next_event(self.keepalive_s)
             if isinstance(first, Failed):
@@ -91,8 +102,10 @@ class Served:
             handle.cancel()
             self.handles.discard(handle)
             raise
-        return StreamingResponse(events(handle, first, watcher), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if isinstance(first, Started):  # (a request still queued, or prefilling, learns it from the body)
+            headers.update(self.max_tokens_header(req, first.prompt_tokens))
+        return StreamingResponse(events(handle, first, watcher), media_type="text/event-stream", headers=headers)
 
     async def collect(self, handle) -> tuple[Started | None, Done]:
         started = None
@@ -117,11 +130,13 @@ def served(request: HTTPRequest) -> Served:
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS) -> FastAPI:
+               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
+               names: schemas.ModelNames = schemas.ANY_NAME) -> FastAPI:
     """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
-    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits."""
+    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits;
+    ``names``: which model names requests may give (default: any)."""
     app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
-    state = Served(engine, api_key, max_body_bytes, keepalive_s, defaults, schemas.now())
+    state = Served(engine, api_key, max_body_bytes, keepalive_s, defaults, schemas.now(), names)
     app.state.served = state
     app.state.cancel_all = state.cancel_all
     app.add_middleware(_Counter, counts=state.http_counts, live=state.live)
@@ -199,15 +214,17 @@ async def health(request: HTTPRequest):
 async def models(request: HTTPRequest):
     s = served(request)
     info = s.ready_info()
-    card = schemas.model_card(info.target, s.created, s.engine.context_length, info)
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [schemas.model_card(n, s.created, s.engine.context_length, info)
+                                       for n in s.names.listed(info.target)]}
 
 
 async def model(request: HTTPRequest, name: str):
+    """The card of ``name``: an alias's own, else (any name reaching the target) the target's."""
     s = served(request)
     info = s.ready_info()
-    s.check_model(name)
-    return schemas.model_card(info.target, s.created, s.engine.context_length, info)
+    target = s.check_model(name)
+    shown = name if name in s.names.aliases else target
+    return schemas.model_card(shown, s.created, s.engine.context_length, info)
 
 
 async def metrics(request: HTTPRequest):
@@ -243,20 +260,21 @@ async def complete(request: HTTPRequest, model_cls, kind: str):
         return output.OutputStream(think, bool(started and started.reasoning), fmt, body.active_tools)
 
     def reply(started: Started | None, done: Done):
+        limits = s.limits(req, done.prompt_tokens)
         if fmt is None and think is None:
-            return schemas.completion(kind, rid, created_at, model_name, done)
+            return schemas.completion(kind, rid, created_at, model_name, done, limits=limits)
         reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
                                                  fmt, body.active_tools)
         return schemas.completion(kind, rid, created_at, model_name, done, content=content,
-                                  tool_calls=calls, reasoning=reasoning)
+                                  tool_calls=calls, reasoning=reasoning, limits=limits)
 
     return await s.respond(request, req, body.stream, reply,
                            lambda handle, first, watcher: sse(s, handle, first, watcher, kind, rid, created_at,
-                                                              model_name, body.include_usage, reply_stream))
+                                                              model_name, body.include_usage, reply_stream, req))
 
 
 async def sse(s: Served, handle, first, watcher, kind, rid, created_at, model, include_usage,
-              reply_stream) -> AsyncIterator[str]:
+              reply_stream, req) -> AsyncIterator[str]:
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -290,7 +308,8 @@ async def sse(s: Served, handle, first, watcher, kind, rid, created_at, model, i
                     yield data(errors.body("generation cancelled: the server is shutting down",
                                            "server_error", None, "cancelled"))
                     break
-                extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats)}
+                extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats),
+                         "limits": s.limits(req, ev.prompt_tokens)}
                 finish = schemas.finish_reason(ev)
                 if out is not None:
                     for piece in pieces(out.finish()):
