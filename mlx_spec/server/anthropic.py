@@ -144,10 +144,17 @@ class CountTokensRequest(_Conversation):
     pass
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block, new on every request
+
+
 def system_text(system: str | list[dict], where: str = "system") -> str:
+    """The system prompt's text. Claude Code's billing block (``x-anthropic-billing-header: ...``,
+    Anthropic's accounting, not an instruction) is dropped: it changes from request to request and
+    would end the shared prefix the prefix cache reuses at the prompt's first tokens."""
     if isinstance(system, str):
         return system
-    return "\n".join(_text_block(b, f"{where}[{j}]") for j, b in enumerate(system))
+    texts = [_text_block(b, f"{where}[{j}]") for j, b in enumerate(system)]
+    return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER))
 
 
 def _text_block(b, where: str) -> str:
