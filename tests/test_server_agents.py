@@ -25,7 +25,12 @@ from mlx_spec.generation import engine_info
 from mlx_spec.loading import load_pair
 from mlx_spec.server import anthropic as api
 from mlx_spec.server.app import create_app
-from mlx_spec.server.schemas import MAX_TOKENS_HEADER, NO_DEFAULTS, ChatCompletionRequest, ModelNames
+from mlx_spec.server.schemas import (
+    MAX_TOKENS_HEADER,
+    NO_DEFAULTS,
+    ChatCompletionRequest,
+    ModelNames,
+)
 from mlx_spec.session import Session
 from mlx_spec.text import encode_prompt
 
@@ -244,7 +249,7 @@ def test_max_tokens_stops_where_the_context_ends_in_both_apis(engine, url):
     with httpx.stream("POST", f"{url}/v1/messages", json={**a, "stream": True}, timeout=60) as r:
         assert int(r.headers[MAX_TOKENS_HEADER]) == CONTEXT - n
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    delta = [e for e in events if e["type"] == "message_delta"][0]
+    delta = next(e for e in events if e["type"] == "message_delta")
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == CONTEXT - n
     assert delta["limits"]["max_tokens_allowed"] == CONTEXT - n
 

@@ -16,8 +16,16 @@ import threading
 import time
 from dataclasses import replace
 
-from ..cli import (DEFAULT_PREFIX_CACHE_MB, LAUNCH_DESTS, add_launch_args, add_model_args, add_prefix_cache_arg,
-                   flags_of, launch_of, load_config)
+from ..cli import (
+    DEFAULT_PREFIX_CACHE_MB,
+    LAUNCH_DESTS,
+    add_launch_args,
+    add_model_args,
+    add_prefix_cache_arg,
+    flags_of,
+    launch_of,
+    load_config,
+)
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
@@ -124,7 +132,7 @@ def model_names(args):
 
     aliases = [n.strip() for v in getattr(args, "served_model_names", None) or () for n in v.split(",")]
     if any(not n for n in aliases):
-        raise BadRequest(f"--served-model-name needs non-empty names (got {getattr(args, 'served_model_names')})")
+        raise BadRequest(f"--served-model-name needs non-empty names (got {args.served_model_names})")
     return ModelNames(tuple(dict.fromkeys(aliases)), bool(getattr(args, "strict_model_name", False)))
 
 
