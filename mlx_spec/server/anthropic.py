@@ -66,7 +66,9 @@ def http_error(status: int, detail: str) -> JSONResponse:
 
 
 class AnthropicMessage(schemas.RequestBody):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code puts system entries among the messages (the template gets a system
+    # message there; before the first turn they join the system prompt)
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict]
 
 
@@ -84,6 +86,13 @@ class _Conversation(schemas.RequestBody):
         tools = self.active_tools()
         messages = ([{"role": "system", "content": system_text(self.system)}] if self.system else [])
         for i, m in enumerate(self.messages):
+            if m.role == "system":
+                text = system_text(m.content, f"messages[{i}].content")
+                if all(x["role"] == "system" for x in messages) and messages:
+                    messages[0]["content"] += "\n" + text
+                else:
+                    messages.append({"role": "system", "content": text})
+                continue
             messages += template_messages(m, i)
         return {"messages": messages, "tools": tools, "template_kwargs": defaults.template(self.template_kwargs())}
 
@@ -121,9 +130,8 @@ class MessagesRequest(_Conversation):
     speculate: bool | None = True  # extension, as on the OpenAI routes
 
     def to_engine(self, context_length: int | None, defaults: schemas.RequestDefaults) -> Request:
-        if context_length and self.max_tokens >= context_length:
-            raise InvalidField(f"max_tokens ({self.max_tokens}) must be below the context length "
-                               f"({context_length})", "max_tokens")
+        # max_tokens is an upper bound (Claude Code sends 32000 on any model): the reply stops where
+        # the context ends, with stop_reason "max_tokens"; a prompt that fills it is refused.
         stops = [s for s in self.stop_sequences or [] if s]
         if len(stops) > 16:
             raise InvalidField(f"at most 16 stop sequences (got {len(stops)})", "stop_sequences")
@@ -136,10 +144,17 @@ class CountTokensRequest(_Conversation):
     pass
 
 
-def system_text(system: str | list[dict]) -> str:
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block, new on every request
+
+
+def system_text(system: str | list[dict], where: str = "system") -> str:
+    """The system prompt's text. Claude Code's billing block (``x-anthropic-billing-header: ...``,
+    Anthropic's accounting, not an instruction) is dropped: it changes from request to request and
+    would end the shared prefix the prefix cache reuses at the prompt's first tokens."""
     if isinstance(system, str):
         return system
-    return "\n".join(_text_block(b, f"system[{j}]") for j, b in enumerate(system))
+    texts = [_text_block(b, f"{where}[{j}]") for j, b in enumerate(system)]
+    return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER))
 
 
 def _text_block(b, where: str) -> str:
@@ -298,11 +313,11 @@ def _raw_call(call: dict) -> str:
     return json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
 
 
-def message(mid: str, model: str, done: Done, content: list[dict], called: bool) -> dict:
+def message(mid: str, model: str, done: Done, content: list[dict], called: bool, limits: dict | None = None) -> dict:
     reason, seq = stop_reason(done, called)
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq, "usage": usage(done),
-            "timings": done.timings, "speculation": schemas.speculation(done.engine)}
+            "timings": done.timings, "speculation": schemas.speculation(done.engine), "limits": limits}
 
 
 class _Blocks:
@@ -363,86 +378,92 @@ def sse_event(name: str, data: dict) -> str:
 
 
 # -- routes ------------------------------------------------------------------------------------
+# Module-level handlers; ``create_app`` registers ``HANDLERS``. ``request.app.state.served`` is
+# server/app.py's ``Served``: the engine, the model check, ``respond`` (submit a request and answer
+# it plainly or as a stream, cancelling on disconnect) and the generations in flight.
 
 
-def register(app, engine, *, auth, check_model, respond, handles: set, read_body,
-             defaults: schemas.RequestDefaults, keepalive_s: float, max_body_bytes: int) -> None:
-    """Add the Messages routes to ``create_app``'s app; the callables are create_app's own, so the
-    queue, the model check, cancellation on disconnect and shutdown handling are shared
-    (``respond`` submits a request and answers it plainly or as a stream)."""
+def _reply_stream(engine, started: Started | None, tools: list | None) -> output.OutputStream:
+    tool_fmt = getattr(engine, "tool_format", None) if tools else None
+    return output.OutputStream(getattr(engine, "think_format", None), bool(started and started.reasoning),
+                               tool_fmt, tools)
 
-    def reply_stream(started: Started | None, tools: list | None) -> output.OutputStream:
-        tool_fmt = getattr(engine, "tool_format", None) if tools else None
-        return output.OutputStream(getattr(engine, "think_format", None), bool(started and started.reasoning),
-                                   tool_fmt, tools)
 
-    @app.post(PREFIX, dependencies=auth)
-    async def messages(request: HTTPRequest):
-        body = schemas.parse(MessagesRequest, await read_body(request, max_body_bytes))
-        served = check_model(body.model)
-        req = body.to_engine(engine.context_length, defaults)
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
+async def messages(request: HTTPRequest):
+    s = request.app.state.served
+    engine = s.engine
+    body = schemas.parse(MessagesRequest, await s.body(request))
+    served = s.check_model(body.model)
+    req = body.to_engine(engine.context_length, s.defaults)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
 
-        def reply(started: Started | None, done: Done) -> dict:
-            out = reply_stream(started, req.tools)
-            content, called = blocks(out.feed(done.text) + out.finish())
-            return message(mid, served, done, content, called)
+    def reply(started: Started | None, done: Done) -> dict:
+        out = _reply_stream(engine, started, req.tools)
+        content, called = blocks(out.feed(done.text) + out.finish())
+        return message(mid, served, done, content, called, s.limits(req, done.prompt_tokens))
 
-        return await respond(request, req, body.stream, reply,
-                             lambda handle, first, watcher: stream(handle, first, watcher, mid, served, req.tools))
+    return await s.respond(request, req, body.stream, reply,
+                           lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req))
 
-    async def stream(handle, first, watcher, mid: str, model: str, tools) -> AsyncIterator[str]:
-        ev, out, built = first, None, _Blocks()
+
+async def stream(s, handle, first, watcher, mid: str, model: str, req) -> AsyncIterator[str]:
+    tools = req.tools
+    ev, out, built = first, None, _Blocks()
+    try:
+        while True:
+            if ev is None:  # before message_start an SSE comment; after it Anthropic's ping
+                yield sse_event("ping", {"type": "ping"}) if out is not None else ": keep-alive\n\n"
+            elif isinstance(ev, Started):
+                out = _reply_stream(s.engine, ev, tools)
+                yield sse_event("message_start", {"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0}}})
+                yield sse_event("ping", {"type": "ping"})
+            elif isinstance(ev, Failed):
+                status, content = errors.to_body(errors.from_failed(ev))
+                yield sse_event("error", error_body(status, content["error"]["message"]))
+                break
+            elif isinstance(ev, Done):
+                if ev.finish_reason == "cancelled" or out is None:
+                    yield sse_event("error", error_body(503, "generation cancelled: the server is shutting down"))
+                    break
+                for name, data in built.items(out.finish()) + built.close():
+                    yield sse_event(name, data)
+                reason, seq = stop_reason(ev, built.called)
+                yield sse_event("message_delta", {
+                    "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine),
+                    "limits": s.limits(req, ev.prompt_tokens)})
+                yield sse_event("message_stop", {"type": "message_stop"})
+                break
+            elif ev.text and out is not None:
+                for name, data in built.items(out.feed(ev.text)):
+                    yield sse_event(name, data)
+            ev = await handle.next_event(s.keepalive_s)
+    finally:
+        handle.cancel()
+        s.handles.discard(handle)
+        watcher.cancel()
+
+
+async def count_tokens(request: HTTPRequest):
+    s = request.app.state.served
+    body = schemas.parse(CountTokensRequest, await s.body(request))
+    s.check_model(body.model)
+    prompt = body.prompt(s.defaults)
+
+    def count(pair) -> int:
+        from ..errors import BadRequest
+        from ..text import encode_prompt
+
         try:
-            while True:
-                if ev is None:  # before message_start an SSE comment; after it Anthropic's ping
-                    yield sse_event("ping", {"type": "ping"}) if out is not None else ": keep-alive\n\n"
-                elif isinstance(ev, Started):
-                    out = reply_stream(ev, tools)
-                    yield sse_event("message_start", {"type": "message_start", "message": {
-                        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                        "stop_reason": None, "stop_sequence": None,
-                        "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0}}})
-                    yield sse_event("ping", {"type": "ping"})
-                elif isinstance(ev, Failed):
-                    status, content = errors.to_body(errors.from_failed(ev))
-                    yield sse_event("error", error_body(status, content["error"]["message"]))
-                    break
-                elif isinstance(ev, Done):
-                    if ev.finish_reason == "cancelled" or out is None:
-                        yield sse_event("error", error_body(503, "generation cancelled: the server is shutting down"))
-                        break
-                    for name, data in built.items(out.finish()) + built.close():
-                        yield sse_event(name, data)
-                    reason, seq = stop_reason(ev, built.called)
-                    yield sse_event("message_delta", {
-                        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine)})
-                    yield sse_event("message_stop", {"type": "message_stop"})
-                    break
-                elif ev.text and out is not None:
-                    for name, data in built.items(out.feed(ev.text)):
-                        yield sse_event(name, data)
-                ev = await handle.next_event(keepalive_s)
-        finally:
-            handle.cancel()
-            handles.discard(handle)
-            watcher.cancel()
+            return len(encode_prompt(pair.tokenizer, None, prompt["messages"], tools=prompt["tools"],
+                                     template_kwargs=prompt["template_kwargs"]))
+        except Exception as e:  # e.g. the chat template rejects these messages
+            raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
 
-    @app.post(PREFIX + "/count_tokens", dependencies=auth)
-    async def count_tokens(request: HTTPRequest):
-        body = schemas.parse(CountTokensRequest, await read_body(request, max_body_bytes))
-        check_model(body.model)
-        prompt = body.prompt(defaults)
+    return {"input_tokens": await asyncio.wrap_future(s.engine.call(count))}
 
-        def count(pair) -> int:
-            from ..errors import BadRequest
-            from ..text import encode_prompt
 
-            try:
-                return len(encode_prompt(pair.tokenizer, None, prompt["messages"], tools=prompt["tools"],
-                                         template_kwargs=prompt["template_kwargs"]))
-            except Exception as e:  # e.g. the chat template rejects these messages
-                raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
-
-        return {"input_tokens": await asyncio.wrap_future(engine.call(count))}
+HANDLERS = ((PREFIX, messages), (PREFIX + "/count_tokens", count_tokens))

@@ -1,7 +1,10 @@
 """Routes of ``mlx_spec serve``: parse -> engine handle -> OpenAI JSON or SSE. Nothing else.
 
-Handlers never touch MLX: they ``engine.submit(request, loop=...)`` and read plain-value events.
-A client that disconnects cancels its generation; a full queue answers 503 + Retry-After.
+Every route is a module-level handler; what it needs (the engine, the server's settings, its
+live counters) it reaches as ``request.app.state.served``, one frozen ``Served`` that
+``create_app`` builds. Handlers never touch MLX: they ``engine.submit(request, loop=...)`` and
+read plain-value events. A client that disconnects cancels its generation; a full queue answers
+503 + Retry-After.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from pathlib import Path
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -26,169 +29,85 @@ KEEPALIVE_S = 5.0
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics") + anthropic.ROUTES
 
 
-def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS) -> FastAPI:
-    """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
-    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits."""
-    app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
-    created = schemas.now()
-    http_counts: dict[tuple[str, int], int] = {}
-    live = {"in_flight": 0, "rejected": 0}
-    handles: set = set()  # generations in flight, so a shutdown can end them cleanly
-    app.add_middleware(_Counter, counts=http_counts, live=live)
+@dataclass(frozen=True)
+class Served:
+    """What the routes share: the engine, the server's settings, and its live counters
+    (``http_counts`` by route and status, ``live`` in-flight / rejected counts, ``handles``: the
+    generations in flight, so a shutdown can end them cleanly)."""
 
-    def cancel_all() -> None:
+    engine: Any
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    keepalive_s: float = KEEPALIVE_S
+    defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS
+    created: int = 0
+    names: schemas.ModelNames = schemas.ANY_NAME
+    http_counts: dict = field(default_factory=dict)
+    live: dict = field(default_factory=lambda: {"in_flight": 0, "rejected": 0})
+    handles: set = field(default_factory=set)
+
+    def cancel_all(self) -> None:
         """End every generation (server shutdown): streams finish with an error event."""
-        for h in list(handles):
+        for h in list(self.handles):
             h.cancel()
 
-    app.state.cancel_all = cancel_all
+    async def body(self, request: HTTPRequest) -> bytes:
+        return await read_body(request, self.max_body_bytes)
 
-    async def check_key(request: HTTPRequest) -> None:
-        if api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic clients send the key as 'x-api-key'
-            token = request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
+    def not_ready(self) -> NotReady:
+        failed = self.engine.state == FAILED
+        return NotReady(f"engine failed: {self.engine.error}" if failed else "model is loading")
 
-    auth = [Depends(check_key)]
+    def ready_info(self):
+        if self.engine.state != READY:
+            raise self.not_ready()
+        return self.engine.info
 
-    def api(request):  # the error shape of the API the request was for
-        return anthropic if anthropic.is_route(request.url.path) else errors
-
-    @app.exception_handler(errors.MlxSpecError)
-    async def on_error(request, exc):
-        return api(request).to_response(exc)
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request, exc: HTTPException):
-        return api(request).http_error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def on_crash(request, exc):  # a bug: answer in the API's shape; uvicorn logs the traceback
-        return api(request).to_response(exc)
-
-    def not_ready() -> NotReady:
-        failed = engine.state == FAILED
-        return NotReady(f"engine failed: {engine.error}" if failed else "model is loading")
-
-    def ready_info():
-        if engine.state != READY:
-            raise not_ready()
-        return engine.info
-
-    def model_id() -> str:
-        return ready_info().target
-
-    def check_model(name: str | None) -> str:
-        served = model_id()
-        if name is not None and name not in (served, Path(served).name):
-            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'")
+    def check_model(self, name: str | None) -> str:
+        """The id of the model that answers a request naming ``name``: the target, under any name
+        unless ``names.strict`` (then only its id, folder name and aliases; others 404)."""
+        served = self.ready_info().target
+        if name is not None and not self.names.accepts(name, served):
+            also = f" (also as {', '.join(repr(a) for a in self.names.aliases)})" if self.names.aliases else ""
+            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'{also} "
+                                "(--strict-model-name is on)")
         return served
 
-    @app.get("/health")
-    @app.get("/v1/health", include_in_schema=False)
-    async def health():
-        group = getattr(engine, "group", None)  # the distributed group's state, None on one process
-        if engine.state == READY and group is not None and not group["healthy"]:
-            _, content = errors.to_body(errors.GroupFailed(f"the distributed group is unhealthy: {group['error']}"))
-            content.update(status="group_failed", group=group, speculation=schemas.speculation(engine.info))
-            return JSONResponse(content, status_code=503)
-        if engine.state == READY:
-            info = engine.info
-            return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
-                    "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth,
-                    "group": group or info.group.as_dict(),
-                    # continuous batching's attention path ("shared K/V over N layers" | "per sequence
-                    # (<reason>)"); None when requests run one at a time
-                    "batch_attention": getattr(engine, "batch_attention", None)}
-        _, content = errors.to_body(not_ready())  # the 503 a completion request gets now
-        content["status"] = "failed" if engine.state == FAILED else "loading"
-        content["speculation"] = None
-        return JSONResponse(content, status_code=503, headers={"Retry-After": str(errors.RETRY_AFTER_S)})
+    def max_tokens_header(self, req, prompt_tokens: int) -> dict:
+        """The response header that says how many completion tokens the context allowed."""
+        n = schemas.max_tokens_allowed(self.engine.context_length, req.max_tokens, prompt_tokens)
+        return {} if n is None else {schemas.MAX_TOKENS_HEADER: str(n)}
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models():
-        info = ready_info()
-        card = schemas.model_card(info.target, created, engine.context_length, info)
-        return {"object": "list", "data": [card]}
+    def limits(self, req, prompt_tokens: int) -> dict:
+        return schemas.limits(self.engine.context_length, req.max_tokens, prompt_tokens)
 
-    @app.get("/v1/models/{name:path}", dependencies=auth)
-    async def model(name: str):
-        info = ready_info()
-        check_model(name)
-        return schemas.model_card(info.target, created, engine.context_length, info)
-
-    @app.get("/metrics", dependencies=auth)
-    async def metrics():
-        return PlainTextResponse(prometheus(engine, http_counts, live),
-                                 media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(request: HTTPRequest):
-        return await complete(request, schemas.ChatCompletionRequest, "chat")
-
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: HTTPRequest):
-        return await complete(request, schemas.CompletionRequest, "text")
-
-    async def complete(request: HTTPRequest, model_cls, kind: str):
-        body = schemas.parse(model_cls, await read_body(request, max_body_bytes))
-        served = check_model(body.model)
-        req = body.to_engine(engine.context_length, defaults)
-        rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        created_at = schemas.now()
-        # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
-        # tool-call format; reasoning is split off for a chat request to a model that writes
-        # it; otherwise the model's text is returned as it is.
-        fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.active_tools else None
-        think = getattr(engine, "think_format", None) if kind == "chat" else None
-
-        def reply_stream(started: Started | None) -> output.OutputStream | None:
-            if fmt is None and think is None:
-                return None
-            return output.OutputStream(think, bool(started and started.reasoning), fmt, body.active_tools)
-
-        def reply(started: Started | None, done: Done):
-            if fmt is None and think is None:
-                return schemas.completion(kind, rid, created_at, served, done)
-            reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
-                                                     fmt, body.active_tools)
-            return schemas.completion(kind, rid, created_at, served, done, content=content,
-                                      tool_calls=calls, reasoning=reasoning)
-
-        return await respond(request, req, body.stream, reply,
-                             lambda handle, first, watcher: sse(handle, first, watcher, kind, rid, created_at,
-                                                                served, body.include_usage, reply_stream))
-
-    async def respond(request: HTTPRequest, req, stream: bool, reply, events):
+    async def respond(self, request: HTTPRequest, req, stream: bool, reply, events):
         """Queue ``req`` and answer it: for a plain request ``reply(started, done)``, for a streamed
         one an SSE response over ``events(handle, first, watcher)`` (which must release the handle
         and the watcher when it ends). Shared by the OpenAI and Anthropic routes."""
-        handle = engine.submit(req, loop=asyncio.get_running_loop())
-        handles.add(handle)
+        handle = self.engine.submit(req, loop=asyncio.get_running_loop())
+        self.handles.add(handle)
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         try:
             if not stream:
-                started, done = await collect(handle)
+                started, done = await self.collect(handle)
                 watcher.cancel()
-                return reply(started, done)
+                return JSONResponse(reply(started, done), headers=self.max_tokens_header(req, done.prompt_tokens))
             # Wait briefly for the first event so early failures get a real HTTP status.
-            first = await handle.next_event(keepalive_s)
+            first = await handle.next_event(self.keepalive_s)
             if isinstance(first, Failed):
                 raise errors.from_failed(first)
         except BaseException:
             watcher.cancel()
             handle.cancel()
-            handles.discard(handle)
+            self.handles.discard(handle)
             raise
-        return StreamingResponse(events(handle, first, watcher), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if isinstance(first, Started):  # (a request still queued, or prefilling, learns it from the body)
+            headers.update(self.max_tokens_header(req, first.prompt_tokens))
+        return StreamingResponse(events(handle, first, watcher), media_type="text/event-stream", headers=headers)
 
-    async def collect(handle) -> tuple[Started | None, Done]:
+    async def collect(self, handle) -> tuple[Started | None, Done]:
         started = None
         try:
             async for ev in handle:
@@ -202,70 +121,215 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
                     return started, ev
         finally:
             handle.cancel()  # no-op once done; stops the engine if this task is cancelled
-            handles.discard(handle)
+            self.handles.discard(handle)
         raise errors.MlxSpecError("engine ended the request without a result")
 
-    async def sse(handle, first, watcher, kind, rid, created_at, model, include_usage,
-                  reply_stream) -> AsyncIterator[str]:
-        def data(obj) -> str:
-            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        def chunk(**kw):
-            return schemas.chunk(kind, rid, created_at, model, include_usage=include_usage, **kw)
+def served(request: HTTPRequest) -> Served:
+    return request.app.state.served
 
-        def pieces(items):  # reasoning, content text and tool calls, in the order the model wrote them
-            for item in items:
-                if isinstance(item, dict):
-                    yield data(chunk(tool_calls=[item]))
-                elif item[0] == "reasoning":
-                    yield data(chunk(reasoning=item[1]))
-                else:
-                    yield data(chunk(text=item[1]))
 
-        ev, out = first, None
-        try:
-            while True:
-                if ev is None:
-                    yield ": keep-alive\n\n"
-                elif isinstance(ev, Started):
-                    out = reply_stream(ev)
-                    if kind == "chat":
-                        yield data(chunk(role=True))
-                elif isinstance(ev, Failed):
-                    _, content = errors.to_body(errors.from_failed(ev))
-                    yield data(content)
-                    break
-                elif isinstance(ev, Done):
-                    if ev.finish_reason == "cancelled":
-                        yield data(errors.body("generation cancelled: the server is shutting down",
-                                                 "server_error", None, "cancelled"))
-                        break
-                    extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats)}
-                    finish = schemas.finish_reason(ev)
-                    if out is not None:
-                        for piece in pieces(out.finish()):
-                            yield piece
-                        finish = tools.finish_reason(finish, out.called)
-                    yield data(chunk(finish=finish, **extra))
-                    if include_usage:
-                        yield data({**chunk(), "choices": [], "usage": schemas.usage(ev), **extra})
-                    break
-                elif ev.text and out is not None:
-                    for piece in pieces(out.feed(ev.text)):
-                        yield piece
-                elif ev.text:
-                    yield data(chunk(text=ev.text))
-                ev = await handle.next_event(keepalive_s)
-            yield "data: [DONE]\n\n"
-        finally:
-            handle.cancel()
-            handles.discard(handle)
-            watcher.cancel()
-
-    anthropic.register(app, engine, auth=auth, check_model=check_model, respond=respond, handles=handles,
-                       read_body=read_body, defaults=defaults, keepalive_s=keepalive_s,
-                       max_body_bytes=max_body_bytes)
+def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
+               names: schemas.ModelNames = schemas.ANY_NAME) -> FastAPI:
+    """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
+    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits;
+    ``names``: which model names requests may give (default: any)."""
+    app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
+    state = Served(engine, api_key, max_body_bytes, keepalive_s, defaults, schemas.now(), names)
+    app.state.served = state
+    app.state.cancel_all = state.cancel_all
+    app.add_middleware(_Counter, counts=state.http_counts, live=state.live)
+    app.add_exception_handler(errors.MlxSpecError, on_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_crash)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/health", health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/v1/models", models, methods=["GET"], dependencies=AUTH)
+    app.add_api_route("/v1/models/{name:path}", model, methods=["GET"], dependencies=AUTH)
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=AUTH)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=AUTH)
+    app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=AUTH)
+    for path, handler in anthropic.HANDLERS:
+        app.add_api_route(path, handler, methods=["POST"], dependencies=AUTH)
     return app
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+async def check_key(request: HTTPRequest) -> None:
+    api_key = served(request).api_key
+    if api_key is None:
+        return
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer":  # Anthropic clients send the key as 'x-api-key'
+        token = request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
+
+
+AUTH = [Depends(check_key)]
+
+
+def api(request):  # the error shape of the API the request was for
+    return anthropic if anthropic.is_route(request.url.path) else errors
+
+
+async def on_error(request, exc):
+    return api(request).to_response(exc)
+
+
+async def on_http_error(request, exc: HTTPException):
+    return api(request).http_error(exc.status_code, str(exc.detail))
+
+
+async def on_crash(request, exc):  # a bug: answer in the API's shape; uvicorn logs the traceback
+    return api(request).to_response(exc)
+
+
+async def health(request: HTTPRequest):
+    s = served(request)
+    engine = s.engine
+    group = getattr(engine, "group", None)  # the distributed group's state, None on one process
+    if engine.state == READY and group is not None and not group["healthy"]:
+        _, content = errors.to_body(errors.GroupFailed(f"the distributed group is unhealthy: {group['error']}"))
+        content.update(status="group_failed", group=group, speculation=schemas.speculation(engine.info))
+        return JSONResponse(content, status_code=503)
+    if engine.state == READY:
+        info = engine.info
+        return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
+                "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth,
+                "group": group or info.group.as_dict(),
+                # continuous batching's attention path ("shared K/V over N layers" | "per sequence
+                # (<reason>)"); None when requests run one at a time
+                "batch_attention": getattr(engine, "batch_attention", None)}
+    _, content = errors.to_body(s.not_ready())  # the 503 a completion request gets now
+    content["status"] = "failed" if engine.state == FAILED else "loading"
+    content["speculation"] = None
+    return JSONResponse(content, status_code=503, headers={"Retry-After": str(errors.RETRY_AFTER_S)})
+
+
+async def models(request: HTTPRequest):
+    s = served(request)
+    info = s.ready_info()
+    return {"object": "list", "data": [schemas.model_card(n, s.created, s.engine.context_length, info)
+                                       for n in s.names.listed(info.target)]}
+
+
+async def model(request: HTTPRequest, name: str):
+    """The card of ``name``: an alias's own, else (any name reaching the target) the target's."""
+    s = served(request)
+    info = s.ready_info()
+    target = s.check_model(name)
+    shown = name if name in s.names.aliases else target
+    return schemas.model_card(shown, s.created, s.engine.context_length, info)
+
+
+async def metrics(request: HTTPRequest):
+    s = served(request)
+    return PlainTextResponse(prometheus(s.engine, s.http_counts, s.live), media_type="text/plain; version=0.0.4")
+
+
+async def chat_completions(request: HTTPRequest):
+    return await complete(request, schemas.ChatCompletionRequest, "chat")
+
+
+async def completions(request: HTTPRequest):
+    return await complete(request, schemas.CompletionRequest, "text")
+
+
+async def complete(request: HTTPRequest, model_cls, kind: str):
+    s = served(request)
+    engine = s.engine
+    body = schemas.parse(model_cls, await s.body(request))
+    model_name = s.check_model(body.model)
+    req = body.to_engine(engine.context_length, s.defaults)
+    rid = schemas.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    created_at = schemas.now()
+    # Tool calls are parsed only for a chat request with tools and a tokenizer that has a
+    # tool-call format; reasoning is split off for a chat request to a model that writes
+    # it; otherwise the model's text is returned as it is.
+    fmt = getattr(engine, "tool_format", None) if kind == "chat" and body.active_tools else None
+    think = getattr(engine, "think_format", None) if kind == "chat" else None
+
+    def reply_stream(started: Started | None) -> output.OutputStream | None:
+        if fmt is None and think is None:
+            return None
+        return output.OutputStream(think, bool(started and started.reasoning), fmt, body.active_tools)
+
+    def reply(started: Started | None, done: Done):
+        limits = s.limits(req, done.prompt_tokens)
+        if fmt is None and think is None:
+            return schemas.completion(kind, rid, created_at, model_name, done, limits=limits)
+        reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
+                                                 fmt, body.active_tools)
+        return schemas.completion(kind, rid, created_at, model_name, done, content=content,
+                                  tool_calls=calls, reasoning=reasoning, limits=limits)
+
+    return await s.respond(request, req, body.stream, reply,
+                           lambda handle, first, watcher: sse(s, handle, first, watcher, kind, rid, created_at,
+                                                              model_name, body.include_usage, reply_stream, req))
+
+
+async def sse(s: Served, handle, first, watcher, kind, rid, created_at, model, include_usage,
+              reply_stream, req) -> AsyncIterator[str]:
+    def data(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    def chunk(**kw):
+        return schemas.chunk(kind, rid, created_at, model, include_usage=include_usage, **kw)
+
+    def pieces(items):  # reasoning, content text and tool calls, in the order the model wrote them
+        for item in items:
+            if isinstance(item, dict):
+                yield data(chunk(tool_calls=[item]))
+            elif item[0] == "reasoning":
+                yield data(chunk(reasoning=item[1]))
+            else:
+                yield data(chunk(text=item[1]))
+
+    ev, out = first, None
+    try:
+        while True:
+            if ev is None:
+                yield ": keep-alive\n\n"
+            elif isinstance(ev, Started):
+                out = reply_stream(ev)
+                if kind == "chat":
+                    yield data(chunk(role=True))
+            elif isinstance(ev, Failed):
+                _, content = errors.to_body(errors.from_failed(ev))
+                yield data(content)
+                break
+            elif isinstance(ev, Done):
+                if ev.finish_reason == "cancelled":
+                    yield data(errors.body("generation cancelled: the server is shutting down",
+                                           "server_error", None, "cancelled"))
+                    break
+                extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats),
+                         "limits": s.limits(req, ev.prompt_tokens)}
+                finish = schemas.finish_reason(ev)
+                if out is not None:
+                    for piece in pieces(out.finish()):
+                        yield piece
+                    finish = tools.finish_reason(finish, out.called)
+                yield data(chunk(finish=finish, **extra))
+                if include_usage:
+                    yield data({**chunk(), "choices": [], "usage": schemas.usage(ev), **extra})
+                break
+            elif ev.text and out is not None:
+                for piece in pieces(out.feed(ev.text)):
+                    yield piece
+            elif ev.text:
+                yield data(chunk(text=ev.text))
+            ev = await handle.next_event(s.keepalive_s)
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.cancel()
+        s.handles.discard(handle)
+        watcher.cancel()
 
 
 class _Counter:

@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,6 +55,28 @@ class RequestDefaults:
 
 
 NO_DEFAULTS = RequestDefaults()
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The names a request's ``model`` may give (``serve --served-model-name/--strict-model-name``).
+
+    One pair is served: by default any name reaches it (agents send their own defaults,
+    ``claude-sonnet-...``, ``gpt-...``), and responses name the model that really answered.
+    ``strict``: only the target's id, its folder name and the ``aliases`` are accepted, others 404."""
+
+    aliases: tuple[str, ...] = ()
+    strict: bool = False
+
+    def accepts(self, name: str, target: str) -> bool:
+        return not self.strict or name in (target, Path(target).name, *self.aliases)
+
+    def listed(self, target: str) -> tuple[str, ...]:
+        """The ids /v1/models lists: the target's, then each alias."""
+        return (target,) + tuple(a for a in self.aliases if a != target)
+
+
+ANY_NAME = ModelNames()
 
 
 class RequestBody(BaseModel):
@@ -107,10 +130,9 @@ class _Generation(RequestBody):
 
     def engine_request(self, max_tokens: int | None, context_length: int | None,
                        defaults: RequestDefaults = NO_DEFAULTS, **prompt) -> Request:
+        # An upper bound, as agents send it (32000 on any model): the engine stops the reply where
+        # the context ends; only a prompt that fills the context alone is refused (ContextTooLong).
         max_tokens = max_tokens if max_tokens is not None else defaults.max_tokens
-        if max_tokens is not None and context_length and max_tokens >= context_length:
-            raise InvalidField(f"max_tokens ({max_tokens}) must be below the context length "
-                               f"({context_length})", "max_tokens")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Request(
             max_tokens=max_tokens,
@@ -295,6 +317,25 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
     return out
 
 
+MAX_TOKENS_HEADER = "x-mlx-spec-max-tokens-allowed"
+
+
+def max_tokens_allowed(context_length: int | None, max_tokens: int | None, prompt_tokens: int) -> int | None:
+    """The completion tokens a request may really use: its ``max_tokens`` (None: no limit but the
+    context), capped where the context ends. None when neither bounds it."""
+    room = context_length - prompt_tokens if context_length else None
+    if max_tokens is None or room is None:
+        return room if max_tokens is None else max_tokens
+    return max(0, min(max_tokens, room))
+
+
+def limits(context_length: int | None, max_tokens: int | None, prompt_tokens: int) -> dict:
+    """The ``limits`` extension block of every response (both APIs; clients ignore unknown
+    fields): the context length, the prompt, the max_tokens asked and what the context allowed."""
+    return {"context_length": context_length, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "max_tokens_allowed": max_tokens_allowed(context_length, max_tokens, prompt_tokens)}
+
+
 def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
@@ -307,7 +348,7 @@ def finish_reason(done: Done) -> str:
 
 def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
                content: str | None = None, tool_calls: list[dict] | None = None,
-               reasoning: str | None = None) -> dict:
+               reasoning: str | None = None, limits: dict | None = None) -> dict:
     """A whole (non-stream) response. ``kind`` is "chat" or "text". With ``tool_calls`` (parsed
     by server.tools), ``content`` is the text outside them (null when empty); ``content`` given
     alone replaces the text (reasoning split off into ``reasoning_content``)."""
@@ -325,7 +366,8 @@ def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish_reason(done)}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(done), "timings": done.timings, "speculation": speculation(done.engine, done.stats)}
+            "usage": usage(done), "timings": done.timings, "speculation": speculation(done.engine, done.stats),
+            "limits": limits}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
@@ -353,8 +395,9 @@ def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = N
 
 
 def model_card(model_id: str, created: int, context_length: int | None, engine: EngineInfo) -> dict:
+    """``root``: the model that answers under this id (the target; an alias's card names it)."""
     return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx_spec",
-            "context_length": context_length, "speculation": speculation(engine)}
+            "root": engine.target, "context_length": context_length, "speculation": speculation(engine)}
 
 
 def now() -> int:
