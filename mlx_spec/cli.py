@@ -23,6 +23,7 @@ COMMANDS = {
     "verify": "losslessness check: speculative vs plain greedy output",
     "convert": "convert a GGUF file to an MLX model directory",
     "train": "build data for and train a DFlash 2 drafter",
+    "cache": "the disk prefix cache: list or clear the stored prefixes",
 }
 
 
@@ -123,6 +124,35 @@ def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PR
     p.add_argument("--prefix-cache-mb", type=float, default=default,
                    help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
                         f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
+
+
+DEFAULT_PREFIX_DISK_MB = 4096
+DEFAULT_PREFIX_DISK_MIN_TOKENS = 1024
+
+
+def add_prefix_disk_args(p: argparse.ArgumentParser) -> None:
+    """For servers: long prefixes also kept on disk, so they survive a restart (docs/context.md)."""
+    p.add_argument("--prefix-disk-mb", type=float, default=DEFAULT_PREFIX_DISK_MB,
+                   help="disk space for prompt prefixes kept across restarts, least recently used deleted "
+                        "first (MiB, all models together; 0 = off; `mlx_spec cache list|clear`)")
+    p.add_argument("--prefix-disk-min-tokens", type=int, default=DEFAULT_PREFIX_DISK_MIN_TOKENS,
+                   help="shortest prompt prefix written to disk (tokens)")
+
+
+def prefix_disk_of(args: argparse.Namespace):
+    """The ``prefix_store.DiskConfig`` of --prefix-disk-mb / --prefix-disk-min-tokens (None: off)."""
+    from .errors import BadRequest
+
+    mb, least = getattr(args, "prefix_disk_mb", 0) or 0, getattr(args, "prefix_disk_min_tokens", 1)
+    if mb < 0:
+        raise BadRequest(f"--prefix-disk-mb must be >= 0 (got {mb:g})")
+    if least < 1:
+        raise BadRequest(f"--prefix-disk-min-tokens must be >= 1 (got {least})")
+    if not mb:
+        return None
+    from .prefix_store import DiskConfig, default_root
+
+    return DiskConfig(default_root(), int(mb * 2**20), least)
 
 
 LAUNCH_DESTS = ("ranks", "hosts", "hostfile", "backend", "ring_port")

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import replace
 
-from ..cli import LAUNCH_DESTS, add_launch_args, add_model_args, add_prefix_cache_arg, flags_of, launch_of, load_config
+from ..cli import LAUNCH_DESTS, add_launch_args, add_model_args, add_prefix_cache_arg, add_prefix_disk_args, flags_of, launch_of, load_config, prefix_disk_of
 from ..errors import BadRequest, MlxSpecError
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
@@ -25,6 +25,7 @@ DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 def add_arguments(p) -> None:
     add_model_args(p)
     add_prefix_cache_arg(p)
+    add_prefix_disk_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     p.add_argument("--api-key", default=None,
@@ -131,7 +132,8 @@ def _serve(args, cfg, api_key: str | None) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch)
+    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch,
+                    prefix_disk=prefix_disk_of(args))
     engine.start()
     app = create_app(engine, api_key=api_key, defaults=request_defaults(args))
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
