@@ -37,9 +37,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: bool = True) -> None:
     """Flags shared by every command that loads a pair. ``tuning=False`` (the tune command
-    itself) leaves out the flags that skip or budget first-launch tuning."""
+    itself) leaves out the flags that skip or budget first-launch tuning; ``context=False``
+    (bench, whose --context lists lengths to pad prompts to) leaves out --context."""
     from .loading import DEFAULT_DRAFTER
     from .default_target import DEFAULT_TARGET_ID
 
@@ -60,7 +61,8 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
     p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="auto: draft over the drafter's reduced vocabulary when it ships one "
                         "(draft_vocab.json; a cheaper draft head, same output); full: the whole head")
-    p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
+    if context:
+        p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
     if tuning:
         p.add_argument("--no-tune", action="store_true",

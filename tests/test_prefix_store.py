@@ -15,7 +15,13 @@ from test_hybrid import build
 
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.prefix import PrefixCache
-from mlx_spec.prefix_store import DiskConfig, PrefixStore, clear, identity_of, list_entries
+from mlx_spec.prefix_store import (
+    DiskConfig,
+    PrefixStore,
+    clear,
+    identity_of,
+    list_entries,
+)
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3, 4, 50, 61, 7, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
 N = 16
