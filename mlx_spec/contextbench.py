@@ -128,6 +128,7 @@ class ContextRow:
     decode_tps: dict  # method label -> tok/s after the first token
     tau: float | None
     identical: bool  # every method's tokens equal mlx-lm's
+    costs: dict  # costs.Costs.as_dict() of the passes timed at this context (T1, Tt(B), Td(B))
 
     def restart_margin(self) -> float:
         """disk time to first token over (warm + the load): <= 1.10 is the target."""
@@ -220,11 +221,32 @@ def measure(pair, ids: Sequence[int], *, context: int, prompt: Prompt, max_token
         if label == "default engine":
             tau = stats.mean_acceptance_length
     threads("ours")
+    from .costs import CostMeter
+
+    meter = CostMeter(pair.model, pair.target, pair.drafter, COST_SIZES, ids[:-1], prefilled=lambda: (
+        (lambda c: (c.target, c.drafter))(take(entry, len(entry.tokens), drafter=True))))
+    for _ in range(1 + max(2, repeats)):
+        meter.round()
     disk_ms, load_ms, nbytes = min(loaded)
     n = len(ids)
     return ContextRow(context, prompt.id, prompt.kind, n, n / (cold_ms / 1e3), round(cold_ms, 1),
                       round(statistics.median(warm), 1), round(disk_ms, 1), round(load_ms, 1), nbytes,
-                      {k: round(v, 2) for k, v in rates.items()}, None if tau is None else round(tau, 2), identical)
+                      {k: round(v, 2) for k, v in rates.items()}, None if tau is None else round(tau, 2), identical,
+                      meter.costs().as_dict())
+
+
+COST_SIZES = (2, 4, 8, 16)
+
+
+def context_term(rows: Sequence[ContextRow]):
+    """The context term (``costs.context_term``) read off the shortest and longest contexts' pass
+    costs, or None with fewer than two lengths."""
+    from .costs import Costs, context_term as term
+
+    by = sorted({r.prompt_tokens: r for r in rows}.values(), key=lambda r: r.prompt_tokens)
+    if len(by) < 2:
+        return None
+    return term(Costs.from_dict(by[0].costs), Costs.from_dict(by[-1].costs))
 
 
 def run(pair, prompts: Sequence[Prompt], contexts: Sequence[int], *, max_tokens: int, repeats: int, policies,

@@ -257,7 +257,7 @@ def spec_steps(
             consistent = True
             yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
                        prompt_tokens=len(prompt), cached_tokens=done, finish_reason=reason)
-            prev = Step(tuple(toks), prefill=True)
+            prev = Step(tuple(toks), prefill=True, prompt_tokens=len(prompt))  # (the policy prices at the context)
             while reason is None:
                 tc = time.perf_counter()
                 room = max_tokens - n

@@ -487,8 +487,10 @@ def context_run(args) -> int:
     prompts = _context_prompts(args)
     rows = contextbench.run(pair, prompts, sizes, max_tokens=args.max_tokens, repeats=args.repeats,
                             policies=policies, threads=threads, log=lambda m: print(m, file=err))
+    term = contextbench.context_term(rows)
     report = {"target": pair.target_id, "drafter": pair.drafter_id, "blas": blas.describe(), "contexts": sizes,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": contextbench.as_dicts(rows)}
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": contextbench.as_dicts(rows),
+              "context_term": None if term is None else term.as_dict()}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     if args.json:
@@ -499,6 +501,9 @@ def context_run(args) -> int:
         print(contextbench.table(rows))
         print("disk/(warm+load): time to first token after a restart over a warm in-memory hit plus the "
               "disk load (<= 1.10: within 10 %)")
+        if term is not None:
+            print("context term (ms a pass gains per 1000 tokens of context; costs.Costs.ctx_ms): "
+                  + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items())))
     return 0 if all(r.identical for r in rows) else 1
 
 
