@@ -102,7 +102,9 @@ def padded(prompt: Prompt, tokens: int, count: Callable[[list[dict]], int]) -> t
 
         def pad(n):
             return _conversation_padding(n, docs)
-    lo, hi = 0, limit
+    lo, hi = 0, 16
+    while hi < limit and count(pad(hi) + own) <= tokens:  # (never counting far past the length asked)
+        lo, hi = hi, min(limit, 2 * hi)
     while lo < hi:  # the most padding units that fit
         mid = (lo + hi + 1) // 2
         if count(pad(mid) + own) <= tokens:

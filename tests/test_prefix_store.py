@@ -247,3 +247,20 @@ def test_a_restarted_engine_loads_the_prefix_from_disk_and_counts_it(tmp_path):
         text = prometheus(again, {}, {"rejected": 0, "in_flight": 0})
     assert 'mlx_spec:prefix_cache_hits_total{tier="disk"} 1' in text
     assert "mlx_spec:prefix_cache_disk_bytes_read_total 0\n" not in text
+
+
+def test_the_serve_flags_make_the_disk_config_and_bad_values_are_named(tmp_path):
+    import argparse
+
+    from mlx_spec.cli import add_prefix_disk_args, prefix_disk_of
+    from mlx_spec.errors import BadRequest
+
+    p = argparse.ArgumentParser()
+    add_prefix_disk_args(p)
+    cfg = prefix_disk_of(p.parse_args(["--prefix-disk-mb", "8", "--prefix-disk-min-tokens", "500"]))
+    assert (cfg.budget, cfg.min_tokens) == (8 << 20, 500) and cfg.root.name == "prefix"
+    assert prefix_disk_of(p.parse_args(["--prefix-disk-mb", "0"])) is None
+    for bad, name in ((["--prefix-disk-mb", "-1"], "--prefix-disk-mb"), (["--prefix-disk-min-tokens", "0"],
+                                                                          "--prefix-disk-min-tokens")):
+        with pytest.raises(BadRequest, match=name):
+            prefix_disk_of(p.parse_args(bad))
