@@ -27,7 +27,7 @@ def run(args) -> int:
     root = args.dir if args.dir is not None else default_root()
     if args.action == "clear":
         n, size = clear(root)
-        print(f"deleted {n} stored prefix{'es' if n != 1 else ''} ({_size(size)}) from {root}")
+        print(f"deleted {n} file{'s' if n != 1 else ''} ({_size(size)}) from {root}")
         return 0
     good, bad = list_entries(root)
     if not good and not bad:
@@ -42,5 +42,6 @@ def run(args) -> int:
         print(f"  {g.path.parent.name}/{g.path.name[:12]}  {len(g.tokens):>7} tokens  {_size(g.nbytes):>10}  "
               f"{used}  {models} ({what})")
     for path, why in bad:
-        print(f"  not an entry: {path} ({why}; a server deletes it when it meets it, `mlx_spec cache clear` now)")
+        print(f"  not an entry: {path} ({why}; a server deletes it when it meets it, `mlx_spec cache clear` "
+              "deletes everything now)")
     return 0
