@@ -232,8 +232,11 @@ def measure(pair, ids: Sequence[int], *, context: int, prompt: Prompt, max_token
     threads("ours")
     from .costs import CostMeter
 
-    meter = CostMeter(pair.model, pair.target, pair.drafter, COST_SIZES, ids[:-1], prefilled=lambda: (
-        (lambda c: (c.target, c.drafter))(take(entry, len(entry.tokens), drafter=True))))
+    def copies():
+        got = take(entry, len(entry.tokens), drafter=True)
+        return got.target, got.drafter
+
+    meter = CostMeter(pair.model, pair.target, pair.drafter, COST_SIZES, ids[:-1], prefilled=copies)
     for _ in range(1 + max(2, repeats)):
         meter.round()
     disk_ms, load_ms, nbytes = sorted(loaded)[(len(loaded) - 1) // 2]  # the median run
@@ -250,7 +253,8 @@ COST_SIZES = (2, 4, 8, 16)
 def context_term(rows: Sequence[ContextRow]):
     """The context term (``costs.context_term``) read off the shortest and longest contexts' pass
     costs, or None with fewer than two lengths."""
-    from .costs import Costs, context_term as term
+    from .costs import Costs
+    from .costs import context_term as term
 
     by = sorted({r.prompt_tokens: r for r in rows}.values(), key=lambda r: r.prompt_tokens)
     if len(by) < 2:
