@@ -1489,7 +1489,7 @@ class BatchDecoder:
             ms = (time.perf_counter() - s.t_join) * 1e3
             step = Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(s.prompt),
                         cached_tokens=s.cached, finish_reason=reason)
-            s.prev = Step(tuple(toks), prefill=True)
+            s.prev = Step(tuple(toks), prefill=True, prompt_tokens=len(s.prompt))
             results.append((s.id, step))
             if reason is not None:
                 finished.append(s)

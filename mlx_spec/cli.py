@@ -23,6 +23,7 @@ COMMANDS = {
     "verify": "losslessness check: speculative vs plain greedy output",
     "convert": "convert a GGUF file to an MLX model directory",
     "train": "build data for and train a DFlash 2 drafter",
+    "cache": "the disk prefix cache: list or clear the stored prefixes",
 }
 
 
@@ -36,9 +37,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: bool = True) -> None:
     """Flags shared by every command that loads a pair. ``tuning=False`` (the tune command
-    itself) leaves out the flags that skip or budget first-launch tuning."""
+    itself) leaves out the flags that skip or budget first-launch tuning; ``context=False``
+    (bench, whose --context lists lengths to pad prompts to) leaves out --context."""
     from .loading import DEFAULT_DRAFTER
     from .default_target import DEFAULT_TARGET_ID
 
@@ -59,7 +61,8 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True) -> None:
     p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="auto: draft over the drafter's reduced vocabulary when it ships one "
                         "(draft_vocab.json; a cheaper draft head, same output); full: the whole head")
-    p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
+    if context:
+        p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
     if tuning:
         p.add_argument("--no-tune", action="store_true",
@@ -123,6 +126,35 @@ def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PR
     p.add_argument("--prefix-cache-mb", type=float, default=default,
                    help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
                         f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
+
+
+DEFAULT_PREFIX_DISK_MB = 4096
+DEFAULT_PREFIX_DISK_MIN_TOKENS = 1024
+
+
+def add_prefix_disk_args(p: argparse.ArgumentParser) -> None:
+    """For servers: long prefixes also kept on disk, so they survive a restart (docs/context.md)."""
+    p.add_argument("--prefix-disk-mb", type=float, default=DEFAULT_PREFIX_DISK_MB,
+                   help="disk space for prompt prefixes kept across restarts, least recently used deleted "
+                        "first (MiB, all models together; 0 = off; `mlx_spec cache list|clear`)")
+    p.add_argument("--prefix-disk-min-tokens", type=int, default=DEFAULT_PREFIX_DISK_MIN_TOKENS,
+                   help="shortest prompt prefix written to disk (tokens)")
+
+
+def prefix_disk_of(args: argparse.Namespace):
+    """The ``prefix_store.DiskConfig`` of --prefix-disk-mb / --prefix-disk-min-tokens (None: off)."""
+    from .errors import BadRequest
+
+    mb, least = getattr(args, "prefix_disk_mb", 0) or 0, getattr(args, "prefix_disk_min_tokens", 1)
+    if mb < 0:
+        raise BadRequest(f"--prefix-disk-mb must be >= 0 (got {mb:g})")
+    if least < 1:
+        raise BadRequest(f"--prefix-disk-min-tokens must be >= 1 (got {least})")
+    if not mb:
+        return None
+    from .prefix_store import DiskConfig, default_root
+
+    return DiskConfig(default_root(), int(mb * 2**20), least)
 
 
 LAUNCH_DESTS = ("ranks", "hosts", "hostfile", "backend", "ring_port")

@@ -4,6 +4,11 @@ One implementation for `mlx_spec bench`, the tuner and the adaptive controller. 
 times each pass alone (synced) at a given context; rounds interleave the passes and can be
 interleaved with the runs they explain. ``ceiling`` is the eta ceiling (docs/bench.md):
 ``tau * T1 / (Td + Tt(B))``, the speedup these two passes allow with zero loop overhead.
+
+Passes grow with the context: every row's attention reads all earlier positions (and on a CPU
+its softmax runs an exp per position). A curve may carry a context term, ``ctx_ms[B]``: the
+milliseconds a B-row target pass gains per 1000 tokens of context (B = 1: a plain step), read off
+passes timed at two context lengths (``context_term``); ``at(n)`` prices the curve at n tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -59,6 +64,25 @@ class Costs:
     tt_ms: dict[int, float]  # B-token verify pass (taps included)
     context: int
     t1_draft_ms: float | None = None  # one step of an AR draft model
+    # ms a B-row target pass gains per 1000 tokens of context (B = 1: a plain step); empty = flat
+    ctx_ms: dict[int, float] = field(default_factory=dict)
+
+    def ctx_slope(self, B: float) -> float:
+        """``ctx_ms`` at B rows (as ``verify`` reads Tt); 0 without a context term."""
+        return max(0.0, self._interp(self.ctx_ms, B)) if self.ctx_ms else 0.0
+
+    def at(self, context: int) -> "Costs":
+        """This curve priced at ``context`` tokens: T1 and every Tt(B) moved by the context term
+        (never below a tenth of the measured pass); the same curve without one."""
+        if not self.ctx_ms or context == self.context:
+            return self
+        k = (context - self.context) / 1000
+
+        def moved(ms: float, B: int) -> float:
+            return max(0.1 * ms, ms + k * self.ctx_slope(B))
+
+        return replace(self, t1_ms=moved(self.t1_ms, 1), tt_ms={B: moved(v, B) for B, v in self.tt_ms.items()},
+                       context=context)
 
     def _interp(self, table: dict[int, float], B: float) -> float:
         """Linear between measured sizes, flat below the first, extrapolated past the last."""
@@ -126,19 +150,32 @@ class Costs:
             b = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
             b = max(b, 0.0)
             return {x: round(my + b * (x - mx_), 3) for x in xs}
-        return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms)
+        return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms, dict(self.ctx_ms))
 
     def as_dict(self) -> dict:
         return {"t1_ms": round(self.t1_ms, 3), "context": self.context,
                 "td_ms": {str(k): round(v, 3) for k, v in sorted(self.td_ms.items())},
                 "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
-                "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3)}
+                "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3),
+                **({"ctx_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_ms.items())}} if self.ctx_ms else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Costs":
         return cls(float(d["t1_ms"]), {int(k): float(v) for k, v in d["td_ms"].items()},
                    {int(k): float(v) for k, v in d["tt_ms"].items()}, int(d.get("context", 0)),
-                   d.get("t1_draft_ms"))
+                   d.get("t1_draft_ms"), {int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()})
+
+
+def context_term(short: Costs, long: Costs) -> Costs:
+    """``long`` with the context term read off the same passes timed at ``short``'s shorter
+    context: per B, (Tt_long(B) - Tt_short(B)) per 1000 tokens (T1 for B = 1), never negative."""
+    span = long.context - short.context
+    if span <= 0:
+        raise ValueError(f"context_term wants two context lengths, the second longer (got {short.context}, "
+                         f"{long.context})")
+    slope = {B: max(0.0, (v - short.tt_ms[B]) * 1000 / span) for B, v in long.tt_ms.items() if B in short.tt_ms and B > 1}
+    slope[1] = max(0.0, (long.t1_ms - short.t1_ms) * 1000 / span)
+    return replace(long, ctx_ms=slope)
 
 
 class CostMeter:
@@ -148,11 +185,16 @@ class CostMeter:
     the median over the rounds after the first (a warm-up). Rounds can be interleaved with the
     runs they explain, so both see the same machine."""
 
-    def __init__(self, model, target, drafter, sizes: Sequence[int], context: Sequence[int], *, ar_model=None):
+    def __init__(self, model, target, drafter, sizes: Sequence[int], context: Sequence[int], *, ar_model=None,
+                 prefilled: Callable[[], tuple[list, list | None]] | None = None):
+        """``prefilled``: fresh copies of (target caches, drafter context caches) already holding
+        ``context`` (from the prefix cache), instead of prefilling it here."""
         from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
         self.context = len(context)
         x = mx.array([list(context)], mx.int32)
+        if prefilled is not None:
+            return self._from_caches(model, target, drafter, sizes, context, prefilled, trim_prompt_cache)
         tok = mx.array([[int(context[-1])]], mx.int32)
         tasks: dict[tuple[str, int], Callable[[], None]] = {}
 
@@ -200,6 +242,37 @@ class CostMeter:
                     tasks[("td", B)] = draft(B)
         self.tasks = tasks
         self.times: dict[tuple[str, int], list[float]] = {k: [] for k in tasks}
+        self.rounds = 0
+
+    def _from_caches(self, model, target, drafter, sizes, context, prefilled, trim) -> None:
+        tok = mx.array([[int(context[-1])]], mx.int32)
+        pcache, _ = prefilled()
+        tcache, dcache = prefilled()
+        anchor = mx.array(int(context[-1]), mx.int32)
+
+        def plain():
+            mx.eval(mx.argmax(model(tok, cache=pcache)[0, -1]))
+            trim(pcache, 1)
+
+        def verify(B):
+            ids = mx.array([[int(context[-1])] * B], mx.int32)
+
+            def run():
+                o = target(ids, tcache, record=True)
+                mx.eval(mx.argmax(o.logits[0], axis=-1), o.hidden)
+                target.rollback(tcache, B, 0)
+            return run
+
+        def draft(B):
+            return lambda: mx.eval(drafter.propose(anchor, None, dcache, B).tokens)
+
+        tasks = {("t1", 1): plain}
+        for B in sorted({1, *sizes}):
+            tasks[("tt", B)] = verify(B)
+            if drafter is not None and dcache is not None and B > 1:
+                tasks[("td", B)] = draft(B)
+        self.tasks = tasks
+        self.times = {k: [] for k in tasks}
         self.rounds = 0
 
     def round(self, progress: Progress | None = None, note: str = "measuring pass costs") -> None:

@@ -140,6 +140,24 @@ def timings(stats, block_size: int) -> dict:
     }
 
 
+def _open_store(config, pair):
+    """The disk prefix store for ``pair``, keyed by both models' weights and quantization and the
+    machine (what a stored K/V row depends on); None, said, when that cannot be worked out."""
+    from .prefix_store import PrefixStore, identity_of
+    from .tuner import machine_info, quantization, weights_id
+
+    try:
+        key = {"machine": machine_info(), "target": [weights_id(pair.target_id), quantization(pair.model)],
+               "drafter": None if pair.drafter is None else [weights_id(pair.drafter_id), quantization(pair.drafter),
+                                                              pair.drafter.vocab_size_drafted]}
+        if key["target"][0] is None or (pair.drafter is not None and key["drafter"][0] is None):
+            raise MlxSpecError("the model files were not found to identify them")
+        return PrefixStore(config, identity_of(key), {"target": pair.target_id, "drafter": pair.drafter_id})
+    except Exception as e:
+        log.warning("disk prefix cache off: %s", e)
+        return None
+
+
 class Engine:
     """Owns a loaded session on its own thread: a queue in, frozen events out.
 
@@ -152,8 +170,9 @@ class Engine:
     the work, fans events out and keeps the counters (``snapshot``)."""
 
     def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0,
-                 max_batch: int | None = 1):
+                 max_batch: int | None = 1, prefix_disk=None):
         self._loader = loader
+        self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
         # Continuous batching (batch.py): up to max_batch requests decode together; None = as many
         # as the session's memory plan allows (memory.batch_room), 1 = one request after another.
         self._max_batch_asked = max_batch
@@ -285,6 +304,8 @@ class Engine:
                                        "(distributed.follow_session)")
                 self._leader = Leader(session.group)
             self._session, self._info = session, session.info
+            if self._prefix_disk is not None and self._leader is None:
+                self._prefix.attach(_open_store(self._prefix_disk, session.pair))
             self._decoder = self._make_decoder(session)
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
@@ -606,6 +627,10 @@ class Engine:
                 self._requests["cached_tokens"] += stats.cached_tokens
                 self._requests["cancelled"] += int(cancelled)
             self._requests["prefix_cache_bytes"] = self._prefix.nbytes if self._prefix is not None else 0
+            if self._prefix is not None:
+                if stats is not None:
+                    self._prefix.note_prefill(stats.prompt_tokens - stats.cached_tokens, stats.prefill_ms)
+                self._requests["prefix_cache"] = self._prefix.stats()
 
     def snapshot(self) -> dict:
         """Counters for /metrics and the UI (plain values): request counts, and cycle counters

@@ -19,7 +19,10 @@ the cycle, ``observe(step)``. Everything it knows:
   the reply has verified blocks of several lengths, a decayed straight-line fit of its own verify
   times over rows replaces the curve's Tt(L) (a machine where a row costs more than the curve
   says is seen);
-- the per-cycle host overhead, measured the same way.
+- the per-cycle host overhead, measured the same way;
+- the context: where the curve carries a context term (``Costs.ctx_ms``), every price is the
+  curve's at the sequence's current length (prompt plus committed tokens, re-priced every
+  ``REPRICE`` tokens), so a long prompt's dearer verify rows are priced before they are measured.
 
 Rates: plain ``1 / (Tt(1) + o)``; DFlash ``E(L) / (Td(L) + Tt(L) + o)``; lookup
 ``E(L) / (Tt(L) + o)`` with ``E(L) = 1 + sum_{k < L-1} P(first k+1 drafts accepted)``. A
@@ -47,6 +50,7 @@ from .costs import Costs
 PLAIN, DFLASH, LOOKUP = "plain", "dflash", "lookup"
 SOURCES = (DFLASH, LOOKUP)
 MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
+REPRICE = 256  # tokens of context growth after which the policy re-prices its curve (Costs.at)
 # The lookup's prior chance that a copied token is right given the ones before it were, by how
 # many tokens the copy has matched so far (upper bound of each bucket, None: open). Measured on
 # greedy replies of the default target to the built-in prompts (agent edits: 0.23 below 2 matched
@@ -250,6 +254,8 @@ class DraftPolicy:
         # above its measured cost)
         self.t1 = min(costs.verify(1), self.costs.verify(1))
         self._tables: dict[int, tuple[float, float]] = {}
+        self.position = self.costs.context  # tokens in the sequence (prompt + committed), from observe
+        self._priced, self._t1_priced = self.costs, self.t1  # the curve at the context it was last priced at
         self.line = Line()
         self.sources = tuple(sources)
         self.max_block = max(1, pinned or max_block)
@@ -284,8 +290,19 @@ class DraftPolicy:
         """(Tt(L), Td(L)) of the stored curve, computed once per L."""
         got = self._tables.get(L)
         if got is None:  # a plain step as measured: the line through the blocks misprices it
-            got = self._tables[L] = (self.t1 if L == 1 else self.costs.verify(L), self.costs.draft(L))
+            c = self._priced
+            got = self._tables[L] = (self._t1_priced if L == 1 else c.verify(L), c.draft(L))
         return got
+
+    def _reprice(self) -> None:
+        """Price the curve at the current context (``Costs.at``) when it has moved ``REPRICE``
+        tokens since the last time; nothing for a curve without a context term."""
+        if not self.costs.ctx_ms or abs(self.position - self._priced.context) < REPRICE:
+            return
+        self._priced = self.costs.at(self.position)
+        k = (self.position - self.costs.context) / 1000
+        self._t1_priced = max(0.1 * self.t1, self.t1 + k * self.costs.ctx_slope(1))
+        self._tables.clear()
 
     def verify_ms(self, L: int, piped: bool = True) -> float:
         """Tt(L) as this reply sees it. A plain step (L = 1) runs pipelined in a run of them (the
@@ -452,7 +469,10 @@ class DraftPolicy:
         return got
 
     def observe(self, step) -> None:
-        """After a cycle (a ``decode.Step``): learn acceptance and costs. The prefill is ignored."""
+        """After a cycle (a ``decode.Step``): learn acceptance and costs. The prefill only sets
+        the context (its prompt tokens)."""
+        self.position = (step.prompt_tokens if step.prefill else self.position) + len(step.tokens)
+        self._reprice()
         if step.prefill:
             return
         L = step.drafted + 1

@@ -11,6 +11,10 @@ own target features, so a trimmed copy equals what a fresh prefill would build (
 CPU backend; tests compare token streams). Caches that cannot be trimmed (hybrid targets'
 recurrent GDN state, quantized or rotating K/V) are reused only when the whole entry is a prefix
 of the new prompt. Everything here runs on the engine thread.
+
+With a disk tier attached (``attach``: a ``prefix_store.PrefixStore``), long entries are also
+written to disk, and a lookup that finds a longer stored prefix there than in memory loads it
+(and keeps it in memory for the next turn): the prefix survives a restart.
 """
 
 from __future__ import annotations
@@ -118,6 +122,19 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
+        self.disk = None  # prefix_store.PrefixStore (attach), or None: memory only
+        self.disk_tokens = 0  # of reused_tokens, loaded from disk
+        self._prefill = [0, 0.0]  # tokens prefilled, ms they took (note_prefill): the saved-time estimate
+
+    def attach(self, store) -> None:
+        """Add a disk tier (a ``prefix_store.PrefixStore``; None detaches it)."""
+        self.disk = store
+
+    def note_prefill(self, tokens: int, ms: float) -> None:
+        """A request prefilled ``tokens`` in ``ms`` (what a reused token is estimated to save)."""
+        if tokens > 0 and ms > 0:
+            self._prefill[0] += tokens
+            self._prefill[1] += ms
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +145,7 @@ class PrefixCache:
 
     def lookup(self, ids: Sequence[int], drafter: bool) -> Prefill | None:
         """Caches for the longest reusable prefix of ``ids`` (always leaving >= 1 token to run)."""
-        if not self.budget:
+        if not self.budget and self.disk is None:
             return None
         best = None
         for key, e in self._entries.items():
@@ -137,6 +154,13 @@ class PrefixCache:
                 got = take(e, keep, drafter)
                 if got is not None:
                     best = (key, keep, got)
+        if self.disk is not None:
+            got = self._from_disk(ids, drafter, best[1] if best else 0)
+            if got is not None:
+                self.hits += 1
+                self.reused_tokens += len(got.tokens)
+                self.disk_tokens += len(got.tokens)
+                return got
         if best is None:
             self.misses += 1
             return None
@@ -146,16 +170,36 @@ class PrefixCache:
         self.reused_tokens += keep
         return got
 
+    def _from_disk(self, ids: Sequence[int], drafter: bool, beyond: int) -> Prefill | None:
+        """Caches for a stored prefix longer than ``beyond`` tokens (kept in memory too), or None."""
+        found = self.disk.best(ids, drafter, beyond)
+        if found is None:
+            return None
+        info, keep = found
+        entry = self.disk.load(info)
+        if entry is None:
+            return None
+        got = take(entry, keep, drafter)
+        if got is not None:
+            self._keep(entry)
+        return got
+
     def store(self, entry: Prefill) -> None:
-        """Keep ``entry`` (evaluated now), replacing entries it extends; evict LRU over budget."""
-        if not self.budget or len(entry.tokens) < self.min_tokens:
+        """Keep ``entry`` (evaluated now), replacing entries it extends; evict LRU over budget;
+        with a disk tier, write it there too when it is long enough."""
+        if (not self.budget and self.disk is None) or len(entry.tokens) < self.min_tokens:
             return
         arrays = [c.keys for c in entry.target if isinstance(c, KVCache) and c.keys is not None]
         arrays += [a for c in entry.target if isinstance(c, ArraysCache) for a in c.cache if a is not None]
         arrays += [c.keys for c in entry.drafter or () if c.keys is not None]
         mx.eval(arrays, [c.values for c in entry.drafter or () if c.values is not None],
                 [c.values for c in entry.target if isinstance(c, KVCache) and c.values is not None])
-        if entry.nbytes > self.budget:
+        if self.disk is not None:
+            self.disk.save(entry)
+        self._keep(entry)
+
+    def _keep(self, entry: Prefill) -> None:
+        if not self.budget or entry.nbytes > self.budget:
             return
         for key, e in list(self._entries.items()):  # an entry this one extends is redundant
             if common_prefix(e.tokens, entry.tokens) == len(e.tokens) and (e.drafter is None or entry.drafter is not None):
@@ -169,5 +213,13 @@ class PrefixCache:
         self._entries.clear()
 
     def stats(self) -> dict:
-        return {"entries": len(self), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
-                "misses": self.misses, "reused_tokens": self.reused_tokens}
+        """Counters; ``saved_ms`` estimates the prefill time the reused tokens saved (at the
+        prefill rate this process measured, less the disk loads' time)."""
+        out = {"entries": len(self), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
+               "misses": self.misses, "reused_tokens": self.reused_tokens, "disk_tokens": self.disk_tokens}
+        rate = self._prefill[1] / self._prefill[0] if self._prefill[0] else 0.0
+        load = self.disk.load_ms if self.disk is not None else 0.0
+        out["saved_ms"] = round(max(0.0, self.reused_tokens * rate - load), 3)
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out

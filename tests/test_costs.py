@@ -63,3 +63,21 @@ def test_reach_reads_unmeasured_sizes_off_the_curves_lines():
     r = CURVE.reach(8, seqs=2)
     assert r.break_even == pytest.approx((260.0 + 90.0) / 120.0) and r.perfect == pytest.approx(8 / r.break_even)
     assert CURVE.reach(6, source="lookup").break_even == pytest.approx(1.6)
+
+
+def test_the_context_term_is_read_off_two_contexts_and_prices_the_curve_at_any_length():
+    from mlx_spec.costs import context_term
+
+    short = Costs(100.0, {4: 30.0}, {1: 110.0, 4: 140.0, 8: 180.0}, 1000)
+    long = Costs(130.0, {4: 31.0}, {1: 150.0, 4: 200.0, 8: 300.0}, 5000)
+    term = context_term(short, long)
+    assert term.ctx_ms == {1: 7.5, 4: 15.0, 8: 30.0}  # ms per 1000 tokens; B = 1 from T1
+    at9 = term.at(9000)
+    assert at9.t1_ms == pytest.approx(160.0) and at9.verify(8) == pytest.approx(420.0) and at9.context == 9000
+    assert at9.draft(4) == term.draft(4)  # the drafter's pass is not moved
+    assert term.at(1000).verify(4) == pytest.approx(140.0)
+    assert term.at(0).t1_ms >= 0.1 * term.t1_ms  # never below a tenth of the measured pass
+    assert Costs.from_dict(term.as_dict()) == term and term.smoothed().ctx_ms == term.ctx_ms
+    assert CURVE.at(100000) is CURVE  # no context term: the same curve
+    with pytest.raises(ValueError):
+        context_term(long, short)

@@ -907,3 +907,25 @@ def test_the_resting_drafters_evidence_fades_and_a_probe_that_pays_wakes_it():
     assert p.dflash.reached[0] == pytest.approx(before[0] * p.rest_decay ** n)  # aged while it rested
     p.observe(_cycle(p, d, d.length - 1, costs=CPU))  # the probe is accepted
     assert not p.resting
+
+
+def test_the_policy_prices_its_choices_at_the_current_context():
+    """A curve with a context term: after a long prompt the verify rows cost more, so the policy
+    drafts shorter (or not at all) than after a short one; a flat curve does not move."""
+    from dataclasses import replace
+
+    prior = [0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]
+    slopes = replace(COSTS, ctx_ms={1: 2.0, 2: 6.0, 4: 14.0, 8: 30.0, 16: 62.0})
+
+    def after_prompt(costs, n):
+        p = DraftPolicy(costs, 16, prior=prior, sources=(DFLASH,))
+        p.observe(Step((5,), prefill=True, prompt_tokens=n))
+        return p, p.choose(Context())
+
+    short, d_short = after_prompt(slopes, 64)
+    long, d_long = after_prompt(slopes, 8000)
+    assert d_short.source == DFLASH and d_short.length >= 4
+    assert long.verify_ms(8) > 2 * short.verify_ms(8) and long.verify_ms(1) < 1.25 * short.verify_ms(1)
+    assert d_long.length < d_short.length
+    flat_short, flat_long = after_prompt(COSTS, 64)[1], after_prompt(COSTS, 8000)[1]
+    assert flat_short == flat_long == d_short

@@ -32,7 +32,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    add_model_args(p)
+    add_model_args(p, context=False)  # bench's own --context (below): the memory plan is sized from it
     p.add_argument("--block-sizes", default="2,4,8", help="DFlash block sizes to bench (default 2,4,8)")
     p.add_argument("--prompts", default=None, help="JSONL file of prompts (default: the built-in set)")
     p.add_argument("--workload", choices=("all", "chat", "agent"), default="all",
@@ -66,6 +66,12 @@ def add_arguments(p) -> None:
     add_launch_args(p, "the group's pass costs beside one process's; under mlx.launch bench measures "
                        "the group's alone")
     p.set_defaults(bench_parser=p)  # --ranks rebuilds the ranks' flags from it
+    p.add_argument("--context", default=None, metavar="SIZES",
+                   help="e.g. 1k,4k,8k: pad each prompt to these context lengths (a long file for agent "
+                        "prompts, a long conversation for chat ones) and report prefill, time to first token "
+                        "cold / warm / from disk after a restart, decode speed and tau per context (default "
+                        "kinds agent,prose; docs/context.md); with --concurrency, the padded prompts go to "
+                        "both servers; the memory plan is sized for the longest")
     g = p.add_argument_group("many clients at once (mlx_spec serve vs mlx_lm.server; mlx_spec/loadtest.py)")
     g.add_argument("--concurrency", default=None, metavar="LEVELS",
                    help="e.g. 1,2,4,8: start both servers on 127.0.0.1 and report aggregate tok/s and p50/p95 "
@@ -221,6 +227,9 @@ def concurrency(args) -> int:
     messages = [list(p.messages) if p.messages else [{"role": "user", "content": p.text}] for p in prompts]
     target = str(resolve_target_id(args.target) or resolve(args.target, "target"))
     extra = ["--no-draft"] if args.no_draft else []
+    if args.context:
+        messages = context_messages(args, prompts, target)
+        extra += ["--context", str(_plan_context(args))]
     if getattr(args, "block_size", None):
         extra += ["--block-size", str(args.block_size)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
@@ -248,6 +257,8 @@ def run(args) -> int:
         raise BadRequest(f"--time-budget must be > 0 seconds (got {args.time_budget:g})")
     if args.concurrency:
         return concurrency(args)
+    if args.context:
+        return context_run(args)
     from .. import distributed
     from ..cli import launch_of
 
@@ -389,6 +400,101 @@ def run(args) -> int:
                 line += f" | tuner's choice: B={report['tuned']['best']} ({report['tuned']['source']})"
             print(line)
     return 1 if report["failed"] else 0
+
+
+# -- by context length (contextbench.py, docs/context.md) -------------------------------------------
+
+CONTEXT_KINDS = ("agent", "prose")
+
+
+def _plan_context(args) -> int:
+    """The memory plan's context for ``--context SIZES``: the longest padded prompt and its reply."""
+    from ..contextbench import parse_contexts
+
+    return max(parse_contexts(args.context)) + args.max_tokens + 64
+
+
+def _context_prompts(args):
+    from ..prompts import builtin_prompts, interleave, load_prompts
+
+    if args.prompts:
+        return load_prompts(args.prompts)
+    kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else CONTEXT_KINDS
+    return interleave(builtin_prompts(kinds, args.per_kind or 1))
+
+
+def context_messages(args, prompts, target: str) -> list[list[dict]]:
+    """``--concurrency`` with ``--context``: every prompt padded to each size (the target's tokenizer counts)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from ..contextbench import padded, parse_contexts
+    from ..text import encode_prompt
+
+    tok = load_tokenizer(Path(target))
+    sizes = parse_contexts(args.context)
+    out = []
+    for c in sizes:
+        for p in prompts:
+            msgs, n = padded(p, c, lambda m: len(encode_prompt(tok, messages=m)))
+            print(f"context {c}: {p.id} padded to {n} tokens", file=sys.stderr)
+            out.append(msgs)
+    return out
+
+
+def context_run(args) -> int:
+    """``--context``: prefill, first token cold / warm / from disk, decode speed by context length."""
+    import argparse
+
+    import mlx_spec
+
+    from .. import contextbench
+    from ..adaptive import Policies
+    from ..blas import set_threads
+    from ..cli import launch_of, load_config
+    from ..errors import BadRequest
+    from ..session import open_session
+    from ..tuner import apply_threads, load_result, tune_key
+
+    if args.repeats < 1 or args.max_tokens < 1:
+        raise BadRequest("--repeats and --max-tokens must be >= 1")
+    if args.costs_only or launch_of(args) is not None:
+        raise BadRequest("bench --context runs in one process: drop --costs-only / --ranks / --hosts")
+    sizes = contextbench.parse_contexts(args.context)
+    err = sys.stderr
+    cfg = load_config(argparse.Namespace(**{**vars(args), "context": _plan_context(args)}))
+    pair = open_session(cfg, log=lambda m: print(m, file=err), tuning="none").pair
+    if pair.drafter is None:
+        raise BadRequest("bench --context compares the default engine with plain decoding: it needs a drafter")
+    tuned = load_result(tune_key(pair))
+    policies = Policies(pair, tuned)
+    ours = apply_threads(tuned)
+    blas = mlx_spec.BLAS
+
+    def threads(who: str) -> None:  # as the main bench: mlx-lm at the BLAS's own default
+        if blas.settable:
+            set_threads(blas, blas.pinned if who == "mlx-lm" else ours)
+
+    prompts = _context_prompts(args)
+    rows = contextbench.run(pair, prompts, sizes, max_tokens=args.max_tokens, repeats=args.repeats,
+                            policies=policies, threads=threads, log=lambda m: print(m, file=err))
+    term = contextbench.context_term(rows)
+    report = {"target": pair.target_id, "drafter": pair.drafter_id, "blas": blas.describe(), "contexts": sizes,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": contextbench.as_dicts(rows),
+              "context_term": None if term is None else term.as_dict()}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
+              f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()}")
+        print(contextbench.table(rows))
+        print("disk/(warm+load): time to first token after a restart over a warm in-memory hit plus the "
+              "disk load (<= 1.10: within 10 %)")
+        if term is not None:
+            print("context term (ms a pass gains per 1000 tokens of context; costs.Costs.ctx_ms): "
+                  + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items())))
+    return 0 if all(r.identical for r in rows) else 1
 
 
 # -- pass costs alone, and on a group (docs/distributed.md) ---------------------------------------

@@ -22,9 +22,11 @@ from ..cli import (
     add_launch_args,
     add_model_args,
     add_prefix_cache_arg,
+    add_prefix_disk_args,
     flags_of,
     launch_of,
     load_config,
+    prefix_disk_of,
 )
 from ..errors import BadRequest, MlxSpecError
 
@@ -52,6 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--strict-model-name", action="store_true",
                    help="refuse (404) a request naming a model other than the target's id, its folder name "
                         "and the --served-model-name aliases (default: any name reaches the loaded pair)")
+    add_prefix_disk_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     p.add_argument("--api-key", default=None,
@@ -183,7 +186,8 @@ def _serve(args, cfg, api_key: str | None) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch)
+    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch,
+                    prefix_disk=prefix_disk_of(args))
     engine.start()
     names = model_names(args)
     app = create_app(engine, api_key=api_key, defaults=request_defaults(args), names=names)

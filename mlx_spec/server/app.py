@@ -420,6 +420,16 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
            [({}, snap["cached_tokens"])])
     metric("prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds for reuse.",
            [({}, snap["prefix_cache_bytes"])])
+    pc = snap.get("prefix_cache") or {}  # prefix.PrefixCache.stats(): memory and disk tiers
+    metric("prefix_cache_hits_total", "counter", "Requests that started from a cached prefix, by where it was found.",
+           [({"tier": "memory"}, pc.get("hits", 0) - pc.get("disk", {}).get("hits", 0)),
+            ({"tier": "disk"}, pc.get("disk", {}).get("hits", 0))])
+    metric("prefix_cache_disk_bytes_read_total", "counter", "Bytes of cached prefixes loaded from disk.",
+           [({}, pc.get("disk", {}).get("bytes_read", 0))])
+    metric("prefix_cache_disk_bytes", "gauge", "Bytes of this model's prefixes stored on disk.",
+           [({}, pc.get("disk", {}).get("bytes", 0))])
+    metric("prefix_cache_saved_seconds_total", "counter", "Prefill time the reused prefixes saved (estimated at "
+           "the measured prefill rate, less the disk loads).", [({}, round(pc.get("saved_ms", 0.0) / 1e3, 3))])
     metric("tokens_predicted_total", "counter", "Tokens generated (committed), all requests.",
            [({}, snap["tokens"])])
     metric("spec_decode_num_drafts_total", "counter", "Draft blocks proposed (verify cycles that drafted).",
