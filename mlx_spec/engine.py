@@ -144,7 +144,7 @@ def _open_store(config, pair):
     """The disk prefix store for ``pair``, keyed by both models' weights and quantization and the
     machine (what a stored K/V row depends on); None, said, when that cannot be worked out."""
     from .prefix_store import PrefixStore, identity_of
-    from .tuner import machine_info, quantization, weights_id
+    from .tuning import machine_info, quantization, weights_id
 
     try:
         key = {"machine": machine_info(), "target": [weights_id(pair.target_id), quantization(pair.model)],

@@ -39,11 +39,11 @@ def test_padding_is_deterministic_realistic_and_within_the_length(kind):
 
 
 def test_one_row_on_the_tiny_pair(tmp_path):
-    from mlx_spec.adaptive import Policies
+    from mlx_spec.policy import PolicyFactory
 
     pair = tiny_engine_loader(tmp_path / "pair")().pair
     (prompt,) = builtin_prompts(("agent",), 1)
-    (row,) = contextbench.run(pair, [prompt], [1200], max_tokens=6, repeats=1, policies=Policies(pair))
+    (row,) = contextbench.run(pair, [prompt], [1200], max_tokens=6, repeats=1, policies=PolicyFactory(pair))
     assert 1000 < row.prompt_tokens <= 1200
     assert row.identical and set(row.decode_tps) == {"mlx-lm plain", "plain (ours)", "default engine"}
     assert row.disk_bytes > 0 and row.disk_load_ms > 0 and row.ttft_cold_ms > 0

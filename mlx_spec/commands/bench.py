@@ -448,12 +448,12 @@ def context_run(args) -> int:
     import mlx_spec
 
     from .. import contextbench
-    from ..adaptive import Policies
+    from ..policy import PolicyFactory
     from ..blas import set_threads
     from ..cli import launch_of, load_config
     from ..errors import BadRequest
     from ..session import open_session
-    from ..tuner import apply_threads, load_result, tune_key
+    from ..tuning import apply_threads, load_result, tune_key
 
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")
@@ -466,7 +466,7 @@ def context_run(args) -> int:
     if pair.drafter is None:
         raise BadRequest("bench --context compares the default engine with plain decoding: it needs a drafter")
     tuned = load_result(tune_key(pair))
-    policies = Policies(pair, tuned)
+    policies = PolicyFactory(pair, tuned)
     ours = apply_threads(tuned)
     blas = mlx_spec.BLAS
 
