@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import FAILED, READY, Done, Failed, Started
-from . import anthropic, errors, output, schemas, tools
+from . import anthropic, errors, guard, output, schemas, tools
 from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 
 MAX_BODY_BYTES = 4 << 20
@@ -27,14 +27,20 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS) -> FastAPI:
+               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
+               policy: guard.Policy | None = None) -> FastAPI:
     """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
-    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits."""
+    ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits.
+    ``policy``: Host/Origin checks and client bounds on every route (server/guard.py; ``serve``
+    always passes one, None = none)."""
     app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
     created = schemas.now()
     http_counts: dict[tuple[str, int], int] = {}
     live = {"in_flight": 0, "rejected": 0}
     handles: set = set()  # generations in flight, so a shutdown can end them cleanly
+    refused = guard.Counters()
+    if policy is not None:  # inside _Counter: its 403s and 429s are counted too
+        app.add_middleware(guard.Guard, policy=policy, counters=refused)
     app.add_middleware(_Counter, counts=http_counts, live=live)
 
     def cancel_all() -> None:
@@ -124,7 +130,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
 
     @app.get("/metrics", dependencies=auth)
     async def metrics():
-        return PlainTextResponse(prometheus(engine, http_counts, live),
+        return PlainTextResponse(prometheus(engine, http_counts, live) + guard.metrics_text(refused, engine.snapshot()),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", dependencies=auth)
