@@ -512,7 +512,6 @@ class Engine:
                 reserved = 0
                 continue
             self._sample_memory()
-            self._expire_prefills()
             with self._lock:
                 self._batch["sizes"] = dict(dec.batch_sizes)
                 self._batch["steps"] = dict(dec.steps)
@@ -526,6 +525,7 @@ class Engine:
                                      lv.result.stats.snapshot()))
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)
+            reserved -= self._expire_prefills()
 
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
@@ -586,11 +586,12 @@ class Engine:
             raise PrefillTimeout(f"the prefill of this {prompt}-token prompt took {took:.0f} s, past the server's "
                                  f"--prefill-timeout of {budget:g} s; send a shorter prompt")
 
-    def _expire_prefills(self) -> None:
-        """Batched path: a sequence still prefilling past the budget fails and leaves the batch."""
-        budget = self._prefill_timeout
+    def _expire_prefills(self) -> int:
+        """Batched path: a sequence still prefilling past the budget fails and leaves the batch.
+        Returns the bytes those had reserved."""
+        budget, freed = self._prefill_timeout, 0
         if not budget:
-            return
+            return 0
         now = time.monotonic()
         for sid, lv in list(self._live.items()):
             if lv.result.tokens or now - lv.joined <= budget:
@@ -601,8 +602,10 @@ class Engine:
             self._finish(None, 0)
             self._add("errors")
             self._add("prefill_timeouts")
+            freed += lv.need
             lv.handle._put(Failed(lv.rid, f"the prefill of this {len(lv.ids)}-token prompt ran past the server's "
                                   f"--prefill-timeout of {budget:g} s; send a shorter prompt", "PrefillTimeout"))
+        return freed
 
     def _bound_cache(self, session) -> None:
         """Bound MLX's buffer cache by the memory plan's allowance for it (on this thread)."""
