@@ -50,12 +50,12 @@ def default_dtype():
 
 
 def _read_config(path: Path) -> dict:
+    from .modelfiles import read_json
+
     try:
-        return json.loads((path / "config.json").read_text())
+        return read_json(path / "config.json")  # bounded size and depth (BadModelFile)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/config.json is not valid JSON: {e}") from None
 
 
 def _read_weights(path: Path) -> dict[str, mx.array]:
@@ -63,7 +63,10 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
     weights = {}
+    from .modelfiles import safetensors_header
+
     for f in files:
+        safetensors_header(f)  # every range inside the file, no overlaps, before MLX reads it
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
