@@ -181,3 +181,31 @@ def test_metrics_show_the_allocator_figures_and_the_cache_bound(pair_root):
         assert _metric(text, f"mlx_memory_{name}_bytes") > 0 or name == "cache"
     assert _metric(text, "mlx_memory_peak_bytes") >= _metric(text, "mlx_memory_active_bytes")
     assert mx  # (MLX figures are read on the engine thread; this thread only reads /metrics)
+
+
+def test_the_buffer_cache_is_bounded_by_the_plans_allowance(pair_root):
+    """At start the engine thread sets MLX's cache limit to the plan's "MLX cache allowance"."""
+    import mlx.core as mx
+    from types import SimpleNamespace
+
+    from mlx_spec.generation import engine_info
+    from mlx_spec.loading import load_pair
+    from mlx_spec.memory import Item
+    from mlx_spec.session import Session
+
+    tiny_engine_loader(pair_root)  # (writes the pair)
+    plan = SimpleNamespace(items=(Item("target weights", 1 << 20, ""), Item("MLX cache allowance", 5 << 20, "")))
+
+    def loader():
+        pair = load_pair(str(pair_root / "target"), str(pair_root / "drafter"))
+        return Session.of(pair, engine_info(pair, 4, "flag"), plan=plan)
+
+    before = mx.set_cache_limit(1 << 40)
+    try:
+        with running_engine(loader, max_batch=1) as e:
+            e.submit(Request(messages=MSG, max_tokens=3)).result()
+            assert e.snapshot()["memory"]["cache_limit"] == 5 << 20
+            assert mx.set_cache_limit(1 << 40) == 5 << 20  # (returns the limit it replaces)
+            assert e.snapshot()["memory"]["cache"] <= 5 << 20
+    finally:
+        mx.set_cache_limit(before)
