@@ -28,8 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven engineers write tests on a shared "
-         "machine and the server keeps serving every request it can").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "engineers", "write", "tests", "on", "a", "shared", "machine", "and", "the", "server", "keeps", "serving", "every", "request", "it", "can"]
 
 
 def plan_total(args) -> dict:
@@ -46,7 +45,8 @@ def plan_total(args) -> dict:
 
 def start_server(args):
     cmd = [sys.executable, "-m", "mlx_spec", "serve", "--host", "127.0.0.1", "--port", "0", "--context",
-           str(args.context), "--prefix-cache-mb", str(args.prefix_cache_mb), *args.pair]
+           str(args.context), "--prefix-cache-mb", str(args.prefix_cache_mb), *args.pair,
+           *(["--no-tune"] if args.no_tune else [])]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     url, rss_listen, deadline = None, None, time.monotonic() + 900
     log: list[str] = []
@@ -110,6 +110,7 @@ def main() -> int:
     p.add_argument("--level-mb", type=float, default=32, help="growth of the last third that still counts as level")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
+    p.add_argument("--no-tune", action="store_true", help="serve with the checkpoint's block size (no first-launch tuning)")
     p.add_argument("--out", type=Path, default=None, help="write samples and verdict as JSON")
     args = p.parse_args()
     args.pair = [x for k in ("target", "drafter") if getattr(args, k) for x in (f"--{k}", getattr(args, k))]
