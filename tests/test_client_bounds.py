@@ -15,7 +15,6 @@ from test_server_guard import serve_policy
 
 from mlx_spec.engine import Delta, Done, Handle, Started
 from mlx_spec.generation import EngineInfo, Request
-from mlx_spec.server.app import create_app
 from mlx_spec.stats import StatsSnapshot
 
 CHAT = "/v1/chat/completions"
@@ -185,8 +184,9 @@ def test_metrics_show_the_allocator_figures_and_the_cache_bound(pair_root):
 
 def test_the_buffer_cache_is_bounded_by_the_plans_allowance(pair_root):
     """At start the engine thread sets MLX's cache limit to the plan's "MLX cache allowance"."""
-    import mlx.core as mx
     from types import SimpleNamespace
+
+    import mlx.core as mx
 
     from mlx_spec.generation import engine_info
     from mlx_spec.loading import load_pair
