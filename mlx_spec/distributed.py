@@ -134,6 +134,14 @@ def shard_problems(model, n: int) -> list[str]:
         if isinstance(v, int) and v % n and not (name == "num_key_value_heads" and mt and mt.startswith("qwen3_5")
                                                  and n % v == 0):
             out.append(f"{name}={v} is not divisible by {n} processes")
+    # mlx-lm's qwen3_5 family splits an untied output head by vocabulary (muse_spark always): an
+    # uneven split ends in its AssertionError, so it is named here, before anything loads
+    vocab = getattr(a, "vocab_size", None)
+    splits_vocab = mt is not None and (mt.startswith("muse_spark") or (
+        mt.startswith("qwen3_5") and not getattr(a, "tie_word_embeddings", True)))
+    if splits_vocab and isinstance(vocab, int) and vocab % n:
+        out.append(f"vocab_size={vocab} is not divisible by {n} processes ('{mt}' splits its output head "
+                   "by vocabulary)")
     return out
 
 

@@ -29,6 +29,13 @@ class EngineBusy(MlxSpecError):
     """The request queue is full; retry later."""
 
 
+class PrefillTimeout(MlxSpecError):
+    """A request's prefill ran past the engine's ``prefill_timeout``; the request failed, its slot freed."""
+
+
+PREFILL_TIMEOUT_S = 600.0  # generous: a whole long context on a slow machine
+
+
 @dataclass(frozen=True)
 class Started:
     request_id: str
@@ -170,9 +177,14 @@ class Engine:
     the work, fans events out and keeps the counters (``snapshot``)."""
 
     def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0,
-                 max_batch: int | None = 1, prefix_disk=None):
+                 max_batch: int | None = 1, prefix_disk=None, prefill_timeout: float = PREFILL_TIMEOUT_S):
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
+        # seconds a request's prefill may take (0: no limit); checked between batched steps, and
+        # when the one-at-a-time path's prefill returns (it runs in prefill_step chunks inside decode)
+        self._prefill_timeout = prefill_timeout
+        self._memory: dict = {}  # MLX allocator figures, sampled on the engine thread
+        self._cache_limit: int | None = None  # mx.set_cache_limit from the memory plan's allowance
         # Continuous batching (batch.py): up to max_batch requests decode together; None = as many
         # as the session's memory plan allows (memory.batch_room), 1 = one request after another.
         self._max_batch_asked = max_batch
@@ -196,7 +208,7 @@ class Engine:
         self._prefix = None  # PrefixCache, made on the engine thread
         self._policy_factory = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
         self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                          "prefix_cache_bytes": 0}
+                          "prefix_cache_bytes": 0, "prefill_timeouts": 0}
         self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
         self._running = None  # the running request's stats.Stats (updated on the engine thread)
         self._leader = None  # distributed.Leader when the session's target is sharded over a group
@@ -306,6 +318,7 @@ class Engine:
             self._session, self._info = session, session.info
             if self._prefix_disk is not None and self._leader is None:
                 self._prefix.attach(_open_store(self._prefix_disk, session.pair))
+            self._bound_cache(session)
             self._decoder = self._make_decoder(session)
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
@@ -386,10 +399,14 @@ class Engine:
             if lead is not None:  # a rank stuck in a collective: fail this request from the watchdog
                 unwatch = lead.on_failure(lambda why: handle._put(Failed(rid, why, "GroupFailed"))
                                           if threading.current_thread() is not self._thread else None)
+            began = time.monotonic()
             chunks = generate(pair, info, ids, cfg, result, prefix=self._prefix if lead is None else None,
                               policy=make() if make else None, lead=lead)
             try:
                 for chunk in chunks:
+                    if began is not None:  # the first chunk comes when the prefill is done
+                        self._check_prefill(time.monotonic() - began, len(ids), chunks)
+                        began = None
                     s = chunk.step
                     handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.snapshot()))
                     if handle.cancelled.is_set():
@@ -401,6 +418,7 @@ class Engine:
                     unwatch()
                     lead.finish()
             finish = finish or result.finish_reason or "length"
+            self._sample_memory()
             st = result.stats
             self._finish(st, len(ids), cancelled=finish == "cancelled")
             handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info, st.snapshot(trace=True),
@@ -517,6 +535,7 @@ class Engine:
                     lv.handle._put(Failed(lv.rid, str(e), type(e).__name__))
                 reserved = 0
                 continue
+            self._sample_memory()
             with self._lock:
                 self._batch["sizes"] = dict(dec.batch_sizes)
                 self._batch["steps"] = dict(dec.steps)
@@ -530,6 +549,7 @@ class Engine:
                                      lv.result.stats.snapshot()))
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)
+            reserved -= self._expire_prefills()
 
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
@@ -579,6 +599,58 @@ class Engine:
         with self._lock:
             self._live[sid] = _Live(handle, rid, info, ids, cfg, pair.tokenizer, need)
         return need
+
+    # -- bounds: prefill time, the allocator's cache --------------------------------------------
+    def _check_prefill(self, took: float, prompt: int, chunks) -> None:
+        """One-at-a-time path: fail a request whose prefill took longer than the budget."""
+        budget = self._prefill_timeout
+        if budget and took > budget:
+            chunks.close()
+            self._add("prefill_timeouts")
+            raise PrefillTimeout(f"the prefill of this {prompt}-token prompt took {took:.0f} s, past the server's "
+                                 f"--prefill-timeout of {budget:g} s; send a shorter prompt")
+
+    def _expire_prefills(self) -> int:
+        """Batched path: a sequence still prefilling past the budget fails and leaves the batch.
+        Returns the bytes those had reserved."""
+        budget, freed = self._prefill_timeout, 0
+        if not budget:
+            return 0
+        now = time.monotonic()
+        for sid, lv in list(self._live.items()):
+            if lv.result.tokens or now - lv.joined <= budget:
+                continue
+            self._decoder.cancel(sid, keep=False)  # a half-prefilled cache is not worth keeping
+            with self._lock:
+                del self._live[sid]
+            self._finish(None, 0)
+            self._add("errors")
+            self._add("prefill_timeouts")
+            freed += lv.need
+            lv.handle._put(Failed(lv.rid, f"the prefill of this {len(lv.ids)}-token prompt ran past the server's "
+                                  f"--prefill-timeout of {budget:g} s; send a shorter prompt", "PrefillTimeout"))
+        return freed
+
+    def _bound_cache(self, session) -> None:
+        """Bound MLX's buffer cache by the memory plan's allowance for it (on this thread)."""
+        import mlx.core as mx
+
+        plan = getattr(session, "plan", None)
+        allowance = next((i.bytes for i in getattr(plan, "items", ()) if i.name == "MLX cache allowance"), None)
+        if allowance is not None:
+            mx.set_cache_limit(int(allowance))
+        self._cache_limit = allowance
+        self._sample_memory()
+
+    def _sample_memory(self) -> None:
+        """MLX's allocator figures for /metrics, read on the engine thread."""
+        import mlx.core as mx
+
+        mem = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
+        if self._cache_limit is not None:
+            mem["cache_limit"] = self._cache_limit
+        with self._lock:
+            self._memory = mem
 
     def _batch_need(self, positions: int, reserved: int, need: int) -> int:
         """Bytes the batch's sequences may hold once this one (``positions``, ``need`` bytes)
@@ -655,7 +727,9 @@ class Engine:
                       "plain_cycles": st.plain_cycles, "drafter_passes": st.drafter_passes,
                       "trimmed": st.trimmed, "block_sizes": dict(st.block_sizes),
                       "sources": {k: dict(v) for k, v in st.sources.items()}}
-        return {**c, **cycles, **batch, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+        with self._lock:
+            memory = dict(self._memory)
+        return {**c, **cycles, **batch, "memory": memory, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
 
 
 class _Live:
@@ -666,6 +740,7 @@ class _Live:
         from .text import stream_text
 
         self.handle, self.rid, self.info, self.ids, self.cfg, self.need = handle, rid, info, ids, cfg, need
+        self.joined = time.monotonic()  # for the prefill budget
         self.result = Result()
         self._q: list = []
         self._chunks = stream_text(self._feed(), tokenizer, cfg.stop, tuple(tokenizer.eos_token_ids))

@@ -43,3 +43,16 @@ class Cancelled(MlxSpecError):
 
 class HubError(MlxSpecError):
     """A model hub could not give a repo's files: missing repo or file, server error, offline."""
+
+
+class BadModelFile(CheckpointError):
+    """A model file (GGUF, safetensors, JSON config) is truncated, corrupt or crafted: counts,
+    lengths or offsets that do not fit the file. Names the file, and the field and byte offset
+    where known."""
+
+    def __init__(self, path, problem: str, field: str | None = None, offset: int | None = None):
+        self.path, self.problem, self.field, self.offset = str(path), problem, field, offset
+        where = ", ".join(x for x in (f"field {field}" if field else "",
+                                      f"byte offset {offset}" if offset is not None else "") if x)
+        super().__init__(f"{path}: {problem}" + (f" ({where})" if where else "")
+                         + "; the file is damaged or not what it claims to be: download or copy it again")

@@ -93,6 +93,9 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Load tensors (MLX quantized layout) and metadata, refusing what we cannot convert."""
     from gguf import GGUFReader  # lazy: it takes ~0.5 s to import
 
+    from .modelfiles import check_gguf
+
+    check_gguf(path)  # counts, lengths and offsets checked against the file before any reader sees it
     # mx.load reads block types it does not know (Q4_K, ...) as garbage, so check types first
 
     try:

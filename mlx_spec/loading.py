@@ -8,6 +8,7 @@ parameter is present and every shape matches; otherwise ``CheckpointError`` name
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,12 @@ def default_dtype():
 
 
 def _read_config(path: Path) -> dict:
+    from .modelfiles import read_json
+
     try:
-        return json.loads((path / "config.json").read_text())
+        return read_json(path / "config.json")  # bounded size and depth (BadModelFile)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/config.json is not valid JSON: {e}") from None
 
 
 def _read_weights(path: Path) -> dict[str, mx.array]:
@@ -63,7 +64,10 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
     weights = {}
+    from .modelfiles import safetensors_header
+
     for f in files:
+        safetensors_header(f)  # every range inside the file, no overlaps, before MLX reads it
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -126,6 +130,7 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
     if path.is_dir():
         check_model_dir(path, "drafter", str(path_or_id))
     config = _read_config(path)
+    _check_drafter_config(config, path / "config.json")
     arch = (config.get("architectures") or [None])[0]
     if arch not in (DFLASH1, DFLASH2):
         raise CheckpointError(
@@ -134,11 +139,15 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
         )
     try:
         args = DrafterArgs.from_config(config)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/config.json: missing or bad key {e}") from None
     if args.mask_token_id is None:
         raise CheckpointError(f"{path}/config.json: no mask_token_id (dflash_config)")
-    model = Drafter(args)
+    try:
+        model = Drafter(args)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise CheckpointError(f"{path}/config.json: these values do not make a drafter "
+                              f"({type(e).__name__}: {e})") from None
     weights = model.sanitize(_read_weights(path))
     if "quantization" in config:
         q = config["quantization"]
@@ -172,6 +181,67 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
     model.eval()
     model.shipped_vocab = read_draft_vocab(path, args.vocab_size)
     return model, config
+
+
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "block_size", "num_target_layers", "max_position_embeddings",
+                   "sliding_window", "target_hidden_size", "conv_kernel_size", "conv_group_size", "selector_rank",
+                   "selector_top_k")
+_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
+                    "final_logit_softcapping")
+MAX_SIZE = 1 << 24  # no dimension of a drafter comes near this
+
+
+def _check_drafter_config(config: dict, f: Path) -> None:
+    """The types and ranges of a drafter's config.json, before any of it builds a module: a
+    crafted value is refused by name (BadModelFile), never a traceback from deep inside."""
+    from .errors import BadModelFile
+
+    def is_size(v, least=1) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and least <= v <= MAX_SIZE
+
+    dc = config.get("dflash_config", {})
+    if dc is not None and not isinstance(dc, dict):
+        raise BadModelFile(f, "dflash_config must be an object", "dflash_config")
+    dc = dc or {}
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise BadModelFile(f, "architectures must be a list of names", "architectures")
+
+    def get(key):
+        return dc[key] if key in dc else config.get(key)
+
+    for key in _SIZE_KEYS:
+        if key in config and not is_size(config[key]):
+            raise BadModelFile(f, f"{config[key]!r} is not a size (an integer in 1..{MAX_SIZE})", key)
+    for key in _OPTIONAL_SIZES:
+        v = get(key)
+        if v is not None and not is_size(v):
+            raise BadModelFile(f, f"{v!r} is not a size (an integer in 1..{MAX_SIZE})", key)
+    for key in _OPTIONAL_FLOATS:
+        v = get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                  and v > 0):
+            raise BadModelFile(f, f"{v!r} is not a finite positive number", key)
+    mask = get("mask_token_id")
+    if mask is not None and not (is_size(mask, 0) and mask < config.get("vocab_size", MAX_SIZE)):
+        raise BadModelFile(f, f"{mask!r} is not a token id of the vocabulary", "mask_token_id")
+    ids = get("target_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and ids and all(is_size(i, 0) for i in ids)):
+        raise BadModelFile(f, f"{ids!r} is not a non-empty list of layer indices", "target_layer_ids")
+    types = config.get("layer_types")
+    if types is not None and not (isinstance(types, list) and len(types) == config.get("num_hidden_layers")
+                                  and all(isinstance(t, str) for t in types)):
+        raise BadModelFile(f, "layer_types must name one kind per layer", "layer_types")
+    for key in ("rope_scaling", "rope_parameters", "quantization"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise BadModelFile(f, f"{key} must be an object", key)
+    q = config.get("quantization")
+    if q is not None and not (is_size(q.get("group_size")) and q.get("bits") in (2, 3, 4, 5, 6, 8)):
+        raise BadModelFile(f, "quantization needs an integer group_size and bits in 2..8", "quantization")
+    for key in ("is_causal",):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise BadModelFile(f, f"{key} must be true or false", key)
 
 
 def save_drafter(model: Drafter, path: str | Path, config: dict, dtype=None) -> None:
@@ -243,6 +313,7 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
             raise CheckpointError(f"target '{path_or_id}' is a file, not a model folder (config.json, "
                                   "*.safetensors, tokenizer); a GGUF file converts with `mlx_spec convert`")
         check_model_dir(path, "target", path_or_id)
+        _check_untrusted(path)
     try:
         model, tokenizer = load(str(path), lazy=True)
     except MlxSpecError:
@@ -253,6 +324,18 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
     quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}",
                      before_materialize=shard)
     return model, tokenizer
+
+
+def _check_untrusted(path: Path) -> None:
+    """A downloaded target folder's configs and weight headers, checked before mlx-lm and
+    transformers parse them (``modelfiles``: sizes, depth, offsets; BadModelFile)."""
+    from .modelfiles import read_json, safetensors_header
+
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        if (path / name).is_file():
+            read_json(path / name)
+    for f in sorted(path.glob("*.safetensors")):
+        safetensors_header(f)
 
 
 def _is_quantized(model) -> bool:

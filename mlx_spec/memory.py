@@ -539,9 +539,9 @@ def _target_path(target_id: str):
 
 
 def _read_json(path) -> dict:
-    import json
+    from .modelfiles import read_json
 
-    return json.loads((path / "config.json").read_text())
+    return read_json(path / "config.json")
 
 
 def model_source(ref: str, what: str):

@@ -11,10 +11,8 @@ from safetensors headers or a lazily built module, never the weights.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -147,12 +145,12 @@ def loaded_nbytes(tensors: Iterable[Tensor], *, bits: int | None, group_size: in
 
 def safetensors_tensors(path: str | Path) -> list[Tensor]:
     """Shapes and dtypes of every tensor in a checkpoint folder, read from the file headers."""
+    from .modelfiles import safetensors_header
+
     out = []
     for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        out += [Tensor(k, tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"]
+        header = safetensors_header(f)  # checked against the file (BadModelFile)
+        out += [Tensor(k, v[1], v[0]) for k, v in header.items() if k != "__metadata__"]
     return out
 
 

@@ -252,6 +252,27 @@ def test_refuses_a_target_without_shard():
         distributed.shard_target(NoShard(), Group())
 
 
+def test_a_vocabulary_that_does_not_split_over_the_ranks_is_refused_by_name():
+    """A 47-token qwen3_5 vocabulary over 2 ranks ended in mlx-lm's AssertionError traceback."""
+    from test_hybrid import build
+
+    class Group:
+        def size(self):
+            return 2
+
+    model, _ = build("qwen3_5", vocab_size=47)
+    assert distributed.shard_problems(model, 2) == [
+        "vocab_size=47 is not divisible by 2 processes ('qwen3_5' splits its output head by vocabulary)"]
+    with pytest.raises(UnsupportedModel, match="vocab_size=47 is not divisible by 2"):
+        distributed.shard_target(model, Group())
+    from mlx_lm.models import qwen3_5
+    from test_hybrid import CONFIGS
+
+    tied = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(dict(CONFIGS["qwen3_5"], vocab_size=47, tie_word_embeddings=True)))
+    assert distributed.shard_problems(tied, 2) == []  # a tied head is not split
+    assert distributed.shard_problems(build("qwen3_5", vocab_size=48)[0], 2) == []
+
+
 def test_single_process_is_untouched():
     assert not distributed.launched({})
     assert distributed.init_group(environ={}) is None

@@ -10,6 +10,7 @@ from helpers import tiny_engine_loader
 from test_server import running_engine, serve_in_thread
 
 from mlx_spec.engine import Delta, Done, Engine, Handle, Started
+from mlx_spec.server import guard
 from mlx_spec.server.app import create_app
 from mlx_spec.generation import EngineInfo
 from mlx_spec.session import Session
@@ -24,7 +25,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    with serve_in_thread(create_app(engine, max_body_bytes=1 << 20)) as u:
+    # as `serve` runs: the Host/Origin checks on (loopback, any port: the test's own)
+    with serve_in_thread(create_app(engine, max_body_bytes=1 << 20, policy=guard.Policy())) as u:
         yield u
 
 
@@ -128,6 +130,16 @@ CASES = [
     ("NaN seed", "POST", TEXT, b'{"prompt": "a", "seed": NaN}', 400, "seed"),
     ("text/plain completions", "POST", TEXT, b'{"prompt": "a"}', 415, None),
     ("DELETE a model", "DELETE", "/v1/models/x", None, 405, None),
+    # web pages in the user's browser (server/guard.py): refused before anything is parsed
+    ("rebinding Host", "POST", CHAT, {"messages": MSG, "max_tokens": 3}, 403, None),
+    ("rebinding Host, completions", "POST", TEXT, {"prompt": "a", "max_tokens": 3}, 403, None),
+    ("rebinding Host, models", "GET", "/v1/models", None, 403, None),
+    ("rebinding Host, metrics", "GET", "/metrics", None, 403, None),
+    ("cross-origin JSON POST", "POST", CHAT, {"messages": MSG, "max_tokens": 3}, 403, None),
+    ("cross-origin text/plain POST", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}]}', 403, None),
+    ("null Origin", "POST", TEXT, {"prompt": "a"}, 403, None),
+    ("cross-site fetch without Origin", "GET", "/v1/models", None, 403, None),
+    ("preflight from an unlisted origin", "OPTIONS", CHAT, None, 403, None),
 ]
 
 # Extra checks for some cases: the code, and words the message must (not) contain.
@@ -145,7 +157,18 @@ EXPECT = {
     "form body": {"code": "unsupported_media_type"},
 }
 HEADERS = {"text/plain body": "text/plain", "form body": "application/x-www-form-urlencoded",
-           "text/plain completions": "text/plain; charset=utf-8"}
+           "text/plain completions": "text/plain; charset=utf-8", "cross-origin text/plain POST": "text/plain"}
+EVIL = {"Origin": "http://evil.example"}
+EXTRA_HEADERS = {  # (the battery's other headers are Content-Type only)
+    "rebinding Host": {"Host": "evil.example"}, "rebinding Host, completions": {"Host": "evil.example:8080"},
+    "rebinding Host, models": {"Host": "127.0.0.1.evil.example"}, "rebinding Host, metrics": {"Host": "evil.example"},
+    "cross-origin JSON POST": EVIL,
+    "cross-origin text/plain POST": EVIL, "null Origin": {"Origin": "null"},
+    "cross-site fetch without Origin": {"Sec-Fetch-Site": "cross-site"},
+    "preflight from an unlisted origin": {**EVIL, "Access-Control-Request-Method": "POST"},
+}
+for _name in EXTRA_HEADERS:
+    EXPECT[_name] = {"type": "permission_error", "code": "forbidden"}
 
 
 def test_bad_input_battery(engine, url):
@@ -154,16 +177,17 @@ def test_bad_input_battery(engine, url):
     with httpx.Client(base_url=url, timeout=30) as c:
         for name, method, path, body, status, param in CASES:
             kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-            r = c.request(method, path, headers={"Content-Type": HEADERS.get(name, "application/json")}, **kw)
+            r = c.request(method, path, headers={"Content-Type": HEADERS.get(name, "application/json"),
+                                                 **EXTRA_HEADERS.get(name, {})}, **kw)
             assert r.status_code == status, (name, r.status_code, r.text[:300])
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], name
-            assert err["type"] == "invalid_request_error", name
+            want = EXPECT.get(name, {})
+            assert err["type"] == want.get("type", "invalid_request_error"), name
             if param is not None:
                 assert err["param"] == param, (name, err)
             if name.startswith(("prompt longer", "long chat")):
                 assert err["code"] == "context_length_exceeded", (name, err)
-            want = EXPECT.get(name, {})
             if "code" in want:
                 assert err["code"] == want["code"], (name, err)
             assert want.get("says", "") in err["message"], (name, err)

@@ -73,6 +73,18 @@ def add_arguments(p) -> None:
                    help="run in the background (see `mlx_spec status`, `mlx_spec stop`); with --ranks/--hosts/"
                         "--hostfile, the whole group (`mlx_spec stop` stops every rank)")
     add_launch_args(p, "rank 0 serves, the others follow it")
+    b = p.add_argument_group("who may call the server, and bounds on each client (docs/security.md)")
+    b.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated web origins (scheme://host[:port]) whose pages may call the server, "
+                        "with CORS headers for those only; any other browser Origin gets 403 (default: "
+                        "$MLX_SPEC_ALLOWED_ORIGINS, else none; '*' only with --api-key)")
+    b.add_argument("--max-streams-per-client", type=int, default=16, metavar="N",
+                   help="generation requests one client address may have open at once; more get 429 (0: no limit)")
+    b.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a stream may wait for a client that stopped reading before it is cut off and "
+                        "its generation cancelled (0: never)")
+    b.add_argument("--prefill-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one request's prefill may take before it fails and frees its slot (0: no limit)")
     g = p.add_argument_group("defaults for requests that omit a field (as mlx_lm.server and llama-server)")
     g.add_argument("--temp", "--temperature", dest="default_temperature", type=float, default=None, metavar="T",
                    help="sampling temperature (default: 1, the APIs' own default)")
@@ -93,6 +105,9 @@ def run(args) -> int:
         raise BadRequest(f"--max-batch must be >= 1 (got {args.max_batch})")
     request_defaults(args)  # bad --temp/--top-p/--top-k/--max-tokens are refused before loading
     model_names(args)
+    check_bounds(args)
+    # a bad --allowed-origins is refused before loading
+    guard_policy(args, args.host, args.port, args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None)
     from ..session import check, run_follower
 
     launch = launch_of(args)  # --ranks/--hosts/--hostfile: mlx_spec runs mlx.launch itself
@@ -156,6 +171,36 @@ def request_defaults(args):
     return RequestDefaults(t, p, k, n, think_kwargs(args))
 
 
+def check_bounds(args) -> None:
+    """Bad --max-streams-per-client/--stall-timeout/--prefill-timeout are refused before loading."""
+    for flag, v in (("--max-streams-per-client", args.max_streams_per_client), ("--stall-timeout", args.stall_timeout),
+                    ("--prefill-timeout", args.prefill_timeout)):
+        if not v >= 0 or v == float("inf"):
+            raise BadRequest(f"{flag} must be a finite number >= 0 (got {v})")
+
+
+def guard_policy(args, host: str, port: int, api_key: str | None):
+    """The server's ``guard.Policy`` from the flags (and $MLX_SPEC_ALLOWED_ORIGINS)."""
+    from ..server import guard
+
+    if args.allowed_origins is not None:
+        origins = guard.parse_origins(args.allowed_origins, api_key=api_key is not None)
+    else:
+        origins = guard.parse_origins(os.environ.get(guard.ORIGINS_ENV), api_key=api_key is not None,
+                                      source=f"${guard.ORIGINS_ENV}")
+    return guard.Policy(bound=host, port=port, allowed_origins=origins, max_streams=args.max_streams_per_client,
+                        stall_s=args.stall_timeout)
+
+
+def open_warning(host: str, policy, api_key: str | None) -> str | None:
+    """What `serve` says when it listens beyond loopback without an API key."""
+    if api_key is not None or policy.check_host:
+        return None
+    return (f"warning: listening on {host} without --api-key: anyone who can reach this address can run "
+            "generations, read /v1/models and /metrics, and fill the prefix cache (browsers are still held "
+            "to --allowed-origins); set --api-key or put it behind a proxy (docs/security.md)")
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -184,13 +229,14 @@ def _serve(args, cfg, api_key: str | None) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        say(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it")
+    policy = guard_policy(args, host, port, api_key)
+    if (warning := open_warning(args.host, policy, api_key)) is not None:
+        say(warning)
     engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch,
-                    prefix_disk=prefix_disk_of(args))
+                    prefix_disk=prefix_disk_of(args), prefill_timeout=args.prefill_timeout)
     engine.start()
     names = model_names(args)
-    app = create_app(engine, api_key=api_key, defaults=request_defaults(args), names=names)
+    app = create_app(engine, api_key=api_key, defaults=request_defaults(args), names=names, policy=policy)
     config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
                             timeout_graceful_shutdown=3)
     server = _server_class()(config, on_exit=app.state.cancel_all)

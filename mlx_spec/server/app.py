@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import FAILED, READY, Done, Failed, Started
-from . import anthropic, errors, output, schemas, tools
+from . import anthropic, errors, guard, output, schemas, tools
 from .errors import ModelNotFound, NotReady, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 
 MAX_BODY_BYTES = 4 << 20
@@ -42,6 +42,7 @@ class Served:
     defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS
     created: int = 0
     names: schemas.ModelNames = schemas.ANY_NAME
+    refused: guard.Counters = field(default_factory=guard.Counters)  # the guard's 403s and 429s
     http_counts: dict = field(default_factory=dict)
     live: dict = field(default_factory=lambda: {"in_flight": 0, "rejected": 0})
     handles: set = field(default_factory=set)
@@ -131,14 +132,17 @@ def served(request: HTTPRequest) -> Served:
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
-               names: schemas.ModelNames = schemas.ANY_NAME) -> FastAPI:
+               names: schemas.ModelNames = schemas.ANY_NAME, policy: guard.Policy | None = None) -> FastAPI:
     """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
     ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits;
-    ``names``: which model names requests may give (default: any)."""
+    ``names``: which model names requests may give (default: any). ``policy``: Host/Origin checks
+    and client bounds on every route (server/guard.py; ``serve`` always passes one, None = none)."""
     app = FastAPI(title="mlx_spec", docs_url=None, redoc_url=None, openapi_url=None)
     state = Served(engine, api_key, max_body_bytes, keepalive_s, defaults, schemas.now(), names)
     app.state.served = state
     app.state.cancel_all = state.cancel_all
+    if policy is not None:  # inside _Counter: its 403s and 429s are counted too
+        app.add_middleware(guard.Guard, policy=policy, counters=state.refused)
     app.add_middleware(_Counter, counts=state.http_counts, live=state.live)
     app.add_exception_handler(errors.MlxSpecError, on_error)
     app.add_exception_handler(HTTPException, on_http_error)
@@ -229,7 +233,8 @@ async def model(request: HTTPRequest, name: str):
 
 async def metrics(request: HTTPRequest):
     s = served(request)
-    return PlainTextResponse(prometheus(s.engine, s.http_counts, s.live), media_type="text/plain; version=0.0.4")
+    text = prometheus(s.engine, s.http_counts, s.live) + guard.metrics_text(s.refused, s.engine.snapshot())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 async def chat_completions(request: HTTPRequest):

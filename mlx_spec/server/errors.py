@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from ..distributed import GroupFailed
-from ..engine import EngineBusy, Failed
+from ..engine import EngineBusy, Failed, PrefillTimeout
 from ..errors import BadRequest, Cancelled, ContextTooLong, InvalidPrompt, MlxSpecError
 
 RETRY_AFTER_S = 1
@@ -56,6 +56,7 @@ TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     InvalidField: (400, "invalid_request_error", "invalid_value"),
     BadRequest: (400, "invalid_request_error", None),
     EngineBusy: (503, "server_error", "server_busy"),
+    PrefillTimeout: (503, "server_error", "prefill_timeout"),
     GroupFailed: (503, "server_error", "group_failed"),
     NotReady: (503, "server_error", "model_not_ready"),
     Cancelled: (503, "server_error", "cancelled"),
