@@ -376,3 +376,26 @@ def test_eagle_pass_reads_the_embedding_then_the_fused_taps(eagle_pair):
     want = mx.fast.rms_norm(h, d.norm.weight, d.norm.eps) @ d.lm_head.weight.T
     from mlx_spec.chain import draft_logits
     np.testing.assert_allclose(np.array(draft_logits(d, out.hidden, mx.array(PROMPT))), np.array(want), atol=1e-4)
+
+
+def test_an_mtp_head_is_quantized_like_a_quantized_target(tmp_path):
+    import mlx.nn as nn
+
+    root, model, _ = write_mtp_checkpoint(tmp_path, "qwen3")
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    head = load_mtp(root, Target(model, (), final_hidden=True))
+    assert isinstance(head.fc, nn.QuantizedLinear) and head.fc.bits == 4 and head.fc.group_size == 64
+    assert isinstance(head.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+
+
+def test_a_stored_quantized_mtp_head_loads_as_it_is(tmp_path):
+    import mlx.nn as nn
+
+    root, model, head = write_mtp_checkpoint(tmp_path, "qwen3")
+    nn.quantize(head, group_size=64, bits=8)
+    mx.save_safetensors(str(root / "model-mtp.safetensors"), {"mtp." + k: v for k, v in tree_flatten(head.parameters())})
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 64, "bits": 8})))
+    got = load_mtp(root, Target(model, (), final_hidden=True))
+    assert isinstance(got.fc, nn.QuantizedLinear) and got.fc.bits == 8
+    np.testing.assert_array_equal(np.array(got.fc.weight), np.array(head.fc.weight))
