@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import VOCAB, tiny_model
+from test_chain import reference
 
 from mlx_spec.eagle import load_eagle
 from mlx_spec.mtp import load_mtp
@@ -32,29 +33,27 @@ def _setup(kind):
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle"])
 def test_the_trainers_forward_equals_the_inference_forward(kind):
+    """Step j of the training-time test at row t is pass j of the chain anchored j - 1 rows
+    earlier, fed the committed tokens: the cached ``propose`` (pass 1) and the no-cache
+    recompute of the chain (every pass) give the same distribution."""
     target, head, _ = _setup(kind)
-    seq = [3, 17, 5, 40, 9, 77, 12, 8, 60, 2, 31, 99]
+    seq = [3, 17, 5, 40, 9, 77, 12, 8, 60, 2, 31, 99, 14, 6]
     ids = mx.array([seq])
     feats = target_features(target, head, ids)
-    captured = {}
-    orig = head.step
-
-    def spy(h, i, c, m):
-        out = orig(h, i, c, m)
-        captured.setdefault("logits", out[1])
-        return out
-
-    head.step = spy
-    loss_fn(head, feats, ids, mx.ones((1, len(seq) - 2)), ttt=1, decay=1.0)
-    del head.step
-    train_logits = captured["logits"][0]  # row t predicts seq[t + 2]
+    steps = []
+    loss_fn(head, feats, ids, mx.ones((1, len(seq) - 2)), ttt=3, decay=1.0, capture=steps)
     cfg = SamplingConfig(temperature=1.0)
-    for t in (3, 7):
+    for t in (4, 9):
         cache = head.make_cache()
         head.add_context(feats[:, : t + 1], ids[0, : t + 1], cache)
         prop = head.propose(ids[0, t + 1], 1, cache, sampling=cfg, key=mx.random.key(0))
-        want = mx.softmax(train_logits[t].astype(mx.float32))
+        want = mx.softmax(steps[0][0, t].astype(mx.float32))
         np.testing.assert_allclose(np.array(prop.q[0]), np.array(want), atol=1e-5)
+        for j in (1, 2):
+            a = t - j  # the chain's anchor row
+            _, logits = reference(head, feats[:, : a + 1], seq[: a + 1], seq[a + 1], j + 1,
+                                  feed=seq[a + 2 : a + 3 + j])
+            np.testing.assert_allclose(np.array(steps[j][0, t]), np.array(logits[j]), atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle"])

@@ -7,12 +7,13 @@ last hidden; EAGLE-3: three taps), so no feature shards are needed.
 
 Loss: cross-entropy on the committed token two positions ahead of each feature row (row t reads
 the target's features at t and token t + 1, and predicts t + 2), response positions only.
-Training-time test (``ttt`` steps, as the EAGLE-3 recipe does): step j > 1 runs the head again
-with, at each row, its own step j - 1 output of the row before in place of the target's
-features, and the same targets; step j's loss is weighted ``decay ** (j - 1)``. Each row of step
-j thus sees its own earlier outputs, as pass j of a chain does; its attention reads the same
-step's rows rather than the committed rows' target features (a simplification of the
-authors' block-diagonal mask).
+Training-time test (``ttt`` steps, the EAGLE-3 recipe): step j > 1 runs the head again with, at
+each row, its own step j - 1 output of the row before in place of the target's features, and
+the same targets; step j's loss is weighted ``decay ** (j - 1)``. Row t of step j is pass j of
+the chain anchored at row t - j + 1, and attends exactly as that pass does at inference
+(``ttt_mask``): to the committed rows up to the anchor (step 1's, built from target features)
+and to its own chain's rows of the earlier steps. The drafts it reads are the committed tokens
+(teacher forcing), so step j's logits at row t equal pass j of ``propose`` fed those tokens.
 
 The forward is the inference code itself (``chain.draft_logits`` and the head's ``step``), and
 the output is the published layout: MTP heads as ``mtp.*`` tensors beside a config that declares
@@ -109,16 +110,49 @@ def target_features(target: Target, head: ChainHead, ids: mx.array) -> mx.array:
     return mx.stop_gradient(out.final if head.final_hidden else out.hidden)
 
 
-def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt: int, decay: float):
-    """Weighted cross-entropy over ``ttt`` steps; returns (loss, per-step accuracies)."""
+class TTTCache:
+    """One layer's keys and values of the earlier training-time-test steps: a step's attention
+    reads them beside its own (the drafter's layers take it where they take a K/V cache)."""
+
+    offset = 0  # every step's rows sit at the sequence's own positions 0..T-1
+
+    def __init__(self):
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+
+    def update_and_fetch(self, k: mx.array, v: mx.array):
+        self.keys.append(k)
+        self.values.append(v)
+        return mx.concatenate(self.keys, axis=2), mx.concatenate(self.values, axis=2)
+
+
+def ttt_mask(T: int, j: int) -> mx.array:
+    """(T, j*T) visibility for step j (0-based) of the training-time test. Row t of step j is
+    pass j + 1 of the chain whose anchor row is t - j: it sees step 0's rows up to that anchor
+    (the committed rows, built from target features) and, in each later step s <= j, the one
+    row of its own chain, t - (j - s)."""
+    t = mx.arange(T)[:, None]
+    u = mx.arange(T)[None]
+    parts = [u <= t - j] + [u == t - (j - s) for s in range(1, j + 1)]
+    return mx.concatenate(parts, axis=1)
+
+
+def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt: int, decay: float,
+            capture: list | None = None):
+    """Weighted cross-entropy over ``ttt`` steps; returns (loss, per-step accuracies).
+    ``capture`` (a list) receives each step's logits (for tests)."""
+    if head.draft_ids is not None:
+        raise BadRequest("training over a reduced draft vocabulary is not supported")
     h = head.fuse(feats)[:, :-1]
     inp = ids[:, 1:]
     labels = ids[:, 2:]
-    if head.draft_ids is not None:
-        raise BadRequest("training over a reduced draft vocabulary is not supported")
+    T = h.shape[1]
+    caches = [TTTCache() for _ in range(head.n_layers)]
     total, weight, accs = 0.0, 0.0, []
     for j in range(ttt):
-        out, logits = head.step(h, inp, [None] * head.n_layers, "causal")
+        out, logits = head.step(h, inp, caches, ttt_mask(T, j))
+        if capture is not None:
+            capture.append(logits)
         lg = logits[:, :-1]
         m = mask if j == 0 else mask * (mx.arange(mask.shape[1]) >= j)
         ce = nn.losses.cross_entropy(lg, labels, reduction="none")
@@ -127,7 +161,7 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
         total = total + w * (ce * m).sum() / n
         weight += w
         accs.append(((mx.argmax(lg, axis=-1) == labels) * m).sum() / n)
-        h = mx.concatenate([h[:, :1], out[:, :-1]], axis=1)  # row t now reads its predecessor's output
+        h = mx.concatenate([h[:, :1], out[:, :-1]], axis=1)  # row t reads its chain's previous output
     return total / weight, mx.stack(accs)
 
 
