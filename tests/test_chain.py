@@ -379,7 +379,7 @@ def test_eagle_pass_reads_the_embedding_then_the_fused_taps(eagle_pair):
 
 
 def test_an_mtp_head_is_quantized_like_a_quantized_target(tmp_path):
-    import mlx.nn as nn
+    from mlx import nn
 
     root, model, _ = write_mtp_checkpoint(tmp_path, "qwen3")
     nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
@@ -389,7 +389,7 @@ def test_an_mtp_head_is_quantized_like_a_quantized_target(tmp_path):
 
 
 def test_a_stored_quantized_mtp_head_loads_as_it_is(tmp_path):
-    import mlx.nn as nn
+    from mlx import nn
 
     root, model, head = write_mtp_checkpoint(tmp_path, "qwen3")
     nn.quantize(head, group_size=64, bits=8)

@@ -40,7 +40,7 @@ def test_the_plan_counts_an_mtp_head_as_its_real_weights_and_cache(kind):
     rows = {r.name: r.bytes for r in memory.chain_items("mtp", cfg, context=300, depth=4, float_bytes=4)}
     assert rows["MTP head weights"] == _real_bytes(head)
     cache = head.make_cache()
-    model, tcfg = tiny_model("qwen3")
+    model, _ = tiny_model("qwen3")
     if kind == "qwen3":  # the real cache after 300 context rows and a 4-deep chain
         target = Target(model, (), final_hidden=True)
         head.bind(target.embed, target.head)
@@ -68,7 +68,7 @@ def test_models_lists_the_chain_drafters(tmp_path):
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "mlx_spec", "models", "--json", "--budget-gb", "64"],
-                       capture_output=True, text=True, env=env, timeout=120)
+                       capture_output=True, text=True, env=env, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     chain = {c["name"]: c for c in json.loads(r.stdout)["chain"]}
     assert chain["qwen3-next-80b-a3b-instruct-mtp"]["drafter"] is None
