@@ -1,8 +1,6 @@
 """Chain drafters in the catalog and the memory plan: entries by name, planned from configs."""
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -63,13 +61,14 @@ def test_the_plan_counts_an_eagle_drafter_and_its_three_taps():
     assert q["EAGLE-3 weights"] < rows["EAGLE-3 weights"] / 3
 
 
-def test_models_lists_the_chain_drafters(tmp_path):
-    import os
+def test_models_lists_the_chain_drafters(capsys):
+    from argparse import Namespace
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "mlx_spec", "models", "--json", "--budget-gb", "64"],
-                       capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    chain = {c["name"]: c for c in json.loads(r.stdout)["chain"]}
+    from mlx_spec.commands import models
+
+    assert models.run(Namespace(target_bits="4", context=4096, budget_gb=64.0, json=True)) == 0
+    chain = {c["name"]: c for c in json.loads(capsys.readouterr().out)["chain"]}
     assert chain["qwen3-next-80b-a3b-instruct-mtp"]["drafter"] is None
+    assert chain["qwen3-next-80b-a3b-instruct-mtp"]["fits"] == "~yes"
+    assert chain["qwen3.5-122b-a10b-mtp"]["fits"] == "~no"
     assert chain["llama3.1-8b-instruct-eagle3"]["layout"] == "eagle"
