@@ -399,3 +399,48 @@ def test_a_stored_quantized_mtp_head_loads_as_it_is(tmp_path):
     got = load_mtp(root, Target(model, (), final_hidden=True))
     assert isinstance(got.fc, nn.QuantizedLinear) and got.fc.bits == 8
     np.testing.assert_array_equal(np.array(got.fc.weight), np.array(head.fc.weight))
+
+
+def chain_greedy(target, drafter, prompt, n: int, k: int):
+    """A minimal greedy speculative loop over the chain interface (propose, verify, accept,
+    roll back both sides): what the decode loop runs with a chain drafter."""
+    from mlx_spec.sampling import accept_greedy
+
+    cache_t = target.make_cache()
+    out = target(mx.array([prompt]), cache_t)
+    cache = drafter.make_cache()
+    drafter.add_context(feats_of(drafter, out), mx.array(prompt), cache)
+    tokens = [int(mx.argmax(out.logits[0, -1]))]
+    while len(tokens) < n:
+        anchor = tokens[-1]
+        drafts = drafter.propose(mx.array(anchor), k, cache).tokens.tolist()
+        block = [anchor] + drafts
+        vout = target(mx.array([block]), cache_t, record=True)
+        a, bonus = accept_greedy(drafts, mx.argmax(vout.logits[0], axis=-1).tolist())
+        target.rollback(cache_t, len(block), a + 1)
+        drafter.rollback(cache)
+        drafter.add_context(feats_of(drafter, vout)[:, : a + 1], mx.array(block[: a + 1]), cache)
+        tokens += drafts[:a] + [bonus]
+    return tokens[:n]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_next"])
+def test_greedy_chain_decoding_with_an_mtp_head_equals_plain_decoding(tmp_path, kind):
+    from helpers import greedy_reference
+
+    from mlx_spec.chain_loading import load_chain
+
+    root, model, _ = write_mtp_checkpoint(tmp_path, kind, per_expert=kind == "qwen3_next")
+    target, head = load_chain("mtp", model, root)
+    assert chain_greedy(target, head, PROMPT, 24, 3) == greedy_reference(model, PROMPT, 24)
+
+
+def test_greedy_chain_decoding_with_an_eagle_drafter_equals_plain_decoding(tmp_path):
+    from helpers import greedy_reference
+
+    from mlx_spec.chain_loading import load_chain
+
+    model, _ = make_eagle(tmp_path, "speculators", reduced=True)
+    target, d = load_chain("eagle", model, drafter=tmp_path)
+    assert d.taps == (0, 1, 2)
+    assert chain_greedy(target, d, PROMPT, 24, 4) == greedy_reference(model, PROMPT, 24)
