@@ -138,6 +138,8 @@ def add_arguments(p) -> None:
         if kind == "eagle":
             c.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
                            help="output layout: the EAGLE authors' (midlayer.*) or speculators' (layers.0.*)")
+            c.add_argument("--draft-vocab", type=int, default=0,
+                           help="draft over the N most frequent response tokens (written as d2t/t2d); 0: the full vocabulary")
 
     e = sub.add_parser("export", formatter_class=p.formatter_class, help="float16 copy of a run's checkpoint, and/or the data's token ids")
     e.add_argument("--run", default=None, help="run directory (its latest checkpoint)")

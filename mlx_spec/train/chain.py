@@ -60,6 +60,7 @@ class ChainTrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 100
     layout: str = "eagle"  # EAGLE-3 output layout: eagle | speculators
+    draft_vocab: int = 0  # EAGLE-3: draft over the N most frequent response tokens (d2t); 0: the full vocabulary
     resume: bool = False
 
     def __post_init__(self):
@@ -70,6 +71,8 @@ class ChainTrainConfig:
         for name in ("steps", "batch_size", "ttt", "checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"--{name.replace('_', '-')} must be >= 1")
+        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "eagle"):
+            raise BadRequest("--draft-vocab is an EAGLE-3 option (N >= 1; 0 = the full vocabulary)")
         if self.seq_len < 8:
             raise BadRequest("--seq-len must be >= 8")
 
@@ -141,11 +144,16 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
             capture: list | None = None):
     """Weighted cross-entropy over ``ttt`` steps; returns (loss, per-step accuracies).
     ``capture`` (a list) receives each step's logits (for tests)."""
-    if head.draft_ids is not None:
-        raise BadRequest("training over a reduced draft vocabulary is not supported")
     h = head.fuse(feats)[:, :-1]
     inp = ids[:, 1:]
     labels = ids[:, 2:]
+    valid = mask
+    if head.draft_ids is not None:  # targets in draft ids; a target outside the draft vocabulary is a miss
+        index = mx.full((head.vocab_size,), -1, mx.int32).at[head.draft_ids].add(
+            mx.arange(head.draft_ids.shape[0], dtype=mx.int32) + 1)
+        labels = index[labels]
+        valid = mask * (labels >= 0)
+        labels = mx.maximum(labels, 0)
     T = h.shape[1]
     caches = [TTTCache() for _ in range(head.n_layers)]
     total, weight, accs = 0.0, 0.0, []
@@ -154,18 +162,38 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
         if capture is not None:
             capture.append(logits)
         lg = logits[:, :-1]
-        m = mask if j == 0 else mask * (mx.arange(mask.shape[1]) >= j)
+        rows = mx.arange(mask.shape[1]) >= j
+        m, v = mask * rows, valid * rows
         ce = nn.losses.cross_entropy(lg, labels, reduction="none")
-        n = mx.maximum(m.sum(), 1)
         w = decay ** j
-        total = total + w * (ce * m).sum() / n
+        total = total + w * (ce * v).sum() / mx.maximum(v.sum(), 1)
         weight += w
-        accs.append(((mx.argmax(lg, axis=-1) == labels) * m).sum() / n)
+        accs.append(((mx.argmax(lg, axis=-1) == labels) * v).sum() / mx.maximum(m.sum(), 1))
         h = mx.concatenate([h[:, :1], out[:, :-1]], axis=1)  # row t reads its chain's previous output
     return total / weight, mx.stack(accs)
 
 
-def build_head(kind: str, target: Target, tcfg: dict, seed: int) -> tuple[ChainHead, dict]:
+def frequent_ids(data: "Tokens", n: int, vocab: int) -> np.ndarray:
+    """The ``n`` most frequent response tokens of the training sequences, sorted (EAGLE-3's
+    draft vocabulary rule)."""
+    counts = np.zeros(vocab, np.int64)
+    for seq, P in data.train:
+        np.add.at(counts, seq[P:], 1)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(n, vocab)]).astype(np.int64)
+
+
+def head_rows(target: Target, ids: np.ndarray) -> mx.array:
+    """Rows ``ids`` of the target's output head, as floats."""
+    m = target.head_module
+    if isinstance(m, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+        w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits)
+    else:
+        w = m["weight"]
+    return w[mx.array(ids)].astype(mx.float32)
+
+
+def build_head(kind: str, target: Target, tcfg: dict, seed: int, draft_ids: np.ndarray | None = None
+               ) -> tuple[ChainHead, dict]:
     mx.random.seed(seed)
     mt = target.model_type
     if kind == "mtp":
@@ -174,8 +202,10 @@ def build_head(kind: str, target: Target, tcfg: dict, seed: int) -> tuple[ChainH
         cfg = dict(tcfg, num_nextn_predict_layers=1)
         head = MTPHead(mt, cfg).bind(target.embed, target.head)
         return head, cfg
-    cfg = eagle_config(tcfg)
+    cfg = eagle_config(tcfg, draft_vocab_size=None if draft_ids is None else len(draft_ids))
     head = Eagle3(Eagle3Args.from_config(cfg))
+    if draft_ids is not None:
+        head.set_d2t(draft_ids - np.arange(len(draft_ids)))
     return head, cfg
 
 
@@ -188,6 +218,9 @@ def init_from_target(head: ChainHead, target: Target) -> None:
     mine = dict(tree_flatten(layer.parameters()))
     layer.load_weights([(k, v) for k, v in theirs.items() if k in mine and mine[k].shape == v.shape], strict=False)
     head.norm.weight = target.inner.norm.weight
+    if isinstance(head, Eagle3):  # the draft head starts as the target's rows
+        ids = head.draft_ids if head.draft_ids is not None else mx.arange(head.vocab_size)
+        head.lm_head.weight = head_rows(target, np.array(ids))
 
 
 def save_head(head: ChainHead, cfg: dict, path: Path, layout: str = "eagle") -> None:
@@ -213,7 +246,8 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict,
     """Train, checkpoint (resumable) and write the head to ``cfg.out``/head. Returns a summary."""
     out = Path(cfg.out)
     data = Tokens(cfg.tokens, cfg.held_out)
-    head, hcfg = build_head(cfg.kind, target, tcfg, cfg.seed)
+    ids = frequent_ids(data, cfg.draft_vocab, target.vocab_size) if cfg.draft_vocab else None
+    head, hcfg = build_head(cfg.kind, target, tcfg, cfg.seed, ids)
     if cfg.kind == "eagle":
         head.bind(target)
         target = Target(target.model, head.taps)
