@@ -173,7 +173,7 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
     return total / weight, mx.stack(accs)
 
 
-def frequent_ids(data: "Tokens", n: int, vocab: int) -> np.ndarray:
+def frequent_ids(data: Tokens, n: int, vocab: int) -> np.ndarray:
     """The ``n`` most frequent response tokens of the training sequences, sorted (EAGLE-3's
     draft vocabulary rule)."""
     counts = np.zeros(vocab, np.int64)
