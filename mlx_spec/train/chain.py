@@ -75,6 +75,8 @@ class ChainTrainConfig:
             raise BadRequest("--draft-vocab is an EAGLE-3 option (N >= 1; 0 = the full vocabulary)")
         if self.seq_len < 8:
             raise BadRequest("--seq-len must be >= 8")
+        if not Path(self.tokens).is_file():
+            raise BadRequest(f"--tokens {self.tokens}: no such file (a token-id .npz from `train export --tokens`)")
 
 
 class Tokens:
