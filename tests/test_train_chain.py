@@ -98,3 +98,27 @@ def test_a_short_run_lowers_the_loss_and_writes_a_loadable_head(tmp_path, kind, 
         hits += int(head.propose(mx.array(int(seq[t + 1])), 1, cache).tokens[0]) == int(seq[t + 2])
     assert hits / 26 > 0.5
     assert head.pass_count == 26
+
+
+def test_a_run_resumes_from_its_checkpoint(tmp_path):
+    import json
+
+    model, cfg = tiny_model("llama")
+    seqs = [(s + 3 * np.arange(40)) % VOCAB for s in range(8)]
+    np.savez(tmp_path / "tokens.npz", tokens=np.concatenate(seqs).astype(np.int32),
+             offsets=np.arange(9) * 40, prompt_lens=np.full(8, 4, np.int32), ids=np.arange(8))
+    base = dict(kind="eagle", tokens=str(tmp_path / "tokens.npz"), out=str(tmp_path / "run"), batch_size=2,
+                seq_len=24, ttt=2, held_out=2, checkpoint_every=4, eval_every=100, draft_vocab=32)
+    train_chain(ChainTrainConfig(steps=4, **base), Target(model, ()), cfg, log=lambda _: None)
+    first = (tmp_path / "run" / "head" / "model.safetensors").read_bytes()
+    first_log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
+    train_chain(ChainTrainConfig(steps=8, resume=True, **base), Target(model, ()), cfg, log=lambda _: None)
+    log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
+    assert [r["step"] for r in log] == list(range(1, 9))
+    assert log[:4] == first_log  # continued, not restarted
+    assert (tmp_path / "run" / "head" / "model.safetensors").read_bytes() != first
+    from mlx_spec.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="no checkpoint"):
+        train_chain(ChainTrainConfig(steps=8, resume=True, **dict(base, out=str(tmp_path / "none"))),
+                    Target(model, ()), cfg, log=lambda _: None)
