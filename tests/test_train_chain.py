@@ -107,8 +107,8 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     seqs = [(s + 3 * np.arange(40)) % VOCAB for s in range(8)]
     np.savez(tmp_path / "tokens.npz", tokens=np.concatenate(seqs).astype(np.int32),
              offsets=np.arange(9) * 40, prompt_lens=np.full(8, 4, np.int32), ids=np.arange(8))
-    base = dict(kind="eagle", tokens=str(tmp_path / "tokens.npz"), out=str(tmp_path / "run"), batch_size=2,
-                seq_len=24, ttt=2, held_out=2, checkpoint_every=4, eval_every=100, draft_vocab=32)
+    base = {"kind": "eagle", "tokens": str(tmp_path / "tokens.npz"), "out": str(tmp_path / "run"), "batch_size": 2,
+            "seq_len": 24, "ttt": 2, "held_out": 2, "checkpoint_every": 4, "eval_every": 100, "draft_vocab": 32}
     train_chain(ChainTrainConfig(steps=4, **base), Target(model, ()), cfg, log=lambda _: None)
     first = (tmp_path / "run" / "head" / "model.safetensors").read_bytes()
     first_log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
