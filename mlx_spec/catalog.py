@@ -89,3 +89,54 @@ def check_supported(entry: Entry) -> None:
         raise UnsupportedModel(f"model '{entry.name}': target architecture '{entry.architecture}' "
                                f"({entry.target}) is not supported for speculative decoding here "
                                f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded")
+
+
+CHAIN_FIELDS = ("kind", "target", "drafter", "architecture", "layout", "license", "params_b")
+CHAIN_KINDS = ("mtp", "eagle")
+
+
+@dataclass(frozen=True, slots=True)
+class ChainEntry:
+    """A chain drafter by name: an MTP head inside ``target``'s own checkpoint (``drafter`` None),
+    or a published EAGLE-3 drafter repo for ``target``."""
+
+    name: str
+    kind: str  # "mtp" or "eagle"
+    target: str  # HF repo id of the target (for MTP: the original repo, which keeps mtp.*)
+    drafter: str | None  # the EAGLE-3 repo; None for MTP (the head is in the target)
+    architecture: str  # the target's model_type
+    layout: str  # "mtp", "eagle" (the EAGLE authors') or "speculators"
+    license: str
+    params_b: float  # the target's total parameters, billions
+    active_params_b: float | None = None
+    mtp_layers: int | None = None
+    approximate: tuple[str, ...] = ()
+    source: str = ""
+    notes: str = ""
+
+    @property
+    def supported(self) -> bool:
+        from .target import SUPPORTED
+
+        return self.architecture in SUPPORTED
+
+
+def load_chain() -> dict[str, ChainEntry]:
+    """The catalog's chain drafters, by name (``chain`` in catalog.json); refused by name when malformed."""
+    try:
+        data = json.loads(resources.files("mlx_spec").joinpath(FILE).read_text())
+        chain = data.get("chain", {})
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"mlx_spec/{FILE} is missing or malformed: {type(e).__name__}: {e}") from None
+    out = {}
+    for name, d in chain.items():
+        missing = [k for k in CHAIN_FIELDS if k not in d]
+        if missing:
+            raise CheckpointError(f"mlx_spec/{FILE}: chain entry '{name}' lacks {', '.join(missing)}")
+        if d["kind"] not in CHAIN_KINDS:
+            raise CheckpointError(f"mlx_spec/{FILE}: chain entry '{name}' has kind {d['kind']!r} "
+                                  f"(expected one of {', '.join(CHAIN_KINDS)})")
+        known = {k: d[k] for k in ChainEntry.__dataclass_fields__ if k in d and k != "name"}
+        known["approximate"] = tuple(d.get("approximate", ()))
+        out[name] = ChainEntry(name=name, **known)
+    return out

@@ -714,3 +714,51 @@ def config_sources(cfg, drafter_id: str | None) -> tuple:
     """The ``model_source`` of a ``config.LoadConfig``'s target and of its drafter (None without)."""
     return (model_source(cfg.target, "target"),
             model_source(str(drafter_id), "drafter") if drafter_id is not None else None)
+
+
+# -- chain drafters (MTP heads, EAGLE-3) -------------------------------------------------------
+
+def chain_head(kind: str, target_config: dict, drafter_config: dict | None = None):
+    """A lazily built chain head (nothing is allocated until evaluated): for counting its tensors."""
+    if kind == "mtp":
+        from .mtp import MTPHead, text_config
+
+        c = text_config(target_config)
+        return MTPHead(c["model_type"], target_config)
+    from .eagle import Eagle3, Eagle3Args
+
+    return Eagle3(Eagle3Args.from_config(drafter_config or {}))
+
+
+def chain_items(kind: str, target_config: dict, drafter_config: dict | None = None, *, context: int,
+                depth: int = 4, prompt: int | None = None, bits: int | None = None, group_size: int = 64,
+                float_bytes: int = 2, act_bytes: int = 4) -> list[Item]:
+    """The plan's rows for a chain drafter: its own weights (the embedding and head are the
+    target's, except an EAGLE-3 drafter's lm_head over its draft vocabulary), its one-layer K/V
+    cache over ``context`` + ``depth`` positions and, for EAGLE-3, the three tapped target
+    layers of a ``prompt``-long prefill."""
+    from mlx.utils import tree_flatten
+
+    from .quantize import Tensor, loaded_nbytes
+
+    head = chain_head(kind, target_config, drafter_config)
+    tensors = [Tensor(k, tuple(v.shape), "BF16") for k, v in tree_flatten(head.parameters())]
+    w = loaded_nbytes(tensors, bits=bits, group_size=group_size, float_bytes=float_bytes)
+    what = "MTP head weights" if kind == "mtp" else "EAGLE-3 weights"
+    detail = ("mtp.* tensors, kept beside the target (mlx-lm drops them); embedding and head shared"
+              if kind == "mtp" else "fc, one layer, norm, lm_head over the draft vocabulary; embedding shared")
+    if kind == "mtp":
+        attn = head.layers[0].self_attn
+        n_kv = getattr(attn, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", None)
+        hd = getattr(attn, "head_dim", None) or target_config.get("head_dim")
+    else:
+        n_kv, hd = head.args.num_key_value_heads, head.args.hd
+    kv = 2 * n_kv * hd * act_bytes * _round_up(context + depth, KV_STEP)
+    rows = [Item(what, w, detail + (f"; {bits}-bit like the target" if bits else "")),
+            Item("chain draft KV cache", kv, f"1 layer x {n_kv} kv heads x {hd} x {context + depth} positions")]
+    if kind == "eagle":
+        prompt = context if prompt is None else min(prompt, context)
+        th = head.args.target_hidden_size
+        rows.append(Item("target features for the drafter", 3 * th * act_bytes * prompt,
+                         f"3 taps x {th} x {prompt} prompt positions (held until the first draft)"))
+    return rows

@@ -29,6 +29,7 @@ SUPPORTED = DENSE | gdn.HYBRID
 class TargetOut(NamedTuple):
     logits: mx.array  # (B, T, V), or (B, 1, V) with last_only
     hidden: mx.array | None  # (B, T, n_taps * H) concat of tapped layer outputs
+    final: mx.array | None = None  # (B, T, H) the last hidden after the final norm (final_hidden=True)
 
 
 class _Tape(NamedTuple):
@@ -71,10 +72,12 @@ class Target:
         model: an mlx-lm model of a supported architecture.
         taps: decoder layers whose outputs the drafter reads.
         restore: GDN rollback function (``gdn.restore``); injectable so tests can break it.
+        final_hidden: also return the last hidden state after the final norm (the LM head's
+            input) as ``TargetOut.final``: what an MTP head reads (chain.py).
     """
 
     def __init__(self, model: nn.Module, taps: Sequence[int] = (), *,
-                 restore: Callable[..., None] = gdn.restore):
+                 restore: Callable[..., None] = gdn.restore, final_hidden: bool = False):
         self.model = model
         self.model_type = _model_type(model)
         if self.model_type not in SUPPORTED:
@@ -98,6 +101,7 @@ class Target:
                                        "sharding with mlx-lm's shard() is)")
             gdn.check_mirror(self.layers[min(self.gdn)], self.model_type)
         self.restore = restore
+        self.final_hidden = final_hidden
         self._tape: _Tape | None = None
 
     @property
@@ -160,14 +164,16 @@ class Target:
             if i in want:
                 feats.append(h)
         self._tape = _Tape(cache, ids.shape[1], records) if record and self.gdn else None
-        if last_only:
+        final = self.final_hidden and taps
+        if last_only and not final:
             h = h[:, -1:]
-        logits = self.head(self.inner.norm(h))
+        normed = self.inner.norm(h)
+        logits = self.head(normed[:, -1:] if last_only and final else normed)
         hidden = None
         if feats:
             order = sorted(want)
             hidden = mx.concatenate([feats[order.index(j)] for j in self.taps], axis=-1)
-        return TargetOut(logits, hidden)
+        return TargetOut(logits, hidden, normed if final else None)
 
     def rollback(self, cache: list[Any], n_verified: int, n_keep: int) -> None:
         """Keep the first ``n_keep`` positions of the last ``n_verified``-token pass, drop the rest.

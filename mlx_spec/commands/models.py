@@ -30,9 +30,10 @@ def run(args) -> int:
         raise BadRequest(f"--budget-gb must be > 0 (got {args.budget_gb:g})")
     budget = (int(args.budget_gb * GiB), "--budget-gb") if args.budget_gb else memory.device_budget()
     rows = [row(e, args, budget) for e in catalog.load().values()]
+    chain = [chain_row(e, args, budget) for e in catalog.load_chain().values()]
     if args.json:
         print(json.dumps({"budget": budget[0], "budget_source": budget[1], "context": args.context,
-                          "target_bits": args.target_bits, "models": rows}, indent=2))
+                          "target_bits": args.target_bits, "models": rows, "chain": chain}, indent=2))
         return 0
     cols = [("name", "NAME"), ("architecture", "ARCH"), ("dflash", "DFLASH"), ("block_size", "BLOCK"),
             ("thinks", "THINKS"), ("size", "SIZE"), ("fits", "FITS"), ("downloaded", "DOWNLOADED"),
@@ -45,7 +46,44 @@ def run(args) -> int:
           f"{budget[0] / GiB:.1f} GiB ({budget[1]}); '~' = estimated from the parameter count (not downloaded: "
           "`mlx_spec plan --model NAME` plans from the hub's metadata, no weights fetched). "
           "Use a pair with `--model NAME` on any command.")
+    if chain:
+        print_chain(chain)
     return 0
+
+
+def print_chain(chain: list[dict]) -> None:
+    """The chain drafters' table (MTP heads inside their targets, published EAGLE-3 drafters)."""
+    cols = [("name", "CHAIN DRAFTER"), ("kind", "KIND"), ("architecture", "ARCH"), ("target", "TARGET"),
+            ("drafter", "DRAFTER"), ("layout", "LAYOUT"), ("size", "SIZE"), ("fits", "FITS"), ("license", "LICENSE")]
+    table = [[h for _, h in cols]] + [[chain_cell(r, k) for k, _ in cols] for r in chain]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    print()
+    for line in table:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+    print("\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
+          "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
+          "K/V are counted in the plan from its config. See docs/drafters-chain.md.")
+
+
+def chain_cell(r: dict, key: str) -> str:
+    v = r[key]
+    if key == "drafter":
+        return v or "(in the target)"
+    if key == "size":
+        return f"~{v / GiB:.1f} GiB"
+    if key == "layout" and "layout" in r["approximate"]:
+        return f"~{v}"
+    return str(v)
+
+
+def chain_row(e, args, budget) -> dict:
+    """One chain entry as plain values, with the target's size estimated from its parameter count."""
+    bits = None if args.target_bits == "none" else int(args.target_bits)
+    need = int(e.params_b * 1e9 * (16 if not bits else bits + 0.5) / 8 * 1.1)
+    fits = ("~yes" if need <= budget[0] else "~no") if e.supported else f"unsupported ({e.architecture})"
+    return {"name": e.name, "kind": e.kind, "target": e.target, "drafter": e.drafter, "architecture": e.architecture,
+            "layout": e.layout, "license": e.license, "params_b": e.params_b, "approximate": list(e.approximate),
+            "size": need, "size_approximate": True, "fits": fits, "source": e.source, "notes": e.notes}
 
 
 def cell(r: dict, key: str) -> str:

@@ -54,7 +54,7 @@ def _add_eval(p) -> None:
 def add_arguments(p) -> None:
     from ..default_target import DEFAULT_TARGET_ID
 
-    sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,export,eval}")
+    sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,mtp,eagle,export,eval}")
     r = sub.add_parser("run", formatter_class=p.formatter_class,
                        help="generate the target's responses and train a drafter on them in one process "
                             "(no stored features; bounded replay buffer; resumable)")
@@ -116,6 +116,30 @@ def add_arguments(p) -> None:
                    help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
                         "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name")
     t.add_argument("--export", default=None, help="after each checkpoint, write a float16 copy here")
+
+    for kind, what in (("mtp", "an MTP-style head (fc + one decoder layer + norm, sharing the target's embedding and head)"),
+                       ("eagle", "an EAGLE-3 layer (three fused target layers, training-time test)")):
+        c = sub.add_parser(kind, formatter_class=p.formatter_class, help=f"train {what} on a token file")
+        c.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the tokens came from")
+        c.add_argument("--tokens", required=True,
+                       help="token-id .npz (`train export --tokens`; e.g. models/smollm2-135m-dflash2/data/tokens.npz)")
+        c.add_argument("--out", required=True, help="run directory (checkpoint, log; the head in OUT/head)")
+        c.add_argument("--steps", type=int, default=6000, help="optimizer steps")
+        c.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+        c.add_argument("--seq-len", type=int, default=256, help="tokens per sequence window")
+        c.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (linear warm-up, cosine decay)")
+        c.add_argument("--ttt", type=int, default=3, help="training-time-test steps (the head on its own outputs)")
+        c.add_argument("--decay", type=float, default=0.8, help="loss weight decay per training-time-test step")
+        c.add_argument("--held-out", type=int, default=64, help="sequences held out of training (the file's last)")
+        c.add_argument("--checkpoint-every", type=int, default=100, help="optimizer steps between checkpoints")
+        c.add_argument("--eval-every", type=int, default=100, help="optimizer steps between held-out evals")
+        c.add_argument("--seed", type=int, default=0, help="random seed (init, batches)")
+        c.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+        if kind == "eagle":
+            c.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
+                           help="output layout: the EAGLE authors' (midlayer.*) or speculators' (layers.0.*)")
+            c.add_argument("--draft-vocab", type=int, default=0,
+                           help="draft over the N most frequent response tokens (written as d2t/t2d); 0: the full vocabulary")
 
     e = sub.add_parser("export", formatter_class=p.formatter_class, help="float16 copy of a run's checkpoint, and/or the data's token ids")
     e.add_argument("--run", default=None, help="run directory (its latest checkpoint)")
@@ -297,6 +321,30 @@ def _run(args) -> int:
     return 130 if summary["stopped"] else 0
 
 
+def _chain(args) -> int:
+    from ..loading import load_target_model
+    from ..target import Target
+    from ..train.chain import ChainTrainConfig, train_chain
+
+    cfg = train_config(ChainTrainConfig, args, kind=args.train_command)
+    target_id = _catalog_target(args.target)
+    model, _ = load_target_model(target_id)
+    tcfg = _target_config(model)
+    target = Target(model, (), final_hidden=args.train_command == "mtp")
+    summary = train_chain(cfg, target, tcfg, log=_log)
+    print(json.dumps(summary))
+    return 0
+
+
+def _target_config(model) -> dict:
+    """The text model's config as a dict (the fields a head's config copies)."""
+    from dataclasses import asdict, is_dataclass
+
+    lm = getattr(model, "language_model", model)
+    args = lm.args
+    return asdict(args) if is_dataclass(args) else dict(vars(args))
+
+
 def _catalog_target(name: str) -> str:
     """A catalog name (`mlx_spec models`) stands for its target; paths and repo ids pass through."""
     from pathlib import Path
@@ -323,7 +371,8 @@ def train_config(cls, args, **changes):
 def run(args) -> int:
     from ..errors import BadRequest
 
-    commands = {"run": _run, "data": _data, "drafter": _drafter, "export": _export, "eval": _eval}
+    commands = {"run": _run, "data": _data, "drafter": _drafter, "mtp": _chain, "eagle": _chain,
+                "export": _export, "eval": _eval}
     if getattr(args, "train_command", None) not in commands:
-        raise BadRequest("choose a train command: run, data, drafter, export or eval (see `mlx_spec train -h`)")
+        raise BadRequest("choose a train command: run, data, drafter, mtp, eagle, export or eval (see `mlx_spec train -h`)")
     return commands[args.train_command](args)

@@ -1,0 +1,74 @@
+"""Chain drafters in the catalog and the memory plan: entries by name, planned from configs."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from helpers import tiny_model
+from mlx.utils import tree_flatten
+from test_hybrid import CONFIGS
+
+from mlx_spec import catalog, memory
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config
+from mlx_spec.mtp import MTP_TYPES, MTPHead
+from mlx_spec.target import SUPPORTED, Target
+
+
+def test_every_chain_entry_names_a_kind_a_layout_and_a_runnable_target():
+    entries = catalog.load_chain()
+    assert {e.kind for e in entries.values()} == {"mtp", "eagle"}
+    for e in entries.values():
+        assert e.architecture in SUPPORTED, e.name
+        if e.kind == "mtp":
+            assert e.drafter is None and e.architecture in MTP_TYPES and e.layout == "mtp"
+        else:
+            assert e.drafter and e.layout in ("eagle", "speculators")
+        assert set(e.approximate) <= {"params_b", "mtp_layers", "layout"}
+
+
+def _real_bytes(head):
+    return sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_next", "qwen3_5_moe"])
+def test_the_plan_counts_an_mtp_head_as_its_real_weights_and_cache(kind):
+    cfg = tiny_model("qwen3")[1] if kind == "qwen3" else dict(CONFIGS[kind])
+    head = MTPHead(cfg["model_type"], cfg)
+    mx.eval(head.parameters())
+    rows = {r.name: r.bytes for r in memory.chain_items("mtp", cfg, context=300, depth=4, float_bytes=4)}
+    assert rows["MTP head weights"] == _real_bytes(head)
+    cache = head.make_cache()
+    model, _ = tiny_model("qwen3")
+    if kind == "qwen3":  # the real cache after 300 context rows and a 4-deep chain
+        target = Target(model, (), final_hidden=True)
+        head.bind(target.embed, target.head)
+        out = target(mx.zeros((1, 300), mx.int32), target.make_cache())
+        head.add_context(out.final, mx.zeros((300,), mx.int32), cache)
+        head.propose(mx.array(1), 4, cache)
+        mx.eval([c.keys for c in cache.layers])
+        assert rows["chain draft KV cache"] == cache.nbytes
+
+
+def test_the_plan_counts_an_eagle_drafter_and_its_three_taps():
+    _, tcfg = tiny_model("llama")
+    cfg = eagle_config(tcfg, intermediate_size=96, draft_vocab_size=64)
+    d = Eagle3(Eagle3Args.from_config(cfg))
+    mx.eval(d.parameters())
+    rows = {r.name: r.bytes for r in memory.chain_items("eagle", tcfg, cfg, context=512, prompt=100, float_bytes=4)}
+    assert rows["EAGLE-3 weights"] == _real_bytes(d)
+    assert rows["target features for the drafter"] == 3 * tcfg["hidden_size"] * 4 * 100
+    q = {r.name: r.bytes for r in memory.chain_items("eagle", tcfg, cfg, context=512, bits=4, float_bytes=4)}
+    assert q["EAGLE-3 weights"] < rows["EAGLE-3 weights"] / 3
+
+
+def test_models_lists_the_chain_drafters(capsys):
+    from argparse import Namespace
+
+    from mlx_spec.commands import models
+
+    assert models.run(Namespace(target_bits="4", context=4096, budget_gb=64.0, json=True)) == 0
+    chain = {c["name"]: c for c in json.loads(capsys.readouterr().out)["chain"]}
+    assert chain["qwen3-next-80b-a3b-instruct-mtp"]["drafter"] is None
+    assert chain["qwen3-next-80b-a3b-instruct-mtp"]["fits"] == "~yes"
+    assert chain["qwen3.5-122b-a10b-mtp"]["fits"] == "~no"
+    assert chain["llama3.1-8b-instruct-eagle3"]["layout"] == "eagle"
