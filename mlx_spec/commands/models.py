@@ -62,7 +62,7 @@ def print_chain(chain: list[dict]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
     print("\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
           "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
-          "K/V are counted in the plan from its config. See docs/drafters-chain.md.")
+          "K/V are counted in the plan from its config. See docs/chain-drafters.md.")
 
 
 def chain_cell(r: dict, key: str) -> str:
