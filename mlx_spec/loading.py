@@ -45,8 +45,11 @@ def resolve(path_or_id: str, what: str) -> Path:
 
 
 def default_dtype():
-    """float32 on the CPU backend (its fp16/bf16 kernels are slow); keep file dtype on Metal."""
-    return None if mx.metal.is_available() else mx.float32
+    """float32 on the CPU backend (its fp16/bf16 kernels are slow); the file's dtype on a GPU
+    backend (Metal, CUDA). See backend.Backend.cast_float32."""
+    from . import backend
+
+    return backend.current().default_dtype()
 
 
 def _read_config(path: Path) -> dict:

@@ -365,33 +365,20 @@ def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] 
 
 
 def device_budget() -> tuple[int, str]:
-    """Metal's recommended working set on Apple Silicon, else physical memory (psutil)."""
-    import mlx.core as mx
+    """Metal's recommended working set on Apple Silicon, a GPU's memory, else physical memory
+    (backend.current())."""
+    from . import backend
 
-    if mx.metal.is_available():
-        size = mx.device_info().get("max_recommended_working_set_size")
-        if size:
-            return int(size), "Metal recommended working set"
-    import psutil
-
-    return int(psutil.virtual_memory().total), "physical memory"
+    b = backend.current()
+    return b.budget, b.budget_source
 
 
 def set_wired_limit() -> int | None:
     """Wire up to the recommended working set, as mlx-lm's ``wired_limit`` does (Metal only).
     Returns the previous limit, or None where there is nothing to set (CPU)."""
-    import mlx.core as mx
+    from . import backend
 
-    if not mx.metal.is_available():
-        return None
-    size = mx.device_info().get("max_recommended_working_set_size")
-    if not size:
-        return None
-    try:
-        return mx.set_wired_limit(int(size))
-    except Exception as e:  # macOS < 15 or a limit above the sysctl: keep running unwired
-        log.warning("could not set the wired limit: %s", e)
-        return None
+    return backend.set_wired_limit()
 
 
 def live(plan: MemoryPlan | None = None) -> dict:
@@ -540,9 +527,9 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
     > 1: one rank's plan with the target sharded over that many machines (notes say how many
     machines of this budget the pair needs at this context).
     """
-    import mlx.core as mx
+    from . import backend
 
-    metal = mx.metal.is_available() if metal is None else metal
+    metal = backend.current().gpu if metal is None else metal
     tcfg, ttensors, _ = sources[0] if sources else model_source(target_id, "target")
     dcfg, dtensors, dpath = (sources[1] if sources else model_source(str(drafter_id), "drafter")) \
         if drafter_id is not None else (None, (), None)
@@ -575,11 +562,10 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
 
 def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
     """The ``QuantChoice`` for a ``config.LoadConfig``'s target bits, drafter bits and group size."""
-    import mlx.core as mx
-
+    from . import backend
     from . import quantize as q
 
-    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=mx.metal.is_available(),
+    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=backend.current().gpu,
                     checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
 
 

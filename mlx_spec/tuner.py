@@ -90,13 +90,20 @@ class TuneSkipped(MlxSpecError):
 
 def cpu_name() -> str:
     try:
-        import mlx.core as mx
+        from . import backend
 
-        if mx.metal.is_available():
-            return str(mx.device_info().get("device_name", "apple-gpu"))
+        b = backend.current()
+        if b.gpu and not b.faked:
+            return b.device
     except Exception:
         pass
     return cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def _backend_kind() -> str:
+    from . import backend
+
+    return backend.current().kind
 
 
 def machine_info() -> dict:
@@ -111,7 +118,7 @@ def machine_info() -> dict:
         mem = 0
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(mem / 2**30),
             "os": f"{platform.system()} {platform.release()}", "arch": platform.machine(),
-            "backend": "metal" if mx.metal.is_available() else "cpu",
+            "backend": _backend_kind(),
             "blas": " ".join(x for x in (BLAS.name, BLAS.path, BLAS.version) if x),  # a new library (version) re-tunes
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
