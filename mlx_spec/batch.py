@@ -649,7 +649,7 @@ def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array 
 def _mirrors_drafter(drafter) -> bool:
     """The packed drafter pass equals ``Drafter.hidden`` (two sequences, checked numerically)."""
     try:
-        F = drafter.fc.weight.shape[-1]
+        F = len(drafter.args.target_layer_ids) * drafter.args.target_hidden_size  # (a quantized fc packs its weight)
         f = mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5
         want = [drafter.hidden(mx.array([[a] + [drafter.args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
                 for a, n in ((3, 7), (5, 4))]

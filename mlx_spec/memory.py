@@ -132,6 +132,25 @@ class PlanInputs:
     replicated_weights: int = 0  # target bytes every rank holds whole (embedding, head, norms)
 
 
+def act_bytes(tensors, *, cast_float32: bool) -> int:
+    """Bytes of one activation, and so of one K/V element, of a target with these (loaded)
+    tensors: 4 where float weights are cast to float32 (the CPU backend); else MLX's type
+    promotion over what the activations meet on their way to the cache: the embedding (its
+    scales when quantized) and every norm weight. A kept GGUF target holds float16 scales but
+    float32 norms, and those promote the activations, and its cache, to float32."""
+    if cast_float32:
+        return 4
+    from .quantize import DTYPE_BYTES
+
+    seen = {t.dtype for t in tensors if t.dtype in ("F32", "F16", "BF16", "F64")
+            and ("embed_tokens" in t.name or (len(t.shape) == 1 and "norm" in t.name.rsplit(".", 2)[-2]))}
+    if not seen:
+        return 4
+    if {"F16", "BF16"} <= seen:  # float16 with bfloat16 promotes to float32
+        return 4
+    return max(DTYPE_BYTES[d] for d in seen)
+
+
 def kv_bytes(d: ModelDims | DrafterDims, act_bytes: int) -> int:
     """Keys + values of one position in one attention layer."""
     return 2 * d.kv_heads * d.head_dim * act_bytes
@@ -420,9 +439,10 @@ def loaded_sizes(pair) -> LoadedSizes:
     def nbytes(module) -> int:
         return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
-    params = tree_flatten(pair.model.parameters())
-    floats = [v.dtype.size for _, v in params if v.dtype in _float_dtypes()]
-    ab = floats[0] if floats else 4
+    from . import backend
+    from .quantize import module_tensors
+
+    ab = act_bytes(module_tensors(pair.model), cast_float32=False)  # the loaded dtypes, whatever the backend
     args = getattr(pair.model, "args", None)
     config = asdict(args) if is_dataclass(args) else dict(vars(args)) if args is not None else {}
     t = target_dims(config)
@@ -486,8 +506,7 @@ def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, meta
     float_bytes = None if metal else 4  # float32 on the CPU backend; as stored on Metal
     ttensors = list(ttensors)
     tw = q.loaded_nbytes(ttensors, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
-    stored = {t.dtype for t in ttensors if t.dtype in q.FLOATS}
-    ab = 4 if not metal else (2 if stored & {"F16", "BF16"} else 4)
+    ab = act_bytes(ttensors, cast_float32=not metal)
     n = sum(t.numel for t in ttensors if not t.name.endswith((".scales", ".biases")))
     prec = f"{quant.target_bits}-bit" if quant.target_bits else ("float32" if not metal else "as stored")
     labels = {"target": f"{n / 1e6:.0f}M stored params, {prec}"}
