@@ -34,8 +34,6 @@ def weight_name(bits, group) -> str:
 
 def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     from mlx_spec import decode, loading, prompts as P
     from mlx_spec.default_target import DEFAULT_TARGET_ID
     from mlx_spec.drafter import DraftVocab
@@ -67,8 +65,9 @@ def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
                         cycles += 1
                         tokens += s.accepted + 1
                 drafter.settle()
+                print(f"  {act} {weight_name(bits, group)}: {cycles} cycles so far", file=sys.stderr, flush=True)
             h = drafter.health()
-            nbytes = sum(v.nbytes for _, v in tree_flatten(drafter.parameters()))
+            nbytes = sum(v.nbytes for _, v in drafter.own_parameters())
             row = {"activations": act, "weights": weight_name(bits, group), "bits": bits, "group_size": group or None,
                    "tau": round(tokens / cycles, 3) if cycles else None, "cycles": cycles,
                    "passes": h.passes, "nonfinite_passes": h.nonfinite, "drafter_bytes": nbytes,

@@ -80,6 +80,21 @@ class Backend:
                 "budget_source": self.budget_source, "wired_limit": self.wired_limit, "faked": self.faked}
 
 
+def unsupported_platform(system: str | None = None, machine: str | None = None) -> str | None:
+    """Why this machine cannot run mlx_spec, or None. MLX has no build for Intel Macs (nor for a
+    Python running under Rosetta on an Apple Silicon Mac, which reports x86_64)."""
+    import platform
+    import sys
+
+    system = system or sys.platform
+    machine = machine or platform.machine()
+    if system == "darwin" and machine != "arm64":
+        return (f"mlx_spec needs Apple Silicon (arm64): this Python runs on macOS {machine}, and MLX has no "
+                "build for Intel Macs. On an Apple Silicon Mac, use an arm64 Python (not one under Rosetta: "
+                "`python3 -c 'import platform; print(platform.machine())'` must say arm64) and reinstall.")
+    return None
+
+
 def _physical_memory() -> int:
     import psutil
 
@@ -175,4 +190,5 @@ def set_wired_limit(b: Backend | None = None) -> int | None:
         return None
 
 
-__all__ = ["Backend", "Kind", "KINDS", "ENV", "current", "detect", "as_kind", "use", "set_wired_limit"]
+__all__ = ["Backend", "Kind", "KINDS", "ENV", "current", "detect", "as_kind", "use", "set_wired_limit",
+           "unsupported_platform"]

@@ -511,10 +511,20 @@ class Drafter(nn.Module):
                               "switched to float32 activations and weights for the rest of the session")
             log.warning("drafter: %s (that pass's drafts were rejected by verification)", self._fallback)
 
+    def own_parameters(self) -> list[tuple[str, mx.array]]:
+        """The drafter's own parameters, flat: not the target's embedding and head it borrows
+        (``bind`` stores those modules as attributes, so ``parameters()`` lists them too)."""
+        from mlx.utils import tree_flatten
+
+        return [(k, v) for k, v in tree_flatten(self.parameters()) if not k.startswith(("_", "vocab"))]
+
     def use_float32(self) -> None:
         """float32 activations and float weights (quantized weights keep their bits; their scales
-        become float32) from now on."""
-        self.set_dtype(mx.float32)
+        become float32) from now on. The target's borrowed embedding and head are left as they are."""
+        from mlx.utils import tree_unflatten
+
+        cast = [(k, v.astype(mx.float32)) for k, v in self.own_parameters() if mx.issubdtype(v.dtype, mx.floating)]
+        self.update(tree_unflatten(cast))
         self.act_dtype = mx.float32
 
     def _check(self, h: mx.array, unary: mx.array, tokens: mx.array, key) -> tuple[mx.array, mx.array]:

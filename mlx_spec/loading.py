@@ -119,11 +119,13 @@ def write_draft_vocab(path: str | Path, ids, note: str = "") -> None:
 
 
 def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
-                 group_size: int = 64) -> tuple[Drafter, dict]:
+                 group_size: int = 64, activations: str | None = None) -> tuple[Drafter, dict]:
     """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config).
 
     ``bits`` quantizes the drafter's own layers (never the target's shared embedding/head)
     before its weights are materialized; an already quantized checkpoint loads as it is.
+    ``activations="float32"``: float weights (and quantization scales) in float32 and its inputs
+    cast to float32, whatever the file's dtype (``quantize.choose`` on a GPU backend).
     """
     path = resolve(str(path_or_id), "drafter")
     if path.is_dir():
@@ -170,8 +172,14 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
         )
     model.load_weights(list(weights.items()), strict=True)
     del weights  # lazy sources: let each be freed once its (quantized) copy is materialized
+    if activations not in (None, "float32"):
+        raise MlxSpecError(f"drafter activations must be float32 or as loaded, not {activations!r}")
+    if activations == "float32":
+        dtype = mx.float32
     dtype = default_dtype() if dtype is None else dtype
     quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"drafter {path}")
+    if activations == "float32":
+        model.act_dtype = mx.float32
     model.eval()
     model.shipped_vocab = read_draft_vocab(path, args.vocab_size)
     return model, config
@@ -264,7 +272,8 @@ def _is_quantized(model) -> bool:
 
 def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
               target_bits: int | None = None, drafter_bits: int | None = None,
-              group_size: int = 64, draft_vocab: str = "auto", shard=None) -> Pair:
+              group_size: int = 64, draft_vocab: str = "auto", shard=None,
+              drafter_activations: str | None = None) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
@@ -276,7 +285,8 @@ def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
         return Pair(model, tokenizer, None, None, target_id, None, None)
     if drafter_id is None:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
-    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size)
+    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size,
+                                   activations=drafter_activations)
     target = Target(model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     vocab = None

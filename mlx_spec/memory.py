@@ -450,7 +450,8 @@ def loaded_sizes(pair) -> LoadedSizes:
     drafter_kv = drafter = 0
     if pair.drafter is not None:
         d = drafter_dims(pair.drafter_config)
-        drafter, drafter_kv = nbytes(pair.drafter), kv_bytes(d, ab) * d.layers
+        drafter = sum(v.nbytes for _, v in pair.drafter.own_parameters())  # (not the borrowed head)
+        drafter_kv = kv_bytes(d, ab) * d.layers
     return LoadedSizes(nbytes(pair.model), drafter, target_kv, drafter_kv)
 
 
