@@ -484,6 +484,16 @@ class Drafter(nn.Module):
         return x if self.act_dtype is None else x.astype(self.act_dtype)
 
     # -- finiteness of the passes ------------------------------------------------------------
+    def precision(self) -> str:
+        """Weights and activations as loaded, e.g. "4-bit weights, float32 activations"."""
+        own = self.own_parameters()
+        q = next((m for name, m in self.named_modules() if hasattr(m, "bits") and not name.startswith("_")), None)
+        w = f"{q.bits}-bit weights (group {q.group_size})" if q is not None else "float weights"
+        floats = {str(v.dtype).rsplit(".", 1)[-1] for _, v in own if mx.issubdtype(v.dtype, mx.floating)}
+        act = self.health().activations
+        act = act if act != "as loaded" else "/".join(sorted(floats)) + " (as loaded)"
+        return f"{w}, {act} activations" + (" after a non-finite fallback" if self._fallback else "")
+
     def health(self) -> DraftHealth:
         act = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self.act_dtype, "as loaded")
         return DraftHealth(self._passes, self._nonfinite, act, self._fallback)

@@ -635,6 +635,9 @@ class Engine:
 
     def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
         """Fold a finished request's stats into the engine's totals."""
+        drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
+        if hasattr(drafter, "settle"):  # the request's last drafter passes: their tokens were read
+            drafter.settle()
         with self._lock:
             self._running = None
             if stats is not None:
@@ -667,7 +670,15 @@ class Engine:
                       "plain_cycles": st.plain_cycles, "drafter_passes": st.drafter_passes,
                       "trimmed": st.trimmed, "block_sizes": dict(st.block_sizes),
                       "sources": {k: dict(v) for k, v in st.sources.items()}}
-        return {**c, **cycles, **batch, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+        return {**c, **cycles, **batch, **self._drafter_health(), "queue_depth": self.queue_depth,
+                "state": self.state, "time": time.time()}
+
+    def _drafter_health(self) -> dict:
+        """The drafter's pass finiteness (plain ints and strings it keeps: no MLX work)."""
+        drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
+        h = drafter.health() if hasattr(drafter, "health") else None
+        return {"drafter_passes": h.passes if h else 0, "drafter_nonfinite": h.nonfinite if h else 0,
+                "drafter_activations": h.activations if h else None, "drafter_fallback": h.fallback if h else None}
 
 
 class _Live:
