@@ -39,7 +39,8 @@ def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from mlx_spec import loading, prompts as P
+    from mlx_spec import loading
+    from mlx_spec import prompts as P
     from mlx_spec.default_target import DEFAULT_TARGET_ID
     from mlx_spec.drafter import DraftVocab
 

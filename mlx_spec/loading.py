@@ -124,8 +124,9 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
 
     ``bits`` quantizes the drafter's own layers (never the target's shared embedding/head)
     before its weights are materialized; an already quantized checkpoint loads as it is.
-    ``activations="float32"``: float weights (and quantization scales) in float32 and its inputs
-    cast to float32, whatever the file's dtype (``quantize.choose`` on a GPU backend).
+    ``activations`` ("float32" | "float16" | "bfloat16"): float weights (and quantization scales)
+    in that dtype and its inputs cast to it, whatever the file's dtype (``quantize.choose`` on a
+    GPU backend; a non-finite pass still switches it to float32, see ``Drafter.settle``).
     """
     path = resolve(str(path_or_id), "drafter")
     if path.is_dir():
@@ -172,14 +173,14 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
         )
     model.load_weights(list(weights.items()), strict=True)
     del weights  # lazy sources: let each be freed once its (quantized) copy is materialized
-    if activations not in (None, "float32"):
-        raise MlxSpecError(f"drafter activations must be float32 or as loaded, not {activations!r}")
-    if activations == "float32":
-        dtype = mx.float32
+    if activations not in (None, "float32", "float16", "bfloat16"):
+        raise MlxSpecError(f"drafter activations must be float32, float16 or bfloat16, not {activations!r}")
+    if activations is not None:
+        dtype = getattr(mx, activations)
     dtype = default_dtype() if dtype is None else dtype
     quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"drafter {path}")
-    if activations == "float32":
-        model.act_dtype = mx.float32
+    if activations is not None:
+        model.act_dtype = dtype
     model.eval()
     model.shipped_vocab = read_draft_vocab(path, args.vocab_size)
     return model, config

@@ -61,7 +61,7 @@ class QuantChoice:
     target_prequantized: bool  # the checkpoint itself is quantized: loaded as it is
     reason: str
     has_drafter: bool = True
-    drafter_activations: str | None = None  # "float32": the drafter computes in float32; None: as loaded
+    drafter_activations: str | None = None  # "float32" | "float16" | "bfloat16": the drafter computes in it; None: as loaded
 
     def describe(self) -> str:
         def name(b):

@@ -11,7 +11,6 @@ layout, built here from a tiny GGUF with the default target's mixed tensor types
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -296,7 +295,7 @@ def test_a_finite_drafter_reports_every_pass_finite(mac_dense):
 def test_metal_calibration_of_verify_tolerance():
     """Single-row against multi-row logits of a kept 4-bit float16 model on Metal: the largest
     disagreement, in float16 ulps of the logits' magnitude, must sit inside verify's allowance."""
-    model, cfg = tiny_model("qwen3")
+    model, _ = tiny_model("qwen3")
     mac_layout(model)
     ids = mx.array([PROMPTS[1]])
     full = model(ids)[0]

@@ -91,10 +91,10 @@ def report(args) -> dict:
 def text(r: dict) -> str:
     b = r["backend"]
     lines = [f"backend      {b['kind']} on {b['device']}" + (" (faked: MLX_SPEC_BACKEND_AS)" if b["faked"] else ""),
-             f"budget       {b['budget'] / 2**30:.1f} GiB ({b['budget_source']}); wired limit "
-             + (f"{b['wired_limit'] / 2**30:.1f} GiB" if b["wired_limit"] else "none"),
-             f"machine      {r['machine']['os']} {r['machine']['arch']}, Python {r['machine']['python']}, "
-             f"mlx {r['machine']['mlx']}, mlx-lm {r['machine']['mlx_lm']}",
+             (f"budget       {b['budget'] / 2**30:.1f} GiB ({b['budget_source']}); wired limit "
+              + (f"{b['wired_limit'] / 2**30:.1f} GiB" if b["wired_limit"] else "none")),
+             (f"machine      {r['machine']['os']} {r['machine']['arch']}, Python {r['machine']['python']}, "
+              f"mlx {r['machine']['mlx']}, mlx-lm {r['machine']['mlx_lm']}"),
              f"pair         {r['target']} + {r['drafter']}",
              f"precision    {r['precision']['chosen']}" + (f" ({r['precision']['why']})" if r["precision"]["why"] else "")]
     if r.get("plan"):
