@@ -31,5 +31,7 @@ def test_doctor_text_under_the_mac_switch_names_the_faked_backend(tmp_path, caps
     with backend.use("metal"):
         assert main(["doctor", "--target", str(t), "--drafter", str(d), "--reps", "1", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "backend      metal" in out and "faked" in out and "float32 activations" in out
+    from mlx_spec.quantize import GPU_DRAFTER_ACTIVATIONS
+
+    assert "backend      metal" in out and "faked" in out and f"{GPU_DRAFTER_ACTIVATIONS} activations" in out
     assert "Tt(B)" in out and "tau" in out

@@ -57,9 +57,9 @@ def mac_drafter(model, cfg, bits: str | None = None, **kw):
     mx.random.seed(kw.get("seed", 1))
     d = Drafter(DrafterArgs.from_config(dcfg))
     qc = quantize.choose(None, bits, None, metal=backend.current().gpu, checkpoint=(4, GROUP))
-    quantize.prepare(d, bits=qc.drafter_bits, group_size=GROUP, dtype=mx.float16)
-    if qc.drafter_activations == "float32":
-        d.use_float32()
+    act = getattr(mx, qc.drafter_activations) if qc.drafter_activations else mx.float16
+    quantize.prepare(d, bits=qc.drafter_bits, group_size=GROUP, dtype=act)  # as loading.load_drafter
+    d.act_dtype = act if qc.drafter_activations else None
     target = Target(model, d.args.target_layer_ids)
     d.bind(target.embed, target.head)
     return target, d, qc
