@@ -180,7 +180,9 @@ def load_peer(pair) -> Peer:
     draft = (dm.DFlash2DraftModel if v2 else dm.DFlashDraftModel)(config)
     draft.eval()
     draft.load_weights(list(weights.items()))
-    if not mx.metal.is_available():
+    from . import backend
+
+    if backend.current().cast_float32:
         draft.set_dtype(mx.float32)
     mx.eval(draft.parameters())
     return Peer(dm, model, draft, tokenizer)

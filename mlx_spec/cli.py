@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": "convert a GGUF file to an MLX model directory",
     "train": "build data for and train a DFlash 2 drafter",
     "cache": "the disk prefix cache: list or clear the stored prefixes",
+    "doctor": "a report of this machine to send us: backend, precision, costs, acceptance",
 }
 
 
@@ -240,6 +241,11 @@ def load_config(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     from . import __version__
+    from .backend import unsupported_platform
+
+    if (why := unsupported_platform()) is not None:  # an Intel Mac: no MLX was installed
+        print(f"mlx_spec: {why}", file=sys.stderr)
+        return 1
 
     parser = argparse.ArgumentParser(prog="mlx_spec", description="Lossless speculative decoding on MLX")
     parser.add_argument("--version", action="version", version=f"mlx_spec {__version__}")

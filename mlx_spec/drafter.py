@@ -11,6 +11,7 @@ See docs/dflash.md for the maths, the checkpoint layout and our decisions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -19,6 +20,8 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .sampling import SamplingConfig, sample_proposal
+
+log = logging.getLogger(__name__)
 
 DFLASH1 = "DFlashDraftModel"
 DFLASH2 = "DFlash2DraftModel"
@@ -392,6 +395,24 @@ class Proposal(NamedTuple):
     tokens: mx.array  # (L-1,) drafted ids
     q: mx.array | None  # (L-1, V) proposal probabilities (None when greedy)
     confidence: mx.array | None = None  # (L-1,) the drafter's top probability per position (greedy, on request)
+    # () bool: every hidden state and draft logit of this pass was finite. Computed in the same
+    # graph as ``tokens`` (a non-finite pass drafts the mask token everywhere), so reading the
+    # tokens to the host evaluates it too: no second synchronisation (see Drafter.settle).
+    finite: mx.array | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftHealth:
+    """Finiteness of the drafter's passes (plain values, for the engine line, /health, /metrics)."""
+
+    passes: int  # drafter passes whose finiteness was read
+    nonfinite: int  # of them, passes with a NaN or inf hidden state or logit
+    activations: str  # "float32" | "float16" | "bfloat16" | "as loaded"
+    fallback: str | None  # why activations were switched to float32 (once), None: never
+
+    def as_dict(self) -> dict:
+        return {"passes": self.passes, "nonfinite": self.nonfinite, "activations": self.activations,
+                "fallback": self.fallback}
 
 
 class Drafter(nn.Module):
@@ -416,6 +437,13 @@ class Drafter(nn.Module):
         self.vocab: DraftVocab | None = None
         # ids of the checkpoint's reduced draft vocabulary (draft_vocab.json), if it ships one
         self.shipped_vocab = None
+        # activations dtype: features and embedded blocks are cast to it (None: as they come, so
+        # the widest of the weights' and the target's dtypes); float32 after a non-finite pass
+        self.act_dtype = None
+        self.fallback_on_nonfinite = True  # False: count non-finite passes only (measurements)
+        self._pending: dict = {}  # key -> finiteness flags not read yet (see settle)
+        self._passes = self._nonfinite = 0
+        self._fallback: str | None = None
 
     def bind(self, embed: Callable, head: Callable, vocab: DraftVocab | None = None) -> "Drafter":
         """Share the target's embedding and head; ``vocab`` drafts over a subset of the head."""
@@ -446,11 +474,76 @@ class Drafter(nn.Module):
 
     def fuse(self, features: mx.array) -> mx.array:
         """Fused context rows (B, S, H) from target features (B, S, n*H_t)."""
+        if self.act_dtype is not None:
+            features = features.astype(self.act_dtype)
         return self.hidden_norm(self.fc(features))
 
     def embed_block(self, block: mx.array) -> mx.array:
         """Input rows (B, L, H) of a block of token ids (the target's embedding, scaled)."""
-        return self._embed(block) * self.args.input_embedding_scale
+        x = self._embed(block) * self.args.input_embedding_scale
+        return x if self.act_dtype is None else x.astype(self.act_dtype)
+
+    # -- finiteness of the passes ------------------------------------------------------------
+    def precision(self) -> str:
+        """Weights and activations as loaded, e.g. "4-bit weights, float32 activations"."""
+        own = self.own_parameters()
+        q = next((m for name, m in self.named_modules() if hasattr(m, "bits") and not name.startswith("_")), None)
+        w = f"{q.bits}-bit weights (group {q.group_size})" if q is not None else "float weights"
+        floats = {str(v.dtype).rsplit(".", 1)[-1] for _, v in own if mx.issubdtype(v.dtype, mx.floating)}
+        act = self.health().activations
+        act = act if act != "as loaded" else "/".join(sorted(floats)) + " (as loaded)"
+        return f"{w}, {act} activations" + (" after a non-finite fallback" if self._fallback else "")
+
+    def health(self) -> DraftHealth:
+        act = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self.act_dtype, "as loaded")
+        return DraftHealth(self._passes, self._nonfinite, act, self._fallback)
+
+    def settle(self, key=None) -> None:
+        """Read the finiteness flags of earlier passes (all of them, or those of ``key``): call it
+        once the caller has read those passes' tokens, so the flags are evaluated already and
+        reading them waits for nothing. ``propose`` settles its own sequence's previous pass
+        first (keyed by its cache). On the first non-finite pass the drafter switches to float32
+        activations and weights for the rest of the session, once, with a warning."""
+        keys = list(self._pending) if key is None else [key] if key in self._pending else []
+        flags = [f for k in keys for f in self._pending.pop(k)]
+        if not flags:
+            return
+        ok = mx.stack(flags).tolist() if len(flags) > 1 else [flags[0].item()]
+        self._passes += len(ok)
+        bad = ok.count(False)
+        if not bad:
+            return
+        self._nonfinite += bad
+        if self._fallback is None and self.fallback_on_nonfinite:
+            was = self.health().activations
+            self.use_float32()
+            self._fallback = (f"a drafter pass gave non-finite hidden states or logits with {was} activations; "
+                              "switched to float32 activations and weights for the rest of the session")
+            log.warning("drafter: %s (that pass's drafts were rejected by verification)", self._fallback)
+
+    def own_parameters(self) -> list[tuple[str, mx.array]]:
+        """The drafter's own parameters, flat: not the target's embedding and head it borrows
+        (``bind`` stores those modules as attributes, so ``parameters()`` lists them too)."""
+        from mlx.utils import tree_flatten
+
+        return [(k, v) for k, v in tree_flatten(self.parameters()) if not k.startswith(("_", "vocab"))]
+
+    def use_float32(self) -> None:
+        """float32 activations and float weights (quantized weights keep their bits; their scales
+        become float32) from now on. The target's borrowed embedding and head are left as they are."""
+        from mlx.utils import tree_unflatten
+
+        cast = [(k, v.astype(mx.float32)) for k, v in self.own_parameters() if mx.issubdtype(v.dtype, mx.floating)]
+        self.update(tree_unflatten(cast))
+        self.act_dtype = mx.float32
+
+    def _check(self, h: mx.array, unary: mx.array, tokens: mx.array, key) -> tuple[mx.array, mx.array]:
+        """(tokens, finite): a non-finite pass drafts the mask token at every position."""
+        finite = mx.logical_and(mx.isfinite(h).all(), mx.isfinite(unary).all())
+        if len(self._pending) > 64:  # flags of sequences that ended: read them (long evaluated)
+            self.settle()
+        self._pending.setdefault(key, []).append(finite)
+        return mx.where(finite, tokens, mx.array(self.args.mask_token_id, tokens.dtype)), finite
 
     def add_context(self, features: mx.array, cache: list[ContextCache]):
         """Fuse target features (B, S, n*H_t) and push their K/V into every layer's cache."""
@@ -526,13 +619,25 @@ class Drafter(nn.Module):
         block = mx.concatenate(
             [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
         )[None]
+        self.settle(id(cache))  # this sequence's previous pass: its tokens were read already
         h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
-        return self.proposal(h, self.logits(h), anchor, cfg, key, confidence)
+        return self.proposal(h, self.logits(h), anchor, cfg, key, confidence, seq=id(cache))
 
     def proposal(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
-                 key: mx.array | None = None, confidence: bool = False) -> Proposal:
+                 key: mx.array | None = None, confidence: bool = False, seq=None) -> Proposal:
         """The drafts of one block from its hidden states h (L-1, H) and draft logits ``unary``
-        (``propose``'s last part; batch.py runs the block pass for many sequences at once)."""
+        (``propose``'s last part; batch.py runs the block pass for many sequences at once).
+        ``seq`` keys the pass's finiteness flag for ``settle`` (None: settled by the next
+        ``settle()``)."""
+        p = self._proposal(h, unary, anchor, cfg, key, confidence)
+        tokens, finite = self._check(h, unary, p.tokens, seq)
+        q = p.q
+        if q is not None:  # the masked drafts were drawn from a point mass on the mask token
+            mass = (mx.arange(q.shape[-1]) == self.args.mask_token_id).astype(q.dtype)
+            q = mx.where(finite, q, mass)
+        return p._replace(tokens=tokens, q=q, finite=finite)
+
+    def _proposal(self, h, unary, anchor, cfg, key, confidence) -> Proposal:
         if cfg.greedy:
             ids = self.vocab.ids if self.vocab is not None else None
             conf = None
@@ -589,6 +694,7 @@ __all__ = [
     "Drafter",
     "ContextCache",
     "Proposal",
+    "DraftHealth",
     "DraftVocab",
     "TwoTapConv",
     "DecoderLayer",

@@ -23,6 +23,7 @@ from .stats import Stats, StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
 log = logging.getLogger(__name__)
+PROC_TASKS = Path("/proc/self/task")  # Linux: one entry per live OS thread of this process
 
 
 class EngineBusy(MlxSpecError):
@@ -177,7 +178,8 @@ class Engine:
     the work, fans events out and keeps the counters (``snapshot``)."""
 
     def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0,
-                 max_batch: int | None = 1, prefix_disk=None, prefill_timeout: float = PREFILL_TIMEOUT_S):
+                 max_batch: int | None = 1, prefix_disk=None, prefill_timeout: float = PREFILL_TIMEOUT_S,
+                 proc_tasks: Path | None = PROC_TASKS):
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
         # seconds a request's prefill may take (0: no limit); checked between batched steps, and
@@ -185,6 +187,11 @@ class Engine:
         self._prefill_timeout = prefill_timeout
         self._memory: dict = {}  # MLX allocator figures, sampled on the engine thread
         self._cache_limit: int | None = None  # mx.set_cache_limit from the memory plan's allowance
+        # where the OS lists this process's threads (None or missing, as on macOS: not probed;
+        # see _wait_native_exit)
+        self._proc_tasks = proc_tasks
+        self._current: Handle | None = None  # the single-stream request running now
+        self._streams_cleared = False  # _release freed this thread's MLX streams (mx.clear_streams)
         # Continuous batching (batch.py): up to max_batch requests decode together; None = as many
         # as the session's memory plan allows (memory.batch_room), 1 = one request after another.
         self._max_batch_asked = max_batch
@@ -259,15 +266,45 @@ class Engine:
             raise MlxSpecError(self.error)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine: the request in flight is cancelled (it ends at its next step with
+        finish "cancelled"), queued requests are answered cancelled and queued calls fail, then the
+        engine thread frees its MLX streams and is joined, within ``timeout`` seconds."""
         if self._thread.is_alive():
+            self._cancel_all()
             try:
                 self._jobs.put(None, timeout=timeout)
             except queue.Full:
                 pass
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                _wait_native_exit(self._thread.native_id, timeout)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %.0f s (a step still running); "
+                            "exiting without it", timeout)
+            else:
+                _wait_native_exit(self._thread.native_id, timeout, self._proc_tasks, self._streams_cleared)
         self.state = CLOSED
+
+    def _cancel_all(self) -> None:
+        """Cancel the running request and everything still queued (close)."""
+        with self._jobs.mutex:
+            jobs = list(self._jobs.queue)
+            self._jobs.queue.clear()
+            self._jobs.not_full.notify_all()
+        for job in jobs:
+            if job is None:
+                continue
+            kind, payload = job
+            if kind == "gen":
+                payload.cancel()
+                payload._put(Done(payload.request.id, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
+            else:
+                payload[1].set_exception(MlxSpecError("the engine closed before this call ran"))
+        current = self._current
+        if current is not None:
+            current.cancel()
+        with self._lock:
+            live = list(self._live.values())
+        for lv in live:
+            lv.handle.cancel()
 
     def __enter__(self):
         return self.start()
@@ -378,6 +415,7 @@ class Engine:
         clear = getattr(mx, "clear_streams", None)
         if clear is not None:
             clear()
+            self._streams_cleared = True
 
     def _generate(self, handle: Handle) -> None:
         from .generation import Result, for_request, generate, prepare
@@ -385,6 +423,7 @@ class Engine:
         req = handle.request
         rid = req.id
         self._add("requests")
+        self._current = handle
         try:
             if handle.cancelled.is_set():
                 raise _Cancelled()
@@ -430,6 +469,8 @@ class Engine:
             self._finish(None, 0)
             self._add("errors")
             handle._put(Failed(rid, str(e), type(e).__name__))
+        finally:
+            self._current = None
 
     def _begin(self, handle: Handle, pair, info, ids) -> Callable | None:
         """A prepared request starts: Started goes out; returns the drafting policy's factory
@@ -691,6 +732,9 @@ class Engine:
 
     def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
         """Fold a finished request's stats into the engine's totals."""
+        drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
+        if hasattr(drafter, "settle"):  # the request's last drafter passes: their tokens were read
+            drafter.settle()
         with self._lock:
             self._running = None
             if stats is not None:
@@ -729,7 +773,15 @@ class Engine:
                       "sources": {k: dict(v) for k, v in st.sources.items()}}
         with self._lock:
             memory = dict(self._memory)
-        return {**c, **cycles, **batch, "memory": memory, "queue_depth": self.queue_depth, "state": self.state, "time": time.time()}
+        return {**c, **cycles, **batch, **self._drafter_health(), "memory": memory, "queue_depth": self.queue_depth,
+                "state": self.state, "time": time.time()}
+
+    def _drafter_health(self) -> dict:
+        """The drafter's pass finiteness (plain ints and strings it keeps: no MLX work)."""
+        drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
+        h = drafter.health() if hasattr(drafter, "health") else None
+        return {"drafter_passes": h.passes if h else 0, "drafter_nonfinite": h.nonfinite if h else 0,
+                "drafter_activations": h.activations if h else None, "drafter_fallback": h.fallback if h else None}
 
 
 class _Live:
@@ -765,17 +817,29 @@ class _Live:
         return chunk
 
 
-def _wait_native_exit(native_id: int | None, timeout: float) -> None:
+def _wait_native_exit(native_id: int | None, timeout: float, tasks: Path | None = PROC_TASKS,
+                      streams_cleared: bool = False) -> bool:
     """``join`` returns before the OS thread has run its C++ thread-local destructors (MLX's
     thread-local streams); a process that exits meanwhile can abort ("terminate called without
-    an active exception", measured ~1 in 3 exits here). Wait until the thread is really gone."""
-    task = Path(f"/proc/self/task/{native_id}")
-    if native_id is None or not task.parent.is_dir():
-        time.sleep(0.05)  # no /proc: a short grace period
-        return
+    an active exception", measured ~1 in 3 exits here without the streams cleared).
+
+    Where the OS lists threads (``tasks``, Linux's /proc/self/task), wait, within ``timeout``,
+    until the thread's entry is gone. Without it (macOS): when the thread freed its streams
+    itself (``mx.clear_streams`` in ``Engine._release``) its destructors have nothing of MLX's
+    left to free, so there is nothing to wait for; only an MLX without ``clear_streams`` gets a
+    bounded grace period, said in the log. Returns True when the exit was observed or not needed."""
+    task = None if tasks is None or native_id is None else Path(tasks) / str(native_id)
+    if task is None or not task.parent.is_dir():
+        if streams_cleared:
+            return True
+        log.info("no thread list to watch and this MLX cannot clear its streams: waiting 0.2 s for "
+                 "the engine thread's exit")
+        time.sleep(0.2)
+        return False
     deadline = time.monotonic() + timeout
     while task.exists() and time.monotonic() < deadline:
         time.sleep(0.002)
+    return not task.exists()
 
 
 class _Cancelled(Exception):

@@ -132,6 +132,7 @@ class EngineInfo:
     draft_vocab: int = 0  # > 0: drafts come from a reduced vocabulary of this many ids (0: full head)
     group: GroupInfo = SINGLE  # the processes the target is sharded over (distributed.py)
     pinned: bool = False  # the user gave the block size (--block-size): the per-cycle policy keeps it
+    drafter_precision: str = ""  # e.g. "float weights, float32 activations" (drafter.Drafter.precision)
 
     @property
     def speculative(self) -> bool:
@@ -153,8 +154,9 @@ class EngineInfo:
             block = (f"per-cycle drafting: plain step, DFlash block <= {self.adaptive_max} or a lookup draft "
                      f"(prior block {self.block_size}, {self.block_size_source})")
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
+        prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
         return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-                f"{self.drafter}, {block}{vocab}{self._group()}")
+                f"{self.drafter}{prec}, {block}{vocab}{self._group()}")
 
     def _group(self) -> str:
         return "" if self.group.size == 1 else f", {self.group.describe()}"
@@ -191,8 +193,9 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
     top = max(block_size, ckpt, 16) if adaptive else 0
     vocab = pair.drafter.vocab_size_drafted
+    prec = pair.drafter.precision() if hasattr(pair.drafter, "precision") else ""
     return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", SPECULATIVE,
-                      top, vocab, pinned=pinned)
+                      top, vocab, pinned=pinned, drafter_precision=prec)
 
 
 def plain_view(pair: Pair) -> Pair:

@@ -46,8 +46,11 @@ def resolve(path_or_id: str, what: str) -> Path:
 
 
 def default_dtype():
-    """float32 on the CPU backend (its fp16/bf16 kernels are slow); keep file dtype on Metal."""
-    return None if mx.metal.is_available() else mx.float32
+    """float32 on the CPU backend (its fp16/bf16 kernels are slow); the file's dtype on a GPU
+    backend (Metal, CUDA). See backend.Backend.cast_float32."""
+    from . import backend
+
+    return backend.current().default_dtype()
 
 
 def _read_config(path: Path) -> dict:
@@ -120,11 +123,14 @@ def write_draft_vocab(path: str | Path, ids, note: str = "") -> None:
 
 
 def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
-                 group_size: int = 64) -> tuple[Drafter, dict]:
+                 group_size: int = 64, activations: str | None = None) -> tuple[Drafter, dict]:
     """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config).
 
     ``bits`` quantizes the drafter's own layers (never the target's shared embedding/head)
     before its weights are materialized; an already quantized checkpoint loads as it is.
+    ``activations`` ("float32" | "float16" | "bfloat16"): float weights (and quantization scales)
+    in that dtype and its inputs cast to it, whatever the file's dtype (``quantize.choose`` on a
+    GPU backend; a non-finite pass still switches it to float32, see ``Drafter.settle``).
     """
     path = resolve(str(path_or_id), "drafter")
     if path.is_dir():
@@ -176,8 +182,14 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
         )
     model.load_weights(list(weights.items()), strict=True)
     del weights  # lazy sources: let each be freed once its (quantized) copy is materialized
+    if activations not in (None, "float32", "float16", "bfloat16"):
+        raise MlxSpecError(f"drafter activations must be float32, float16 or bfloat16, not {activations!r}")
+    if activations is not None:
+        dtype = getattr(mx, activations)
     dtype = default_dtype() if dtype is None else dtype
     quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"drafter {path}")
+    if activations is not None:
+        model.act_dtype = dtype
     model.eval()
     model.shipped_vocab = read_draft_vocab(path, args.vocab_size)
     return model, config
@@ -344,7 +356,8 @@ def _is_quantized(model) -> bool:
 
 def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
               target_bits: int | None = None, drafter_bits: int | None = None,
-              group_size: int = 64, draft_vocab: str = "auto", shard=None) -> Pair:
+              group_size: int = 64, draft_vocab: str = "auto", shard=None,
+              drafter_activations: str | None = None) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
@@ -356,7 +369,8 @@ def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
         return Pair(model, tokenizer, None, None, target_id, None, None)
     if drafter_id is None:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
-    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size)
+    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size,
+                                   activations=drafter_activations)
     target = Target(model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     vocab = None

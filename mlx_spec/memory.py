@@ -132,6 +132,25 @@ class PlanInputs:
     replicated_weights: int = 0  # target bytes every rank holds whole (embedding, head, norms)
 
 
+def act_bytes(tensors, *, cast_float32: bool) -> int:
+    """Bytes of one activation, and so of one K/V element, of a target with these (loaded)
+    tensors: 4 where float weights are cast to float32 (the CPU backend); else MLX's type
+    promotion over what the activations meet on their way to the cache: the embedding (its
+    scales when quantized) and every norm weight. A kept GGUF target holds float16 scales but
+    float32 norms, and those promote the activations, and its cache, to float32."""
+    if cast_float32:
+        return 4
+    from .quantize import DTYPE_BYTES
+
+    seen = {t.dtype for t in tensors if t.dtype in ("F32", "F16", "BF16", "F64")
+            and ("embed_tokens" in t.name or (len(t.shape) == 1 and "norm" in t.name.rsplit(".", 2)[-2]))}
+    if not seen:
+        return 4
+    if {"F16", "BF16"} <= seen:  # float16 with bfloat16 promotes to float32
+        return 4
+    return max(DTYPE_BYTES[d] for d in seen)
+
+
 def kv_bytes(d: ModelDims | DrafterDims, act_bytes: int) -> int:
     """Keys + values of one position in one attention layer."""
     return 2 * d.kv_heads * d.head_dim * act_bytes
@@ -438,33 +457,20 @@ def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] 
 
 
 def device_budget() -> tuple[int, str]:
-    """Metal's recommended working set on Apple Silicon, else physical memory (psutil)."""
-    import mlx.core as mx
+    """Metal's recommended working set on Apple Silicon, a GPU's memory, else physical memory
+    (backend.current())."""
+    from . import backend
 
-    if mx.metal.is_available():
-        size = mx.device_info().get("max_recommended_working_set_size")
-        if size:
-            return int(size), "Metal recommended working set"
-    import psutil
-
-    return int(psutil.virtual_memory().total), "physical memory"
+    b = backend.current()
+    return b.budget, b.budget_source
 
 
 def set_wired_limit() -> int | None:
     """Wire up to the recommended working set, as mlx-lm's ``wired_limit`` does (Metal only).
     Returns the previous limit, or None where there is nothing to set (CPU)."""
-    import mlx.core as mx
+    from . import backend
 
-    if not mx.metal.is_available():
-        return None
-    size = mx.device_info().get("max_recommended_working_set_size")
-    if not size:
-        return None
-    try:
-        return mx.set_wired_limit(int(size))
-    except Exception as e:  # macOS < 15 or a limit above the sysctl: keep running unwired
-        log.warning("could not set the wired limit: %s", e)
-        return None
+    return backend.set_wired_limit()
 
 
 def live(plan: MemoryPlan | None = None) -> dict:
@@ -506,9 +512,10 @@ def loaded_sizes(pair) -> LoadedSizes:
     def nbytes(module) -> int:
         return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
-    params = tree_flatten(pair.model.parameters())
-    floats = [v.dtype.size for _, v in params if v.dtype in _float_dtypes()]
-    ab = floats[0] if floats else 4
+    from . import backend
+    from .quantize import module_tensors
+
+    ab = act_bytes(module_tensors(pair.model), cast_float32=False)  # the loaded dtypes, whatever the backend
     args = getattr(pair.model, "args", None)
     config = asdict(args) if is_dataclass(args) else dict(vars(args)) if args is not None else {}
     t = target_dims(config)
@@ -516,7 +523,8 @@ def loaded_sizes(pair) -> LoadedSizes:
     drafter_kv = drafter = 0
     if pair.drafter is not None:
         d = drafter_dims(pair.drafter_config)
-        drafter, drafter_kv = nbytes(pair.drafter), kv_bytes(d, ab) * d.layers
+        drafter = sum(v.nbytes for _, v in pair.drafter.own_parameters())  # (not the borrowed head)
+        drafter_kv = kv_bytes(d, ab) * d.layers
     return LoadedSizes(nbytes(pair.model), drafter, target_kv, drafter_kv)
 
 
@@ -572,8 +580,7 @@ def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, meta
     float_bytes = None if metal else 4  # float32 on the CPU backend; as stored on Metal
     ttensors = list(ttensors)
     tw = q.loaded_nbytes(ttensors, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
-    stored = {t.dtype for t in ttensors if t.dtype in q.FLOATS}
-    ab = 4 if not metal else (2 if stored & {"F16", "BF16"} else 4)
+    ab = act_bytes(ttensors, cast_float32=not metal)
     n = sum(t.numel for t in ttensors if not t.name.endswith((".scales", ".biases")))
     prec = f"{quant.target_bits}-bit" if quant.target_bits else ("float32" if not metal else "as stored")
     labels = {"target": f"{n / 1e6:.0f}M stored params, {prec}"}
@@ -613,9 +620,9 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
     > 1: one rank's plan with the target sharded over that many machines (notes say how many
     machines of this budget the pair needs at this context).
     """
-    import mlx.core as mx
+    from . import backend
 
-    metal = mx.metal.is_available() if metal is None else metal
+    metal = backend.current().gpu if metal is None else metal
     tcfg, ttensors, _ = sources[0] if sources else model_source(target_id, "target")
     dcfg, dtensors, dpath = (sources[1] if sources else model_source(str(drafter_id), "drafter")) \
         if drafter_id is not None else (None, (), None)
@@ -648,11 +655,10 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
 
 def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
     """The ``QuantChoice`` for a ``config.LoadConfig``'s target bits, drafter bits and group size."""
-    import mlx.core as mx
-
+    from . import backend
     from . import quantize as q
 
-    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=mx.metal.is_available(),
+    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=backend.current().gpu,
                     checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
 
 

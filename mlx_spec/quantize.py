@@ -28,6 +28,15 @@ CPU_FLOAT_REASON = (
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 FLOATS = {"F64", "F32", "F16", "BF16"}
+# The drafter's precision on a GPU backend (Metal): the cheapest setting whose acceptance stays
+# within 2 % of float32 with every hidden state and logit finite, measured by
+# benchmarks/precision.py on the shipped drafter (docs/memory.md, "Drafter precision").
+GPU_DRAFTER_BITS: int | None = 4
+GPU_DRAFTER_ACTIVATIONS = "bfloat16"
+GPU_DRAFTER_REASON = (
+    "drafter 4-bit weights with bfloat16 activations: the cheapest measured setting within 2 % of "
+    "float32 acceptance (-1.8 %) with every pass finite (docs/memory.md, drafter precision); a "
+    "non-finite pass switches it to float32 at run time")
 
 
 class Tensor(NamedTuple):
@@ -50,13 +59,15 @@ class QuantChoice:
     target_prequantized: bool  # the checkpoint itself is quantized: loaded as it is
     reason: str
     has_drafter: bool = True
+    drafter_activations: str | None = None  # "float32" | "float16" | "bfloat16": the drafter computes in it; None: as loaded
 
     def describe(self) -> str:
         def name(b):
             return f"{b}-bit" if b else "float"
 
         t = name(self.target_bits) + (" (checkpoint)" if self.target_prequantized else "")
-        d = f", drafter {name(self.drafter_bits)}" if self.has_drafter else ""
+        act = f" with {self.drafter_activations} activations" if self.drafter_activations else ""
+        d = f", drafter {name(self.drafter_bits)}{act}" if self.has_drafter else ""
         return f"target {t}{d}, group size {self.group_size}"
 
     def as_dict(self) -> dict:
@@ -86,8 +97,10 @@ def choose(target_bits: str | None, drafter_bits: str | None, group_size: int | 
            metal: bool, checkpoint: tuple[int, int] | None, drafter: bool = True) -> QuantChoice:
     """Resolve the --target-bits / --drafter-bits / --group-size flags (None = automatic).
 
-    Defaults: the target stays as its checkpoint is. On Metal the drafter follows the target's
-    bits; on the CPU backend it stays float32 (see ``CPU_FLOAT_REASON``).
+    Defaults: the target stays as its checkpoint is. On a GPU backend (``metal``: Metal or
+    another GPU) the drafter takes the measured precision (``GPU_DRAFTER_*``); on the CPU backend
+    it stays float32 (see ``CPU_FLOAT_REASON``). An explicit --drafter-bits keeps the loaded
+    activations (a 16-bit drafter computes in 16 bits; the run-time check catches non-finite passes).
     """
     group = group_size or DEFAULT_GROUP_SIZE
     why = []
@@ -99,16 +112,17 @@ def choose(target_bits: str | None, drafter_bits: str | None, group_size: int | 
         t = checkpoint[0]
     t = t or None
     d = parse_bits(drafter_bits) if drafter else 0
+    act = None
     if d is None:
         if metal:
-            d = t
-            why.append(f"drafter follows the target ({f'{t}-bit' if t else 'float'})")
+            d, act = GPU_DRAFTER_BITS, GPU_DRAFTER_ACTIVATIONS
+            why.append(GPU_DRAFTER_REASON)
         else:
             why.append("drafter: " + CPU_FLOAT_REASON)
     d = d or None
     if not metal and (t and checkpoint is None or d):
         why.append("quantized from float32, so scales are float32 (bf16 scales are ~10x slower on CPU)")
-    return QuantChoice(t, d, group, checkpoint is not None, "; ".join(why), drafter)
+    return QuantChoice(t, d, group, checkpoint is not None, "; ".join(why), drafter, act if drafter else None)
 
 
 # -- byte arithmetic (pure) ---------------------------------------------------------------------
@@ -232,4 +246,4 @@ def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str 
 __all__ = ["QuantChoice", "Tensor", "choose", "parse_bits", "checkpoint_quantization", "quantizable",
            "quantized_nbytes", "loaded_nbytes", "safetensors_tensors", "module_tensors", "skeleton",
            "is_quantized", "quantize_module", "materialize", "prepare", "BITS_CHOICES",
-           "DEFAULT_GROUP_SIZE", "CPU_FLOAT_REASON"]
+           "DEFAULT_GROUP_SIZE", "CPU_FLOAT_REASON", "GPU_DRAFTER_BITS", "GPU_DRAFTER_ACTIVATIONS"]

@@ -360,7 +360,7 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         shard = partial(shard_target, group=group)
     return load_pair(cfg.target, planned.drafter, no_draft=cfg.no_draft, target_bits=quant.target_bits,
                      drafter_bits=quant.drafter_bits, group_size=quant.group_size, draft_vocab=cfg.draft_vocab,
-                     shard=shard)
+                     shard=shard, drafter_activations=quant.drafter_activations)
 
 
 def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = lambda m: None, *,

@@ -22,10 +22,14 @@ def test_choose_defaults():
     assert (cpu.target_bits, cpu.drafter_bits, cpu.group_size) == (None, None, 64)
     assert "CPU backend" in cpu.reason and "block rows" in cpu.reason
     metal = quantize.choose("4", None, 32, metal=True, checkpoint=None)
-    assert (metal.target_bits, metal.drafter_bits, metal.group_size) == (4, 4, 32)
-    # a quantized checkpoint decides the target's bits; the drafter follows it on Metal
+    # on a GPU backend the drafter takes the measured precision (docs/memory.md), not the target's bits
+    gpu = (quantize.GPU_DRAFTER_BITS, quantize.GPU_DRAFTER_ACTIVATIONS)
+    assert (metal.target_bits, metal.group_size) == (4, 32)
+    assert (metal.drafter_bits, metal.drafter_activations) == gpu and "drafter precision" in metal.reason
+    # a quantized checkpoint decides the target's bits
     pre = quantize.choose(None, None, None, metal=True, checkpoint=(4, 64))
-    assert (pre.target_bits, pre.drafter_bits, pre.target_prequantized) == (4, 4, True)
+    assert (pre.target_bits, pre.drafter_bits, pre.target_prequantized) == (4, gpu[0], True)
+    assert quantize.choose("4", "4", None, metal=True, checkpoint=None).drafter_activations is None  # as asked
     clash = quantize.choose("8", "none", None, metal=True, checkpoint=(4, 64))
     assert clash.target_bits == 4 and clash.drafter_bits is None and "not applied" in clash.reason
     both = quantize.choose("8", "4", None, metal=False, checkpoint=None)

@@ -208,7 +208,9 @@ async def health(request: HTTPRequest):
                 "group": group or info.group.as_dict(),
                 # continuous batching's attention path ("shared K/V over N layers" | "per sequence
                 # (<reason>)"); None when requests run one at a time
-                "batch_attention": getattr(engine, "batch_attention", None)}
+                "batch_attention": getattr(engine, "batch_attention", None),
+                # drafter passes with a NaN/inf hidden state or logit, and the float32 fallback they caused
+                "drafter": {k: v for k, v in engine.snapshot().items() if k.startswith("drafter_")}}
     _, content = errors.to_body(s.not_ready())  # the 503 a completion request gets now
     content["status"] = "failed" if engine.state == FAILED else "loading"
     content["speculation"] = None
@@ -449,6 +451,11 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
     metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
            "Draft tokens accepted at block position N (1 = first token after the anchor).",
            [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])])
+    metric("drafter_nonfinite_passes_total", "counter",
+           "Drafter passes with a non-finite hidden state or logit (their drafts are rejected; the first "
+           "switches the drafter to float32 activations).", [({}, snap.get("drafter_nonfinite", 0))])
+    metric("drafter_float32_fallback", "gauge", "1 once non-finite passes switched the drafter to float32.",
+           [({}, int(bool(snap.get("drafter_fallback"))))])
     metric("spec_decode_plain_cycles_total", "counter",
            "Plain target steps the drafting policy took instead of a draft (cycles without drafts).",
            [({}, snap.get("plain_cycles", 0))])

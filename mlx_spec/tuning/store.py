@@ -31,10 +31,11 @@ READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 def cpu_name() -> str:
     try:
-        import mlx.core as mx
+        from .. import backend
 
-        if mx.metal.is_available():
-            return str(mx.device_info().get("device_name", "apple-gpu"))
+        b = backend.current()
+        if b.gpu and not b.faked:
+            return b.device
     except Exception:
         pass
     return cpuinfo().get("model name") or platform.processor() or platform.machine()
@@ -44,7 +45,7 @@ def machine_info() -> dict:
     import mlx.core as mx
     import mlx_lm
 
-    from .. import BLAS
+    from .. import BLAS, backend
 
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -52,7 +53,7 @@ def machine_info() -> dict:
         mem = 0
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(mem / 2**30),
             "os": f"{platform.system()} {platform.release()}", "arch": platform.machine(),
-            "backend": "metal" if mx.metal.is_available() else "cpu",
+            "backend": backend.current().kind,
             "blas": " ".join(x for x in (BLAS.name, BLAS.path, BLAS.version) if x),  # a new library (version) re-tunes
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
