@@ -32,14 +32,14 @@ import statistics
 import time
 
 import mlx_spec  # noqa: F401  (before MLX: it loads OpenBLAS)
-import mlx.core as mx
-from mlx_lm.generate import generation_stream
-
-from mlx_spec.batch import BatchDecoder, BatchBudget, batched_steps
+from mlx_spec.batch import BatchBudget, BatchDecoder, batched_steps
 from mlx_spec.decode import spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
 from mlx_spec.loading import load_pair
 from mlx_spec.prompts import builtin_prompts
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 
 class Always(BatchBudget):
@@ -80,16 +80,20 @@ def summarize(label, dec, steps, tokens, wall, cpu):
     n = max(1, len(el))
     drafted = sum(1 for s in steps if s.drafted)
     acc = sum(s.accepted for s in steps) / max(1, sum(s.drafted for s in steps))
-    print(f"{label:<28} {tokens / wall:7.1f} tok/s {tokens / cpu:7.1f} tok/CPU-s  {sum(el) / n:6.1f} ms/step  steps {n:4d}  "
-          f"draft {statistics.fmean(drf) if drf else 0:5.1f}  verify {statistics.fmean(ver) if ver else 0:5.1f}  "
-          f"drafted {drafted}/{len(steps)} acc {acc:.2f}")
+    print(
+        f"{label:<28} {tokens / wall:7.1f} tok/s {tokens / cpu:7.1f} tok/CPU-s  {sum(el) / n:6.1f} ms/step  steps {n:4d}  "  # noqa: E501
+        f"draft {statistics.fmean(drf) if drf else 0:5.1f}  verify {statistics.fmean(ver) if ver else 0:5.1f}  "
+        f"drafted {drafted}/{len(steps)} acc {acc:.2f}"
+    )
     pol = dec.policy
     if pol.obs:  # the step-cost line BatchBudget fitted, against the steps it measured
         errs = [abs(pol.costs(r, d, x, k) - ms) / ms for r, d, ms, _, x, k in pol.obs]
         k = pol.costs
-        print(f"{'':<28} cost line: {k.base:.1f} + {k.row:.2f}*rows + {k.prefill_row:.2f}*prefill rows + "
-              f"{k.seq:.2f}*drafting seqs + {k.draft_seq:.2f}*in drafter pass + {k.drafter_pass:.1f}*[draft pass] ms, "
-              f"median error {100 * statistics.median(errs):.0f} %")
+        print(
+            f"{'':<28} cost line: {k.base:.1f} + {k.row:.2f}*rows + {k.prefill_row:.2f}*prefill rows + "
+            f"{k.seq:.2f}*drafting seqs + {k.draft_seq:.2f}*in drafter pass + {k.drafter_pass:.1f}*[draft pass] ms, "
+            f"median error {100 * statistics.median(errs):.0f} %"
+        )
 
 
 def attention_bench(pair, prompts, reps=12):
@@ -115,17 +119,22 @@ def attention_bench(pair, prompts, reps=12):
                 rows.append(kv.join(c))
         ids = [mx.array([5, 6, 7, 8], mx.int32) for _ in prompts]
         times = []
-        for r in range(reps):
+        for r in range(reps):  # noqa: B007
             t0 = time.process_time()
-            o = dec.packed([Seg(i, c, True, "all", rows[k] if rows else None) for k, (i, c) in enumerate(zip(ids, caches))],
-                           taps=True, kv=kv)
+            o = dec.packed(
+                [Seg(i, c, True, "all", rows[k] if rows else None) for k, (i, c) in enumerate(zip(ids, caches))],
+                taps=True,
+                kv=kv,
+            )
             mx.eval([x.logits for x in o], [x.hidden for x in o])
             times.append((time.process_time() - t0) * 1e3)
             for k, c in enumerate(caches):
                 dec.packed.rollback(c, {}, 4, 0, rows[k] if rows else None)
         out[fast] = statistics.median(times[2:])
-    print(f"packed forward, {len(prompts)} x 4 rows, CPU ms: attention in one call {out[True]:.1f}, "
-          f"per sequence {out[False]:.1f} (x{out[False] / out[True]:.2f})")
+    print(
+        f"packed forward, {len(prompts)} x 4 rows, CPU ms: attention in one call {out[True]:.1f}, "
+        f"per sequence {out[False]:.1f} (x{out[False] / out[True]:.2f})"
+    )
 
 
 def _ours(pair, prompts, make_policy, batch_policy, drafter=True, widen=None):
@@ -133,8 +142,9 @@ def _ours(pair, prompts, make_policy, batch_policy, drafter=True, widen=None):
     committed, and which sequences drafted / accepted (``drafter=False``: no drafter at all).
     ``widen``: whether a sequence's plain step is offered to the batch as a draft (default: yes,
     except "as each alone")."""
-    dec = BatchDecoder(pair.target, pair.drafter if drafter else None, block_size=4, max_batch=len(prompts),
-                       policy=batch_policy())
+    dec = BatchDecoder(
+        pair.target, pair.drafter if drafter else None, block_size=4, max_batch=len(prompts), policy=batch_policy()
+    )
     dec.widen = batch_policy is not Always if widen is None else widen  # "as each alone": plain ones kept plain
     for p in prompts:
         dec.add(p, max_tokens=100_000, policy=make_policy() if make_policy and drafter else None)
@@ -143,8 +153,13 @@ def _ours(pair, prompts, make_policy, batch_policy, drafter=True, widen=None):
 
     def step():
         out = [st for _, st in dec.step()]
-        return sum(len(st.tokens) for st in out), sum(st.drafted > 0 for st in out), sum(st.drafted for st in out), \
-            sum(st.accepted for st in out)
+        return (
+            sum(len(st.tokens) for st in out),
+            sum(st.drafted > 0 for st in out),
+            sum(st.drafted for st in out),
+            sum(st.accepted for st in out),
+        )
+
     return step
 
 
@@ -152,14 +167,16 @@ def _theirs(pair, prompts):
     """mlx-lm's BatchGenerator (what mlx_lm.server runs) with every sequence decoding."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(pair.model, stop_tokens=[], completion_batch_size=len(prompts),
-                         prefill_batch_size=len(prompts))
+    gen = BatchGenerator(
+        pair.model, stop_tokens=[], completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+    )
     gen.insert([list(p) for p in prompts], max_tokens=[100_000] * len(prompts))
     while len(gen._generation_batch) < len(prompts):
         gen.next()
 
     def step():
         return len(gen.next()[1]), 0, 0, 0
+
     return step
 
 
@@ -167,12 +184,14 @@ def versus(pair, make, prompts, sizes, tokens, block=4):
     """mlx-lm's BatchGenerator against ours (drafting off; the per-step policy; always drafting)
     at each batch size, stepped in turn in one process (``block`` steps of each, round robin, until
     each has committed ``tokens`` per sequence), so a drift of the machine hits all alike."""
-    kinds = {"mlx-lm BatchGenerator": lambda ps: _theirs(pair, ps),
-             "ours, no drafter": lambda ps: _ours(pair, ps, None, Never, drafter=False),
-             "ours, drafting off": lambda ps: _ours(pair, ps, make, Never),
-             "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchBudget),
-             "ours, per-step, not widened": lambda ps: _ours(pair, ps, make, BatchBudget, widen=False),
-             "ours, as each alone": lambda ps: _ours(pair, ps, make, Always)}
+    kinds = {
+        "mlx-lm BatchGenerator": lambda ps: _theirs(pair, ps),
+        "ours, no drafter": lambda ps: _ours(pair, ps, None, Never, drafter=False),
+        "ours, drafting off": lambda ps: _ours(pair, ps, make, Never),
+        "ours, per-step policy": lambda ps: _ours(pair, ps, make, BatchBudget),
+        "ours, per-step, not widened": lambda ps: _ours(pair, ps, make, BatchBudget, widen=False),
+        "ours, as each alone": lambda ps: _ours(pair, ps, make, Always),
+    }
     print(f"{'':<24} {'tok/s':>7} {'ms/step':>8} {'steps':>5} {'drafting seq-steps':>18} {'acc':>5}")
     for B in sizes:
         ps = [prompts[i % len(prompts)] for i in range(B)]
@@ -198,8 +217,10 @@ def versus(pair, make, prompts, sizes, tokens, block=4):
                 g[1] += time.perf_counter() - t0
         print(f"batch {B}")
         for k, (n, sec, st, d, dr, ac) in got.items():
-            print(f"  {k:<22} {n / sec:7.1f} {1e3 * sec / st:8.1f} {st:5d} {d:8d}/{st * B:<9d} "
-                  f"{ac / dr if dr else 0:5.2f}")
+            print(
+                f"  {k:<22} {n / sec:7.1f} {1e3 * sec / st:8.1f} {st:5d} {d:8d}/{st * B:<9d} "
+                f"{ac / dr if dr else 0:5.2f}"
+            )
 
 
 def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
@@ -213,8 +234,9 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
     order = [prompts[(c * requests + i) % len(prompts)] for c in range(clients) for i in range(requests)]
 
     def theirs():
-        gen = BatchGenerator(pair.model, stop_tokens=[[e] for e in eos], completion_batch_size=clients,
-                             prefill_batch_size=clients)
+        gen = BatchGenerator(
+            pair.model, stop_tokens=[[e] for e in eos], completion_batch_size=clients, prefill_batch_size=clients
+        )
         sent, uid_client, t_sent, lat, toks = [0] * clients, {}, {}, [], 0
         t0 = time.perf_counter()
         for c in range(clients):
@@ -239,10 +261,16 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
         sent, sid_client, t_sent, lat, toks = [0] * clients, {}, {}, [], 0
 
         def add(c):
-            sid = dec.add(order[c * requests + sent[c]], max_tokens=tokens, eos_ids=eos,
-                          policy=make() if make and drafting else None, speculate=drafting)
+            sid = dec.add(
+                order[c * requests + sent[c]],
+                max_tokens=tokens,
+                eos_ids=eos,
+                policy=make() if make and drafting else None,
+                speculate=drafting,
+            )
             sid_client[sid], t_sent[sid] = c, time.perf_counter()
             sent[c] += 1
+
         t0 = time.perf_counter()
         for c in range(clients):
             add(c)
@@ -256,8 +284,11 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
                         add(c)
         return toks, time.perf_counter() - t0, lat
 
-    runs = {"mlx-lm BatchGenerator": theirs, "ours, per-step policy": lambda: ours(BatchBudget),
-            "ours, drafting off": lambda: ours(Never, drafting=False)}
+    runs = {
+        "mlx-lm BatchGenerator": theirs,
+        "ours, per-step policy": lambda: ours(BatchBudget),
+        "ours, drafting off": lambda: ours(Never, drafting=False),
+    }
     got = {k: [] for k in runs}
     for _ in range(rounds):
         for k, f in runs.items():
@@ -267,7 +298,9 @@ def flow(pair, make, prompts, clients, requests, tokens, rounds=2):
         toks, sec = sum(r[0] for r in rs), sum(r[1] for r in rs)
         lat = sorted(x for r in rs for x in r[2])
         p50, p95 = (lat[min(len(lat) - 1, int(round(q * (len(lat) - 1))))] for q in (0.5, 0.95))
-        print(f"  {k:<22} {toks / sec:7.1f} tok/s  p50 {p50:5.2f} s  p95 {p95:5.2f} s  max {lat[-1]:5.2f} s  ({toks} tokens)")
+        print(
+            f"  {k:<22} {toks / sec:7.1f} tok/s  p50 {p50:5.2f} s  p95 {p95:5.2f} s  max {lat[-1]:5.2f} s  ({toks} tokens)"  # noqa: E501
+        )
 
 
 def main() -> None:
@@ -280,14 +313,25 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also run each size with attention per sequence")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--attention", action="store_true")
-    ap.add_argument("--versus", action="store_true",
-                    help="only: mlx-lm's BatchGenerator against ours (no drafter, drafting off, per-step policy, as each "
-                         "alone), stepped in turn in one process")
-    ap.add_argument("--clients", type=int, default=0,
-                    help="only: N clients x --requests requests of --tokens tokens, in one process (see flow())")
+    ap.add_argument(
+        "--versus",
+        action="store_true",
+        help="only: mlx-lm's BatchGenerator against ours (no drafter, drafting off, per-step policy, as each "
+        "alone), stepped in turn in one process",
+    )
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="only: N clients x --requests requests of --tokens tokens, in one process (see flow())",
+    )
     ap.add_argument("--requests", type=int, default=2)
-    ap.add_argument("--kinds", default="code", help="built-in prompt kinds, comma-separated (e.g. agent: "
-                    "multi-turn edits whose replies copy their prompt; lookup drafts)")
+    ap.add_argument(
+        "--kinds",
+        default="code",
+        help="built-in prompt kinds, comma-separated (e.g. agent: "
+        "multi-turn edits whose replies copy their prompt; lookup drafts)",
+    )
     a = ap.parse_args()
     pair = load_pair(str(resolve_target_id(a.target) or a.target), a.drafter)
 
@@ -318,14 +362,17 @@ def main() -> None:
         if B == 1:
             t0 = c0 = None
             toks = 0
-            for st in spec_steps(pair.target, pair.drafter, ps[0], block_size=4, max_tokens=a.tokens,
-                                 policy=make() if make else None):
+            for st in spec_steps(
+                pair.target, pair.drafter, ps[0], block_size=4, max_tokens=a.tokens, policy=make() if make else None
+            ):
                 if st.prefill:
                     t0, c0 = time.perf_counter(), time.process_time()
                     continue
                 toks += len(st.tokens)
-            print(f"{'spec_steps (single stream)':<28} {toks / (time.perf_counter() - t0):7.1f} tok/s "
-                  f"{toks / (time.process_time() - c0):7.1f} tok/CPU-s")
+            print(
+                f"{'spec_steps (single stream)':<28} {toks / (time.perf_counter() - t0):7.1f} tok/s "
+                f"{toks / (time.process_time() - c0):7.1f} tok/CPU-s"
+            )
     if a.cprofile:
         B = sizes[-1]
         ps = [prompts[i % len(prompts)] for i in range(B)]

@@ -56,13 +56,29 @@ def main() -> None:
             y = np.empty((m, args.n), np.float32)
             for name, lib in libs.items():
                 t = time.perf_counter()
-                lib.cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, args.n, args.k, ctypes.c_float(1.0), ptr(x),
-                                args.k, ptr(w), args.k, ctypes.c_float(0.0), ptr(y), args.n)
+                lib.cblas_sgemm(
+                    ROW_MAJOR,
+                    NO_TRANS,
+                    TRANS,
+                    m,
+                    args.n,
+                    args.k,
+                    ctypes.c_float(1.0),
+                    ptr(x),
+                    args.k,
+                    ptr(w),
+                    args.k,
+                    ctypes.c_float(0.0),
+                    ptr(y),
+                    args.n,
+                )
                 if rep >= 2:
                     times[(name, m)].append((time.perf_counter() - t) * 1e3)
     mb = w.nbytes / 2**20
-    print(f"cblas_sgemm: rows x {args.k} times ({args.n} x {args.k})^T float32 ({mb:.0f} MiB of weights); "
-          f"medians of {args.repeats}, ms")
+    print(
+        f"cblas_sgemm: rows x {args.k} times ({args.n} x {args.k})^T float32 ({mb:.0f} MiB of weights); "
+        f"medians of {args.repeats}, ms"
+    )
     print(f"{'rows':>5} " + " ".join(f"{n:>10}" for n in libs))
     for m in rows:
         print(f"{m:>5} " + " ".join(f"{statistics.median(times[(n, m)]):>10.1f}" for n in libs))

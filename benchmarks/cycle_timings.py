@@ -18,11 +18,11 @@ import argparse
 import statistics
 import time
 
-from mlx_spec.policy import DraftPolicy, estimate_costs
 from mlx_spec.costs import CostMeter
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, resolve_target_id
 from mlx_spec.loading import load_pair
+from mlx_spec.policy import DraftPolicy, estimate_costs
 from mlx_spec.stats import Stats
 
 
@@ -59,24 +59,33 @@ def main() -> None:
         meter.round()
         spec.append(run(spec_steps(pair.target, pair.drafter, ids, block_size=B, max_tokens=N))[1:])
         no_drafts = DraftPolicy(estimate_costs(pair), B, sources=())
-        order = [("loop", lambda: spec_steps(pair.target, pair.drafter, ids, block_size=B, max_tokens=N,
-                                            policy=no_drafts)),
-                 ("mlx-lm", lambda: plain_steps(pair.model, ids, max_tokens=N))]
-        for name, make in (order if r % 2 == 0 else order[::-1]):
+        order = [
+            ("loop", lambda: spec_steps(pair.target, pair.drafter, ids, block_size=B, max_tokens=N, policy=no_drafts)),  # noqa: B023
+            ("mlx-lm", lambda: plain_steps(pair.model, ids, max_tokens=N)),
+        ]
+        for name, make in order if r % 2 == 0 else order[::-1]:
             (plain_in_loop if name == "loop" else mlx_lm).append(run(make())[1:])
     c = meter.costs()
-    print(f"context {meter.context} tokens; passes alone (median of {a.repeats} rounds): "
-          f"Td({B}) {c.td_ms[B]:.1f} ms, Tt({B}) {c.tt_ms[B]:.1f} ms, Tt(1) {c.tt_ms[1]:.1f} ms, T1 {c.t1_ms:.1f} ms")
-    print(f"{'repeat':>6} {'cycles':>6} {'draft ms':>9} {'Td*cyc':>8} {'ratio':>6} {'verify ms':>9} {'Tt*cyc':>8} "
-          f"{'ratio':>6} {'host ms':>8}")
+    print(
+        f"context {meter.context} tokens; passes alone (median of {a.repeats} rounds): "
+        f"Td({B}) {c.td_ms[B]:.1f} ms, Tt({B}) {c.tt_ms[B]:.1f} ms, Tt(1) {c.tt_ms[1]:.1f} ms, T1 {c.t1_ms:.1f} ms"
+    )
+    print(
+        f"{'repeat':>6} {'cycles':>6} {'draft ms':>9} {'Td*cyc':>8} {'ratio':>6} {'verify ms':>9} {'Tt*cyc':>8} "
+        f"{'ratio':>6} {'host ms':>8}"
+    )
     for r, (st, ms) in enumerate(spec):
         td, tt = c.td_ms[B] * st.cycles, c.tt_ms[B] * st.cycles
-        print(f"{r:>6} {st.cycles:>6} {st.draft_ms:>9.1f} {td:>8.1f} {st.draft_ms / td:>6.2f} {st.verify_ms:>9.1f} "
-              f"{tt:>8.1f} {st.verify_ms / tt:>6.2f} {ms - st.draft_ms - st.verify_ms:>8.1f}")
+        print(
+            f"{r:>6} {st.cycles:>6} {st.draft_ms:>9.1f} {td:>8.1f} {st.draft_ms / td:>6.2f} {st.verify_ms:>9.1f} "
+            f"{tt:>8.1f} {st.verify_ms / tt:>6.2f} {ms - st.draft_ms - st.verify_ms:>8.1f}"
+        )
     per = lambda runs: statistics.median(ms / st.cycles for st, ms in runs)  # noqa: E731
     lp, ml = per(plain_in_loop), per(mlx_lm)
-    print(f"plain step: inside spec_steps {lp:.1f} ms, mlx-lm generate_step {ml:.1f} ms "
-          f"(loop / mlx-lm = {lp / ml:.3f}; medians of {a.repeats}, alternated)")
+    print(
+        f"plain step: inside spec_steps {lp:.1f} ms, mlx-lm generate_step {ml:.1f} ms "
+        f"(loop / mlx-lm = {lp / ml:.3f}; medians of {a.repeats}, alternated)"
+    )
 
 
 if __name__ == "__main__":

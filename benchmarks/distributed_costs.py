@@ -24,25 +24,36 @@ from functools import partial
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (loads the BLAS before MLX)
-import mlx.core as mx
-
 from mlx_spec import distributed
 from mlx_spec.costs import measure_costs
 from mlx_spec.loading import check_pair, load_drafter, load_target_model
 from mlx_spec.target import Target
 
-SYNTH = dict(model_type="qwen3", hidden_size=512, num_hidden_layers=12, intermediate_size=1536,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
-             vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+import mlx.core as mx
+
+SYNTH = dict(
+    model_type="qwen3",
+    hidden_size=512,
+    num_hidden_layers=12,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 def synthetic(root: Path) -> tuple[str, str]:
     """Write the synthetic pair once (rank 0 of a group and a lone process alike)."""
-    from mlx_lm.models import qwen3
-    from mlx_lm.utils import save_config, save_model
-
     from mlx_spec.drafter import DFLASH2, Drafter, DrafterArgs
     from mlx_spec.loading import save_drafter
+
+    from mlx_lm.models import qwen3
+    from mlx_lm.utils import save_config, save_model
 
     t, d = root / "target", root / "drafter"
     if (d / "config.json").exists():
@@ -52,12 +63,30 @@ def synthetic(root: Path) -> tuple[str, str]:
     mx.eval(model.parameters())
     save_model(t, model)
     save_config(dict(SYNTH), t / "config.json")
-    cfg = {"architectures": [DFLASH2], "model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 1,
-           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1536,
-           "vocab_size": 32000, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-           "num_target_layers": 12, "block_size": 8,
-           "dflash_config": {"mask_token_id": 31999, "target_layer_ids": [1, 5, 10], "conv_kernel_size": 2,
-                             "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}}
+    cfg = {
+        "architectures": [DFLASH2],
+        "model_type": "qwen3",
+        "hidden_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "num_target_layers": 12,
+        "block_size": 8,
+        "dflash_config": {
+            "mask_token_id": 31999,
+            "target_layer_ids": [1, 5, 10],
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 32,
+            "selector_top_k": 8,
+        },
+    }
     mx.random.seed(1)
     drafter = Drafter(DrafterArgs.from_config(cfg))
     mx.eval(drafter.parameters())
@@ -114,14 +143,29 @@ def main() -> int:
         if group is not None:
             toks = mx.distributed.all_sum(toks, group=group, stream=mx.cpu)
         mx.eval(toks)
+
     bcast = distributed.timed_ms(broadcast, args.reps)
     if rank == 0:
-        print(json.dumps({
-            "group": distributed.group_info(group).as_dict(), "target": tpath, "drafter": dpath,
-            "context": args.context, "layers": L, "hidden": H,
-            "t1_ms": costs.t1_ms, "td_ms": costs.td_ms, "tt_ms": costs.tt_ms,
-            "allreduce_ms": allreduce, "message_ms": message, "draft_block": B,
-            "draft_replicated_ms": replicated, "draft_broadcast_ms": bcast}))
+        print(
+            json.dumps(
+                {
+                    "group": distributed.group_info(group).as_dict(),
+                    "target": tpath,
+                    "drafter": dpath,
+                    "context": args.context,
+                    "layers": L,
+                    "hidden": H,
+                    "t1_ms": costs.t1_ms,
+                    "td_ms": costs.td_ms,
+                    "tt_ms": costs.tt_ms,
+                    "allreduce_ms": allreduce,
+                    "message_ms": message,
+                    "draft_block": B,
+                    "draft_replicated_ms": replicated,
+                    "draft_broadcast_ms": bcast,
+                }
+            )
+        )
     sys.stdout.flush()
     return 0
 

@@ -11,10 +11,10 @@ import statistics
 import time
 
 import mlx_spec  # noqa: F401  (loads the BLAS before MLX)
-import mlx.core as mx
-
 from mlx_spec.default_target import DEFAULT_TARGET_ID
 from mlx_spec.loading import load_pair
+
+import mlx.core as mx
 
 
 def main() -> None:

@@ -18,29 +18,48 @@ import statistics
 import time
 
 import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before mlx)
+from mlx_spec.target import Target  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
-from mlx_spec.target import Target  # noqa: E402
-
 H, LAYERS, EXPERTS, TOP_K = 256, 8, 64, 8
 _ROPE = {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
-_GDN = dict(linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=32,
-            linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4)
-_MOE = dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=128,
-            shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
-            norm_topk_prob=True)
-_BASE = dict(hidden_size=H, num_hidden_layers=LAYERS, intermediate_size=4 * H, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=4096,
-             max_position_embeddings=4096, tie_word_embeddings=False)
+_GDN = dict(
+    linear_num_value_heads=8,
+    linear_num_key_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+)
+_MOE = dict(
+    num_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=256,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+_BASE = dict(
+    hidden_size=H,
+    num_hidden_layers=LAYERS,
+    intermediate_size=4 * H,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    vocab_size=4096,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 CONFIGS = {
     "qwen3": dict(_BASE, model_type="qwen3", rope_theta=10000.0),
     "qwen3_moe": dict(_BASE, **_MOE, model_type="qwen3_moe", rope_theta=10000.0),
     "qwen3_5": dict(_BASE, **_GDN, model_type="qwen3_5", rope_parameters=_ROPE),
     "qwen3_5_moe": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_5_moe", rope_parameters=_ROPE),
-    "qwen3_next": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_next", rope_theta=10000.0,
-                       partial_rotary_factor=0.25),
+    "qwen3_next": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_next", rope_theta=10000.0, partial_rotary_factor=0.25),
 }
 
 
@@ -102,32 +121,46 @@ def measure(kind: str, sizes: list[int], context: int, repeats: int) -> list[dic
                 cpu.append((c1 - c0) * 1e3)
                 rollback.append((t2 - t1) * 1e3)
                 rcpu.append((c2 - c1) * 1e3)
-        rows.append(dict(T=T, verify_ms=statistics.median(verify), cpu_ms=statistics.median(cpu),
-                         rollback_ms=statistics.median(rollback), rollback_cpu_ms=statistics.median(rcpu),
-                         experts=experts_woken(target, mx.concatenate([ctx, block], axis=1), T)))
+        rows.append(
+            dict(
+                T=T,
+                verify_ms=statistics.median(verify),
+                cpu_ms=statistics.median(cpu),
+                rollback_ms=statistics.median(rollback),
+                rollback_cpu_ms=statistics.median(rcpu),
+                experts=experts_woken(target, mx.concatenate([ctx, block], axis=1), T),
+            )
+        )
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", nargs="+", default=["qwen3_5_moe", "qwen3_5", "qwen3_moe", "qwen3"],
-                   choices=sorted(CONFIGS))
+    p.add_argument(
+        "--arch", nargs="+", default=["qwen3_5_moe", "qwen3_5", "qwen3_moe", "qwen3"], choices=sorted(CONFIGS)
+    )
     p.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    print(f"hidden {H}, {LAYERS} layers, MoE: {EXPERTS} experts top-{TOP_K}; float32, context {args.context}; "
-          "median of", args.repeats)
-    print(f"{'arch':12} {'T':>3} {'verify ms':>10} {'x T=1':>6} {'verify cpu ms':>14} {'x T=1':>6} "
-          f"{'rollback ms':>12} {'cpu ms':>7} {'experts/layer':>14}")
+    print(
+        f"hidden {H}, {LAYERS} layers, MoE: {EXPERTS} experts top-{TOP_K}; float32, context {args.context}; median of",
+        args.repeats,
+    )
+    print(
+        f"{'arch':12} {'T':>3} {'verify ms':>10} {'x T=1':>6} {'verify cpu ms':>14} {'x T=1':>6} "
+        f"{'rollback ms':>12} {'cpu ms':>7} {'experts/layer':>14}"
+    )
     for kind in args.arch:
         rows = measure(kind, args.sizes, args.context, args.repeats)
         base, cbase = rows[0]["verify_ms"], rows[0]["cpu_ms"]
         for row in rows:
             ex = "" if row["experts"] is None else f"{row['experts']:.1f}"
-            print(f"{kind:12} {row['T']:>3} {row['verify_ms']:>10.1f} {row['verify_ms'] / base:>6.2f} "
-                  f"{row['cpu_ms']:>14.1f} {row['cpu_ms'] / cbase:>6.2f} {row['rollback_ms']:>12.2f} "
-                  f"{row['rollback_cpu_ms']:>7.2f} {ex:>14}")
+            print(
+                f"{kind:12} {row['T']:>3} {row['verify_ms']:>10.1f} {row['verify_ms'] / base:>6.2f} "
+                f"{row['cpu_ms']:>14.1f} {row['cpu_ms'] / cbase:>6.2f} {row['rollback_ms']:>12.2f} "
+                f"{row['rollback_cpu_ms']:>7.2f} {ex:>14}"
+            )
 
 
 if __name__ == "__main__":

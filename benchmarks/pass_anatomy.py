@@ -21,14 +21,14 @@ import statistics
 import time
 
 import mlx_spec  # noqa: F401  (first: it loads the system BLAS before MLX)
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlx_spec.config import LoadConfig
 from mlx_spec.costs import Costs
 from mlx_spec.default_target import DEFAULT_TARGET_ID
 from mlx_spec.session import open_session
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import mlx.nn as nn
 
 
 def main() -> None:
@@ -91,8 +91,14 @@ def main() -> None:
         def mm(y=y):
             mx.eval([y @ W.T for _ in range(len(layers))])
 
-        for name, f in (("pass", whole), ("attention", attn), ("mlp", mlp), ("head", head),
-                        ("sigmoid", sig), ("matmul", mm)):
+        for name, f in (
+            ("pass", whole),
+            ("attention", attn),
+            ("mlp", mlp),
+            ("head", head),
+            ("sigmoid", sig),
+            ("matmul", mm),
+        ):
             tasks[(name, R)] = f
     times = {k: [] for k in tasks}
     keys = list(tasks)
@@ -105,15 +111,20 @@ def main() -> None:
                 times[key].append((time.perf_counter() - t) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = len(layers)
-    print(f"target {pair.target_id} ({target.model_type}, {n} layers, hidden {H}, {target.embed.weight.dtype}), "
-          f"context {a.context}, backend {'gpu' if mx.default_device() == mx.gpu else 'cpu'}; medians of {a.rounds} "
-          f"interleaved rounds, ms")
+    print(
+        f"target {pair.target_id} ({target.model_type}, {n} layers, hidden {H}, {target.embed.weight.dtype}), "
+        f"context {a.context}, backend {'gpu' if mx.default_device() == mx.gpu else 'cpu'}; medians of {a.rounds} "
+        f"interleaved rounds, ms"
+    )
     cols = ("pass", "attention", "mlp", "head", "sigmoid", "matmul")
     print(f"{'rows':>5} " + " ".join(f"{c:>10}" for c in cols) + "   pass/pass(1)  sigmoid ns/elem")
     for R in rows:
         ns = med[("sigmoid", R)] * 1e6 / (n * R * I)
-        print(f"{R:>5} " + " ".join(f"{med[(c, R)]:>10.1f}" for c in cols)
-              + f"   {med[('pass', R)] / med[('pass', rows[0])]:>12.2f}  {ns:>15.1f}")
+        print(
+            f"{R:>5} "
+            + " ".join(f"{med[(c, R)]:>10.1f}" for c in cols)
+            + f"   {med[('pass', R)] / med[('pass', rows[0])]:>12.2f}  {ns:>15.1f}"
+        )
     print(f"(sigmoid: {n} ops over rows x {I}, the SiLU's shape; matmul: {n} of rows x {H} @ {H} x {I})")
     print(elementwise_line())
     if 1 in rows:
@@ -138,9 +149,11 @@ def elementwise_line(n: int = 1 << 20, reps: int = 9) -> str:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e9 / n
 
-    return (f"per element over {n} float32: MLX exp {ns(lambda: mx.eval(mx.exp(x))):.1f} ns, "
-            f"sigmoid {ns(lambda: mx.eval(mx.sigmoid(x))):.1f} ns, add {ns(lambda: mx.eval(x + 1)):.2f} ns; "
-            f"numpy exp {ns(lambda: np.exp(xn)):.2f} ns")
+    return (
+        f"per element over {n} float32: MLX exp {ns(lambda: mx.eval(mx.exp(x))):.1f} ns, "
+        f"sigmoid {ns(lambda: mx.eval(mx.sigmoid(x))):.1f} ns, add {ns(lambda: mx.eval(x + 1)):.2f} ns; "
+        f"numpy exp {ns(lambda: np.exp(xn)):.2f} ns"
+    )
 
 
 def reach(curve: Costs, rows: list[int]) -> None:
@@ -149,12 +162,16 @@ def reach(curve: Costs, rows: list[int]) -> None:
     plain step is one pass of n rows, their cycle one pass of n * B rows."""
     seqs = [s for s in (1, 2, 4, 8) if s in rows]
     blocks = [B for B in (2, 3, 4, 6, 8) if any(s * B in rows for s in seqs)]
-    print("\nbreak-even tau per sequence (tokens a cycle must commit to pay for its rows; only the "
-          "row counts measured above):")
+    print(
+        "\nbreak-even tau per sequence (tokens a cycle must commit to pay for its rows; only the "
+        "row counts measured above):"
+    )
     print(f"{'block':>5} " + " ".join(f"{f'{s} seq':>8}" for s in seqs))
     for B in blocks:
-        cells = [f"{curve.reach(B, seqs=s, source='lookup').break_even:>8.2f}" if s * B in rows else f"{'-':>8}"
-                 for s in seqs]
+        cells = [
+            f"{curve.reach(B, seqs=s, source='lookup').break_even:>8.2f}" if s * B in rows else f"{'-':>8}"
+            for s in seqs
+        ]
         print(f"{B:>5} " + " ".join(cells))
 
 

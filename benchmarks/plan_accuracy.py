@@ -17,9 +17,6 @@ import sys
 import time
 
 import mlx_spec  # noqa: F401  (loads the optimized BLAS before mlx)
-import mlx.core as mx
-from mlx_lm.models import qwen3
-
 from mlx_spec import memory, quantize
 from mlx_spec.decode import spec_steps
 from mlx_spec.default_target import DEFAULT_TARGET_ID, ensure_default_target
@@ -27,26 +24,52 @@ from mlx_spec.drafter import DFLASH2, Drafter, DrafterArgs, build_target_layer_i
 from mlx_spec.loading import load_target_model
 from mlx_spec.target import Target
 
-BIG = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=12, intermediate_size=2816,
-           num_attention_heads=16, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
-           vocab_size=32768, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False)
+import mlx.core as mx
+from mlx_lm.models import qwen3
+
+BIG = dict(
+    model_type="qwen3",
+    hidden_size=1024,
+    num_hidden_layers=12,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    vocab_size=32768,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
 
 
 def drafter_config(t: dict, *, layers: int = 2, block: int = 8) -> dict:
     """A DFlash 2 drafter shaped for target config ``t`` (5 taps, the target's widths)."""
     heads = t["num_attention_heads"]
     return {
-        "architectures": [DFLASH2], "model_type": "qwen3", "hidden_size": t["hidden_size"],
-        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "architectures": [DFLASH2],
+        "model_type": "qwen3",
+        "hidden_size": t["hidden_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
         "num_key_value_heads": t.get("num_key_value_heads", heads),
         "head_dim": t.get("head_dim") or t["hidden_size"] // heads,
-        "intermediate_size": t["intermediate_size"], "vocab_size": t["vocab_size"],
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768,
-        "num_target_layers": t["num_hidden_layers"], "block_size": block, "is_causal": False,
-        "dflash_config": {"mask_token_id": t["vocab_size"] - 1,
-                          "target_layer_ids": build_target_layer_ids(t["num_hidden_layers"], 5),
-                          "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                          "selector_top_k": 16},
+        "intermediate_size": t["intermediate_size"],
+        "vocab_size": t["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+        "num_target_layers": t["num_hidden_layers"],
+        "block_size": block,
+        "is_causal": False,
+        "dflash_config": {
+            "mask_token_id": t["vocab_size"] - 1,
+            "target_layer_ids": build_target_layer_ids(t["num_hidden_layers"], 5),
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+        },
     }
 
 
@@ -69,8 +92,14 @@ def measure(name, model, tcfg, ttensors, bits, group, prompt_len, generate, bloc
     quant = quantize.QuantChoice(bits, bits, group, False, "")
     inputs = memory.inputs_for(tcfg, ttensors, dcfg, dtensors, quant, metal=False)
     context = prompt_len + generate
-    plan = memory.make_plan(inputs, context=context, block_size=block, prompt=prompt_len,
-                            budget=memory.device_budget()[0], budget_source="physical memory")
+    plan = memory.make_plan(
+        inputs,
+        context=context,
+        block_size=block,
+        prompt=prompt_len,
+        budget=memory.device_budget()[0],
+        budget_source="physical memory",
+    )
     weights = mx.get_active_memory()
     prompt = [(7 * i + 3) % (tcfg["vocab_size"] - 2) + 1 for i in range(prompt_len)]
     mx.clear_cache()
@@ -83,14 +112,27 @@ def measure(name, model, tcfg, ttensors, bits, group, prompt_len, generate, bloc
             prefill_peak = mx.get_peak_memory()
     peak = mx.get_peak_memory()
     err = plan.peak / peak - 1
-    row = {"case": name, "bits": bits or "float32", "prompt": prompt_len, "generated": n, "block": block,
-           "weights_loaded": weights, "weights_planned": plan.items[0].bytes + plan.items[1].bytes,
-           "measured_peak": peak, "measured_prefill_peak": prefill_peak, "planned_peak": plan.peak,
-           "error": err, "seconds": round(time.perf_counter() - t0, 1),
-           "items": {i.name: i.bytes for i in plan.items}}
-    print(f"{name:10s} {str(bits or 'f32'):>4s}  weights loaded {weights / 2**20:8.1f} MiB planned "
-          f"{row['weights_planned'] / 2**20:8.1f} | peak measured {peak / 2**20:8.1f} MiB planned "
-          f"{plan.peak / 2**20:8.1f} MiB  error {err:+.1%}  ({n} tokens, {row['seconds']} s)", flush=True)
+    row = {
+        "case": name,
+        "bits": bits or "float32",
+        "prompt": prompt_len,
+        "generated": n,
+        "block": block,
+        "weights_loaded": weights,
+        "weights_planned": plan.items[0].bytes + plan.items[1].bytes,
+        "measured_peak": peak,
+        "measured_prefill_peak": prefill_peak,
+        "planned_peak": plan.peak,
+        "error": err,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "items": {i.name: i.bytes for i in plan.items},
+    }
+    print(
+        f"{name:10s} {str(bits or 'f32'):>4s}  weights loaded {weights / 2**20:8.1f} MiB planned "
+        f"{row['weights_planned'] / 2**20:8.1f} | peak measured {peak / 2**20:8.1f} MiB planned "
+        f"{plan.peak / 2**20:8.1f} MiB  error {err:+.1%}  ({n} tokens, {row['seconds']} s)",
+        flush=True,
+    )
     return row
 
 
@@ -98,8 +140,17 @@ def case_smollm2(args):
     path = ensure_default_target().path
     model, _ = load_target_model(DEFAULT_TARGET_ID)
     tcfg = json.loads((path / "config.json").read_text())
-    return measure("smollm2", model, tcfg, quantize.safetensors_tensors(path), None, args.group_size,
-                   args.prompt, args.generate, args.block)
+    return measure(
+        "smollm2",
+        model,
+        tcfg,
+        quantize.safetensors_tensors(path),
+        None,
+        args.group_size,
+        args.prompt,
+        args.generate,
+        args.block,
+    )
 
 
 def case_big(bits):
@@ -110,8 +161,10 @@ def case_big(bits):
         assert n >= 200e6, n
         quantize.prepare(model, bits=bits, group_size=args.group_size, what="target")
         mx.clear_cache()
-        return measure(f"big-{n / 1e6:.0f}M", model, BIG, ttensors, bits, args.group_size,
-                       args.prompt, args.generate, args.block)
+        return measure(
+            f"big-{n / 1e6:.0f}M", model, BIG, ttensors, bits, args.group_size, args.prompt, args.generate, args.block
+        )
+
     return run
 
 

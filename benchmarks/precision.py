@@ -42,13 +42,13 @@ def weight_name(bits, group) -> str:
 
 
 def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
     from mlx_spec import loading
     from mlx_spec import prompts as P
     from mlx_spec.default_target import DEFAULT_TARGET_ID
     from mlx_spec.drafter import DraftVocab
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
 
     pair = loading.load_pair(DEFAULT_TARGET_ID, loading.DEFAULT_DRAFTER)
     target, tok = pair.target, pair.tokenizer
@@ -100,21 +100,36 @@ def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
                 drafter.settle()
             h = drafter.health()
             nbytes = sum(v.nbytes for _, v in drafter.own_parameters())
-            row = {"activations": act, "weights": weight_name(bits, group), "bits": bits, "group_size": group or None,
-                   "tau": round(tokens / cycles, 3) if cycles else None, "cycles": cycles,
-                   "passes": h.passes, "nonfinite_passes": h.nonfinite, "drafter_bytes": nbytes,
-                   "seconds": round(time.perf_counter() - t0, 1)}
+            row = {
+                "activations": act,
+                "weights": weight_name(bits, group),
+                "bits": bits,
+                "group_size": group or None,
+                "tau": round(tokens / cycles, 3) if cycles else None,
+                "cycles": cycles,
+                "passes": h.passes,
+                "nonfinite_passes": h.nonfinite,
+                "drafter_bytes": nbytes,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     base = next(r for r in rows if r["activations"] == "float32" and r["bits"] is None)["tau"]
-    ok = [r for r in rows if r["nonfinite_passes"] == 0 and r["tau"] is not None
-          and r["tau"] >= base * (1 - TOLERANCE)]
+    ok = [r for r in rows if r["nonfinite_passes"] == 0 and r["tau"] is not None and r["tau"] >= base * (1 - TOLERANCE)]
     cheapest = min(ok, key=cost)
-    return {"command": " ".join(["python", *sys.argv]), "prompts": [r[0] for r in runs], "max_tokens": max_tokens,
-            "greedy": True, "method": "greedy replay of the target's reply (teacher-forced drafter passes)",
-            "backend": _backend(), "machine": platform.machine(), "rows": rows,
-            "float32_tau": base, "tolerance": TOLERANCE,
-            "cheapest_within_tolerance": {k: cheapest[k] for k in ("activations", "weights", "tau")}}
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "prompts": [r[0] for r in runs],
+        "max_tokens": max_tokens,
+        "greedy": True,
+        "method": "greedy replay of the target's reply (teacher-forced drafter passes)",
+        "backend": _backend(),
+        "machine": platform.machine(),
+        "rows": rows,
+        "float32_tau": base,
+        "tolerance": TOLERANCE,
+        "cheapest_within_tolerance": {k: cheapest[k] for k in ("activations", "weights", "tau")},
+    }
 
 
 def _backend() -> str:
@@ -125,12 +140,16 @@ def _backend() -> str:
 
 def table(result: dict) -> str:
     base = result["float32_tau"]
-    out = ["| activations | drafter weights | tau | vs float32 | non-finite passes | drafter bytes |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "| activations | drafter weights | tau | vs float32 | non-finite passes | drafter bytes |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         rel = f"{(r['tau'] / base - 1) * 100:+.1f} %" if r["tau"] and base else "-"
-        out.append(f"| {r['activations']} | {r['weights']} | {r['tau']} | {rel} | {r['nonfinite_passes']} of "
-                   f"{r['passes']} | {r['drafter_bytes'] / 1e6:.1f} MB |")
+        out.append(
+            f"| {r['activations']} | {r['weights']} | {r['tau']} | {rel} | {r['nonfinite_passes']} of "
+            f"{r['passes']} | {r['drafter_bytes'] / 1e6:.1f} MB |"
+        )
     return "\n".join(out)
 
 
@@ -146,8 +165,7 @@ def main(argv=None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    print(f"\ncheapest within {TOLERANCE:.0%} of float32 with every pass finite: "
-          f"{result['cheapest_within_tolerance']}")
+    print(f"\ncheapest within {TOLERANCE:.0%} of float32 with every pass finite: {result['cheapest_within_tolerance']}")
     return 0
 
 

@@ -33,18 +33,24 @@ def main(argv=None) -> int:
         return Session.of(p, engine_info(p, 4, "flag"))
 
     system = "You are a careful Python tutor. " * 40
-    turn1 = [{"role": "system", "content": system},
-             {"role": "user", "content": "Write a function that reverses a string."}]
+    turn1 = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Write a function that reverses a string."},
+    ]
     for budget in (args.cache_mb << 20, 0):
         with Engine(loader, prefix_cache=budget) as e:
             e.wait_ready(120)
             d1 = e.submit(Request(messages=turn1, max_tokens=args.tokens)).result()
-            turn2 = turn1 + [{"role": "assistant", "content": d1.text},
-                             {"role": "user", "content": "Now add type hints."}]
+            turn2 = turn1 + [
+                {"role": "assistant", "content": d1.text},
+                {"role": "user", "content": "Now add type hints."},
+            ]
             d2 = e.submit(Request(messages=turn2, max_tokens=args.tokens)).result()
             digest = hashlib.sha256(d2.text.encode()).hexdigest()[:12]
-            print(f"prefix cache {budget >> 20} MiB: turn 2 prompt {d2.prompt_tokens} tok, cached "
-                  f"{d2.timings['cache_n']}, prefill {d2.timings['prompt_ms']:.0f} ms, reply {digest}")
+            print(
+                f"prefix cache {budget >> 20} MiB: turn 2 prompt {d2.prompt_tokens} tok, cached "
+                f"{d2.timings['cache_n']}, prefill {d2.timings['prompt_ms']:.0f} ms, reply {digest}"
+            )
     return 0
 
 

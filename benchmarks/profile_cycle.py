@@ -26,24 +26,44 @@ from pathlib import Path
 import mlx_spec  # loads OpenBLAS before mlx
 
 RANDOM_DRAFTER = {  # the shipped drafter's shape (models/smollm2-135m-dflash2)
-    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 576,
-    "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "intermediate_size": 1536, "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-    "max_position_embeddings": 8192, "num_target_layers": 30, "block_size": 8, "is_causal": False,
-    "dflash_config": {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27], "block_size": 8,
-                      "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 64, "selector_top_k": 8},
+    "architectures": ["DFlash2DraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": 576,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "num_target_layers": 30,
+    "block_size": 8,
+    "is_causal": False,
+    "dflash_config": {
+        "mask_token_id": 16,
+        "target_layer_ids": [1, 8, 14, 20, 27],
+        "block_size": 8,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 64,
+        "selector_top_k": 8,
+    },
 }
 
 
 def load(args):
-    import mlx.core as mx
-
     from mlx_spec.drafter import Drafter, DrafterArgs
-    from mlx_spec.loading import MODELS_DIR, DEFAULT_DRAFTER, load_drafter, load_target_model
+    from mlx_spec.loading import DEFAULT_DRAFTER, MODELS_DIR, load_drafter, load_target_model
     from mlx_spec.target import Target
 
+    import mlx.core as mx
+
     model, tok = load_target_model(args.target)
-    path = args.drafter or (MODELS_DIR / DEFAULT_DRAFTER if (MODELS_DIR / DEFAULT_DRAFTER / "config.json").exists() else None)
+    path = args.drafter or (
+        MODELS_DIR / DEFAULT_DRAFTER if (MODELS_DIR / DEFAULT_DRAFTER / "config.json").exists() else None
+    )
     if path:
         drafter, _ = load_drafter(str(path))
         what = str(path)
@@ -60,15 +80,17 @@ def load(args):
 
 def phases(target, drafter, ids, B: int, cycles: int) -> dict[str, float]:
     """One cycle by hand with a sync after every phase; median ms per phase."""
-    import mlx.core as mx
-
     from mlx_spec.sampling import accept_greedy
+
+    import mlx.core as mx
 
     cache, dcache = target.make_cache(), drafter.make_cache()
     out = target(mx.array([ids]), cache)
     mx.eval(out.logits, out.hidden)
     features, anchor = out.hidden, mx.argmax(out.logits[0, -1])
-    rows: dict[str, list[float]] = {k: [] for k in ("draft_graph", "draft_eval", "verify_graph", "verify_eval", "accept", "rollback")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("draft_graph", "draft_eval", "verify_graph", "verify_eval", "accept", "rollback")
+    }
     for i in range(cycles + 1):
         t0 = time.perf_counter()
         prop = drafter.propose(anchor, features, dcache, B)
@@ -96,8 +118,11 @@ def loop(target, drafter, ids, B: int, tokens: int) -> dict[str, float]:
 
     steps = list(spec_steps(target, drafter, ids, block_size=B, max_tokens=tokens))
     cyc = [s for s in steps[2:] if s.block_size == B and not s.finish_reason]  # drop prefill + 1st cycle
-    return {"cycle_ms": statistics.median(s.elapsed_ms for s in cyc), "cycles": len(cyc),
-            "tau": sum(len(s.tokens) for s in steps[1:]) / max(1, len(steps) - 1)}
+    return {
+        "cycle_ms": statistics.median(s.elapsed_ms for s in cyc),
+        "cycles": len(cyc),
+        "tau": sum(len(s.tokens) for s in steps[1:]) / max(1, len(steps) - 1),
+    }
 
 
 def ab(target, drafter, ids, B: int, tokens: int, ref: str, rounds: int) -> dict[str, float]:
@@ -106,12 +131,16 @@ def ab(target, drafter, ids, B: int, tokens: int, ref: str, rounds: int) -> dict
     import subprocess
     import tempfile
 
-    src = subprocess.run(["git", "show", f"{ref}:mlx_spec/decode.py"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    src = subprocess.run(
+        ["git", "show", f"{ref}:mlx_spec/decode.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("mlx_spec._decode_ref", f.name,
-                                                  submodule_search_locations=None)
+    spec = importlib.util.spec_from_file_location("mlx_spec._decode_ref", f.name, submodule_search_locations=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "mlx_spec"
     sys.modules[spec.name] = mod  # dataclasses look their module up
@@ -147,27 +176,48 @@ def main(argv=None) -> int:
     ids = BUILTIN[0].encode(tok)
     context = ids + [tok.encode(" the")[-1]] * 64  # a context like mid-generation
     costs = measure_costs(model, target, drafter, sizes, context, reps=args.reps)
-    report = {"blas": mlx_spec.BLAS.describe(), "drafter": what, "context": len(context),
-              "t1_ms": costs.t1_ms, "sizes": {}}
-    print(f"BLAS: {report['blas']}\ndrafter: {what}\ncontext {len(context)} tokens; "
-          f"T1 (plain decode step) {costs.t1_ms:.1f} ms", file=sys.stderr)
+    report = {
+        "blas": mlx_spec.BLAS.describe(),
+        "drafter": what,
+        "context": len(context),
+        "t1_ms": costs.t1_ms,
+        "sizes": {},
+    }
+    print(
+        f"BLAS: {report['blas']}\ndrafter: {what}\ncontext {len(context)} tokens; "
+        f"T1 (plain decode step) {costs.t1_ms:.1f} ms",
+        file=sys.stderr,
+    )
     for B in sizes:
         ph = phases(target, drafter, context, B, args.cycles)
         lp = loop(target, drafter, context, B, args.cycles * 2)
         passes = costs.td_ms[B] + costs.tt_ms[B]
-        row = {"td_ms": costs.td_ms[B], "tt_ms": costs.tt_ms[B], "passes_ms": passes, "phases_ms": ph,
-               "loop_cycle_ms": lp["cycle_ms"], "overhead_ms": lp["cycle_ms"] - passes,
-               "overhead_pct": 100 * (lp["cycle_ms"] - passes) / lp["cycle_ms"], "tau": lp["tau"]}
+        row = {
+            "td_ms": costs.td_ms[B],
+            "tt_ms": costs.tt_ms[B],
+            "passes_ms": passes,
+            "phases_ms": ph,
+            "loop_cycle_ms": lp["cycle_ms"],
+            "overhead_ms": lp["cycle_ms"] - passes,
+            "overhead_pct": 100 * (lp["cycle_ms"] - passes) / lp["cycle_ms"],
+            "tau": lp["tau"],
+        }
         report["sizes"][B] = row
-        print(f"B={B:2d}  Td {row['td_ms']:6.1f}  Tt {row['tt_ms']:6.1f}  passes {passes:6.1f} | loop cycle "
-              f"{lp['cycle_ms']:6.1f} ms  overhead {row['overhead_ms']:5.1f} ms ({row['overhead_pct']:.1f}%) | "
-              + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()), file=sys.stderr)
+        print(
+            f"B={B:2d}  Td {row['td_ms']:6.1f}  Tt {row['tt_ms']:6.1f}  passes {passes:6.1f} | loop cycle "
+            f"{lp['cycle_ms']:6.1f} ms  overhead {row['overhead_ms']:5.1f} ms ({row['overhead_pct']:.1f}%) | "
+            + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()),
+            file=sys.stderr,
+        )
     if args.ab:
         for B in sizes:
             res = ab(target, drafter, context, B, args.cycles, args.ab, args.ab_rounds)
             report["sizes"][B]["ab"] = res
-            print(f"B={B:2d}  A/B median cycle: {args.ab} {res['ref']:.1f} ms, now {res['now']:.1f} ms "
-                  f"({100 * (res['now'] / res['ref'] - 1):+.1f}%)", file=sys.stderr)
+            print(
+                f"B={B:2d}  A/B median cycle: {args.ab} {res['ref']:.1f} ms, now {res['now']:.1f} ms "
+                f"({100 * (res['now'] / res['ref'] - 1):+.1f}%)",
+                file=sys.stderr,
+            )
     if args.cprofile:
         import cProfile
         import pstats

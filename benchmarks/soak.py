@@ -28,12 +28,50 @@ from pathlib import Path
 import httpx
 import psutil
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "engineers", "write", "tests", "on", "a", "shared", "machine", "and", "the", "server", "keeps", "serving", "every", "request", "it", "can"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "engineers",
+    "write",
+    "tests",
+    "on",
+    "a",
+    "shared",
+    "machine",
+    "and",
+    "the",
+    "server",
+    "keeps",
+    "serving",
+    "every",
+    "request",
+    "it",
+    "can",
+]
 
 
 def plan_total(args) -> dict:
-    cmd = [sys.executable, "-m", "mlx_spec", "plan", "--json", "--prefix-cache-mb", str(args.prefix_cache_mb),
-           "--context", str(args.context), *args.pair]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "plan",
+        "--json",
+        "--prefix-cache-mb",
+        str(args.prefix_cache_mb),
+        "--context",
+        str(args.context),
+        *args.pair,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise SystemExit(f"plan failed: {out.stderr}")
@@ -44,9 +82,22 @@ def plan_total(args) -> dict:
 
 
 def start_server(args):
-    cmd = [sys.executable, "-m", "mlx_spec", "serve", "--host", "127.0.0.1", "--port", "0", "--context",
-           str(args.context), "--prefix-cache-mb", str(args.prefix_cache_mb), *args.pair,
-           *(["--no-tune"] if args.no_tune else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--context",
+        str(args.context),
+        "--prefix-cache-mb",
+        str(args.prefix_cache_mb),
+        *args.pair,
+        *(["--no-tune"] if args.no_tune else []),
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     url, rss_listen, deadline = None, None, time.monotonic() + 900
     log: list[str] = []
@@ -80,8 +131,11 @@ def client(url: str, jobs: list, lock: threading.Lock, done: dict, cancel_every:
                     return
                 i = jobs.pop()
             words = rnd.choice((4, 40, 200, 600))
-            body = {"messages": [{"role": "user", "content": " ".join(rnd.choice(WORDS) for _ in range(words))}],
-                    "max_tokens": rnd.choice((8, 32, 128)), "temperature": 0}
+            body = {
+                "messages": [{"role": "user", "content": " ".join(rnd.choice(WORDS) for _ in range(words))}],
+                "max_tokens": rnd.choice((8, 32, 128)),
+                "temperature": 0,
+            }
             try:
                 if cancel_every and i % cancel_every == 0:
                     with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
@@ -105,12 +159,18 @@ def main() -> int:
     p.add_argument("--cancel-every", type=int, default=10, help="every N-th request is streamed and dropped")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--prefix-cache-mb", type=float, default=256)
-    p.add_argument("--allowance-mb", type=float, default=256,
-                   help="allocator allowance over the plan: Python heaps, tokenizer, fragmentation")
+    p.add_argument(
+        "--allowance-mb",
+        type=float,
+        default=256,
+        help="allocator allowance over the plan: Python heaps, tokenizer, fragmentation",
+    )
     p.add_argument("--level-mb", type=float, default=32, help="growth of the last third that still counts as level")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
-    p.add_argument("--no-tune", action="store_true", help="serve with the checkpoint's block size (no first-launch tuning)")
+    p.add_argument(
+        "--no-tune", action="store_true", help="serve with the checkpoint's block size (no first-launch tuning)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write samples and verdict as JSON")
     args = p.parse_args()
     args.pair = [x for k in ("target", "drafter") if getattr(args, k) for x in (f"--{k}", getattr(args, k))]
@@ -124,9 +184,14 @@ def main() -> int:
         t0 = time.monotonic()
         while not stop.is_set():
             text = httpx.get(f"{url}/metrics", timeout=30).text
-            samples.append({"t": round(time.monotonic() - t0, 2), "rss": me.memory_info().rss,
-                            "requests": metric(text, "requests_total"),
-                            **{k: metric(text, f"mlx_memory_{k}_bytes") for k in ("active", "cache", "peak")}})
+            samples.append(
+                {
+                    "t": round(time.monotonic() - t0, 2),
+                    "rss": me.memory_info().rss,
+                    "requests": metric(text, "requests_total"),
+                    **{k: metric(text, f"mlx_memory_{k}_bytes") for k in ("active", "cache", "peak")},
+                }
+            )
             stop.wait(1.0)
 
     try:
@@ -134,8 +199,10 @@ def main() -> int:
         sampler.start()
         jobs, lock, done = list(range(args.requests)), threading.Lock(), {}
         started = time.monotonic()
-        threads = [threading.Thread(target=client, args=(url, jobs, lock, done, args.cancel_every, s))
-                   for s in range(args.clients)]
+        threads = [
+            threading.Thread(target=client, args=(url, jobs, lock, done, args.cancel_every, s))
+            for s in range(args.clients)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -149,17 +216,24 @@ def main() -> int:
         proc.wait(60)
     rss = [s["rss"] for s in samples]
     third = max(1, len(rss) // 3)
-    middle, last = rss[third:2 * third] or rss, rss[2 * third:] or rss
+    middle, last = rss[third : 2 * third] or rss, rss[2 * third :] or rss
     bound = rss_listen + plan["total"] + args.allowance_mb * 2**20
     growth = max(last) - max(middle)
     verdict = {"bounded": max(rss) <= bound, "level": growth < args.level_mb * 2**20}
     MiB = 2**20
     summary = {
-        "requests": args.requests, "clients": args.clients, "outcomes": done, "seconds": round(took, 1),
-        "rss_listen_mib": round(rss_listen / MiB, 1), "rss_first_mib": round(rss[0] / MiB, 1),
-        "rss_max_mib": round(max(rss) / MiB, 1), "rss_last_mib": round(rss[-1] / MiB, 1),
-        "last_third_growth_mib": round(growth / MiB, 1), "plan_total_mib": round(plan["total"] / MiB, 1),
-        "plan_cache_allowance_mib": round(plan["cache_allowance"] / MiB, 1), "allowance_mib": args.allowance_mb,
+        "requests": args.requests,
+        "clients": args.clients,
+        "outcomes": done,
+        "seconds": round(took, 1),
+        "rss_listen_mib": round(rss_listen / MiB, 1),
+        "rss_first_mib": round(rss[0] / MiB, 1),
+        "rss_max_mib": round(max(rss) / MiB, 1),
+        "rss_last_mib": round(rss[-1] / MiB, 1),
+        "last_third_growth_mib": round(growth / MiB, 1),
+        "plan_total_mib": round(plan["total"] / MiB, 1),
+        "plan_cache_allowance_mib": round(plan["cache_allowance"] / MiB, 1),
+        "allowance_mib": args.allowance_mb,
         "bound_mib": round(bound / MiB, 1),
         "mlx_active_max_mib": round(max(s["active"] or 0 for s in samples) / MiB, 1),
         "mlx_cache_max_mib": round(max(s["cache"] or 0 for s in samples) / MiB, 1),
@@ -167,10 +241,12 @@ def main() -> int:
         **verdict,
     }
     print(json.dumps(summary, indent=2))
-    print(f"RSS {summary['rss_first_mib']} -> max {summary['rss_max_mib']} MiB (bound {summary['bound_mib']} = listen "
-          f"{summary['rss_listen_mib']} + plan {summary['plan_total_mib']} + allowance {args.allowance_mb:g}); "
-          f"last third grew {summary['last_third_growth_mib']} MiB: "
-          f"{'levelled off within the plan' if all(verdict.values()) else 'NOT within the plan'}")
+    print(
+        f"RSS {summary['rss_first_mib']} -> max {summary['rss_max_mib']} MiB (bound {summary['bound_mib']} = listen "
+        f"{summary['rss_listen_mib']} + plan {summary['plan_total_mib']} + allowance {args.allowance_mb:g}); "
+        f"last third grew {summary['last_third_growth_mib']} MiB: "
+        f"{'levelled off within the plan' if all(verdict.values()) else 'NOT within the plan'}"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"summary": summary, "plan": plan, "samples": samples}, indent=1))

@@ -18,17 +18,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from .policy import MAX_LOOKUP
 from .costs import Costs
+from .policy import MAX_LOOKUP
 
 
 def _covered(prompt: Sequence[int], reply: Sequence[int], n: int) -> list[bool]:
     """Per reply token: inside a span of >= ``n`` tokens that also occurs in ``prompt``."""
-    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
     covered = [False] * len(reply)
     for i in range(len(reply) - n + 1):
-        if tuple(reply[i:i + n]) in grams:
-            covered[i:i + n] = [True] * n
+        if tuple(reply[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
     return covered
 
 
@@ -39,8 +39,15 @@ def copy_share(prompt: Sequence[int], reply: Sequence[int], n: int = 4) -> float
     return sum(_covered(prompt, reply, n)) / len(reply) if reply else 0.0
 
 
-def copy_oracle(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4,
-                max_draft: int = MAX_LOOKUP, right: Sequence[int] | None = None) -> tuple[int, float]:
+def copy_oracle(
+    prompt: Sequence[int],
+    reply: Sequence[int],
+    costs: Costs,
+    *,
+    n: int = 4,
+    max_draft: int = MAX_LOOKUP,
+    right: Sequence[int] | None = None,
+) -> tuple[int, float]:
     """(tokens, ms): the model time an oracle needs for the reply's tokens after the first (the
     first comes from the prefill). The oracle drafts every copied token (``copy_share``'s spans)
     right, in blocks of up to ``max_draft`` drafts verified at the cost curve's Tt(L), and takes
@@ -72,8 +79,9 @@ def copy_oracle(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n:
     return N - 1, best[1]
 
 
-def copy_ceiling(prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4,
-                 max_draft: int = MAX_LOOKUP) -> float:
+def copy_ceiling(
+    prompt: Sequence[int], reply: Sequence[int], costs: Costs, *, n: int = 4, max_draft: int = MAX_LOOKUP
+) -> float:
     """The decode speedup over plain steps that the reply's repetition of the prompt allows:
     ``tokens * T1 / time`` of ``copy_oracle`` (1.0 for a reply with nothing to copy, nan for a
     reply of one token)."""

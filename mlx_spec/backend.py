@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Literal
+from typing import Literal
 
 Kind = Literal["metal", "gpu", "cpu"]
 KINDS = ("metal", "gpu", "cpu")
@@ -76,8 +77,14 @@ class Backend:
         return f"{self.kind} on {self.device}{fake}"
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "device": self.device, "budget": self.budget,
-                "budget_source": self.budget_source, "wired_limit": self.wired_limit, "faked": self.faked}
+        return {
+            "kind": self.kind,
+            "device": self.device,
+            "budget": self.budget,
+            "budget_source": self.budget_source,
+            "wired_limit": self.wired_limit,
+            "faked": self.faked,
+        }
 
 
 def unsupported_platform(system: str | None = None, machine: str | None = None) -> str | None:
@@ -89,9 +96,11 @@ def unsupported_platform(system: str | None = None, machine: str | None = None) 
     system = system or sys.platform
     machine = machine or platform.machine()
     if system == "darwin" and machine != "arm64":
-        return (f"mlx_spec needs Apple Silicon (arm64): this Python runs on macOS {machine}, and MLX has no "
-                "build for Intel Macs. On an Apple Silicon Mac, use an arm64 Python (not one under Rosetta: "
-                "`python3 -c 'import platform; print(platform.machine())'` must say arm64) and reinstall.")
+        return (
+            f"mlx_spec needs Apple Silicon (arm64): this Python runs on macOS {machine}, and MLX has no "
+            "build for Intel Macs. On an Apple Silicon Mac, use an arm64 Python (not one under Rosetta: "
+            "`python3 -c 'import platform; print(platform.machine())'` must say arm64) and reinstall."
+        )
     return None
 
 
@@ -137,10 +146,17 @@ def as_kind(kind: str, real: Backend | None = None) -> Backend:
         return real
     if kind == "metal":
         ws = int(real.budget * FAKE_WORKING_SET_FRACTION)
-        return replace(real, kind="metal", budget=ws, budget_source="Metal recommended working set (faked)",
-                       wired_limit=ws, faked=True)
-    return replace(real, kind=kind, wired_limit=None, faked=True,
-                   budget_source=real.budget_source.replace(" (faked)", ""))
+        return replace(
+            real,
+            kind="metal",
+            budget=ws,
+            budget_source="Metal recommended working set (faked)",
+            wired_limit=ws,
+            faked=True,
+        )
+    return replace(
+        real, kind=kind, wired_limit=None, faked=True, budget_source=real.budget_source.replace(" (faked)", "")
+    )
 
 
 _lock = threading.Lock()
@@ -190,5 +206,15 @@ def set_wired_limit(b: Backend | None = None) -> int | None:
         return None
 
 
-__all__ = ["Backend", "Kind", "KINDS", "ENV", "current", "detect", "as_kind", "use", "set_wired_limit",
-           "unsupported_platform"]
+__all__ = [
+    "Backend",
+    "Kind",
+    "KINDS",
+    "ENV",
+    "current",
+    "detect",
+    "as_kind",
+    "use",
+    "set_wired_limit",
+    "unsupported_platform",
+]

@@ -13,7 +13,8 @@ target's argmax given the committed prefix.
 from __future__ import annotations
 
 import time
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -27,11 +28,11 @@ def find_draft(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: in
     if k <= 0:
         return []
     for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
-        tail = list(history[size - n:])
+        tail = list(history[size - n :])
         first = tail[0]
         for i in range(size - n - 1, -1, -1):
-            if history[i] == first and list(history[i:i + n]) == tail:
-                return list(history[i + n:i + n + k])
+            if history[i] == first and list(history[i : i + n]) == tail:
+                return list(history[i + n : i + n + k])
     return []
 
 
@@ -57,13 +58,12 @@ def lookup_steps(
     t0 = time.perf_counter()
     x = mx.array(list(prompt), mx.int32)[None]
     for s in range(0, x.shape[1], prefill_step):
-        logits = model(x[:, s:s + prefill_step], cache=cache)
+        logits = model(x[:, s : s + prefill_step], cache=cache)
         mx.eval(logits, [c.state for c in cache])
     first = mx.argmax(logits[0, -1]).item()
     toks, reason = truncate_reply([first], 0, max_tokens, eos)
     ms = (time.perf_counter() - t0) * 1e3
-    yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(prompt),
-               finish_reason=reason)
+    yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(prompt), finish_reason=reason)
     history = list(prompt) + toks
     n = len(toks)
     while reason is None:
@@ -78,9 +78,17 @@ def lookup_steps(
         committed, reason = truncate_reply(drafts[:a] + [bonus], n, max_tokens, eos)
         n += len(committed)
         history.extend(committed)
-        yield Step(tuple(committed), drafted=len(drafts), accepted=a, block_size=len(drafts) + 1, source="lookup",
-                   draft_ms=(td - tc) * 1e3, verify_ms=(tv - td) * 1e3,
-                   elapsed_ms=(time.perf_counter() - tc) * 1e3, finish_reason=reason)
+        yield Step(
+            tuple(committed),
+            drafted=len(drafts),
+            accepted=a,
+            block_size=len(drafts) + 1,
+            source="lookup",
+            draft_ms=(td - tc) * 1e3,
+            verify_ms=(tv - td) * 1e3,
+            elapsed_ms=(time.perf_counter() - tc) * 1e3,
+            finish_reason=reason,
+        )
 
 
 def ar_draft_steps(
@@ -101,9 +109,14 @@ def ar_draft_steps(
     from mlx_lm.generate import speculative_generate_step
 
     eos = frozenset(eos_ids)
-    gen = speculative_generate_step(mx.array(list(prompt), mx.uint32), model, draft_model,
-                                    num_draft_tokens=num_draft, max_tokens=max_tokens,
-                                    prefill_step_size=prefill_step)
+    gen = speculative_generate_step(
+        mx.array(list(prompt), mx.uint32),
+        model,
+        draft_model,
+        num_draft_tokens=num_draft,
+        max_tokens=max_tokens,
+        prefill_step_size=prefill_step,
+    )
     t = time.perf_counter()
     n, toks, from_draft = 0, [], 0
     try:
@@ -115,8 +128,15 @@ def ar_draft_steps(
             drafts = min(num_draft, max_tokens - n)  # what mlx-lm drafted this round
             committed, reason = truncate_reply(toks, n, max_tokens, eos)
             now = time.perf_counter()
-            yield Step(tuple(committed), drafted=drafts, accepted=from_draft, block_size=drafts + 1,
-                       elapsed_ms=(now - t) * 1e3, verify_ms=(now - t) * 1e3, finish_reason=reason)
+            yield Step(
+                tuple(committed),
+                drafted=drafts,
+                accepted=from_draft,
+                block_size=drafts + 1,
+                elapsed_ms=(now - t) * 1e3,
+                verify_ms=(now - t) * 1e3,
+                finish_reason=reason,
+            )
             n += len(committed)
             t, toks, from_draft = now, [], 0
             if reason:
@@ -145,8 +165,9 @@ def load_peer(pair) -> Peer:
     try:
         from dflash import model_mlx as dm
     except ImportError as e:
-        raise MlxSpecError(f"the official dflash package is not importable ({e}); "
-                           "install it with: pip install --no-deps dflash==0.1.0") from None
+        raise MlxSpecError(
+            f"the official dflash package is not importable ({e}); install it with: pip install --no-deps dflash==0.1.0"
+        ) from None
     model, tokenizer = load_target_model(pair.target_id)
     path = resolve(pair.drafter_id, "drafter")
     cfg = json.loads((path / "config.json").read_text())
@@ -155,21 +176,30 @@ def load_peer(pair) -> Peer:
     n = cfg["num_hidden_layers"]
     # dflash.model_mlx.load_draft only takes hub ids; the same mapping for a local directory.
     config = dm.DFlashConfig(
-        hidden_size=cfg["hidden_size"], num_hidden_layers=n, num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"], rms_norm_eps=cfg["rms_norm_eps"],
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=n,
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg["rms_norm_eps"],
         rope_theta=cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=cfg["max_position_embeddings"],
         block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
-        target_layer_ids=tuple(dc["target_layer_ids"]), num_target_layers=cfg["num_target_layers"],
-        mask_token_id=dc["mask_token_id"], rope_scaling=rope,
+        target_layer_ids=tuple(dc["target_layer_ids"]),
+        num_target_layers=cfg["num_target_layers"],
+        mask_token_id=dc["mask_token_id"],
+        rope_scaling=rope,
         layer_types=tuple(cfg.get("layer_types") or ["full_attention"] * n),
         sliding_window=cfg.get("sliding_window"),
         final_logit_softcapping=dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")),
         input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
         output_multiplier=float(dc.get("output_multiplier", 1.0)),
-        conv_kernel_size=int(dc.get("conv_kernel_size", 0)), conv_group_size=int(dc.get("conv_group_size", 0)),
-        selector_rank=int(dc.get("selector_rank", 0)), selector_top_k=int(dc.get("selector_top_k", 0)),
+        conv_kernel_size=int(dc.get("conv_kernel_size", 0)),
+        conv_group_size=int(dc.get("conv_group_size", 0)),
+        selector_rank=int(dc.get("selector_rank", 0)),
+        selector_top_k=int(dc.get("selector_top_k", 0)),
         is_causal=cfg.get("is_causal"),
     )
     weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
@@ -188,11 +218,13 @@ def load_peer(pair) -> Peer:
     return Peer(dm, model, draft, tokenizer)
 
 
-def peer_steps(peer: Peer, prompt: Sequence[int], *, block_size: int, max_tokens: int,
-               eos_ids: Sequence[int] = ()) -> Iterator[Step]:
+def peer_steps(
+    peer: Peer, prompt: Sequence[int], *, block_size: int, max_tokens: int, eos_ids: Sequence[int] = ()
+) -> Iterator[Step]:
     """The official loop's responses as Steps (it stops at the tokenizer's EOS by itself)."""
-    gen = peer.module.stream_generate(peer.model, peer.draft, peer.tokenizer, list(prompt),
-                                      block_size=block_size, max_tokens=max_tokens)
+    gen = peer.module.stream_generate(
+        peer.model, peer.draft, peer.tokenizer, list(prompt), block_size=block_size, max_tokens=max_tokens
+    )
     t = time.perf_counter()
     n = 0
     try:
@@ -206,11 +238,24 @@ def peer_steps(peer: Peer, prompt: Sequence[int], *, block_size: int, max_tokens
             n += len(toks)
             reason = r.finish_reason or ("length" if n >= max_tokens else None)
             if n == len(toks):
-                yield Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True,
-                           prompt_tokens=len(prompt), finish_reason=reason)
+                yield Step(
+                    tuple(toks),
+                    elapsed_ms=ms,
+                    verify_ms=ms,
+                    prefill=True,
+                    prompt_tokens=len(prompt),
+                    finish_reason=reason,
+                )
             else:
-                yield Step(tuple(toks), drafted=L - 1, accepted=len(toks) - 1, block_size=L,
-                           elapsed_ms=ms, verify_ms=ms, finish_reason=reason)
+                yield Step(
+                    tuple(toks),
+                    drafted=L - 1,
+                    accepted=len(toks) - 1,
+                    block_size=L,
+                    elapsed_ms=ms,
+                    verify_ms=ms,
+                    finish_reason=reason,
+                )
             t = now
             if reason:
                 return

@@ -39,8 +39,9 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,10 +50,10 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import gdn
-from .policy import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
+from .policy import DFLASH, LOOKUP, PLAIN, Context, Decision
 from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, next_token, sample_target, sampled_acceptance
 from .target import Target
@@ -169,7 +170,7 @@ class Seg(NamedTuple):
     cache: list  # that sequence's target cache (advanced by r)
     record: bool  # a verify pass: record GDN inputs for a later rollback
     logits: str  # "all" | "last" | "none": which rows' logits to compute
-    row: "Row | None" = None  # its place in the batch's shared K/V (``BatchKV``), when it has one
+    row: Row | None = None  # its place in the batch's shared K/V (``BatchKV``), when it has one
 
 
 class SegOut(NamedTuple):
@@ -194,8 +195,10 @@ def _mirrors_attention(attn: nn.Module, norm: nn.Module) -> bool:
     try:
         real, mine = KVCache(), KVCache()
         want = [attn(x[:, :3], "causal", real), attn(x[:, 3:], "causal", real)]
-        got = [_attention(attn, x[:, :3], [(0, 3)], [mine], ["causal"]),
-               _attention(attn, x[:, 3:], [(0, 2)], [mine], ["causal"])]
+        got = [
+            _attention(attn, x[:, :3], [(0, 3)], [mine], ["causal"]),
+            _attention(attn, x[:, 3:], [(0, 2)], [mine], ["causal"]),
+        ]
         return all(_same(w, g) for w, g in zip(want, got))
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return False
@@ -252,7 +255,7 @@ class RowsPlan(NamedTuple):
     row's first query over all rows, then one per drafting row for its other queries against its
     own keys only; on the CPU the softmax costs per query row and key, so padding is paid."""
 
-    kv: "BatchKV"
+    kv: BatchKV
     n: int  # rows (sequences), slots 0..n-1
     R: int  # packed query rows they bring (their blocks, in slot order)
     L: int  # the longest block
@@ -273,8 +276,8 @@ class RowsPlan(NamedTuple):
         nh, hd = qs.shape[1], qs.shape[3]
         k, v = ks[:, :, :R], vs[:, :, :R]
         if self.slots is None:  # one row: a slice write, as KVCache does
-            K[:1, :, self.start:self.start + R] = k
-            V[:1, :, self.start:self.start + R] = v
+            K[:1, :, self.start : self.start + R] = k
+            V[:1, :, self.start : self.start + R] = v
             q = qs[:, :, :R]
         else:
             K[self.slots, :, self.cols] = k[0].transpose(1, 0, 2)
@@ -291,12 +294,14 @@ class RowsPlan(NamedTuple):
         first, T0, rest = self.split
         nh, hd = q.shape[0], q.shape[2]
         q0 = q[:, first].reshape(nh, self.n, 1, hd).transpose(1, 0, 2, 3)
-        o = mx.fast.scaled_dot_product_attention(q0, K[:self.n, :, :T0], V[:self.n, :, :T0], scale=scale,
-                                                 mask=self.mask)
+        o = mx.fast.scaled_dot_product_attention(
+            q0, K[: self.n, :, :T0], V[: self.n, :, :T0], scale=scale, mask=self.mask
+        )
         outs = [o.reshape(self.n, nh * hd)]
         for b, lo, hi, Tb in rest:  # its other queries against its own keys (bottom-right causal)
-            o = mx.fast.scaled_dot_product_attention(q[None, :, lo:hi], K[b:b + 1, :, :Tb], V[b:b + 1, :, :Tb],
-                                                     scale=scale, mask="causal")
+            o = mx.fast.scaled_dot_product_attention(
+                q[None, :, lo:hi], K[b : b + 1, :, :Tb], V[b : b + 1, :, :Tb], scale=scale, mask="causal"
+            )
             outs.append(o[0].transpose(1, 0, 2).reshape(-1, nh * hd))
         return mx.concatenate(outs)[self.back][None]
 
@@ -313,7 +318,7 @@ class BatchKV:
     leaves."""
 
     step = 256
-    split_at = 1.5  # ragged blocks attend split when the padded queries are this many times the real ones (timed on PackedTarget under load)
+    split_at = 1.5  # ragged blocks attend split when the padded queries are this many times the real ones (timed on PackedTarget under load)  # noqa: E501
 
     def __init__(self, layers: Sequence[int]):
         self.layers = tuple(sorted(layers))
@@ -387,8 +392,8 @@ class BatchKV:
         self._reserve(row.slot + 1, off, like)
         for i in self.layers:
             c = cache[i]
-            self.keys[i][row.slot:row.slot + 1, :, :off] = c.keys[..., :off, :]
-            self.values[i][row.slot:row.slot + 1, :, :off] = c.values[..., :off, :]
+            self.keys[i][row.slot : row.slot + 1, :, :off] = c.keys[..., :off, :]
+            self.values[i][row.slot : row.slot + 1, :, :off] = c.values[..., :off, :]
             c.keys = c.values = None  # parked: the K/V live here until the sequence leaves
         self.rows.append(row)
         return row
@@ -401,8 +406,8 @@ class BatchKV:
                 back = []
                 for i in self.layers:
                     c = cache[i]
-                    c.keys = mx.contiguous(self.keys[i][j:j + 1, :, :off])
-                    c.values = mx.contiguous(self.values[i][j:j + 1, :, :off])
+                    c.keys = mx.contiguous(self.keys[i][j : j + 1, :, :off])
+                    c.values = mx.contiguous(self.values[i][j : j + 1, :, :off])
                     c.offset = off
                     back += [c.keys, c.values]
                 mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
@@ -416,7 +421,7 @@ class BatchKV:
             n = last.offset
             for store in (self.keys, self.values):
                 for i in self.layers:
-                    store[i][j:j + 1, :, :n] = store[i][last.slot:last.slot + 1, :, :n]
+                    store[i][j : j + 1, :, :n] = store[i][last.slot : last.slot + 1, :, :n]
             last.slot = j
             self.rows[j] = last
         row.slot = -1
@@ -554,20 +559,27 @@ class PackedTarget:
     def __init__(self, target: Target):
         self.t = target
         kinds = {}
-        for i, layer in enumerate(target.layers):
+        for i, layer in enumerate(target.layers):  # noqa: B007
             kinds.setdefault(i in target.gdn, i)
         for i in kinds.values():
             if not _layer_form_ok(target.layers[i], target.make_cache, i):
                 raise UnsupportedModel(
                     f"batched decoding: the installed mlx-lm's {target.model_type} decoder layer does not "
-                    "have the residual / mixer / MLP shape the packed forward uses")
-        self.packed = {i for i, layer in enumerate(target.layers)
-                       if i not in target.gdn and _mirrors_attention(layer.self_attn, layer.input_layernorm)}
+                    "have the residual / mixer / MLP shape the packed forward uses"
+                )
+        self.packed = {
+            i
+            for i, layer in enumerate(target.layers)
+            if i not in target.gdn and _mirrors_attention(layer.self_attn, layer.input_layernorm)
+        }
         # layers whose attention runs for all decoding sequences at once (``BatchKV``): packed
         # ones with a plain KVCache, when the batched path matches mlx-lm's module
         plain = [i for i, c in enumerate(target.make_cache()) if i in self.packed and type(c) is KVCache]
-        why = "no packed attention layer with a plain KVCache" if not plain else \
-            _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
+        why = (
+            "no packed attention layer with a plain KVCache"
+            if not plain
+            else _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
+        )
         self.slotted = set(plain) if why is None else set()
         self.mismatch = bool(plain) and why is not None  # the batched path differs from the module
         # which attention path the batch runs, said (logged by BatchDecoder, shown by the engine)
@@ -605,8 +617,9 @@ class PackedTarget:
         for i, layer in enumerate(t.layers):
             x = layer.input_layernorm(h)
             if i in self.packed:
-                r = _attention(layer.self_attn, x, bounds, [c[i] for c in caches], fa, pos,
-                               plan if i in self.slotted else None, i)
+                r = _attention(
+                    layer.self_attn, x, bounds, [c[i] for c in caches], fa, pos, plan if i in self.slotted else None, i
+                )
             else:
                 outs = []
                 for k, ((a, b), s) in enumerate(zip(bounds, segs)):
@@ -662,8 +675,9 @@ class PackedTarget:
             gdn = sorted(t.gdn)
             if any(i not in records for i in gdn):
                 raise MlxSpecError("rolling back a hybrid sequence needs its verify rows recorded")
-            t.restore([cache[i] for i in gdn], [records[i] for i in gdn],
-                      [t.layers[i].linear_attn for i in gdn], n_keep)
+            t.restore(
+                [cache[i] for i in gdn], [records[i] for i in gdn], [t.layers[i].linear_attn for i in gdn], n_keep
+            )
 
 
 class OwnForward:
@@ -713,7 +727,7 @@ def _context_many(drafter, feats: Sequence[mx.array], caches: Sequence[list]) ->
         k, v = k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)  # (1, n_kv, S, hd)
         a = 0
         for i, (cache, n) in enumerate(zip(caches, sizes)):
-            out[i].append(cache[li].update_and_fetch(k[:, :, a:a + n], v[:, :, a:a + n]))
+            out[i].append(cache[li].update_and_fetch(k[:, :, a : a + n], v[:, :, a : a + n]))
             a += n
     return out
 
@@ -727,10 +741,10 @@ def _draft_attention(attn, x, ctx, starts, masks):
     kb, vb = attn.kv(x, starts)
     outs = []
     for i, ((ck, cv), m) in enumerate(zip(ctx, masks)):
-        k, v = kb[i:i + 1], vb[i:i + 1]
+        k, v = kb[i : i + 1], vb[i : i + 1]
         if ck is not None:
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        outs.append(mx.fast.scaled_dot_product_attention(q[i:i + 1], k, v, scale=attn.scale, mask=m))
+        outs.append(mx.fast.scaled_dot_product_attention(q[i : i + 1], k, v, scale=attn.scale, mask=m))
     o = mx.concatenate(outs, axis=0) if n > 1 else outs[0]
     return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(n, L, -1))
 
@@ -750,8 +764,9 @@ def _draft_layer(layer, x, ctx, starts, masks):
     return x + (layer.mlp_conv.finish(m, d) if v2 else m)
 
 
-def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array | None], caches: Sequence[list],
-                      L: int) -> mx.array:
+def draft_hidden_many(
+    drafter, anchors: Sequence[int], feats: Sequence[mx.array | None], caches: Sequence[list], L: int
+) -> mx.array:
     """Final-normed hidden states (n, L-1, H) of n blocks ``[anchor, MASK x (L-1)]``, block i
     against sequence i's drafter context (its new rows ``feats[i]`` are added first): the block
     pass of ``Drafter.hidden`` for many sequences, each weight read once."""
@@ -767,8 +782,10 @@ def draft_hidden_many(drafter, anchors: Sequence[int], feats: Sequence[mx.array 
     x = drafter.embed_block(block)
     for li, layer in enumerate(drafter.layers):
         ctx = [kv[li] for kv in kvs]
-        masks = [block_mask(0 if ck is None else ck.shape[2], st, L, layer.causal, layer.window)
-                 for (ck, _), st in zip(ctx, starts_list)]
+        masks = [
+            block_mask(0 if ck is None else ck.shape[2], st, L, layer.causal, layer.window)
+            for (ck, _), st in zip(ctx, starts_list)
+        ]
         x = _draft_layer(layer, x, ctx, starts, masks)
     return drafter.norm(x)[:, 1:]
 
@@ -790,8 +807,10 @@ def _mirrors_drafter(drafter) -> str | None:
     F = len(args.target_layer_ids) * (args.target_hidden_size or args.hidden_size)
     try:
         f = (mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5).astype(drafter.norm.weight.dtype)
-        want = [drafter.hidden(mx.array([[a] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
-                for a, n in ((3, 7), (5, 4))]
+        want = [
+            drafter.hidden(mx.array([[a] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
+            for a, n in ((3, 7), (5, 4))
+        ]
         got = draft_hidden_many(drafter, [3, 5], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
         pairs = list(zip(want, got))
     except (AttributeError, TypeError, ValueError, RuntimeError) as e:
@@ -852,8 +871,14 @@ class StepCost(NamedTuple):
 
     def __call__(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
         seqs = drafting if seqs is None else seqs
-        return (self.base + self.row * rows + self.prefill_row * extra + self.seq * seqs
-                + self.draft_seq * drafting + (self.drafter_pass if drafting else 0.0))
+        return (
+            self.base
+            + self.row * rows
+            + self.prefill_row * extra
+            + self.seq * seqs
+            + self.draft_seq * drafting
+            + (self.drafter_pass if drafting else 0.0)
+        )
 
 
 class BatchBudget:
@@ -880,10 +905,15 @@ class BatchBudget:
     the wait, its pass having overlapped the step before; that is what stepping plain costs then,
     and it pulls the fitted intercept below an unpipelined step's). A batch of one follows its own wish (the single-stream policy decides, as
     in ``spec_steps``).
-    """
+    """  # noqa: E501
 
-    def __init__(self, prior: tuple[float, ...] = (1.0, 0.04, 0.03, 0.1), window: int = 64,
-                 probe_every: int = 8, max_probe_every: int = 64):
+    def __init__(
+        self,
+        prior: tuple[float, ...] = (1.0, 0.04, 0.03, 0.1),
+        window: int = 64,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+    ):
         self.prior = tuple(prior)
         self.obs: deque = deque(maxlen=window)
         a, b, c, e = self.prior
@@ -894,8 +924,9 @@ class BatchBudget:
         # alternative costs (drafting steps alone spread their rows too little to tell)
         self.explore_every, self._drafted_run = 16, 0
 
-    def observe(self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0,
-                seqs: int | None = None) -> None:
+    def observe(
+        self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0, seqs: int | None = None
+    ) -> None:
         """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
         ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
         from any source (default ``drafting``)."""
@@ -932,14 +963,25 @@ class BatchBudget:
         a, b, f, g = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0), max(g, 0.0)
         drew = [(d, dm) for _, d, _, dm, _, _ in self.obs if d > 0 and dm > 0]
         if drew:
-            (e, c), _ = ridge(np.array([[1.0, d] for d, _ in drew]), np.array([dm for _, dm in drew]),
-                              np.array([pe, pc]) * (a / pa), [0.25, 1.0])
+            (e, c), _ = ridge(
+                np.array([[1.0, d] for d, _ in drew]),
+                np.array([dm for _, dm in drew]),
+                np.array([pe, pc]) * (a / pa),
+                [0.25, 1.0],
+            )
         else:
             e, c = pe * a / pa, pc * a / pa
         return StepCost(float(a), float(b), float(f), float(g), float(max(c, 0.0)), float(max(e, 0.0)))
 
-    def choose(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
-               probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
+    def choose(
+        self,
+        wants: Sequence[int],
+        accs: Sequence[Acceptance],
+        plain_runs: Sequence[int],
+        probes: Sequence[int],
+        extra_rows: int = 0,
+        passes: Sequence[bool] | None = None,
+    ) -> list[int]:
         """Each sequence's rows this step (1 = plain), at most its wish (``plan``), counted: after
         ``explore_every`` drafting steps in a row the next is plain."""
         L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes)
@@ -951,8 +993,15 @@ class BatchBudget:
         if batched:
             self._drafted_run = self._drafted_run + 1 if max(L, default=1) > 1 else 0
 
-    def plan(self, wants: Sequence[int], accs: Sequence[Acceptance], plain_runs: Sequence[int],
-             probes: Sequence[int], extra_rows: int = 0, passes: Sequence[bool] | None = None) -> list[int]:
+    def plan(
+        self,
+        wants: Sequence[int],
+        accs: Sequence[Acceptance],
+        plain_runs: Sequence[int],
+        probes: Sequence[int],
+        extra_rows: int = 0,
+        passes: Sequence[bool] | None = None,
+    ) -> list[int]:
         """What ``choose`` returns now, nothing changed (what a subclass overrides). ``passes[i]``:
         the sequence's draft needs the drafter pass (a lookup draft costs rows only)."""
         n = len(wants)
@@ -1078,9 +1127,20 @@ class BatchDecoder:
         waits: the ``DeviceWaits`` every wait for the device goes through (a fresh one if None).
     """
 
-    def __init__(self, target: Target, drafter=None, *, block_size: int = 1, max_batch: int = 8,
-                 prefill_chunk: int = 256, prefill_step: int = 2048, policy: BatchBudget | None = None,
-                 pipeline: bool = True, own_forward: bool = False, waits: DeviceWaits | None = None):
+    def __init__(
+        self,
+        target: Target,
+        drafter=None,
+        *,
+        block_size: int = 1,
+        max_batch: int = 8,
+        prefill_chunk: int = 256,
+        prefill_step: int = 2048,
+        policy: BatchBudget | None = None,
+        pipeline: bool = True,
+        own_forward: bool = False,
+        waits: DeviceWaits | None = None,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if max_batch < 1:
@@ -1105,8 +1165,12 @@ class BatchDecoder:
         elif drafter is not None and max_batch > 1:
             self.drafter_path = "per sequence (not a DFlash drafter)"
         self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
-        log.log(logging.WARNING if self.packed.mismatch else logging.INFO, "batched attention: %s; drafter: %s",
-                self.attention, self.drafter_path)
+        log.log(
+            logging.WARNING if self.packed.mismatch else logging.INFO,
+            "batched attention: %s; drafter: %s",
+            self.attention,
+            self.drafter_path,
+        )
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
@@ -1128,10 +1192,21 @@ class BatchDecoder:
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def add(self, prompt: Sequence[int], *, max_tokens: int, eos_ids: Sequence[int] = (),
-            sampling: SamplingConfig = SamplingConfig(), prefill: Prefill | None = None,
-            on_exit: Callable[[Prefill], None] | None = None, policy=None, lookup_ngram: int = 4,
-            speculate: bool = True, block_size: int | None = None, index: SuffixIndex | None = None) -> int:
+    def add(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        eos_ids: Sequence[int] = (),
+        sampling: SamplingConfig = SamplingConfig(),
+        prefill: Prefill | None = None,
+        on_exit: Callable[[Prefill], None] | None = None,
+        policy=None,
+        lookup_ngram: int = 4,
+        speculate: bool = True,
+        block_size: int | None = None,
+        index: SuffixIndex | None = None,
+    ) -> int:
         """Admit a sequence; it joins at the next ``step``. Returns its id.
 
         ``policy`` (a ``policy.DraftPolicy``, one per sequence) says what the sequence would draft
@@ -1162,12 +1237,25 @@ class BatchDecoder:
         seed = sampling.seed if sampling.seed is not None else time.time_ns() % 2**31
         sid = next(self._ids)
         self._seqs[sid] = _Seq(
-            sid, list(prompt), max_tokens, frozenset(eos_ids), sampling,
+            sid,
+            list(prompt),
+            max_tokens,
+            frozenset(eos_ids),
+            sampling,
             self.block_size if block_size is None or self.drafter is None else block_size,
-            policy if speculate else None, index if speculate else None, on_exit, speculate,
-            cache, dcache, done, done, mx.random.key(seed),
-            Acceptance(max(1, self.block_size - 1)), time.perf_counter(),
-            probe_every=self.policy.probe_every)
+            policy if speculate else None,
+            index if speculate else None,
+            on_exit,
+            speculate,
+            cache,
+            dcache,
+            done,
+            done,
+            mx.random.key(seed),
+            Acceptance(max(1, self.block_size - 1)),
+            time.perf_counter(),
+            probe_every=self.policy.probe_every,
+        )
         return sid
 
     def cancel(self, sid: int, keep: bool = True) -> None:
@@ -1207,8 +1295,9 @@ class BatchDecoder:
             return self._step()
 
     # -- internals ---------------------------------------------------------------------------
-    def _wished_decision(self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False,
-                         ahead: bool = False) -> Decision:
+    def _wished_decision(
+        self, s: _Seq, peek: bool = False, batch: int = 1, asked: bool = False, ahead: bool = False
+    ) -> Decision:
         """What the sequence would do alone this cycle (its own policy, else its fixed block).
         ``peek``: what its policy would choose, nothing counted. ``asked``: its context is the
         one a ``peek`` just built (nothing happened since). ``ahead``: the cycle after the step
@@ -1263,15 +1352,20 @@ class BatchDecoder:
         if len(decoding) == 1 and not extra_rows:  # (``BatchBudget.plan`` returns the wish)
             self.policy.count([wish[0].length], False)
             return wish
-        blocks = self.policy.choose(*self._budget_inputs(decoding, wish), extra_rows,
-                                    [d.source == DFLASH for d in wish])
+        blocks = self.policy.choose(
+            *self._budget_inputs(decoding, wish), extra_rows, [d.source == DFLASH for d in wish]
+        )
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
     def _budget_inputs(self, decoding: list[_Seq], wish: list[Decision]) -> tuple:
         """What ``BatchBudget.choose`` weighs: the wished lengths, the acceptances they are judged
         by, the plain runs and the probe spacings."""
-        return ([d.length for d in wish], [self._acceptance(s, d) for s, d in zip(decoding, wish)],
-                [s.plain_run for s in decoding], [s.probe_every for s in decoding])
+        return (
+            [d.length for d in wish],
+            [self._acceptance(s, d) for s, d in zip(decoding, wish)],
+            [s.plain_run for s in decoding],
+            [s.probe_every for s in decoding],
+        )
 
     def _next_stays_plain(self, decoding: list[_Seq]) -> bool:
         """Would the step after the one in flight be plain for every sequence (asked now,
@@ -1354,20 +1448,32 @@ class BatchDecoder:
                 if self.packed_drafter:
                     group.setdefault(d.length, []).append(s)
                     continue
-                props[s.id] = self.drafter.propose(s.anchor, self._take_pending(s), s.dcache, d.length, s.sampling,
-                                                   kd, **({"confidence": True} if self._wants_confidence(s, alone) else {}))
+                props[s.id] = self.drafter.propose(
+                    s.anchor,
+                    self._take_pending(s),
+                    s.dcache,
+                    d.length,
+                    s.sampling,
+                    kd,
+                    **({"confidence": True} if self._wants_confidence(s, alone) else {}),
+                )
         for L, ss in group.items():  # one block pass per block length for all its sequences
-            h = draft_hidden_many(self.drafter, [s.anchor_id for s in ss], [self._take_pending(s) for s in ss],
-                                  [s.dcache for s in ss], L)
+            h = draft_hidden_many(
+                self.drafter, [s.anchor_id for s in ss], [self._take_pending(s) for s in ss], [s.dcache for s in ss], L
+            )
             unary = self.drafter.logits(h)
             for i, s in enumerate(ss):
-                props[s.id] = self.drafter.proposal(h[i], unary[i], s.anchor, s.sampling, keys[s.id][0],
-                                                    self._wants_confidence(s, alone))
+                props[s.id] = self.drafter.proposal(
+                    h[i], unary[i], s.anchor, s.sampling, keys[s.id][0], self._wants_confidence(s, alone)
+                )
         ran = len(props)  # drafter passes this step
         ids = list(props)
         # the drafts (and the drafter's confidence) on the host: one wait for all
-        got = self.waits.read(*[x for sid in ids for x in (props[sid].tokens, props[sid].confidence)
-                                if x is not None]) if props else []
+        got = (
+            self.waits.read(*[x for sid in ids for x in (props[sid].tokens, props[sid].confidence) if x is not None])
+            if props
+            else []
+        )
         td = time.perf_counter()
         # pick: greedy, the drafter's block kept, trimmed (alone) or the lookup's taken instead
         drafts: dict[int, list[int]] = {}
@@ -1407,20 +1513,30 @@ class BatchDecoder:
             segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
         for s, n in chunks:
             last = s.done + n == len(s.prompt)
-            segs.append(Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False,
-                            "last" if last else "none"))
+            segs.append(
+                Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False, "last" if last else "none")
+            )
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # The target's choices, one host transfer: a sequence stepping plain, its next token (a
         # sampled one's drawn in the graph); a greedy draft's rows, their argmax. Only a sampled
         # draft is accepted apart (sampling.sampled_acceptance), read in the same wait.
         greedy = [k for k, s in enumerate(decoding) if s.sampling.greedy or blocks[k] == 1]
-        choice = (mx.concatenate([next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
-                                  if blocks[k] == 1 else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
-                                  for k in greedy]) if greedy else None)
+        choice = (
+            mx.concatenate(
+                [
+                    next_token(outs[k].logits, decoding[k].sampling, keys[decoding[k].id][1])
+                    if blocks[k] == 1
+                    else mx.argmax(outs[k].logits, axis=-1).astype(mx.int32)
+                    for k in greedy
+                ]
+            )
+            if greedy
+            else None
+        )
         mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
         ahead = None
         if decoding and all(L == 1 for L in blocks) and not prefilling:
-            ahead = self._queue(decoding, [choice[k:k + 1] for k in range(len(decoding))])
+            ahead = self._queue(decoding, [choice[k : k + 1] for k in range(len(decoding))])
 
         # accept and roll back, per sequence
         results: list[tuple[int, Step]] = []
@@ -1428,22 +1544,26 @@ class BatchDecoder:
         verify_ms = 0.0
         rollback_s = 0.0
         greedy_ids: dict[int, list[int]] = {}
-        sampled = {k: sampled_acceptance(outs[k].logits, props.get(s.id), s.sampling, keys[s.id][1])
-                   for k, s in enumerate(decoding) if k not in set(greedy)}
+        sampled = {
+            k: sampled_acceptance(outs[k].logits, props.get(s.id), s.sampling, keys[s.id][1])
+            for k, s in enumerate(decoding)
+            if k not in set(greedy)
+        }
         tw = time.perf_counter()
         if decoding:  # the target's choices and the sampled acceptances: one wait (the verify pass ends here)
             got = self.waits.read(*([] if choice is None else [choice]), *sampled.values())
             if choice is not None:
                 flat, r = got.pop(0), 0
                 for k in greedy:
-                    greedy_ids[k], r = flat[r:r + blocks[k]], r + blocks[k]
+                    greedy_ids[k], r = flat[r : r + blocks[k]], r + blocks[k]
             sampled = dict(zip(sampled, got))
         # the verify pass: from building its graph to its choices on the host; a plain step with
         # the next one queued ahead, or a policy's plain step alone (queued before the policy is
         # asked about the next, as the single stream always has): the wait for its tokens at the
         # read (its pass overlapped the host's work)
-        waited = ahead is not None or (alone and blocks == [1] and decisions[0].source == PLAIN
-                                       and decoding[0].policy is not None)
+        waited = ahead is not None or (
+            alone and blocks == [1] and decisions[0].source == PLAIN and decoding[0].policy is not None
+        )
         verify_ms = (time.perf_counter() - (tw if waited else ts)) * 1e3
         for k, (s, L) in enumerate(zip(decoding, blocks)):
             out = outs[k]
@@ -1459,8 +1579,16 @@ class BatchDecoder:
                 s.pending.append(out.hidden[:, : a + 1])
             s.fed.append(s.anchor_id)
             s.fed.extend(draft_list[:a])
-            step = self._commit(s, draft_list[:a], bonus, L, a, decisions[k].source,
-                                (td - tc) * 1e3 if s.id in ran_block else 0.0, ran_block.get(s.id, 0))
+            step = self._commit(
+                s,
+                draft_list[:a],
+                bonus,
+                L,
+                a,
+                decisions[k].source,
+                (td - tc) * 1e3 if s.id in ran_block else 0.0,
+                ran_block.get(s.id, 0),
+            )
             if ahead is not None:
                 self._fed_ahead(s, ahead.outs[k])
             results.append((s.id, step))
@@ -1487,27 +1615,48 @@ class BatchDecoder:
             if s.index is not None:
                 s.index.extend(toks)
             ms = (time.perf_counter() - s.t_join) * 1e3
-            step = Step(tuple(toks), elapsed_ms=ms, verify_ms=ms, prefill=True, prompt_tokens=len(s.prompt),
-                        cached_tokens=s.cached, finish_reason=reason)
+            step = Step(
+                tuple(toks),
+                elapsed_ms=ms,
+                verify_ms=ms,
+                prefill=True,
+                prompt_tokens=len(s.prompt),
+                cached_tokens=s.cached,
+                finish_reason=reason,
+            )
             s.prev = Step(tuple(toks), prefill=True, prompt_tokens=len(s.prompt))
             results.append((s.id, step))
             if reason is not None:
                 finished.append(s)
         if chunks:  # evaluate the prefill chunks' caches now (bounded graphs)
-            self.waits.eval([c.state for s, _ in chunks for c in s.cache],
-                            [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache])
+            self.waits.eval(
+                [c.state for s, _ in chunks for c in s.cache],
+                [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache],
+            )
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
                 for s, _ in chunks:
                     if s.anchor_id >= 0 and s not in finished:
                         s.row = self.kv.join(s.cache)
         self._queued = ahead
-        out = self._close(t0, results, finished, len(decoding), bool(chunks), blocks, extra, ran,
-                          (td - tc) * 1e3 if ran else 0.0, verify_ms, rollback_s * 1e3, self.waits.count - waits0)
+        out = self._close(
+            t0,
+            results,
+            finished,
+            len(decoding),
+            bool(chunks),
+            blocks,
+            extra,
+            ran,
+            (td - tc) * 1e3 if ran else 0.0,
+            verify_ms,
+            rollback_s * 1e3,
+            self.waits.count - waits0,
+        )
         self._drop_queued()
         return out
 
     # -- a pipelined run of plain steps ---------------------------------------------------------
-    def _queue(self, decoding: list[_Seq], tokens: list[mx.array]) -> "_Queued | None":
+    def _queue(self, decoding: list[_Seq], tokens: list[mx.array]) -> _Queued | None:
         """Queue the next step now, fed ``tokens`` (each sequence's token of the step in flight,
         still lazy), when it will be a plain step for every sequence: each one's policy stays plain
         (asked one token ahead, as ``spec_steps`` does in a plain run: its lookup context lags one
@@ -1528,7 +1677,9 @@ class BatchDecoder:
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
         outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
         # (a sampled sequence's keys are consumed as by an unpipelined plain step)
-        choice = mx.concatenate([next_token(o.logits, s.sampling, self._split_keys(s)[1]) for o, s in zip(outs, decoding)])
+        choice = mx.concatenate(
+            [next_token(o.logits, s.sampling, self._split_keys(s)[1]) for o, s in zip(outs, decoding)]
+        )
         mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
         return _Queued(list(decoding), outs, choice)
 
@@ -1539,14 +1690,14 @@ class BatchDecoder:
         if s.dcache is not None:
             s.pending.append(out.hidden)
 
-    def _run_queued(self, q: "_Queued", t0: float) -> list[tuple[int, Step]]:
+    def _run_queued(self, q: _Queued, t0: float) -> list[tuple[int, Step]]:
         """Read the step queued ahead (after queuing the next one, when it stays plain too)."""
         live = [(k, s) for k, s in enumerate(q.seqs) if self._seqs.get(s.id) is s]
         if self.kv is not None:  # the rows' segments in slot order (leavers reordered them)
             live.sort(key=lambda ks: ks[1].row.slot)
         decoding = [s for _, s in live]
         prefilling = any(s.anchor_id < 0 for s in self._seqs.values())
-        ahead = None if prefilling else self._queue(decoding, [q.choice[k:k + 1] for k, _ in live])
+        ahead = None if prefilling else self._queue(decoding, [q.choice[k : k + 1] for k, _ in live])
         tw = time.perf_counter()
         waits0 = self.waits.count
         (flat,) = self.waits.read(q.choice)  # the queued pass ends here
@@ -1561,14 +1712,35 @@ class BatchDecoder:
             if step.finish_reason is not None:
                 finished.append(s)
         self._queued = ahead
-        out = self._close(t0, results, finished, len(decoding), False, [1] * len(decoding), 0, 0, 0.0,
-                          verify_ms, 0.0, self.waits.count - waits0)
+        out = self._close(
+            t0,
+            results,
+            finished,
+            len(decoding),
+            False,
+            [1] * len(decoding),
+            0,
+            0,
+            0.0,
+            verify_ms,
+            0.0,
+            self.waits.count - waits0,
+        )
         self._drop_queued()
         return out
 
     # -- committing a step ------------------------------------------------------------------------
-    def _commit(self, s: _Seq, accepted: list[int], bonus: int, L: int, a: int, source: str,
-                draft_ms: float, draft_block: int = 0) -> Step:
+    def _commit(
+        self,
+        s: _Seq,
+        accepted: list[int],
+        bonus: int,
+        L: int,
+        a: int,
+        source: str,
+        draft_ms: float,
+        draft_block: int = 0,
+    ) -> Step:
         """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
         index, its new anchor, its acceptance and probe spacing (``draft_block``: the block its
         drafter ran at, 0 if it did not run)."""
@@ -1586,12 +1758,32 @@ class BatchDecoder:
             s.plain_run += 1
         if not draft_block:
             self._feed_drafter(s)
-        return Step(tuple(committed), drafted=L - 1, accepted=a, block_size=L, draft_ms=draft_ms,
-                    finish_reason=reason, source=source, draft_block=draft_block)
+        return Step(
+            tuple(committed),
+            drafted=L - 1,
+            accepted=a,
+            block_size=L,
+            draft_ms=draft_ms,
+            finish_reason=reason,
+            source=source,
+            draft_block=draft_block,
+        )
 
-    def _close(self, t0: float, results: list, finished: list, n_decoding: int, prefilled: bool,
-               blocks: list[int], extra: int, ran: int, draft_ms: float, verify_ms: float,
-               rollback_ms: float, waits: int) -> list[tuple[int, Step]]:
+    def _close(
+        self,
+        t0: float,
+        results: list,
+        finished: list,
+        n_decoding: int,
+        prefilled: bool,
+        blocks: list[int],
+        extra: int,
+        ran: int,
+        draft_ms: float,
+        verify_ms: float,
+        rollback_ms: float,
+        waits: int,
+    ) -> list[tuple[int, Step]]:
         """The step's bookkeeping: the cost fit, the counters, each decoding Step's timings and its
         policy's lesson, finished sequences out (their caches to ``on_exit``)."""
         elapsed = (time.perf_counter() - t0) * 1e3
@@ -1638,8 +1830,12 @@ class _Queued(NamedTuple):
     choice: mx.array
 
 
-def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, int] | None = None,
-                  cancels: dict[int, int] | None = None):
+def batched_steps(
+    decoder: BatchDecoder,
+    jobs: Sequence[dict],
+    joins: dict[int, int] | None = None,
+    cancels: dict[int, int] | None = None,
+):
     """Run ``jobs`` (keyword arguments of ``BatchDecoder.add``) to completion on ``decoder``;
     yields ``(job index, Step)``. ``joins``: job index -> step number at which it joins (default
     0); ``cancels``: job index -> step number at which it is cancelled. For tests and bench."""
@@ -1663,4 +1859,16 @@ def batched_steps(decoder: BatchDecoder, jobs: Sequence[dict], joins: dict[int, 
         t += 1
 
 
-__all__ = ["Seg", "SegOut", "Row", "RowsPlan", "BatchKV", "PackedTarget", "Acceptance", "StepCost", "BatchBudget", "BatchDecoder", "batched_steps"]
+__all__ = [
+    "Seg",
+    "SegOut",
+    "Row",
+    "RowsPlan",
+    "BatchKV",
+    "PackedTarget",
+    "Acceptance",
+    "StepCost",
+    "BatchBudget",
+    "BatchDecoder",
+    "batched_steps",
+]

@@ -24,20 +24,21 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from .analysis import copy_max_draft, copy_oracle, copy_share, oracle_ceiling
-from .policy import PolicyFactory
-from .costs import Costs, CostMeter, Progress, ceiling, efficiency
+from .costs import CostMeter, Costs, Progress, ceiling, efficiency
 from .decode import Step, plain_steps, spec_steps
+from .policy import PolicyFactory
 from .stats import Stats
-
 
 # ---------------------------------------------------------------- pure arithmetic
 
-def engaged(drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0, probes: bool = False,
-            drafter_ran: int = 0) -> bool:
+
+def engaged(
+    drafted: int, accepted: int, *, policy: bool = False, cycles: int = 0, probes: bool = False, drafter_ran: int = 0
+) -> bool:
     """A fixed-source speculative row counts only if it drafted and at least one draft was
     accepted. A per-cycle policy row counts once the policy decided its cycles (staying plain
     where drafts do not pay is its mechanism working; the table shows drafted / accepted), but a
@@ -104,8 +105,17 @@ class Run:
 class Runner:
     """Runs any method on one loaded pair. Everything here must run on the pair's thread."""
 
-    def __init__(self, pair, *, ar_model=None, costs: Costs | None = None, stop_at_eos: bool = True,
-                 tuned=None, threads: int | None = None, blas=None):
+    def __init__(
+        self,
+        pair,
+        *,
+        ar_model=None,
+        costs: Costs | None = None,
+        stop_at_eos: bool = True,
+        tuned=None,
+        threads: int | None = None,
+        blas=None,
+    ):
         """``threads``: BLAS threads for our methods (None: leave the count as it is); the
         mlx-lm row always runs at the BLAS's own default (or the user's pinned count:
         OPENBLAS_NUM_THREADS / MKL_NUM_THREADS).
@@ -132,8 +142,15 @@ class Runner:
         if method.kind == "dflash":
             return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind in POLICY_SOURCES:
-            return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens,
-                              eos_ids=self.eos, policy=self._policy(method))
+            return spec_steps(
+                p.target,
+                p.drafter,
+                ids,
+                block_size=B,
+                max_tokens=max_tokens,
+                eos_ids=self.eos,
+                policy=self._policy(method),
+            )
         if method.kind == "lookup":
             from .baselines import lookup_steps
 
@@ -141,8 +158,7 @@ class Runner:
         if method.kind == "ar-draft":
             from .baselines import ar_draft_steps
 
-            return ar_draft_steps(p.model, self.ar_model, ids, num_draft=B - 1, max_tokens=max_tokens,
-                                  eos_ids=self.eos)
+            return ar_draft_steps(p.model, self.ar_model, ids, num_draft=B - 1, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind == "peer":
             from .baselines import load_peer, peer_steps
 
@@ -196,25 +212,34 @@ def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_
         tokenizer.eos_token_ids = []
     t = time.perf_counter()
     first = True
-    for r in stream_generate(model, tokenizer, mx.array(list(ids), mx.int32), max_tokens=max_tokens,
-                             sampler=make_sampler(0.0)):
+    for r in stream_generate(
+        model, tokenizer, mx.array(list(ids), mx.int32), max_tokens=max_tokens, sampler=make_sampler(0.0)
+    ):
         now = time.perf_counter()
         ms = (now - t) * 1e3
-        yield Step((int(r.token),), elapsed_ms=ms, verify_ms=ms, prefill=first,
-                   prompt_tokens=len(ids) if first else 0, finish_reason=r.finish_reason)
+        yield Step(
+            (int(r.token),),
+            elapsed_ms=ms,
+            verify_ms=ms,
+            prefill=first,
+            prompt_tokens=len(ids) if first else 0,
+            finish_reason=r.finish_reason,
+        )
         first, t = False, now
 
 
-def model_ms(method: Method, blocks: dict[int, int], costs: Costs,
-             drafter_blocks: dict[int, int] | None = None) -> float:
+def model_ms(
+    method: Method, blocks: dict[int, int], costs: Costs, drafter_blocks: dict[int, int] | None = None
+) -> float:
     """The two passes' time over a run's cycles by the cost curve (nan where unknown). A
     per-cycle policy's cycles: Tt(L) each (a plain step: T1), plus Td(L) for those the drafter
     ran in (``drafter_blocks``)."""
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
     if method.kind in POLICY_SOURCES:
-        return (sum(n * costs.step_ms(L) for L, n in blocks.items())
-                + sum(n * costs.draft(L) for L, n in (drafter_blocks or {}).items()))
+        return sum(n * costs.step_ms(L) for L, n in blocks.items()) + sum(
+            n * costs.draft(L) for L, n in (drafter_blocks or {}).items()
+        )
     total = 0.0
     for L, n in blocks.items():
         if method.kind in ("plain", "mlx-lm"):
@@ -231,6 +256,7 @@ def model_ms(method: Method, blocks: dict[int, int], costs: Costs,
 
 # ---------------------------------------------------------------- side by side
 
+
 @dataclass
 class Sample:
     method: Method
@@ -240,9 +266,17 @@ class Sample:
     run: Run
 
 
-def bench(runner: Runner, methods: Sequence[Method], prompts: Sequence[tuple[str, str, list[int]]], *,
-          repeats: int = 3, max_tokens: int = 128, warmup_tokens: int = 16,
-          progress: Progress | None = None, meter: CostMeter | None = None) -> tuple[list[Sample], dict[Method, str]]:
+def bench(
+    runner: Runner,
+    methods: Sequence[Method],
+    prompts: Sequence[tuple[str, str, list[int]]],
+    *,
+    repeats: int = 3,
+    max_tokens: int = 128,
+    warmup_tokens: int = 16,
+    progress: Progress | None = None,
+    meter: CostMeter | None = None,
+) -> tuple[list[Sample], dict[Method, str]]:
     """Every method on every prompt, ``repeats`` times, order rotated per prompt and repeat.
 
     ``prompts``: (id, kind, token ids). A warm-up pass (every method, first prompt, short) is
@@ -316,8 +350,9 @@ class Row:
     tokens: int = 0
 
 
-def _per_repeat(samples: list[Sample], kinds: set[str] | None = None,
-                prompts: set[str] | None = None) -> dict[int, tuple[float, float]]:
+def _per_repeat(
+    samples: list[Sample], kinds: set[str] | None = None, prompts: set[str] | None = None
+) -> dict[int, tuple[float, float]]:
     """repeat -> (decode tok/s, end-to-end tok/s) over the prompts (of the given kinds / ids)."""
     acc: dict[int, list[float]] = {}
     for s in samples:
@@ -347,8 +382,12 @@ def _r(x, n=3):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, n)
 
 
-def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | None = None,
-              methods: Sequence[Method] | None = None) -> list[Row]:
+def summarize(
+    samples: list[Sample],
+    costs: Costs | None = None,
+    failed: dict | None = None,
+    methods: Sequence[Method] | None = None,
+) -> list[Row]:
     """One Row per method (in ``methods`` order); raised or unengaged methods are marked failed."""
     failed = failed or {}
     methods = list(methods or dict.fromkeys(s.method for s in samples))
@@ -360,8 +399,11 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
     for suffix, kind in (("", "plain"), ("_mlx", "mlx-lm")):
         b = [s for s in samples if s.method.kind == kind]
         if b:
-            bases[suffix] = (_per_repeat(b), {k: _per_repeat(b, {k}) for k in kinds},
-                             {p: _per_repeat(b, prompts={p}) for p in pids})
+            bases[suffix] = (
+                _per_repeat(b),
+                {k: _per_repeat(b, {k}) for k in kinds},
+                {p: _per_repeat(b, prompts={p}) for p in pids},
+            )
     rows = []
     for m in methods:
         if m in failed:
@@ -370,9 +412,16 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
         mine = [s for s in samples if s.method == m]
         st = Stats.merged([s.run.stats for s in mine])
         committed = st.committed_in_cycles
-        row = Row(m.label, m.kind, m.block_size, runs=len(mine), tokens=sum(len(s.run.tokens) for s in mine),
-                  drafted=st.drafted, accepted=st.accepted,
-                  diverged=sum(1 for s in mine if plain_tokens.get((s.repeat, s.prompt_id), s.run.tokens) != s.run.tokens))
+        row = Row(
+            m.label,
+            m.kind,
+            m.block_size,
+            runs=len(mine),
+            tokens=sum(len(s.run.tokens) for s in mine),
+            drafted=st.drafted,
+            accepted=st.accepted,
+            diverged=sum(1 for s in mine if plain_tokens.get((s.repeat, s.prompt_id), s.run.tokens) != s.run.tokens),
+        )
         if m.speculative:
             row.tau = _r(st.mean_acceptance_length)
             for k in kinds:
@@ -383,10 +432,18 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
             row.acceptance_by_position = [_r(x) for x in st.acceptance_by_position]
             row.mean_block = _r(1 + st.drafted / st.cycles) if st.cycles else None
             longest = max((s.run.stats.cycles for s in mine), default=0)
-            if not engaged(st.drafted, st.accepted, policy=m.kind in POLICY_SOURCES, cycles=longest,
-                           probes="dflash" in POLICY_SOURCES.get(m.kind, ()), drafter_ran=st.drafter_passes):
-                row.status = (f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted}, "
-                              f"drafter passes {st.drafter_passes})")
+            if not engaged(
+                st.drafted,
+                st.accepted,
+                policy=m.kind in POLICY_SOURCES,
+                cycles=longest,
+                probes="dflash" in POLICY_SOURCES.get(m.kind, ()),
+                drafter_ran=st.drafter_passes,
+            ):
+                row.status = (
+                    f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted}, "
+                    f"drafter passes {st.drafter_passes})"
+                )
                 rows.append(row)
                 continue
         per = _per_repeat(mine)
@@ -395,7 +452,9 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
         row.e2e_tps = _r(_median([v[1] for v in per.values()]), 2)
         row.spread = _r(spread(dec)) if dec else None
         if getattr(st, "sources", None):
-            row.sources = st.source_stats() if hasattr(st, "source_stats") else {k: dict(v) for k, v in st.sources.items()}
+            row.sources = (
+                st.source_stats() if hasattr(st, "source_stats") else {k: dict(v) for k, v in st.sources.items()}
+            )
         mine_kind = {k: _per_repeat(mine, {k}) for k in kinds}
         mine_prompt = {p: _per_repeat(mine, prompts={p}) for p in pids}
         for suffix, (base, base_kind, base_prompt) in bases.items():
@@ -432,6 +491,7 @@ def summarize(samples: list[Sample], costs: Costs | None = None, failed: dict | 
 @dataclass
 class PromptRow:
     """One prompt: how much of its reply repeats it, and per method tau and speedups."""
+
     prompt_id: str
     kind: str
     prompt_tokens: int
@@ -445,14 +505,20 @@ class PromptRow:
     of_ceiling: dict = field(default_factory=dict)  # method label -> speedup vs our plain / ceiling
 
 
-def prompt_report(samples: list[Sample], prompts: Sequence[tuple[str, str, list[int]]],
-                  eos: Sequence[int] = (), costs: Costs | None = None) -> list[PromptRow]:
+def prompt_report(
+    samples: list[Sample],
+    prompts: Sequence[tuple[str, str, list[int]]],
+    eos: Sequence[int] = (),
+    costs: Costs | None = None,
+) -> list[PromptRow]:
     """Per prompt: the reply's ``copy_share`` of the prompt, and every method's tau and speedups;
     with ``costs`` also the reply's ``copy_ceiling`` and each method's share of it."""
     eos = set(eos)
     out = []
-    base = {k: {p: _per_repeat([s for s in samples if s.method.kind == k], prompts={p}) for p, _, _ in prompts}
-            for k in ("plain", "mlx-lm")}
+    base = {
+        k: {p: _per_repeat([s for s in samples if s.method.kind == k], prompts={p}) for p, _, _ in prompts}
+        for k in ("plain", "mlx-lm")
+    }
     for pid, kind, ids in prompts:
         mine = [s for s in samples if s.prompt_id == pid]
         ref = next((s for s in mine if s.method.kind == "plain"), None) or next(iter(mine), None)

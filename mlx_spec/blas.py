@@ -29,9 +29,9 @@ import importlib.metadata
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -63,8 +63,12 @@ class BlasInfo:
     def describe(self) -> str:
         threads = get_threads(self)
         pin = f" (pinned by {_KNOBS[self.name][2]})" if self.pinned and self.name in _KNOBS else ""
-        return (f"{self.name}" + (f" ({self.path})" if self.path else "") + f": {self.detail}"
-                + (f" threads={threads}{pin}" if threads else ""))
+        return (
+            f"{self.name}"
+            + (f" ({self.path})" if self.path else "")
+            + f": {self.detail}"
+            + (f" threads={threads}{pin}" if threads else "")
+        )
 
 
 def default_threads() -> int:
@@ -113,7 +117,7 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
     return get_threads(info)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpuinfo(path: str = "/proc/cpuinfo") -> Mapping[str, str]:
     """The first CPU's fields in /proc/cpuinfo, read once per path (``vendor_id``: MKL first on
     Intel; ``flags``: OpenBLAS's core type; ``model name``: the tuner's machine key); empty where
@@ -230,12 +234,19 @@ def load_blas(env: dict | None = None) -> BlasInfo:
             continue
         name, settable = _identify(lib, path)
         version = _mkl_version(lib) if name == "mkl" else None
-        detail = (f"core={os.environ.get('OPENBLAS_CORETYPE', 'auto-detected')}" if name == "openblas"
-                  else f"version {version or 'unknown'}" if name == "mkl" else "loaded")
+        detail = (
+            f"core={os.environ.get('OPENBLAS_CORETYPE', 'auto-detected')}"
+            if name == "openblas"
+            else f"version {version or 'unknown'}"
+            if name == "mkl"
+            else "loaded"
+        )
         return BlasInfo(name, path, detail, settable, _pinned(env, name), version)
-    hint = {"auto": "pip install mkl, or apt-get install libopenblas0-pthread", "mkl": "pip install mkl",
-            "openblas": "apt-get install libopenblas0-pthread"}.get(
-        choice, f"MLX_SPEC_BLAS={choice!r}: no such file; it takes {'|'.join(CHOICES)} or a library's path")
+    hint = {
+        "auto": "pip install mkl, or apt-get install libopenblas0-pthread",
+        "mkl": "pip install mkl",
+        "openblas": "apt-get install libopenblas0-pthread",
+    }.get(choice, f"MLX_SPEC_BLAS={choice!r}: no such file; it takes {'|'.join(CHOICES)} or a library's path")
     if failed:
         return _reference("; ".join(failed))
     return _reference(f"no optimized BLAS found ({hint}); block verify is slow")
@@ -244,6 +255,7 @@ def load_blas(env: dict | None = None) -> BlasInfo:
 def _reference(detail: str) -> BlasInfo:
     """MLX's bundled reference BLAS, where an optimized one was wanted but is not loaded: said
     once per process (mlx_spec/__init__ calls ``load_blas`` once), before any command runs."""
-    logging.getLogger(__name__).warning("mlx_spec: %s; speculative decoding will not pay on this "
-                                        "CPU (set MLX_SPEC_BLAS=none to silence)", detail)
+    logging.getLogger(__name__).warning(
+        "mlx_spec: %s; speculative decoding will not pay on this CPU (set MLX_SPEC_BLAS=none to silence)", detail
+    )
     return BlasInfo("reference", None, detail)

@@ -16,8 +16,7 @@ from importlib import resources
 from .errors import BadRequest, CheckpointError, UnsupportedModel
 
 FILE = "catalog.json"
-FIELDS = ("target", "drafter", "architecture", "dflash", "block_size", "thinks", "think_switch", "license",
-          "params_b")
+FIELDS = ("target", "drafter", "architecture", "dflash", "block_size", "thinks", "think_switch", "license", "params_b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +76,9 @@ def get(name: str, entries: dict[str, Entry] | None = None) -> Entry:
         return by_lower[name.lower()]
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
-    raise BadRequest(f"unknown model '{name}'{hint}. `mlx_spec models` lists the known pairs; "
-                     "or pass --target and --drafter")
+    raise BadRequest(
+        f"unknown model '{name}'{hint}. `mlx_spec models` lists the known pairs; or pass --target and --drafter"
+    )
 
 
 def check_supported(entry: Entry) -> None:
@@ -86,9 +86,11 @@ def check_supported(entry: Entry) -> None:
     if not entry.supported:
         from .target import SUPPORTED
 
-        raise UnsupportedModel(f"model '{entry.name}': target architecture '{entry.architecture}' "
-                               f"({entry.target}) is not supported for speculative decoding here "
-                               f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded")
+        raise UnsupportedModel(
+            f"model '{entry.name}': target architecture '{entry.architecture}' "
+            f"({entry.target}) is not supported for speculative decoding here "
+            f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded"
+        )
 
 
 CHAIN_FIELDS = ("kind", "target", "drafter", "architecture", "layout", "license", "params_b")
@@ -134,8 +136,10 @@ def load_chain() -> dict[str, ChainEntry]:
         if missing:
             raise CheckpointError(f"mlx_spec/{FILE}: chain entry '{name}' lacks {', '.join(missing)}")
         if d["kind"] not in CHAIN_KINDS:
-            raise CheckpointError(f"mlx_spec/{FILE}: chain entry '{name}' has kind {d['kind']!r} "
-                                  f"(expected one of {', '.join(CHAIN_KINDS)})")
+            raise CheckpointError(
+                f"mlx_spec/{FILE}: chain entry '{name}' has kind {d['kind']!r} "
+                f"(expected one of {', '.join(CHAIN_KINDS)})"
+            )
         known = {k: d[k] for k in ChainEntry.__dataclass_fields__ if k in d and k != "name"}
         known["approximate"] = tuple(d.get("approximate", ()))
         out[name] = ChainEntry(name=name, **known)

@@ -93,8 +93,15 @@ class ChainDrafter(Protocol):
 
     def add_context(self, features: mx.array, tokens: mx.array, cache: ChainCache) -> None: ...
 
-    def propose(self, anchor: mx.array, k: int, cache: ChainCache, *,
-                sampling: SamplingConfig | float = 0.0, key: mx.array | None = None) -> Proposal: ...
+    def propose(
+        self,
+        anchor: mx.array,
+        k: int,
+        cache: ChainCache,
+        *,
+        sampling: SamplingConfig | float = 0.0,
+        key: mx.array | None = None,
+    ) -> Proposal: ...
 
     def rollback(self, cache: ChainCache, n_keep: int | None = None) -> None: ...
 
@@ -154,8 +161,15 @@ class ChainHead(nn.Module):
         mask = create_attention_mask(h, cache.layers[0])
         return self.step(h, ids[None], cache.layers, mask)
 
-    def propose(self, anchor: mx.array, k: int, cache: ChainCache, *,
-                sampling: SamplingConfig | float = 0.0, key: mx.array | None = None) -> Proposal:
+    def propose(
+        self,
+        anchor: mx.array,
+        k: int,
+        cache: ChainCache,
+        *,
+        sampling: SamplingConfig | float = 0.0,
+        key: mx.array | None = None,
+    ) -> Proposal:
         cfg = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(float(sampling))
         if cache.pending is None:
             raise ValueError("propose before any add_context: the head needs the target's features")

@@ -18,8 +18,15 @@ from .mtp import load_mtp
 from .target import Target
 
 
-def load_chain(kind: str, model, target_dir: str | Path | None = None, drafter: str | Path | None = None, *,
-               hint: str | None = None, dtype=None) -> tuple[Target, ChainDrafter]:
+def load_chain(
+    kind: str,
+    model,
+    target_dir: str | Path | None = None,
+    drafter: str | Path | None = None,
+    *,
+    hint: str | None = None,
+    dtype=None,
+) -> tuple[Target, ChainDrafter]:
     """(target view, chain drafter) for ``kind`` "mtp" (the head in ``target_dir``) or "eagle"
     (the checkpoint folder ``drafter``). ``hint``: where the original MTP checkpoint is, for
     the refusal of a conversion that stripped it."""

@@ -42,41 +42,74 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
     """Flags shared by every command that loads a pair. ``tuning=False`` (the tune command
     itself) leaves out the flags that skip or budget first-launch tuning; ``context=False``
     (bench, whose --context lists lengths to pad prompts to) leaves out --context."""
-    from .loading import DEFAULT_DRAFTER
     from .default_target import DEFAULT_TARGET_ID
+    from .loading import DEFAULT_DRAFTER
 
-    p.add_argument("--model", default=None, metavar="NAME",
-                   help="a known pair by name (`mlx_spec models` lists them): fills --target and --drafter")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="a known pair by name (`mlx_spec models` lists them): fills --target and --drafter",
+    )
     p.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model: path, HF repo id, or the default id")
-    p.add_argument("--drafter", default=None,
-                   help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)",  # noqa: E501
+    )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target (no speculation)")
     if tuning:
         p.add_argument("--block-size", type=int, default=None, help="block size incl. the anchor (skips tuning)")
     bits = ("4", "8", "none")
-    p.add_argument("--target-bits", choices=bits, default=None,
-                   help="quantize the target at load (default: as the checkpoint is; float32 on CPU)")
-    p.add_argument("--drafter-bits", choices=bits, default=None,
-                   help="quantize the drafter at load (default: the target's bits on Apple Silicon, float32 on CPU)")
+    p.add_argument(
+        "--target-bits",
+        choices=bits,
+        default=None,
+        help="quantize the target at load (default: as the checkpoint is; float32 on CPU)",
+    )
+    p.add_argument(
+        "--drafter-bits",
+        choices=bits,
+        default=None,
+        help="quantize the drafter at load (default: the target's bits on Apple Silicon, float32 on CPU)",
+    )
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (default 64)")
-    p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
-                   help="auto: draft over the drafter's reduced vocabulary when it ships one "
-                        "(draft_vocab.json; a cheaper draft head, same output); full: the whole head")
+    p.add_argument(
+        "--draft-vocab",
+        choices=("auto", "full"),
+        default="auto",
+        help="auto: draft over the drafter's reduced vocabulary when it ships one "
+        "(draft_vocab.json; a cheaper draft head, same output); full: the whole head",
+    )
     if context:
-        p.add_argument("--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)")
+        p.add_argument(
+            "--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)"
+        )
     p.add_argument("--force", action="store_true", help="start even when the memory plan exceeds the budget")
     if tuning:
-        p.add_argument("--no-tune", action="store_true",
-                       help="no first-launch tuning: use the checkpoint's block size unless --block-size")
-        p.add_argument("--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="turn the per-cycle drafting policy off: every cycle drafts the fixed block with the "
-                        "DFlash drafter (by default each cycle is a plain step, a DFlash draft or a lookup "
-                        "draft, whichever pays; docs/tuner.md)")
+        p.add_argument(
+            "--no-tune",
+            action="store_true",
+            help="no first-launch tuning: use the checkpoint's block size unless --block-size",
+        )
+        p.add_argument(
+            "--tune-budget", type=float, default=None, help="first-launch tuning time budget, s (default 90)"
+        )
+    p.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="turn the per-cycle drafting policy off: every cycle drafts the fixed block with the "
+        "DFlash drafter (by default each cycle is a plain step, a DFlash draft or a lookup "
+        "draft, whichever pays; docs/tuner.md)",
+    )
     p.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)  # the default now; accepted, no-op
-    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
-                   help="thinking models: turn reasoning on or off through the chat template's switch "
-                        "(enable_thinking) (default: the catalog entry's, else the template's own)")
+    p.add_argument(
+        "--think",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="thinking models: turn reasoning on or off through the chat template's switch "
+        "(enable_thinking) (default: the catalog entry's, else the template's own)",
+    )
 
 
 def apply_model_name(args: argparse.Namespace) -> None:
@@ -95,8 +128,10 @@ def apply_model_name(args: argparse.Namespace) -> None:
     if args.target not in (DEFAULT_TARGET_ID, entry.target):
         raise BadRequest(f"--model {name} is target {entry.target}; drop --target {args.target} (or --model)")
     if getattr(args, "drafter", None) not in (None, entry.drafter):
-        raise BadRequest(f"--model {name} comes with drafter {entry.drafter}; drop --drafter {args.drafter} "
-                         "(or pass --target and --drafter without --model)")
+        raise BadRequest(
+            f"--model {name} comes with drafter {entry.drafter}; drop --drafter {args.drafter} "
+            "(or pass --target and --drafter without --model)"
+        )
     # the embedded pair: the default target's own drafter path (so stored tuning results match)
     args.target, args.drafter = entry.target, None if entry.bundled else entry.drafter
     if getattr(args, "think", None) is None and entry.think_switch == "enable_thinking":
@@ -113,8 +148,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, what: str = "
     """--max-tokens and the sampling flags of generate and chat."""
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens in {what}")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                   "whose probabilities sum to P (1 = all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens whose probabilities sum to P (1 = all)",
+    )
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
 
@@ -124,9 +163,13 @@ DEFAULT_PREFIX_CACHE_MB = 256
 
 def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PREFIX_CACHE_MB) -> None:
     """For long-lived engines (chat, serve): K/V kept between turns and requests."""
-    p.add_argument("--prefix-cache-mb", type=float, default=default,
-                   help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
-                        f"counted in the memory plan (MiB, default {default:g}; 0 = off)")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=default,
+        help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
+        f"counted in the memory plan (MiB, default {default:g}; 0 = off)",
+    )
 
 
 DEFAULT_PREFIX_DISK_MB = 4096
@@ -135,11 +178,19 @@ DEFAULT_PREFIX_DISK_MIN_TOKENS = 1024
 
 def add_prefix_disk_args(p: argparse.ArgumentParser) -> None:
     """For servers: long prefixes also kept on disk, so they survive a restart (docs/context.md)."""
-    p.add_argument("--prefix-disk-mb", type=float, default=DEFAULT_PREFIX_DISK_MB,
-                   help="disk space for prompt prefixes kept across restarts, least recently used deleted "
-                        "first (MiB, all models together; 0 = off; `mlx_spec cache list|clear`)")
-    p.add_argument("--prefix-disk-min-tokens", type=int, default=DEFAULT_PREFIX_DISK_MIN_TOKENS,
-                   help="shortest prompt prefix written to disk (tokens)")
+    p.add_argument(
+        "--prefix-disk-mb",
+        type=float,
+        default=DEFAULT_PREFIX_DISK_MB,
+        help="disk space for prompt prefixes kept across restarts, least recently used deleted "
+        "first (MiB, all models together; 0 = off; `mlx_spec cache list|clear`)",
+    )
+    p.add_argument(
+        "--prefix-disk-min-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_DISK_MIN_TOKENS,
+        help="shortest prompt prefix written to disk (tokens)",
+    )
 
 
 def prefix_disk_of(args: argparse.Namespace):
@@ -165,26 +216,46 @@ def add_launch_args(p: argparse.ArgumentParser, what: str) -> None:
     """``--ranks/--hosts/--hostfile/--backend/--ring-port``: run ``what`` on a group that
     mlx_spec starts with mlx.launch itself (docs/distributed.md)."""
     g = p.add_argument_group(f"a target sharded over a group (mlx_spec runs mlx.launch: {what})")
-    g.add_argument("--ranks", type=int, default=None, metavar="N",
-                   help="processes in the group: N on this machine (127.0.0.1), or checked against "
-                        "--hosts/--hostfile (default: one process, no group)")
-    g.add_argument("--hosts", default=None, metavar="H1,H2",
-                   help="one rank per host, in rank order (mlx.launch --hosts; the ring wants IPs)")
+    g.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes in the group: N on this machine (127.0.0.1), or checked against "
+        "--hosts/--hostfile (default: one process, no group)",
+    )
+    g.add_argument(
+        "--hosts",
+        default=None,
+        metavar="H1,H2",
+        help="one rank per host, in rank order (mlx.launch --hosts; the ring wants IPs)",
+    )
     g.add_argument("--hostfile", default=None, metavar="FILE", help="mlx.launch hostfile (JSON), one rank per host")
-    g.add_argument("--backend", default=None,
-                   help="mlx.launch backend: ring (TCP) or jaccl (RDMA over Thunderbolt) (default: the "
-                        "hostfile's, else ring)")
-    g.add_argument("--ring-port", type=int, default=None, metavar="P",
-                   help="the ring's first port, one more per rank (default: free ports on 127.0.0.1, "
-                        "else mlx.launch's 32323)")
+    g.add_argument(
+        "--backend",
+        default=None,
+        help="mlx.launch backend: ring (TCP) or jaccl (RDMA over Thunderbolt) (default: the hostfile's, else ring)",
+    )
+    g.add_argument(
+        "--ring-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="the ring's first port, one more per rank (default: free ports on 127.0.0.1, else mlx.launch's 32323)",
+    )
 
 
 def launch_of(args: argparse.Namespace):
     """The group ``add_launch_args`` flags ask for (``distributed.Launch``), None for one process."""
     from .distributed import launch_plan
 
-    return launch_plan(getattr(args, "ranks", None), getattr(args, "hosts", None), getattr(args, "hostfile", None),
-                       getattr(args, "backend", None), getattr(args, "ring_port", None))
+    return launch_plan(
+        getattr(args, "ranks", None),
+        getattr(args, "hosts", None),
+        getattr(args, "hostfile", None),
+        getattr(args, "backend", None),
+        getattr(args, "ring_port", None),
+    )
 
 
 def flags_of(args: argparse.Namespace, parser: argparse.ArgumentParser, skip=()) -> list[str]:
@@ -230,13 +301,24 @@ def load_config(args: argparse.Namespace):
     if gb is not None and not gb > 0:
         raise BadRequest(f"--budget-gb must be > 0 (got {gb:g})")
     return LoadConfig(
-        target=args.target, drafter=flag("drafter"), no_draft=bool(flag("no_draft", False)),
-        block_size=flag("block_size"), target_bits=flag("target_bits"), drafter_bits=flag("drafter_bits"),
-        group_size=flag("group_size"), draft_vocab=flag("draft_vocab") or "auto",
-        context=flag("context") or DEFAULT_CONTEXT, prompt_tokens=flag("prompt_tokens"),
-        budget=int(gb * 2**30) if gb else None, force=bool(flag("force", False)),
-        tune=not flag("no_tune", False), tune_budget_s=flag("tune_budget"),
-        adaptive=not flag("no_adaptive", False), prefix_cache=int(mb * 2**20), ranks=flag("ranks") or 1)
+        target=args.target,
+        drafter=flag("drafter"),
+        no_draft=bool(flag("no_draft", False)),
+        block_size=flag("block_size"),
+        target_bits=flag("target_bits"),
+        drafter_bits=flag("drafter_bits"),
+        group_size=flag("group_size"),
+        draft_vocab=flag("draft_vocab") or "auto",
+        context=flag("context") or DEFAULT_CONTEXT,
+        prompt_tokens=flag("prompt_tokens"),
+        budget=int(gb * 2**30) if gb else None,
+        force=bool(flag("force", False)),
+        tune=not flag("no_tune", False),
+        tune_budget_s=flag("tune_budget"),
+        adaptive=not flag("no_adaptive", False),
+        prefix_cache=int(mb * 2**20),
+        ranks=flag("ranks") or 1,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import logging
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         apply_model_name(args)
         return modules[args.command].run(args) or 0

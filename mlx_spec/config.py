@@ -44,8 +44,10 @@ class LoadConfig:
         if not self.target:
             raise BadRequest("--target must name a model (a path, a repo id or the default target)")
         if self.block_size is not None and self.block_size < 2:
-            raise BadRequest(f"--block-size must be >= 2 for speculative decoding (got {self.block_size}); "
-                             "use --no-draft for plain decoding")
+            raise BadRequest(
+                f"--block-size must be >= 2 for speculative decoding (got {self.block_size}); "
+                "use --no-draft for plain decoding"
+            )
         for name in ("target_bits", "drafter_bits"):
             value = getattr(self, name)
             if value is not None and value not in BITS:

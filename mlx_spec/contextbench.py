@@ -25,9 +25,9 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .errors import BadRequest
 from .prompts import BUILTIN, Prompt
@@ -71,8 +71,10 @@ def _file_padding(n: int, sources: list[tuple[str, str]]) -> list[dict]:
         if len(lines) >= n:
             break
     body = "\n".join(lines[:n])
-    return [{"role": "user", "content": f"For reference, here is the code I am working on:\n```python\n{body}\n```"},
-            {"role": "assistant", "content": "I have read it. What would you like me to do?"}]
+    return [
+        {"role": "user", "content": f"For reference, here is the code I am working on:\n```python\n{body}\n```"},
+        {"role": "assistant", "content": "I have read it. What would you like me to do?"},
+    ]
 
 
 def _conversation_padding(n: int, docs: list[str]) -> list[dict]:
@@ -102,6 +104,7 @@ def padded(prompt: Prompt, tokens: int, count: Callable[[list[dict]], int]) -> t
 
         def pad(n):
             return _conversation_padding(n, docs)
+
     lo, hi = 0, 16
     while hi < limit and count(pad(hi) + own) <= tokens:  # (never counting far past the length asked)
         lo, hi = hi, min(limit, 2 * hi)
@@ -143,8 +146,9 @@ def _first_token(pair, ids, policy, prefix) -> tuple[float, int]:
 
     t0 = time.perf_counter()
     pre = prefix.lookup(ids, drafter=True)
-    gen = spec_steps(pair.target, pair.drafter, ids, block_size=2, max_tokens=1, policy=policy,
-                     prefill=pre, on_exit=prefix.store)
+    gen = spec_steps(
+        pair.target, pair.drafter, ids, block_size=2, max_tokens=1, policy=policy, prefill=pre, on_exit=prefix.store
+    )
     first = next(gen)
     ms = (time.perf_counter() - t0) * 1e3
     gen.close()  # hands the caches to the prefix cache (after the clock stopped)
@@ -173,13 +177,29 @@ def _mlx_lm(pair, entry, ids, max_tokens):
     from .prefix import take
 
     cache = take(entry, len(entry.tokens), drafter=False).target
-    for r in stream_generate(pair.model, pair.tokenizer, mx.array(list(ids[-1:]), mx.int32), max_tokens=max_tokens,
-                             sampler=make_sampler(0.0), prompt_cache=cache):
+    for r in stream_generate(
+        pair.model,
+        pair.tokenizer,
+        mx.array(list(ids[-1:]), mx.int32),
+        max_tokens=max_tokens,
+        sampler=make_sampler(0.0),
+        prompt_cache=cache,
+    ):
         yield Step((int(r.token),))
 
 
-def measure(pair, ids: Sequence[int], *, context: int, prompt: Prompt, max_tokens: int, repeats: int,
-            policies, root: Path, threads: Callable[[str], None] = lambda who: None) -> ContextRow:
+def measure(
+    pair,
+    ids: Sequence[int],
+    *,
+    context: int,
+    prompt: Prompt,
+    max_tokens: int,
+    repeats: int,
+    policies,
+    root: Path,
+    threads: Callable[[str], None] = lambda who: None,
+) -> ContextRow:
     """One padded prompt: cold, warm and disk first tokens, then the decode rows."""
     from .decode import plain_steps, spec_steps
     from .prefix import PrefixCache, take
@@ -205,17 +225,33 @@ def measure(pair, ids: Sequence[int], *, context: int, prompt: Prompt, max_token
         warm.append(_first_token(pair, ids, policies(), first)[0])
 
     for i in range(repeats):  # (the order alternates: neither always runs first)
-        for run in ((from_disk, from_memory) if i % 2 == 0 else (from_memory, from_disk)):
+        for run in (from_disk, from_memory) if i % 2 == 0 else (from_memory, from_disk):
             run()
     entry = first.lookup(ids, drafter=True)  # an independent copy of all but the last prompt token
     if entry is None or len(entry.tokens) != len(ids) - 1:
         raise RuntimeError("the prefix cache kept no entry for the prompt")
     ref, rates, tau = None, {}, None
-    rows = (("mlx-lm plain", lambda: _mlx_lm(pair, entry, ids, max_tokens)),
-            ("plain (ours)", lambda: plain_steps(pair.model, ids, max_tokens=max_tokens,
-                                                 prefill=take(entry, len(entry.tokens), drafter=False))),
-            ("default engine", lambda: spec_steps(pair.target, pair.drafter, ids, block_size=2, max_tokens=max_tokens,
-                                                  policy=policies(), prefill=take(entry, len(entry.tokens), drafter=True))))
+    rows = (
+        ("mlx-lm plain", lambda: _mlx_lm(pair, entry, ids, max_tokens)),
+        (
+            "plain (ours)",
+            lambda: plain_steps(
+                pair.model, ids, max_tokens=max_tokens, prefill=take(entry, len(entry.tokens), drafter=False)
+            ),
+        ),
+        (
+            "default engine",
+            lambda: spec_steps(
+                pair.target,
+                pair.drafter,
+                ids,
+                block_size=2,
+                max_tokens=max_tokens,
+                policy=policies(),
+                prefill=take(entry, len(entry.tokens), drafter=True),
+            ),
+        ),
+    )
     identical = True
     for label, make in rows:
         threads("mlx-lm" if label.startswith("mlx-lm") else "ours")
@@ -241,10 +277,22 @@ def measure(pair, ids: Sequence[int], *, context: int, prompt: Prompt, max_token
         meter.round()
     disk_ms, load_ms, nbytes = sorted(loaded)[(len(loaded) - 1) // 2]  # the median run
     n = len(ids)
-    return ContextRow(context, prompt.id, prompt.kind, n, n / (cold_ms / 1e3), round(cold_ms, 1),
-                      round(statistics.median(warm), 1), round(disk_ms, 1), round(load_ms, 1), nbytes,
-                      {k: round(v, 2) for k, v in rates.items()}, None if tau is None else round(tau, 2), identical,
-                      meter.costs().as_dict())
+    return ContextRow(
+        context,
+        prompt.id,
+        prompt.kind,
+        n,
+        n / (cold_ms / 1e3),
+        round(cold_ms, 1),
+        round(statistics.median(warm), 1),
+        round(disk_ms, 1),
+        round(load_ms, 1),
+        nbytes,
+        {k: round(v, 2) for k, v in rates.items()},
+        None if tau is None else round(tau, 2),
+        identical,
+        meter.costs().as_dict(),
+    )
 
 
 COST_SIZES = (2, 4, 8, 16)
@@ -262,8 +310,17 @@ def context_term(rows: Sequence[ContextRow]):
     return term(Costs.from_dict(by[0].costs), Costs.from_dict(by[-1].costs))
 
 
-def run(pair, prompts: Sequence[Prompt], contexts: Sequence[int], *, max_tokens: int, repeats: int, policies,
-        threads=lambda who: None, log=lambda msg: None) -> list[ContextRow]:
+def run(
+    pair,
+    prompts: Sequence[Prompt],
+    contexts: Sequence[int],
+    *,
+    max_tokens: int,
+    repeats: int,
+    policies,
+    threads=lambda who: None,
+    log=lambda msg: None,
+) -> list[ContextRow]:
     from .default_target import cache_dir
     from .text import encode_prompt
 
@@ -277,27 +334,63 @@ def run(pair, prompts: Sequence[Prompt], contexts: Sequence[int], *, max_tokens:
             msgs, n = padded(p, c, count)
             log(f"context {c}: {p.id} padded to {n} tokens")
             with tempfile.TemporaryDirectory(prefix=".bench-prefix-", dir=cache_dir()) as root:
-                out.append(measure(pair, encode_prompt(pair.tokenizer, messages=msgs), context=c, prompt=p,
-                                   max_tokens=max_tokens, repeats=repeats, policies=policies, root=Path(root),
-                                   threads=threads))
+                out.append(
+                    measure(
+                        pair,
+                        encode_prompt(pair.tokenizer, messages=msgs),
+                        context=c,
+                        prompt=p,
+                        max_tokens=max_tokens,
+                        repeats=repeats,
+                        policies=policies,
+                        root=Path(root),
+                        threads=threads,
+                    )
+                )
             log(table(out[-1:]))
     return out
 
 
 def table(rows: Sequence[ContextRow]) -> str:
     labels = list(dict.fromkeys(k for r in rows for k in r.decode_tps))
-    head = ["context", "prompt", "tokens", "prefill tok/s", "ttft cold s", "warm ms", "disk ms", "(load ms, MiB)",
-            "disk/(warm+load)", *[f"{k} tok/s" for k in labels], "engine x mlx-lm", "engine x plain", "tau", "same"]
+    head = [
+        "context",
+        "prompt",
+        "tokens",
+        "prefill tok/s",
+        "ttft cold s",
+        "warm ms",
+        "disk ms",
+        "(load ms, MiB)",
+        "disk/(warm+load)",
+        *[f"{k} tok/s" for k in labels],
+        "engine x mlx-lm",
+        "engine x plain",
+        "tau",
+        "same",
+    ]
     lines = []
     for r in rows:
         d = r.decode_tps
         eng, mlx, ours = d.get("default engine"), d.get("mlx-lm plain"), d.get("plain (ours)")
-        lines.append([str(r.context), r.prompt_id, str(r.prompt_tokens), f"{r.prefill_tps:.1f}",
-                      f"{r.ttft_cold_ms / 1e3:.1f}", f"{r.ttft_warm_ms:.0f}", f"{r.ttft_disk_ms:.0f}",
-                      f"({r.disk_load_ms:.0f}, {r.disk_bytes / 2**20:.1f})", f"{r.restart_margin():.2f}",
-                      *[f"{d.get(k, 0):.2f}" for k in labels],
-                      f"{eng / mlx:.2f}" if eng and mlx else "-", f"{eng / ours:.2f}" if eng and ours else "-",
-                      "-" if r.tau is None else f"{r.tau:.2f}", "yes" if r.identical else "NO"])
+        lines.append(
+            [
+                str(r.context),
+                r.prompt_id,
+                str(r.prompt_tokens),
+                f"{r.prefill_tps:.1f}",
+                f"{r.ttft_cold_ms / 1e3:.1f}",
+                f"{r.ttft_warm_ms:.0f}",
+                f"{r.ttft_disk_ms:.0f}",
+                f"({r.disk_load_ms:.0f}, {r.disk_bytes / 2**20:.1f})",
+                f"{r.restart_margin():.2f}",
+                *[f"{d.get(k, 0):.2f}" for k in labels],
+                f"{eng / mlx:.2f}" if eng and mlx else "-",
+                f"{eng / ours:.2f}" if eng and ours else "-",
+                "-" if r.tau is None else f"{r.tau:.2f}",
+                "yes" if r.identical else "NO",
+            ]
+        )
     widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(head)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)) for ln in [head, *lines])
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -44,6 +44,7 @@ class Reach:
     fast as plain decoding (for "dflash" at one sequence that is the eta ``ceiling`` of tau at
     this block), and ``perfect`` (every draft accepted: tau = block) is the most this block can
     give, whatever the drafter."""
+
     block: int
     seqs: int
     source: str  # "dflash": the drafter's pass is paid each cycle; "lookup": proposals are free
@@ -71,7 +72,7 @@ class Costs:
         """``ctx_ms`` at B rows (as ``verify`` reads Tt); 0 without a context term."""
         return max(0.0, self._interp(self.ctx_ms, B)) if self.ctx_ms else 0.0
 
-    def at(self, context: int) -> "Costs":
+    def at(self, context: int) -> Costs:
         """This curve priced at ``context`` tokens: T1 and every Tt(B) moved by the context term
         (never below a tenth of the measured pass); the same curve without one."""
         if not self.ctx_ms or context == self.context:
@@ -81,8 +82,9 @@ class Costs:
         def moved(ms: float, B: int) -> float:
             return max(0.1 * ms, ms + k * self.ctx_slope(B))
 
-        return replace(self, t1_ms=moved(self.t1_ms, 1), tt_ms={B: moved(v, B) for B, v in self.tt_ms.items()},
-                       context=context)
+        return replace(
+            self, t1_ms=moved(self.t1_ms, 1), tt_ms={B: moved(v, B) for B, v in self.tt_ms.items()}, context=context
+        )
 
     def _interp(self, table: dict[int, float], B: float) -> float:
         """Linear between measured sizes, flat below the first, extrapolated past the last."""
@@ -125,8 +127,9 @@ class Costs:
         if source not in ("dflash", "lookup"):
             raise ValueError(f"unknown draft source {source!r} (dflash, lookup)")
         if not self.tt_ms or (source == "dflash" and not self.td_ms):
-            raise ValueError(f"reach for {source}: this curve has no {'verify' if not self.tt_ms else 'draft'} "
-                             "pass measured")
+            raise ValueError(
+                f"reach for {source}: this curve has no {'verify' if not self.tt_ms else 'draft'} pass measured"
+            )
         rows = seqs * block
         plain = self.step_ms(seqs)
         be = self.step_ms(rows, rows if source == "dflash" else 0) / plain
@@ -138,9 +141,10 @@ class Costs:
         verify, draft = self.step_ms(step.drafted + 1), self.draft(step.draft_block)
         return replace(step, verify_ms=verify, draft_ms=draft, rollback_ms=0.0, elapsed_ms=verify + draft)
 
-    def smoothed(self) -> "Costs":
+    def smoothed(self) -> Costs:
         """Td and Tt replaced by their least-squares lines in B (pass costs grow with B; single
         medians on a busy machine do not always), for ranking and control."""
+
         def fit(table: dict[int, float]) -> dict[int, float]:
             if len(table) < 3:
                 return dict(table)
@@ -150,20 +154,29 @@ class Costs:
             b = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
             b = max(b, 0.0)
             return {x: round(my + b * (x - mx_), 3) for x in xs}
+
         return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms, dict(self.ctx_ms))
 
     def as_dict(self) -> dict:
-        return {"t1_ms": round(self.t1_ms, 3), "context": self.context,
-                "td_ms": {str(k): round(v, 3) for k, v in sorted(self.td_ms.items())},
-                "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
-                "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3),
-                **({"ctx_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_ms.items())}} if self.ctx_ms else {})}
+        return {
+            "t1_ms": round(self.t1_ms, 3),
+            "context": self.context,
+            "td_ms": {str(k): round(v, 3) for k, v in sorted(self.td_ms.items())},
+            "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
+            "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3),
+            **({"ctx_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_ms.items())}} if self.ctx_ms else {}),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Costs":
-        return cls(float(d["t1_ms"]), {int(k): float(v) for k, v in d["td_ms"].items()},
-                   {int(k): float(v) for k, v in d["tt_ms"].items()}, int(d.get("context", 0)),
-                   d.get("t1_draft_ms"), {int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()})
+    def from_dict(cls, d: dict) -> Costs:
+        return cls(
+            float(d["t1_ms"]),
+            {int(k): float(v) for k, v in d["td_ms"].items()},
+            {int(k): float(v) for k, v in d["tt_ms"].items()},
+            int(d.get("context", 0)),
+            d.get("t1_draft_ms"),
+            {int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()},
+        )
 
 
 def context_term(short: Costs, long: Costs) -> Costs:
@@ -171,9 +184,12 @@ def context_term(short: Costs, long: Costs) -> Costs:
     context: per B, (Tt_long(B) - Tt_short(B)) per 1000 tokens (T1 for B = 1), never negative."""
     span = long.context - short.context
     if span <= 0:
-        raise ValueError(f"context_term wants two context lengths, the second longer (got {short.context}, "
-                         f"{long.context})")
-    slope = {B: max(0.0, (v - short.tt_ms[B]) * 1000 / span) for B, v in long.tt_ms.items() if B in short.tt_ms and B > 1}
+        raise ValueError(
+            f"context_term wants two context lengths, the second longer (got {short.context}, {long.context})"
+        )
+    slope = {
+        B: max(0.0, (v - short.tt_ms[B]) * 1000 / span) for B, v in long.tt_ms.items() if B in short.tt_ms and B > 1
+    }
     slope[1] = max(0.0, (long.t1_ms - short.t1_ms) * 1000 / span)
     return replace(long, ctx_ms=slope)
 
@@ -185,8 +201,17 @@ class CostMeter:
     the median over the rounds after the first (a warm-up). Rounds can be interleaved with the
     runs they explain, so both see the same machine."""
 
-    def __init__(self, model, target, drafter, sizes: Sequence[int], context: Sequence[int], *, ar_model=None,
-                 prefilled: Callable[[], tuple[list, list | None]] | None = None):
+    def __init__(
+        self,
+        model,
+        target,
+        drafter,
+        sizes: Sequence[int],
+        context: Sequence[int],
+        *,
+        ar_model=None,
+        prefilled: Callable[[], tuple[list, list | None]] | None = None,
+    ):
         """``prefilled``: fresh copies of (target caches, drafter context caches) already holding
         ``context`` (from the prefix cache), instead of prefilling it here."""
         from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -202,6 +227,7 @@ class CostMeter:
             def run():
                 mx.eval(mx.argmax(m(tok, cache=cache)[0, -1]))
                 trim_prompt_cache(cache, 1)
+
             return run
 
         pcache = make_prompt_cache(model)
@@ -229,11 +255,13 @@ class CostMeter:
                     o = target(ids, tcache, record=True)
                     mx.eval(mx.argmax(o.logits[0], axis=-1), o.hidden)
                     target.rollback(tcache, B, 0)
+
                 return run
 
             def draft(B):
                 def run():
                     mx.eval(drafter.propose(anchor, None, dcache, B).tokens)
+
                 return run
 
             for B in sorted({1, *sizes}):
@@ -261,6 +289,7 @@ class CostMeter:
                 o = target(ids, tcache, record=True)
                 mx.eval(mx.argmax(o.logits[0], axis=-1), o.hidden)
                 target.rollback(tcache, B, 0)
+
             return run
 
         def draft(B):
@@ -289,15 +318,28 @@ class CostMeter:
 
     def costs(self) -> Costs:
         med = {k: round(statistics.median(v), 3) for k, v in self.times.items() if v}
-        return Costs(med[("t1", 1)], {B: v for (n, B), v in med.items() if n == "td"},
-                     {B: v for (n, B), v in med.items() if n == "tt"}, self.context, med.get(("t1_draft", 1)))
+        return Costs(
+            med[("t1", 1)],
+            {B: v for (n, B), v in med.items() if n == "td"},
+            {B: v for (n, B), v in med.items() if n == "tt"},
+            self.context,
+            med.get(("t1_draft", 1)),
+        )
 
 
-def measure_costs(model, target, drafter, sizes: Sequence[int], context: Sequence[int], *,
-                  reps: int = 5, ar_model=None, progress: Progress | None = None) -> Costs:
+def measure_costs(
+    model,
+    target,
+    drafter,
+    sizes: Sequence[int],
+    context: Sequence[int],
+    *,
+    reps: int = 5,
+    ar_model=None,
+    progress: Progress | None = None,
+) -> Costs:
     """Median cost of each pass at ``context`` tokens over ``reps`` rounds after a warm-up round."""
     meter = CostMeter(model, target, drafter, sizes, context, ar_model=ar_model)
     for r in range(reps + 1):
-        meter.round(None if progress is None else
-                    (lambda d, t, m, r=r: progress(r * t + d, (reps + 1) * t, m)))
+        meter.round(None if progress is None else (lambda d, t, m, r=r: progress(r * t + d, (reps + 1) * t, m)))
     return meter.costs()

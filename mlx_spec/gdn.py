@@ -101,8 +101,7 @@ def gdn_forward(attn: nn.Module, x: mx.array, mask, cache: ArraysCache, records:
     state = cache[1]
     q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
     records.append(GDNRecord(conv_input, q, k, v, a, b, state, mask))
-    out, state = gated_delta_update(q, k, v, a, b, attn.A_log, attn.dt_bias, state, mask,
-                                    use_kernel=not attn.training)
+    out, state = gated_delta_update(q, k, v, a, b, attn.A_log, attn.dt_bias, state, mask, use_kernel=not attn.training)
     cache[1] = state
     cache.advance(S)
     out = attn.out_proj(attn.norm(out, z).reshape(B, S, -1))
@@ -116,8 +115,15 @@ def gdn_block(layer: nn.Module, h: mx.array, mask, cache: ArraysCache, records: 
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def restore(caches: list[ArraysCache], records: list[GDNRecord], attns: list[nn.Module], n_keep: int,
-            *, conv: bool = True, state: bool = True) -> None:
+def restore(
+    caches: list[ArraysCache],
+    records: list[GDNRecord],
+    attns: list[nn.Module],
+    n_keep: int,
+    *,
+    conv: bool = True,
+    state: bool = True,
+) -> None:
     """Set each GDN cache to its state after the first ``n_keep`` positions of the recorded pass.
 
     The recurrences of all layers are replayed in one batched ``gated_delta_update`` (layers
@@ -143,17 +149,24 @@ def restore(caches: list[ArraysCache], records: list[GDNRecord], attns: list[nn.
         Hv, Dv = recs[0].v.shape[-2:]
 
         def cat(f):
-            return mx.concatenate([f(r) for r in recs], axis=0)  # layers on the batch axis
+            return mx.concatenate([f(r) for r in recs], axis=0)  # layers on the batch axis  # noqa: B023
 
         per_layer = [attns[i] for i in idx]
         A_log = mx.repeat(mx.stack([m.A_log for m in per_layer])[:, None], B, axis=0)  # (L*B, 1, Hv)
         dt_bias = mx.repeat(mx.stack([m.dt_bias for m in per_layer])[:, None], B, axis=0)
         zeros = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-        state0 = cat(lambda r: zeros if r.state is None else r.state)  # (L*B, Hv, Dv, Dk)
+        state0 = cat(lambda r: zeros if r.state is None else r.state)  # (L*B, Hv, Dv, Dk)  # noqa: B023
         mask = None if recs[0].mask is None else cat(lambda r: r.mask[:, :n])
         _, new = gated_delta_update(
-            cat(lambda r: r.q[:, :n]), cat(lambda r: r.k[:, :n]), cat(lambda r: r.v[:, :n]),
-            cat(lambda r: r.a[:, :n]), cat(lambda r: r.b[:, :n]), A_log, dt_bias, state0, mask,
+            cat(lambda r: r.q[:, :n]),
+            cat(lambda r: r.k[:, :n]),
+            cat(lambda r: r.v[:, :n]),
+            cat(lambda r: r.a[:, :n]),
+            cat(lambda r: r.b[:, :n]),
+            A_log,
+            dt_bias,
+            state0,
+            mask,
             use_kernel=not per_layer[0].training,
         )
         for j, i in enumerate(idx):
@@ -187,7 +200,7 @@ def _ranges(idx: list[int]) -> str:
 def check_mirror(layer: nn.Module, model_type: str, steps: int = 3) -> None:
     """Compare ``gdn_block`` with the real layer on a small input (output, conv and recurrent
     state, over two consecutive calls). Raises ``UnsupportedModel`` on any difference."""
-    attn = layer.linear_attn
+    attn = layer.linear_attn  # noqa: F841
     H = layer.input_layernorm.weight.shape[0]
     dtype = layer.input_layernorm.weight.dtype
     key = mx.random.key(0)

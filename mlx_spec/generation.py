@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator, Sequence
 
 from .decode import Step, plain_steps, spec_steps
 from .errors import BadRequest, ContextTooLong, InvalidPrompt
@@ -66,8 +66,9 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
             raise InvalidPrompt(f"prompt token ids must be in [0, {vocab})")
     else:
         try:
-            ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools,
-                                template_kwargs=req.template_kwargs)
+            ids = encode_prompt(
+                pair.tokenizer, req.prompt, req.messages, tools=req.tools, template_kwargs=req.template_kwargs
+            )
         except Exception as e:  # e.g. the chat template rejects these messages
             raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
     if not ids:
@@ -76,13 +77,18 @@ def prepare(pair: Pair, req: Request, context_length: int | None) -> tuple[list[
     if max_tokens is None:  # OpenAI semantics: until the context is full
         max_tokens = (context_length or len(ids) + 256) - len(ids)
     if context_length and len(ids) >= context_length:
-        raise ContextTooLong(f"prompt is too long: {len(ids)} tokens > {context_length - 1} maximum (the "
-                             f"context length is {context_length} tokens, prompt and reply together)")
+        raise ContextTooLong(
+            f"prompt is too long: {len(ids)} tokens > {context_length - 1} maximum (the "
+            f"context length is {context_length} tokens, prompt and reply together)"
+        )
     if context_length:  # max_tokens is an upper bound: the reply stops where the context ends
         max_tokens = min(max_tokens, context_length - len(ids))
     try:
-        cfg = GenConfig(max_tokens=max_tokens, stop=tuple(req.stop),
-                        sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed))
+        cfg = GenConfig(
+            max_tokens=max_tokens,
+            stop=tuple(req.stop),
+            sampling=SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed),
+        )
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return ids, cfg
@@ -148,22 +154,32 @@ class EngineInfo:
         if not self.adaptive_max:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
         elif self.pinned:
-            block = (f"per-cycle drafting: plain step, DFlash block {self.block_size} (--block-size) or a "
-                     f"lookup draft")
+            block = f"per-cycle drafting: plain step, DFlash block {self.block_size} (--block-size) or a lookup draft"
         else:
-            block = (f"per-cycle drafting: plain step, DFlash block <= {self.adaptive_max} or a lookup draft "
-                     f"(prior block {self.block_size}, {self.block_size_source})")
+            block = (
+                f"per-cycle drafting: plain step, DFlash block <= {self.adaptive_max} or a lookup draft "
+                f"(prior block {self.block_size}, {self.block_size_source})"
+            )
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
-        return (f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-                f"{self.drafter}{prec}, {block}{vocab}{self._group()}")
+        return (
+            f"engine: {self.method} speculative decoding, target {self.target}, drafter "
+            f"{self.drafter}{prec}, {block}{vocab}{self._group()}"
+        )
 
     def _group(self) -> str:
         return "" if self.group.size == 1 else f", {self.group.describe()}"
 
 
-def engine_info(pair: Pair, block_size: int | None = None, source: str | None = None,
-                adaptive: bool = False, *, off: bool = False, pinned: bool = False) -> EngineInfo:
+def engine_info(
+    pair: Pair,
+    block_size: int | None = None,
+    source: str | None = None,
+    adaptive: bool = False,
+    *,
+    off: bool = False,
+    pinned: bool = False,
+) -> EngineInfo:
     """The one place that decides what runs (``EngineInfo.mode``).
 
     No drafter: plain. ``off``: the tuner found fixed-block DFlash no faster than plain decoding
@@ -185,17 +201,32 @@ def engine_info(pair: Pair, block_size: int | None = None, source: str | None = 
     if block_size is None:
         block_size, source = ckpt, "checkpoint"
     if block_size < 2:
-        raise BadRequest(f"block size must be >= 2 for speculative decoding (got {block_size});"
-                         " use --no-draft for plain decoding")
+        raise BadRequest(
+            f"block size must be >= 2 for speculative decoding (got {block_size}); use --no-draft for plain decoding"
+        )
     if block_size > ckpt:
-        log.warning("block size %d exceeds the checkpoint's trained %d; acceptance past "
-                    "position %d is untrained", block_size, ckpt, ckpt - 1)
+        log.warning(
+            "block size %d exceeds the checkpoint's trained %d; acceptance past position %d is untrained",
+            block_size,
+            ckpt,
+            ckpt - 1,
+        )
     method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
     top = max(block_size, ckpt, 16) if adaptive else 0
     vocab = pair.drafter.vocab_size_drafted
     prec = pair.drafter.precision() if hasattr(pair.drafter, "precision") else ""
-    return EngineInfo(method, pair.target_id, pair.drafter_id, block_size, source or "flag", SPECULATIVE,
-                      top, vocab, pinned=pinned, drafter_precision=prec)
+    return EngineInfo(
+        method,
+        pair.target_id,
+        pair.drafter_id,
+        block_size,
+        source or "flag",
+        SPECULATIVE,
+        top,
+        vocab,
+        pinned=pinned,
+        drafter_precision=prec,
+    )
 
 
 def plain_view(pair: Pair) -> Pair:
@@ -229,8 +260,15 @@ def policies(pair: Pair, info: EngineInfo):
     return PolicyFactory(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
 
 
-def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-                prefix: PrefixCache | None = None, lead=None, policy=None) -> Iterator[Step]:
+def token_steps(
+    pair: Pair,
+    info: EngineInfo,
+    prompt: Sequence[int],
+    cfg: GenConfig,
+    prefix: PrefixCache | None = None,
+    lead=None,
+    policy=None,
+) -> Iterator[Step]:
     """The engine's steps; with ``prefix``, start from its longest reusable prefix of ``prompt``
     and keep the final caches there for the next request. ``policy``: a fresh
     ``policy.DraftPolicy`` (from ``policies``; the default engine; None: every cycle drafts the
@@ -246,11 +284,27 @@ def token_steps(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenCon
     plain = not info.speculative
     reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
     if plain:
-        return plain_steps(pair.model, prompt, max_tokens=cfg.max_tokens, eos_ids=eos,
-                           sampling=cfg.sampling, prefill_step=cfg.prefill_step, **reuse)
-    return spec_steps(pair.target, pair.drafter, prompt, block_size=info.block_size,
-                      max_tokens=cfg.max_tokens, eos_ids=eos, sampling=cfg.sampling,
-                      prefill_step=cfg.prefill_step, policy=policy, **reuse)
+        return plain_steps(
+            pair.model,
+            prompt,
+            max_tokens=cfg.max_tokens,
+            eos_ids=eos,
+            sampling=cfg.sampling,
+            prefill_step=cfg.prefill_step,
+            **reuse,
+        )
+    return spec_steps(
+        pair.target,
+        pair.drafter,
+        prompt,
+        block_size=info.block_size,
+        max_tokens=cfg.max_tokens,
+        eos_ids=eos,
+        sampling=cfg.sampling,
+        prefill_step=cfg.prefill_step,
+        policy=policy,
+        **reuse,
+    )
 
 
 @dataclass
@@ -262,9 +316,16 @@ class Result:
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
-def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig,
-             result: Result | None = None, prefix: PrefixCache | None = None,
-             lead=None, policy=None) -> Iterator[Chunk]:
+def generate(
+    pair: Pair,
+    info: EngineInfo,
+    prompt: Sequence[int],
+    cfg: GenConfig,
+    result: Result | None = None,
+    prefix: PrefixCache | None = None,
+    lead=None,
+    policy=None,
+) -> Iterator[Chunk]:
     """Stream chunks; ``result`` (if given) accumulates text, tokens and stats as they come.
     ``lead``: see ``token_steps``."""
     result = Result() if result is None else result
@@ -275,8 +336,9 @@ def generate(pair: Pair, info: EngineInfo, prompt: Sequence[int], cfg: GenConfig
             yield s
 
     eos = tuple(pair.tokenizer.eos_token_ids)
-    for chunk in stream_text(counted(token_steps(pair, info, prompt, cfg, prefix, lead, policy)), pair.tokenizer,
-                             cfg.stop, eos):
+    for chunk in stream_text(
+        counted(token_steps(pair, info, prompt, cfg, prefix, lead, policy)), pair.tokenizer, cfg.stop, eos
+    ):
         result.text += chunk.text
         result.tokens.extend(chunk.step.tokens)
         if chunk.finish_reason:

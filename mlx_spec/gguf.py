@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -102,11 +102,10 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         reader = GGUFReader(path)
         types = {t.name: t.tensor_type.name for t in reader.tensors}
     except (ValueError, TypeError, IndexError, KeyError, OSError) as e:  # gguf-py's errors for bad bytes
-        raise CheckpointError(f"{path}: not a readable GGUF file, or cut short ({type(e).__name__}: {e}); "
-                              "download or copy it again") from None
-    bad = sorted(
-        {f"{name}: {kind}" for name, kind in types.items() if kind not in SUPPORTED_TENSOR_TYPES}
-    )
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file, or cut short ({type(e).__name__}: {e}); download or copy it again"
+        ) from None
+    bad = sorted({f"{name}: {kind}" for name, kind in types.items() if kind not in SUPPORTED_TENSOR_TYPES})
     if bad:
         kinds = sorted({b.split(": ")[1] for b in bad})
         raise UnsupportedModel(
@@ -120,9 +119,7 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     metadata = {k: _value(v) for k, v in raw_meta.items()}
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"{path.name}: GGUF architecture {arch!r} is not supported (only llama)."
-        )
+        raise UnsupportedModel(f"{path.name}: GGUF architecture {arch!r} is not supported (only llama).")
     for t in reader.tensors:  # mx.load narrows BF16 to float16; read those bits ourselves
         if t.tensor_type.name == "BF16":
             bits = np.ascontiguousarray(t.data).view(np.uint16)
@@ -149,9 +146,7 @@ def map_weights(
             scales, biases = tensors[f"{base}.scales"], tensors[f"{base}.biases"]
             bits = quant_bits(w, scales)
             if dtype == "float32":  # float32 scales: exact, no float16 rounding of the result
-                w = mx.dequantize(
-                    w, scales.astype(mx.float32), biases.astype(mx.float32), GROUP_SIZE, bits
-                )
+                w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), GROUP_SIZE, bits)
                 parts = {"weight": w}
             else:
                 parts = {"weight": w, "scales": scales, "biases": biases}
@@ -177,9 +172,7 @@ def make_config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[
     head_dim = int(metadata.get(f"{a}.attention.key_length", hidden // heads))
     rope_dim = int(metadata.get(f"{a}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise UnsupportedModel(
-            f"Partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported."
-        )
+        raise UnsupportedModel(f"Partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported.")
     scaling = metadata.get(f"{a}.rope.scaling.type", "none")
     if scaling != "none":
         raise UnsupportedModel(f"RoPE scaling {scaling!r} in GGUF metadata is not supported.")
@@ -211,13 +204,9 @@ def make_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     kind = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
-        raise UnsupportedModel(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')."
-        )
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2').")
     if pre not in PRE_TOKENIZERS:
-        raise UnsupportedModel(
-            f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)})."
-        )
+        raise UnsupportedModel(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)}).")
     tokens = list(metadata["tokenizer.ggml.tokens"])
     types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -225,9 +214,7 @@ def make_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if PRE_TOKENIZERS[pre]:
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tk.pre_tokenizer = byte_level
     tk.decoder = decoders.ByteLevel()
@@ -241,12 +228,8 @@ def make_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     else:
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
     typed = list(zip(tokens, types, strict=True))
-    tk.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in typed if k == TOKEN_TYPE_CONTROL]
-    )
-    tk.add_tokens(
-        [AddedToken(t, normalized=False) for t, k in typed if k == TOKEN_TYPE_USER_DEFINED]
-    )
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == TOKEN_TYPE_CONTROL])
+    tk.add_tokens([AddedToken(t, normalized=False) for t, k in typed if k == TOKEN_TYPE_USER_DEFINED])
     return tk
 
 
@@ -320,8 +303,6 @@ def convert_gguf(
         progress(total, total, "model.safetensors written")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(make_tokenizer_config(metadata), indent=2)
-    )
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(make_tokenizer_config(metadata), indent=2))
     log.info("converted %s -> %s (%d tensors, dtype=%s)", gguf_path, out_dir, len(weights), dtype)
     return out_dir

@@ -71,8 +71,10 @@ def _hub_error(repo: str, e: BaseException, what: str = "") -> HubError:
     if isinstance(e, hf.EntryNotFoundError):
         return HubError(f"{where}: the repo has no such file")
     if isinstance(e, (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled)):
-        return HubError(f"{where}: not in the local cache and the hub cannot be asked "
-                        f"({'HF_HUB_OFFLINE=1' if offline() else 'no connection'}); download it once online")
+        return HubError(
+            f"{where}: not in the local cache and the hub cannot be asked "
+            f"({'HF_HUB_OFFLINE=1' if offline() else 'no connection'}); download it once online"
+        )
     if isinstance(e, hf.HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)
         return HubError(f"{where}: the hub answered HTTP {status}: {str(e).splitlines()[0]}")
@@ -92,8 +94,10 @@ def fetch_meta(repo: str, revision: str | None = None) -> RepoMeta:
         raise _hub_error(repo, e) from None
     sizes = {s.rfilename: (s.size or 0) for s in info.siblings or []}
     if "config.json" not in sizes:
-        raise HubError(f"{repo}: the repo has no config.json, so it is not a model in Hugging Face layout "
-                       f"(files: {', '.join(sorted(sizes)[:8]) or 'none'})")
+        raise HubError(
+            f"{repo}: the repo has no config.json, so it is not a model in Hugging Face layout "
+            f"(files: {', '.join(sorted(sizes)[:8]) or 'none'})"
+        )
     weights = tuple(sorted(n for n in sizes if n.endswith(".safetensors")))
     if not weights:
         raise HubError(f"{repo}: no *.safetensors weights in the repo (only safetensors checkpoints load)")
@@ -112,8 +116,9 @@ def fetch_meta(repo: str, revision: str | None = None) -> RepoMeta:
         st = api.get_safetensors_metadata(repo, revision=info.sha)
     except Exception as e:
         raise _hub_error(repo, e, "safetensors headers") from None
-    tensors = tuple(Tensor(name, tuple(t.shape), t.dtype) for f in st.files_metadata.values()
-                    for name, t in f.tensors.items())
+    tensors = tuple(
+        Tensor(name, tuple(t.shape), t.dtype) for f in st.files_metadata.values() for name, t in f.tensors.items()
+    )
     return RepoMeta(repo, info.sha, path, config, tensors, weights, sum(sizes[n] for n in weights))
 
 
@@ -183,6 +188,8 @@ def download(repo: str, revision: str | None = None) -> Path:
         clear_partials(repo)
     if not complete(path):
         missing = "config.json" if not (path / "config.json").is_file() else "weight files"
-        raise HubError(f"{repo}: the download is incomplete ({missing} missing in {path})"
-                       + ("; HF_HUB_OFFLINE=1 is set: download it once online" if offline() else ""))
+        raise HubError(
+            f"{repo}: the download is incomplete ({missing} missing in {path})"
+            + ("; HF_HUB_OFFLINE=1 is set: download it once online" if offline() else "")
+        )
     return path

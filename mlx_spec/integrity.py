@@ -18,8 +18,23 @@ from .errors import CheckpointError
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 MODEL_JSON = ("config.json", "tokenizer.json", "tokenizer_config.json")
-ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-              "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+ITEM_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -83,9 +98,11 @@ def refetch_hint(path: Path, name: str) -> str:
     copied or converted again."""
     parts = Path(path).resolve().parts
     if "snapshots" in parts and any(p.startswith("models--") for p in parts):
-        repo = next(p for p in parts if p.startswith("models--"))[len("models--"):].replace("--", "/")
-        return (f"fetch it again: `huggingface-cli download {repo} --force-download` (or delete "
-                f"{Path(*parts[:parts.index('snapshots')])} and run again)")
+        repo = next(p for p in parts if p.startswith("models--"))[len("models--") :].replace("--", "/")
+        return (
+            f"fetch it again: `huggingface-cli download {repo} --force-download` (or delete "
+            f"{Path(*parts[: parts.index('snapshots')])} and run again)"
+        )
     return f"copy or convert {name} again from its source"
 
 

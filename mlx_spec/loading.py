@@ -99,8 +99,9 @@ def read_draft_vocab(path: Path, vocab_size: int):
         ids = json.loads(f.read_text())["ids"]
         arr = np.asarray(ids)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{f}: unreadable draft vocabulary ({type(e).__name__}: {e}); "
-                              "expected {\"ids\": [sorted target token ids]}") from None
+        raise CheckpointError(
+            f'{f}: unreadable draft vocabulary ({type(e).__name__}: {e}); expected {{"ids": [sorted target token ids]}}'
+        ) from None
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise CheckpointError(f"{f}: 'ids' must be a non-empty list of integers")
     if arr.min() < 0 or arr.max() >= vocab_size:
@@ -116,14 +117,14 @@ def write_draft_vocab(path: str | Path, ids, note: str = "") -> None:
     import numpy as np
 
     ids = np.unique(np.asarray(ids, np.int64))
-    body = {"format": "mlx_spec draft vocabulary 1", "note": note, "size": int(len(ids)),
-            "ids": [int(i) for i in ids]}
+    body = {"format": "mlx_spec draft vocabulary 1", "note": note, "size": int(len(ids)), "ids": [int(i) for i in ids]}
     Path(path).mkdir(parents=True, exist_ok=True)
     (Path(path) / DRAFT_VOCAB_FILE).write_text(json.dumps(body))
 
 
-def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
-                 group_size: int = 64, activations: str | None = None) -> tuple[Drafter, dict]:
+def load_drafter(
+    path_or_id: str | Path, *, dtype=None, bits: int | None = None, group_size: int = 64, activations: str | None = None
+) -> tuple[Drafter, dict]:
     """Load a DFlash / DFlash 2 checkpoint strictly. Returns (drafter, config).
 
     ``bits`` quantizes the drafter's own layers (never the target's shared embedding/head)
@@ -152,13 +153,13 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
     try:
         model = Drafter(args)
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
-        raise CheckpointError(f"{path}/config.json: these values do not make a drafter "
-                              f"({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path}/config.json: these values do not make a drafter ({type(e).__name__}: {e})"
+        ) from None
     weights = model.sanitize(_read_weights(path))
     if "quantization" in config:
         q = config["quantization"]
-        nn.quantize(model, q["group_size"], q["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+        nn.quantize(model, q["group_size"], q["bits"], class_predicate=lambda p, m: f"{p}.scales" in weights)  # noqa: F821
     expected = parameter_names(model)
     extra = set(weights) - set(expected)
     missing = set(expected) - set(weights)
@@ -196,11 +197,26 @@ def load_drafter(path_or_id: str | Path, *, dtype=None, bits: int | None = None,
 
 
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "block_size", "num_target_layers", "max_position_embeddings",
-                   "sliding_window", "target_hidden_size", "conv_kernel_size", "conv_group_size", "selector_rank",
-                   "selector_top_k")
-_OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
-                    "final_logit_softcapping")
+_OPTIONAL_SIZES = (
+    "num_key_value_heads",
+    "head_dim",
+    "block_size",
+    "num_target_layers",
+    "max_position_embeddings",
+    "sliding_window",
+    "target_hidden_size",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+)
+_OPTIONAL_FLOATS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
 MAX_SIZE = 1 << 24  # no dimension of a drafter comes near this
 
 
@@ -232,8 +248,9 @@ def _check_drafter_config(config: dict, f: Path) -> None:
             raise BadModelFile(f, f"{v!r} is not a size (an integer in 1..{MAX_SIZE})", key)
     for key in _OPTIONAL_FLOATS:
         v = get(key)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                  and v > 0):
+        if v is not None and not (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        ):
             raise BadModelFile(f, f"{v!r} is not a finite positive number", key)
     mask = get("mask_token_id")
     if mask is not None and not (is_size(mask, 0) and mask < config.get("vocab_size", MAX_SIZE)):
@@ -242,8 +259,11 @@ def _check_drafter_config(config: dict, f: Path) -> None:
     if ids is not None and not (isinstance(ids, list) and ids and all(is_size(i, 0) for i in ids)):
         raise BadModelFile(f, f"{ids!r} is not a non-empty list of layer indices", "target_layer_ids")
     types = config.get("layer_types")
-    if types is not None and not (isinstance(types, list) and len(types) == config.get("num_hidden_layers")
-                                  and all(isinstance(t, str) for t in types)):
+    if types is not None and not (
+        isinstance(types, list)
+        and len(types) == config.get("num_hidden_layers")
+        and all(isinstance(t, str) for t in types)
+    ):
         raise BadModelFile(f, "layer_types must name one kind per layer", "layer_types")
     for key in ("rope_scaling", "rope_parameters", "quantization"):
         if config.get(key) is not None and not isinstance(config[key], dict):
@@ -274,14 +294,20 @@ def check_pair(target: Target, drafter: Drafter) -> None:
     a = drafter.args
     problems = []
     if a.hidden_size != target.hidden_size:
-        problems.append(f"drafter hidden_size {a.hidden_size} != target hidden_size {target.hidden_size}"
-                        " (the drafter shares the target's embedding and head)")
+        problems.append(
+            f"drafter hidden_size {a.hidden_size} != target hidden_size {target.hidden_size}"
+            " (the drafter shares the target's embedding and head)"
+        )
     if a.target_hidden_size != target.hidden_size:
-        problems.append(f"drafter expects target features of width {a.target_hidden_size}, target has {target.hidden_size}")
+        problems.append(
+            f"drafter expects target features of width {a.target_hidden_size}, target has {target.hidden_size}"
+        )
     if a.vocab_size != target.vocab_size:
         problems.append(f"drafter vocab_size {a.vocab_size} != target vocab_size {target.vocab_size}")
     if a.num_target_layers != target.num_layers:
-        problems.append(f"drafter was trained for a {a.num_target_layers}-layer target, this target has {target.num_layers}")
+        problems.append(
+            f"drafter was trained for a {a.num_target_layers}-layer target, this target has {target.num_layers}"
+        )
     bad = [j for j in a.target_layer_ids if not 0 <= j < target.num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} out of range for {target.num_layers} layers")
@@ -304,8 +330,7 @@ class Pair:
     drafter_config: dict | None
 
 
-def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64,
-                      shard=None):
+def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64, shard=None):
     """mlx-lm model + tokenizer; ``path_or_id`` may be the default target's id.
 
     Loaded lazily, cast to ``dtype`` (default: float32 on CPU) and quantized to ``bits`` before
@@ -322,8 +347,10 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
     else:
         path = resolve(path_or_id, "target")
         if not path.is_dir():
-            raise CheckpointError(f"target '{path_or_id}' is a file, not a model folder (config.json, "
-                                  "*.safetensors, tokenizer); a GGUF file converts with `mlx_spec convert`")
+            raise CheckpointError(
+                f"target '{path_or_id}' is a file, not a model folder (config.json, "
+                "*.safetensors, tokenizer); a GGUF file converts with `mlx_spec convert`"
+            )
         check_model_dir(path, "target", path_or_id)
         _check_untrusted(path)
     try:
@@ -333,8 +360,9 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # a file mlx-lm cannot read
         raise CheckpointError(f"target {path}: could not load it ({type(e).__name__}: {e})") from None
     dtype = default_dtype() if dtype is None else dtype
-    quantize.prepare(model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}",
-                     before_materialize=shard)
+    quantize.prepare(
+        model, bits=bits, group_size=group_size, dtype=dtype, what=f"target {path_or_id}", before_materialize=shard
+    )
     return model, tokenizer
 
 
@@ -354,10 +382,18 @@ def _is_quantized(model) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
-              target_bits: int | None = None, drafter_bits: int | None = None,
-              group_size: int = 64, draft_vocab: str = "auto", shard=None,
-              drafter_activations: str | None = None) -> Pair:
+def load_pair(
+    target_id: str,
+    drafter_id: str | None,
+    *,
+    no_draft: bool = False,
+    target_bits: int | None = None,
+    drafter_bits: int | None = None,
+    group_size: int = 64,
+    draft_vocab: str = "auto",
+    shard=None,
+    drafter_activations: str | None = None,
+) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
@@ -369,8 +405,9 @@ def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
         return Pair(model, tokenizer, None, None, target_id, None, None)
     if drafter_id is None:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
-    drafter, config = load_drafter(drafter_id, bits=drafter_bits, group_size=group_size,
-                                   activations=drafter_activations)
+    drafter, config = load_drafter(
+        drafter_id, bits=drafter_bits, group_size=group_size, activations=drafter_activations
+    )
     target = Target(model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     vocab = None
@@ -381,5 +418,15 @@ def load_pair(target_id: str, drafter_id: str | None, *, no_draft: bool = False,
     return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config)
 
 
-__all__ = ["load_drafter", "read_draft_vocab", "write_draft_vocab", "DRAFT_VOCAB_FILE", "save_drafter", "check_pair", "load_pair", "Pair", "resolve",
-           "load_target_model"]
+__all__ = [
+    "load_drafter",
+    "read_draft_vocab",
+    "write_draft_vocab",
+    "DRAFT_VOCAB_FILE",
+    "save_drafter",
+    "check_pair",
+    "load_pair",
+    "Pair",
+    "resolve",
+    "load_target_model",
+]

@@ -19,8 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 from .errors import MlxSpecError
 
@@ -62,8 +62,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            start_new_session=True,
+        )
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
@@ -107,8 +113,23 @@ def free_port() -> int:
 
 def ours(target: str, drafter: str | None, max_batch: int, extra: Sequence[str] = ()) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "mlx_spec", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--target", target, "--max-batch", str(max_batch), "--max-queue", str(4 * max_batch), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--target",
+        target,
+        "--max-batch",
+        str(max_batch),
+        "--max-queue",
+        str(4 * max_batch),
+        *extra,
+    ]
     if drafter:
         argv += ["--drafter", drafter]
     return Server(OURS, argv, port)
@@ -120,8 +141,12 @@ def mlx_lm_server(model_dir: str, blas: str | None = None) -> Server:
     reference BLAS many times slower on many rows). A preload of the user's own stays, after it."""
     port = free_port()
     env = {"LD_PRELOAD": ":".join(x for x in (blas, os.environ.get("LD_PRELOAD")) if x)} if blas else {}
-    return Server(MLX_LM, [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--host", "127.0.0.1",
-                           "--port", str(port)], port, env)
+    return Server(
+        MLX_LM,
+        [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port)],
+        port,
+        env,
+    )
 
 
 def _ask(url: str, messages: list[dict], max_tokens: int, timeout: float) -> int:
@@ -133,8 +158,15 @@ def _ask(url: str, messages: list[dict], max_tokens: int, timeout: float) -> int
     return int(r.json()["usage"]["completion_tokens"])
 
 
-def run_level(server: Server, clients: int, requests: int, prompts: Sequence[list[dict]], max_tokens: int,
-              timeout: float, deadline: float) -> Level:
+def run_level(
+    server: Server,
+    clients: int,
+    requests: int,
+    prompts: Sequence[list[dict]],
+    max_tokens: int,
+    timeout: float,
+    deadline: float,
+) -> Level:
     """``clients`` threads at once, each sending ``requests`` requests one after another."""
     lat: list[float] = []
     toks, failed = [0], [0]
@@ -171,9 +203,17 @@ def run_level(server: Server, clients: int, requests: int, prompts: Sequence[lis
     return Level(server.name, clients, clients * requests, failed[0], toks[0], wall, p50, p95)
 
 
-def run(servers: Sequence[Server], levels: Sequence[int], prompts: Sequence[list[dict]], *, max_tokens: int,
-        requests: int, timeout: float = 300.0, budget_s: float = 1800.0,
-        log: Callable[[str], None] = lambda m: None) -> list[Level]:
+def run(
+    servers: Sequence[Server],
+    levels: Sequence[int],
+    prompts: Sequence[list[dict]],
+    *,
+    max_tokens: int,
+    requests: int,
+    timeout: float = 300.0,
+    budget_s: float = 1800.0,
+    log: Callable[[str], None] = lambda m: None,
+) -> list[Level]:
     """Start every server, warm each with one request, run every level on each in turn
     (interleaved by level, so a drift of the machine hits both alike), stop them all."""
     if not levels or min(levels) < 1:
@@ -201,11 +241,15 @@ def table(rows: Sequence[Level]) -> str:
     head = f"{'server':16s} {'clients':>7s} {'requests':>8s} {'failed':>6s} {'tok/s':>8s} {'p50 s':>7s} {'p95 s':>7s}"
     lines = [head]
     for r in rows:
-        lines.append(f"{r.server:16s} {r.clients:7d} {r.requests:8d} {r.failed:6d} {r.tps:8.2f} "
-                     f"{r.p50_s:7.2f} {r.p95_s:7.2f}")
+        lines.append(
+            f"{r.server:16s} {r.clients:7d} {r.requests:8d} {r.failed:6d} {r.tps:8.2f} {r.p50_s:7.2f} {r.p95_s:7.2f}"
+        )
     base = {r.clients: r for r in rows if r.server == MLX_LM}
-    ratio = [f"{r.clients}: x{r.tps / base[r.clients].tps:.2f}" for r in rows
-             if r.server == OURS and r.clients in base and base[r.clients].tps > 0]
+    ratio = [
+        f"{r.clients}: x{r.tps / base[r.clients].tps:.2f}"
+        for r in rows
+        if r.server == OURS and r.clients in base and base[r.clients].tps > 0
+    ]
     if ratio:
         lines.append("aggregate tok/s of mlx_spec serve / mlx_lm.server by clients: " + ", ".join(ratio))
     return "\n".join(lines)

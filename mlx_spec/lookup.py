@@ -8,7 +8,7 @@ drafts. (The baseline loops bench compares against are in ``baselines``.)
 from __future__ import annotations
 
 import gc
-from typing import Sequence
+from collections.abc import Sequence
 
 # Following the copy (SuffixIndex's re-sync after an edit breaks it), in tokens:
 LONG_COPY = 6  # a copy at least this long that breaks is remembered, to re-join
@@ -49,8 +49,16 @@ class SuffixIndex:
     The index only proposes: the target verifies every draft (greedy output is plain decoding's).
     """
 
-    def __init__(self, ids: Sequence[int] = (), ngram_max: int = 4, *, keep: int = 4, max_match: int = 64,
-                 stop: Sequence[int] = (), follow: bool = True):
+    def __init__(
+        self,
+        ids: Sequence[int] = (),
+        ngram_max: int = 4,
+        *,
+        keep: int = 4,
+        max_match: int = 64,
+        stop: Sequence[int] = (),
+        follow: bool = True,
+    ):
         if ngram_max < 1:
             raise ValueError(f"ngram_max must be >= 1 (got {ngram_max})")
         self.ngram_max, self.keep, self.max_match = ngram_max, keep, max_match
@@ -88,7 +96,7 @@ class SuffixIndex:
             h.append(int(t))
             p = len(h) - 1  # the new token follows the n-grams ending at p - 1
             for n in range(1, min(self.ngram_max, p) + 1):
-                key = tuple(h[p - n:p])
+                key = tuple(h[p - n : p])
                 where = self._at[n].get(key)
                 if where is None:
                     self._at[n][key] = [p]
@@ -182,11 +190,11 @@ class SuffixIndex:
         j, m = self._choice() if self._follow else self._longest()
         if j is None:
             return [], 0
-        out = h[j:j + k]
+        out = h[j : j + k]
         period = len(h) - j  # past the end, the copy continues itself
         while len(out) < k:
             out.append(out[len(out) - period])
         for i, t in enumerate(out):
             if t in self.stop:  # the reply would end there
-                return out[:i + 1], m
+                return out[: i + 1], m
         return out, m

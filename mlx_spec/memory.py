@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .errors import PlanError
 
@@ -87,10 +87,21 @@ def target_dims(config: dict) -> ModelDims:
     qk = c.get("linear_num_key_heads", 0) * c.get("linear_key_head_dim", 0)
     v = c.get("linear_num_value_heads", 0) * c.get("linear_value_head_dim", 0)
     return ModelDims(
-        layers=L, hidden=H, intermediate=inter, heads=heads, kv_heads=kv, head_dim=hd,
-        vocab=c["vocab_size"], kinds=kinds, window=c.get("sliding_window"),
-        conv_dim=2 * qk + v, conv_kernel=c.get("linear_conv_kernel_dim", 4), linear_qk=qk, linear_v=v,
-        ssm_state=v * c.get("linear_key_head_dim", 0), max_position=c.get("max_position_embeddings"),
+        layers=L,
+        hidden=H,
+        intermediate=inter,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=hd,
+        vocab=c["vocab_size"],
+        kinds=kinds,
+        window=c.get("sliding_window"),
+        conv_dim=2 * qk + v,
+        conv_kernel=c.get("linear_conv_kernel_dim", 4),
+        linear_qk=qk,
+        linear_v=v,
+        ssm_state=v * c.get("linear_key_head_dim", 0),
+        max_position=c.get("max_position_embeddings"),
     )
 
 
@@ -99,10 +110,16 @@ def drafter_dims(config: dict) -> DrafterDims:
 
     a = DrafterArgs.from_config(config)
     return DrafterDims(
-        layers=a.num_hidden_layers, hidden=a.hidden_size, intermediate=a.intermediate_size,
-        heads=a.num_attention_heads, kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
-        taps=len(a.target_layer_ids), target_hidden=a.target_hidden_size,
-        windows=tuple(a.layer_window(i) for i in range(a.num_hidden_layers)), block_size=a.block_size,
+        layers=a.num_hidden_layers,
+        hidden=a.hidden_size,
+        intermediate=a.intermediate_size,
+        heads=a.num_attention_heads,
+        kv_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        taps=len(a.target_layer_ids),
+        target_hidden=a.target_hidden_size,
+        windows=tuple(a.layer_window(i) for i in range(a.num_hidden_layers)),
+        block_size=a.block_size,
     )
 
 
@@ -142,8 +159,12 @@ def act_bytes(tensors, *, cast_float32: bool) -> int:
         return 4
     from .quantize import DTYPE_BYTES
 
-    seen = {t.dtype for t in tensors if t.dtype in ("F32", "F16", "BF16", "F64")
-            and ("embed_tokens" in t.name or (len(t.shape) == 1 and "norm" in t.name.rsplit(".", 2)[-2]))}
+    seen = {
+        t.dtype
+        for t in tensors
+        if t.dtype in ("F32", "F16", "BF16", "F64")
+        and ("embed_tokens" in t.name or (len(t.shape) == 1 and "norm" in t.name.rsplit(".", 2)[-2]))
+    }
     if not seen:
         return 4
     if {"F16", "BF16"} <= seen:  # float16 with bfloat16 promotes to float32
@@ -173,13 +194,24 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
     B = block if d is not None else 1
     if p.ranks > 1:
         w = p.replicated_weights + (p.target_weights - p.replicated_weights) // p.ranks
-        rows = [Item("target weights", w, f"this rank's 1/{p.ranks} shard + {_gib(p.replicated_weights)} "
-                     "replicated (embedding, head, norms); " + p.labels.get("target", ""))]
+        rows = [
+            Item(
+                "target weights",
+                w,
+                f"this rank's 1/{p.ranks} shard + {_gib(p.replicated_weights)} "
+                "replicated (embedding, head, norms); " + p.labels.get("target", ""),
+            )
+        ]
     else:
         rows = [Item("target weights", p.target_weights, p.labels.get("target", ""))]
     if d is not None:
-        rows.append(Item("drafter weights", p.drafter_weights,
-                         p.labels.get("drafter", "") + "embedding and head shared: counted in the target"))
+        rows.append(
+            Item(
+                "drafter weights",
+                p.drafter_weights,
+                p.labels.get("drafter", "") + "embedding and head shared: counted in the target",
+            )
+        )
         if p.draft_head:
             rows.append(Item("draft head rows", p.draft_head, p.labels.get("draft_head", "")))
     # Target KV: keys + values per attention layer, allocated in 256-position steps.
@@ -187,29 +219,60 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
     n_full, n_swa, n_lin = (t.kinds.count(k) for k in ("full", "sliding", "linear"))
     alloc = _round_up(context + B, KV_STEP)
     swa = min(alloc, (t.window or alloc) + B)
-    rows.append(Item("target KV cache", kv_tok * (n_full * alloc + n_swa * swa),
-                     f"{kv_tok * (n_full + n_swa) / 1024:.0f} KiB/token x {alloc} positions"
-                     + (f" ({n_full} full, {n_swa} sliding window {t.window})" if n_swa else "")))
+    rows.append(
+        Item(
+            "target KV cache",
+            kv_tok * (n_full * alloc + n_swa * swa),
+            f"{kv_tok * (n_full + n_swa) / 1024:.0f} KiB/token x {alloc} positions"
+            + (f" ({n_full} full, {n_swa} sliding window {t.window})" if n_swa else ""),
+        )
+    )
     if n_lin:  # GDN layers: conv + recurrent state; a verify pass also records its inputs
         state = (t.conv_kernel - 1) * t.conv_dim * ab + 4 * t.ssm_state
-        record = 0 if d is None else ((t.conv_kernel - 1 + B) * t.conv_dim + B * (2 * t.linear_qk + t.linear_v)) * ab + 4 * t.ssm_state
-        rows.append(Item("recurrent state", n_lin * (state + record), f"{n_lin} linear-attention layers x (state "
-                         f"{state / 1024:.0f} KiB + verify record {record / 1024:.0f} KiB); independent of context"))
+        record = (
+            0
+            if d is None
+            else ((t.conv_kernel - 1 + B) * t.conv_dim + B * (2 * t.linear_qk + t.linear_v)) * ab + 4 * t.ssm_state
+        )
+        rows.append(
+            Item(
+                "recurrent state",
+                n_lin * (state + record),
+                f"{n_lin} linear-attention layers x (state "
+                f"{state / 1024:.0f} KiB + verify record {record / 1024:.0f} KiB); independent of context",
+            )
+        )
     if d is not None:
         kept = sum(context if w is None else min(context, w - 1) for w in d.windows)
         kinds = ", ".join(sorted({"full" if w is None else f"window {w}" for w in d.windows}))
         rows.append(Item("drafter context cache", kv_bytes(d, ab) * kept, f"{d.layers} layers, {kinds}"))
-        rows.append(Item("target features for the drafter", d.taps * d.target_hidden * ab * prompt,
-                         f"{d.taps} taps x {d.target_hidden} x {prompt} prompt positions (held until the first draft)"))
+        rows.append(
+            Item(
+                "target features for the drafter",
+                d.taps * d.target_hidden * ab * prompt,
+                f"{d.taps} taps x {d.target_hidden} x {prompt} prompt positions (held until the first draft)",
+            )
+        )
     C = min(prompt, p.prefill_step)
     prefill, verify = _phases(p, context, B, prompt, C)
-    rows.append(Item("verify / prefill scratch", max(prefill, verify), f"max(prefill chunk {C}: {prefill / MiB:.0f} MiB, "
-                     f"verify block {B} with {t.vocab}-vocab logits: {verify / MiB:.0f} MiB)"))
+    rows.append(
+        Item(
+            "verify / prefill scratch",
+            max(prefill, verify),
+            f"max(prefill chunk {C}: {prefill / MiB:.0f} MiB, "
+            f"verify block {B} with {t.vocab}-vocab logits: {verify / MiB:.0f} MiB)",
+        )
+    )
     if p.prefix_cache:
         rows.append(Item("prefix cache", p.prefix_cache, "budget for reused prompt caches"))
     allowance = max(prefill, verify) + kv_tok * t.layers * KV_STEP
-    rows.append(Item("MLX cache allowance", allowance if p.cache_limit is None else min(allowance, p.cache_limit),
-                     "freed buffers MLX keeps for reuse"))
+    rows.append(
+        Item(
+            "MLX cache allowance",
+            allowance if p.cache_limit is None else min(allowance, p.cache_limit),
+            "freed buffers MLX keeps for reuse",
+        )
+    )
     return rows
 
 
@@ -220,13 +283,21 @@ def per_rank(t: ModelDims, ranks: int) -> ModelDims:
         return t
     from dataclasses import replace
 
-    return replace(t, heads=max(1, t.heads // ranks), kv_heads=max(1, t.kv_heads // ranks),
-                   intermediate=t.intermediate // ranks, conv_dim=t.conv_dim // ranks,
-                   linear_qk=t.linear_qk // ranks, linear_v=t.linear_v // ranks, ssm_state=t.ssm_state // ranks)
+    return replace(
+        t,
+        heads=max(1, t.heads // ranks),
+        kv_heads=max(1, t.kv_heads // ranks),
+        intermediate=t.intermediate // ranks,
+        conv_dim=t.conv_dim // ranks,
+        linear_qk=t.linear_qk // ranks,
+        linear_v=t.linear_v // ranks,
+        ssm_state=t.ssm_state // ranks,
+    )
 
 
-def ranks_needed(p: PlanInputs, *, context: int, block_size: int, budget: int, prompt: int | None = None,
-                 limit: int = 16) -> int | None:
+def ranks_needed(
+    p: PlanInputs, *, context: int, block_size: int, budget: int, prompt: int | None = None, limit: int = 16
+) -> int | None:
     """The fewest machines of ``budget`` bytes each that hold the pair at ``context`` with the
     target sharded over them (the head count must split evenly); None if more than ``limit``."""
     from dataclasses import replace
@@ -285,35 +356,63 @@ class MemoryPlan:
 
     def summary(self) -> str:
         top = ", ".join(f"{i.name} {_gib(i.bytes)}" for i in self.biggest())
-        return (f"memory plan: {_gib(self.total)} of {_gib(self.budget)} ({self.fraction:.0%}, "
-                f"{self.budget_source}) at context {self.context}: {top}; max context {self.max_context}")
+        return (
+            f"memory plan: {_gib(self.total)} of {_gib(self.budget)} ({self.fraction:.0%}, "
+            f"{self.budget_source}) at context {self.context}: {top}; max context {self.max_context}"
+        )
 
     def table(self) -> str:
         w = max(len(i.name) for i in self.items)
         lines = [f"memory plan: context {self.context} (prompt {self.prompt}), block {self.block_size}", ""]
         lines += [f"  {i.name:<{w}}  {i.bytes / MiB:>10.1f} MiB  {i.detail}" for i in self.items]
-        lines += ["", f"  {'total':<{w}}  {self.total / MiB:>10.1f} MiB  (predicted peak of active memory "
-                  f"{self.peak / MiB:.1f} MiB)",
-                  f"  {'budget':<{w}}  {self.budget / MiB:>10.1f} MiB  {self.budget_source}",
-                  f"  {'headroom':<{w}}  {self.headroom / MiB:>10.1f} MiB  ({self.fraction:.1%} used)",
-                  f"  largest context that fits: {self.max_context}"]
+        lines += [
+            "",
+            f"  {'total':<{w}}  {self.total / MiB:>10.1f} MiB  (predicted peak of active memory "
+            f"{self.peak / MiB:.1f} MiB)",
+            f"  {'budget':<{w}}  {self.budget / MiB:>10.1f} MiB  {self.budget_source}",
+            f"  {'headroom':<{w}}  {self.headroom / MiB:>10.1f} MiB  ({self.fraction:.1%} used)",
+            f"  largest context that fits: {self.max_context}",
+        ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        names = ("context", "prompt", "block_size", "total", "peak", "budget", "budget_source",
-                 "headroom", "fraction", "fits", "max_context")
-        return {**{k: getattr(self, k) for k in names}, "notes": list(self.notes),
-                "items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in self.items]}
+        names = (
+            "context",
+            "prompt",
+            "block_size",
+            "total",
+            "peak",
+            "budget",
+            "budget_source",
+            "headroom",
+            "fraction",
+            "fits",
+            "max_context",
+        )
+        return {
+            **{k: getattr(self, k) for k in names},
+            "notes": list(self.notes),
+            "items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in self.items],
+        }
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
 
 
-def make_plan(p: PlanInputs, *, context: int, block_size: int, budget: int, budget_source: str,
-              prompt: int | None = None, notes: tuple[str, ...] = ()) -> MemoryPlan:
+def make_plan(
+    p: PlanInputs,
+    *,
+    context: int,
+    block_size: int,
+    budget: int,
+    budget_source: str,
+    prompt: int | None = None,
+    notes: tuple[str, ...] = (),
+) -> MemoryPlan:
     """Pure: the plan for ``context`` positions, and the largest context that fits ``budget``."""
+
     def total(n: int) -> int:
         return sum(i.bytes for i in items(p, n, block_size))
 
@@ -324,14 +423,20 @@ def make_plan(p: PlanInputs, *, context: int, block_size: int, budget: int, budg
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
     rows = tuple(items(p, context, block_size, prompt))
-    return MemoryPlan(rows, context, block_size, context if prompt is None else min(prompt, context),
-                      budget, budget_source, lo, notes)
+    return MemoryPlan(
+        rows, context, block_size, context if prompt is None else min(prompt, context), budget, budget_source, lo, notes
+    )
 
 
 # -- continuous batching: what each sequence of a batch adds --------------------------------------
 
-PER_SEQUENCE = ("target KV cache", "recurrent state", "drafter context cache", "target features for the drafter",
-                "verify / prefill scratch")
+PER_SEQUENCE = (
+    "target KV cache",
+    "recurrent state",
+    "drafter context cache",
+    "target features for the drafter",
+    "verify / prefill scratch",
+)
 DEFAULT_MAX_BATCH = 8  # the default --max-batch where memory allows more
 
 
@@ -359,8 +464,11 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
     by = {i.name: i.bytes for i in plan.items}
     per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0)
     positions = _round_up(plan.context + plan.block_size, KV_STEP)
-    fixed = by.get("recurrent state", 0) + by.get("verify / prefill scratch", 0) \
+    fixed = (
+        by.get("recurrent state", 0)
+        + by.get("verify / prefill scratch", 0)
         + by.get("target features for the drafter", 0)
+    )
     shared = plan.total - sum(by.get(n, 0) for n in PER_SEQUENCE)
     return BatchRoom(per_pos / max(1, positions), fixed, plan.budget - shared, plan.block_size)
 
@@ -388,13 +496,20 @@ def entry_bytes(plan: MemoryPlan) -> int:
     return by.get("target KV cache", 0) + by.get("recurrent state", 0) + by.get("drafter context cache", 0)
 
 
-def serve_sizing(plan_at: Callable[[int, int], MemoryPlan], trained: int | None, *, context: int | None = None,
-                 prefix_cache: int | None = None, fallback: int = 4096) -> Sizing:
+def serve_sizing(
+    plan_at: Callable[[int, int], MemoryPlan],
+    trained: int | None,
+    *,
+    context: int | None = None,
+    prefix_cache: int | None = None,
+    fallback: int = 4096,
+) -> Sizing:
     """Pure over ``plan_at(context, prefix_cache_bytes)``: the context (``context`` when given,
     else the target's ``trained`` one, capped by the memory plan so that one whole context of
     K/V still fits beside it for the prefix cache) and the prefix cache (``prefix_cache`` when
     given, else ``PREFIX_CONTEXTS`` whole contexts of K/V, fewer when ``PREFIX_HEADROOM`` of the
     plan's headroom cannot hold them, never less than one when the headroom holds one)."""
+
     def spare(n: int) -> int:  # the budget left at context n with no prefix cache, minus what it keeps
         p = plan_at(n, 0)
         return p.budget - p.total - (entry_bytes(p) if prefix_cache is None else prefix_cache)
@@ -405,8 +520,11 @@ def serve_sizing(plan_at: Callable[[int, int], MemoryPlan], trained: int | None,
         whys.append(f"context {n} tokens (--context)")
     else:
         want = trained or fallback
-        src = f"the target's trained context (max_position_embeddings {trained})" if trained else \
-            f"the target's config names no trained context: {fallback}"
+        src = (
+            f"the target's trained context (max_position_embeddings {trained})"
+            if trained
+            else f"the target's config names no trained context: {fallback}"
+        )
         if spare(want) >= 0:
             n = want
             whys.append(f"context {n} tokens: {src}, which fits the memory plan")
@@ -418,13 +536,17 @@ def serve_sizing(plan_at: Callable[[int, int], MemoryPlan], trained: int | None,
             p = plan_at(want, 0)
             if lo == 0:  # nothing fits: plan the trained context, and let the plan's check say why
                 n = want
-                whys.append(f"context {n} tokens: {src}; it does not fit the memory plan ({_gib(p.total)} of "
-                            f"{_gib(p.budget)}) at any context")
+                whys.append(
+                    f"context {n} tokens: {src}; it does not fit the memory plan ({_gib(p.total)} of "
+                    f"{_gib(p.budget)}) at any context"
+                )
             else:
                 n = lo * SIZING_STEP
-                whys.append(f"context {n} tokens: capped by the memory plan (the target's trained {want} needs "
-                            f"{_gib(p.total)} + {_gib(entry_bytes(p))} of prefix cache; budget {_gib(p.budget)}, "
-                            f"{p.budget_source}); --context N asks for another")
+                whys.append(
+                    f"context {n} tokens: capped by the memory plan (the target's trained {want} needs "
+                    f"{_gib(p.total)} + {_gib(entry_bytes(p))} of prefix cache; budget {_gib(p.budget)}, "
+                    f"{p.budget_source}); --context N asks for another"
+                )
     if prefix_cache is not None:
         whys.append(f"prefix cache {_gib(prefix_cache)} (--prefix-cache-mb)")
         return Sizing(n, prefix_cache, "; ".join(whys))
@@ -432,9 +554,15 @@ def serve_sizing(plan_at: Callable[[int, int], MemoryPlan], trained: int | None,
     one, headroom = entry_bytes(p), max(0, p.budget - p.total)
     pc = min(PREFIX_CONTEXTS * one, max(one, int(headroom * PREFIX_HEADROOM)), headroom)
     whole = pc // one if one else 0
-    whys.append(f"prefix cache {_gib(pc)}: " + (f"{whole} whole context{'s' if whole != 1 else ''} of K/V ({_gib(one)} "
-                f"a context) in the plan's {_gib(headroom)} headroom" if whole else
-                f"all of the plan's {_gib(headroom)} headroom (one whole context of K/V needs {_gib(one)})"))
+    whys.append(
+        f"prefix cache {_gib(pc)}: "
+        + (
+            f"{whole} whole context{'s' if whole != 1 else ''} of K/V ({_gib(one)} "
+            f"a context) in the plan's {_gib(headroom)} headroom"
+            if whole
+            else f"all of the plan's {_gib(headroom)} headroom (one whole context of K/V needs {_gib(one)})"
+        )
+    )
     return Sizing(n, pc, "; ".join(whys))
 
 
@@ -442,15 +570,19 @@ def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] 
     """Raise PlanError when the plan exceeds the budget (unless ``force``); warn above 90 %."""
     if not plan.fits:
         top = ", ".join(f"{i.name} {_gib(i.bytes)}" for i in plan.biggest())
-        msg = (f"the memory plan needs {_gib(plan.total)} but the budget is {_gib(plan.budget)} "
-               f"({plan.budget_source}); biggest items: {top}. Lower --context (max that fits: "
-               f"{plan.max_context}), quantize (--target-bits/--drafter-bits 4), or pass --force")
+        msg = (
+            f"the memory plan needs {_gib(plan.total)} but the budget is {_gib(plan.budget)} "
+            f"({plan.budget_source}); biggest items: {top}. Lower --context (max that fits: "
+            f"{plan.max_context}), quantize (--target-bits/--drafter-bits 4), or pass --force"
+        )
         if not force:
             raise PlanError(msg)
         warn("--force: " + msg)
     elif plan.fraction > WARN_FRACTION:
-        warn(f"the memory plan uses {plan.fraction:.0%} of the budget ({_gib(plan.total)} of "
-             f"{_gib(plan.budget)}, {plan.budget_source}); expect swapping or slowdowns")
+        warn(
+            f"the memory plan uses {plan.fraction:.0%} of the budget ({_gib(plan.total)} of "
+            f"{_gib(plan.budget)}, {plan.budget_source}); expect swapping or slowdowns"
+        )
 
 
 # -- the machine (MLX / psutil) -------------------------------------------------------------------
@@ -485,10 +617,20 @@ def live(plan: MemoryPlan | None = None) -> dict:
     budget, source = (plan.budget, plan.budget_source) if plan else device_budget()
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
-    return {"active": active, "peak": mx.get_peak_memory(), "cache": cache, "used": active + cache,
-            "budget": budget, "budget_source": source, "fraction": (active + cache) / budget if budget else None,
-            "ram_total": vm.total, "ram_available": vm.available, "swap_used": sw.used, "swap_total": sw.total,
-            "plan": plan.as_dict() if plan else None}
+    return {
+        "active": active,
+        "peak": mx.get_peak_memory(),
+        "cache": cache,
+        "used": active + cache,
+        "budget": budget,
+        "budget_source": source,
+        "fraction": (active + cache) / budget if budget else None,
+        "ram_total": vm.total,
+        "ram_available": vm.available,
+        "swap_used": sw.used,
+        "swap_total": sw.total,
+        "plan": plan.as_dict() if plan else None,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +654,6 @@ def loaded_sizes(pair) -> LoadedSizes:
     def nbytes(module) -> int:
         return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
-    from . import backend
     from .quantize import module_tensors
 
     ab = act_bytes(module_tensors(pair.model), cast_float32=False)  # the loaded dtypes, whatever the backend
@@ -570,8 +711,17 @@ def model_source(ref: str, what: str):
     return _read_json(path), safetensors_tensors(path), path
 
 
-def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, metal: bool,
-               prefix_cache: int = 0, draft_vocab: int = 0) -> PlanInputs:
+def inputs_for(
+    tcfg: dict,
+    ttensors,
+    dcfg: dict | None,
+    dtensors,
+    quant,
+    *,
+    metal: bool,
+    prefix_cache: int = 0,
+    draft_vocab: int = 0,
+) -> PlanInputs:
     """Plan inputs from configs and tensor lists (``quantize.safetensors_tensors`` of the files,
     or ``quantize.module_tensors`` of unevaluated modules). ``quant`` is a ``QuantChoice``;
     ``draft_vocab`` the size of a reduced draft vocabulary (its head rows are a copy)."""
@@ -603,15 +753,36 @@ def inputs_for(tcfg: dict, ttensors, dcfg: dict | None, dtensors, quant, *, meta
         labels["draft_head"] = f"{draft_vocab} of {vocab} head rows (reduced draft vocabulary)"
     whole = [t for t in ttensors if any(k in t.name for k in ("embed_tokens.", "lm_head.", "norm."))]
     rep = q.loaded_nbytes(whole, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
-    return PlanInputs(target_dims(tcfg), tw, d, dw, draft_head=dh, act_bytes=ab, metal=metal,
-                      prefix_cache=prefix_cache, cache_limit=None if metal else CPU_CACHE_LIMIT, labels=labels,
-                      replicated_weights=rep)
+    return PlanInputs(
+        target_dims(tcfg),
+        tw,
+        d,
+        dw,
+        draft_head=dh,
+        act_bytes=ab,
+        metal=metal,
+        prefix_cache=prefix_cache,
+        cache_limit=None if metal else CPU_CACHE_LIMIT,
+        labels=labels,
+        replicated_weights=rep,
+    )
 
 
-def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, block_size: int | None = None,
-             prompt: int | None = None, prefix_cache: int = 0, budget: tuple[int, str] | None = None,
-             metal: bool | None = None, draft_vocab: str = "auto", ranks: int = 1,
-             sources: tuple | None = None) -> MemoryPlan:
+def plan_for(
+    target_id: str,
+    drafter_id: str | None,
+    quant,
+    *,
+    context: int,
+    block_size: int | None = None,
+    prompt: int | None = None,
+    prefix_cache: int = 0,
+    budget: tuple[int, str] | None = None,
+    metal: bool | None = None,
+    draft_vocab: str = "auto",
+    ranks: int = 1,
+    sources: tuple | None = None,
+) -> MemoryPlan:
     """The plan of a pair, from its configs and safetensors headers (nothing loads; a hub repo
     not downloaded yet is planned from the hub's metadata, see ``model_source``). ``sources``:
     the ``model_source`` of the target and drafter when the caller has them already.
@@ -624,16 +795,27 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
 
     metal = backend.current().gpu if metal is None else metal
     tcfg, ttensors, _ = sources[0] if sources else model_source(target_id, "target")
-    dcfg, dtensors, dpath = (sources[1] if sources else model_source(str(drafter_id), "drafter")) \
-        if drafter_id is not None else (None, (), None)
+    dcfg, dtensors, dpath = (
+        (sources[1] if sources else model_source(str(drafter_id), "drafter"))
+        if drafter_id is not None
+        else (None, (), None)
+    )
     ids = None
     if dpath and draft_vocab == "auto":
         from .drafter import DrafterArgs
         from .loading import read_draft_vocab
 
         ids = read_draft_vocab(dpath, DrafterArgs.from_config(dcfg).vocab_size)
-    inputs = inputs_for(tcfg, ttensors, dcfg, dtensors, quant, metal=metal,
-                        prefix_cache=prefix_cache, draft_vocab=0 if ids is None else len(ids))
+    inputs = inputs_for(
+        tcfg,
+        ttensors,
+        dcfg,
+        dtensors,
+        quant,
+        metal=metal,
+        prefix_cache=prefix_cache,
+        draft_vocab=0 if ids is None else len(ids),
+    )
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
@@ -642,15 +824,18 @@ def plan_for(target_id: str, drafter_id: str | None, quant, *, context: int, blo
         from dataclasses import replace
 
         inputs = replace(inputs, ranks=ranks)
-        notes += (f"per rank of {ranks} (target sharded with mlx-lm's shard; drafter, embedding and head "
-                  "replicated)",)
+        notes += (f"per rank of {ranks} (target sharded with mlx-lm's shard; drafter, embedding and head replicated)",)
     if ranks > 1 or need != 1:
-        notes += (f"machines of this budget needed at context {context}, target sharded over them: "
-                  + (str(need) if need else "more than 16") + " (docs/distributed.md)",)
+        notes += (
+            f"machines of this budget needed at context {context}, target sharded over them: "
+            + (str(need) if need else "more than 16")
+            + " (docs/distributed.md)",
+        )
     if inputs.target.max_position and context > inputs.target.max_position:
         notes += (f"context {context} exceeds the target's max_position_embeddings {inputs.target.max_position}",)
-    return make_plan(inputs, context=context, block_size=block, budget=budget[0], budget_source=budget[1],
-                     prompt=prompt, notes=notes)
+    return make_plan(
+        inputs, context=context, block_size=block, budget=budget[0], budget_source=budget[1], prompt=prompt, notes=notes
+    )
 
 
 def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
@@ -658,8 +843,14 @@ def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
     from . import backend
     from . import quantize as q
 
-    return q.choose(cfg.target_bits, cfg.drafter_bits, cfg.group_size, metal=backend.current().gpu,
-                    checkpoint=q.checkpoint_quantization(target_config or {}), drafter=drafter_id is not None)
+    return q.choose(
+        cfg.target_bits,
+        cfg.drafter_bits,
+        cfg.group_size,
+        metal=backend.current().gpu,
+        checkpoint=q.checkpoint_quantization(target_config or {}),
+        drafter=drafter_id is not None,
+    )
 
 
 def _check_remote_architecture(ref: str, config: dict) -> None:
@@ -673,9 +864,11 @@ def _check_remote_architecture(ref: str, config: dict) -> None:
         return
     kind = config.get("model_type")
     if kind not in SUPPORTED:
-        raise UnsupportedModel(f"target {ref}: architecture '{kind}' is not supported for speculative decoding "
-                               f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded "
-                               "(--no-draft runs it without speculation)")
+        raise UnsupportedModel(
+            f"target {ref}: architecture '{kind}' is not supported for speculative decoding "
+            f"(supported: {', '.join(sorted(SUPPORTED))}); nothing was downloaded "
+            "(--no-draft runs it without speculation)"
+        )
 
 
 def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
@@ -691,13 +884,23 @@ def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
     try:
         a, t = DrafterArgs.from_config(dcfg), target_dims(tcfg)
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"drafter {dref}: config.json is not a DFlash drafter config ({type(e).__name__}: {e})") from None
-    problems = [f"{name} {x} != target's {y}" for name, x, y in (
-        ("hidden_size", a.hidden_size, t.hidden), ("target_hidden_size", a.target_hidden_size, t.hidden),
-        ("vocab_size", a.vocab_size, t.vocab), ("num_target_layers", a.num_target_layers, t.layers)) if x != y]
+        raise CheckpointError(
+            f"drafter {dref}: config.json is not a DFlash drafter config ({type(e).__name__}: {e})"
+        ) from None
+    problems = [
+        f"{name} {x} != target's {y}"
+        for name, x, y in (
+            ("hidden_size", a.hidden_size, t.hidden),
+            ("target_hidden_size", a.target_hidden_size, t.hidden),
+            ("vocab_size", a.vocab_size, t.vocab),
+            ("num_target_layers", a.num_target_layers, t.layers),
+        )
+        if x != y
+    ]
     if problems:
-        raise IncompatiblePair(f"drafter {dref} does not fit target {tref}: " + "; ".join(problems)
-                               + "; nothing was downloaded")
+        raise IncompatiblePair(
+            f"drafter {dref} does not fit target {tref}: " + "; ".join(problems) + "; nothing was downloaded"
+        )
 
 
 def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None):
@@ -709,20 +912,32 @@ def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, 
         _check_remote_architecture(cfg.target, sources[0][0])
         _check_remote_fit(cfg.target, str(drafter_id), sources[0][0], sources[1][0])
     quant = quant_for(cfg, drafter_id, sources[0][0])
-    plan = plan_for(cfg.target, drafter_id, quant, sources=sources, context=cfg.context, block_size=block_size,
-                    prompt=cfg.prompt_tokens, prefix_cache=cfg.prefix_cache,
-                    budget=(cfg.budget, "--budget-gb") if cfg.budget else None, draft_vocab=cfg.draft_vocab,
-                    ranks=cfg.ranks)
+    plan = plan_for(
+        cfg.target,
+        drafter_id,
+        quant,
+        sources=sources,
+        context=cfg.context,
+        block_size=block_size,
+        prompt=cfg.prompt_tokens,
+        prefix_cache=cfg.prefix_cache,
+        budget=(cfg.budget, "--budget-gb") if cfg.budget else None,
+        draft_vocab=cfg.draft_vocab,
+        ranks=cfg.ranks,
+    )
     return quant, plan
 
 
 def config_sources(cfg, drafter_id: str | None) -> tuple:
     """The ``model_source`` of a ``config.LoadConfig``'s target and of its drafter (None without)."""
-    return (model_source(cfg.target, "target"),
-            model_source(str(drafter_id), "drafter") if drafter_id is not None else None)
+    return (
+        model_source(cfg.target, "target"),
+        model_source(str(drafter_id), "drafter") if drafter_id is not None else None,
+    )
 
 
 # -- chain drafters (MTP heads, EAGLE-3) -------------------------------------------------------
+
 
 def chain_head(kind: str, target_config: dict, drafter_config: dict | None = None):
     """A lazily built chain head (nothing is allocated until evaluated): for counting its tensors."""
@@ -736,9 +951,19 @@ def chain_head(kind: str, target_config: dict, drafter_config: dict | None = Non
     return Eagle3(Eagle3Args.from_config(drafter_config or {}))
 
 
-def chain_items(kind: str, target_config: dict, drafter_config: dict | None = None, *, context: int,
-                depth: int = 4, prompt: int | None = None, bits: int | None = None, group_size: int = 64,
-                float_bytes: int = 2, act_bytes: int = 4) -> list[Item]:
+def chain_items(
+    kind: str,
+    target_config: dict,
+    drafter_config: dict | None = None,
+    *,
+    context: int,
+    depth: int = 4,
+    prompt: int | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+    float_bytes: int = 2,
+    act_bytes: int = 4,
+) -> list[Item]:
     """The plan's rows for a chain drafter: its own weights (the embedding and head are the
     target's, except an EAGLE-3 drafter's lm_head over its draft vocabulary), its one-layer K/V
     cache over ``context`` + ``depth`` positions and, for EAGLE-3, the three tapped target
@@ -751,8 +976,11 @@ def chain_items(kind: str, target_config: dict, drafter_config: dict | None = No
     tensors = [Tensor(k, tuple(v.shape), "BF16") for k, v in tree_flatten(head.parameters())]
     w = loaded_nbytes(tensors, bits=bits, group_size=group_size, float_bytes=float_bytes)
     what = "MTP head weights" if kind == "mtp" else "EAGLE-3 weights"
-    detail = ("mtp.* tensors, kept beside the target (mlx-lm drops them); embedding and head shared"
-              if kind == "mtp" else "fc, one layer, norm, lm_head over the draft vocabulary; embedding shared")
+    detail = (
+        "mtp.* tensors, kept beside the target (mlx-lm drops them); embedding and head shared"
+        if kind == "mtp"
+        else "fc, one layer, norm, lm_head over the draft vocabulary; embedding shared"
+    )
     if kind == "mtp":
         attn = head.layers[0].self_attn
         n_kv = getattr(attn, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", None)
@@ -760,11 +988,18 @@ def chain_items(kind: str, target_config: dict, drafter_config: dict | None = No
     else:
         n_kv, hd = head.args.num_key_value_heads, head.args.hd
     kv = 2 * n_kv * hd * act_bytes * _round_up(context + depth, KV_STEP)
-    rows = [Item(what, w, detail + (f"; {bits}-bit like the target" if bits else "")),
-            Item("chain draft KV cache", kv, f"1 layer x {n_kv} kv heads x {hd} x {context + depth} positions")]
+    rows = [
+        Item(what, w, detail + (f"; {bits}-bit like the target" if bits else "")),
+        Item("chain draft KV cache", kv, f"1 layer x {n_kv} kv heads x {hd} x {context + depth} positions"),
+    ]
     if kind == "eagle":
         prompt = context if prompt is None else min(prompt, context)
         th = head.args.target_hidden_size
-        rows.append(Item("target features for the drafter", 3 * th * act_bytes * prompt,
-                         f"3 taps x {th} x {prompt} prompt positions (held until the first draft)"))
+        rows.append(
+            Item(
+                "target features for the drafter",
+                3 * th * act_bytes * prompt,
+                f"3 taps x {th} x {prompt} prompt positions (held until the first draft)",
+            )
+        )
     return rows

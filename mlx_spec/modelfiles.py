@@ -21,17 +21,44 @@ from .errors import BadModelFile
 MAX_JSON_BYTES = 64 << 20  # config.json / tokenizer_config.json (tokenizer.json is mlx-lm's business)
 MAX_JSON_DEPTH = 64  # a real config nests a few levels; deeper is crafted
 SAFETENSORS_MAX_HEADER = 100 << 20  # the format's own limit
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-                      "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+SAFETENSORS_DTYPES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
 MAX_DIMS = 8
 GGUF_VERSIONS = (2, 3)
 GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
 GGUF_MAX_STRING = 1 << 30
 GGUF_ARRAY_DEPTH = 2  # arrays of arrays at most (llama.cpp writes none)
 # GGUF value types: id -> (name, struct format or None for string/array)
-GGUF_TYPES = {0: ("uint8", "<B"), 1: ("int8", "<b"), 2: ("uint16", "<H"), 3: ("int16", "<h"), 4: ("uint32", "<I"),
-              5: ("int32", "<i"), 6: ("float32", "<f"), 7: ("bool", "<?"), 8: ("string", None), 9: ("array", None),
-              10: ("uint64", "<Q"), 11: ("int64", "<q"), 12: ("float64", "<d")}
+GGUF_TYPES = {
+    0: ("uint8", "<B"),
+    1: ("int8", "<b"),
+    2: ("uint16", "<H"),
+    3: ("int16", "<h"),
+    4: ("uint32", "<I"),
+    5: ("int32", "<i"),
+    6: ("float32", "<f"),
+    7: ("bool", "<?"),
+    8: ("string", None),
+    9: ("array", None),
+    10: ("uint64", "<Q"),
+    11: ("int64", "<q"),
+    12: ("float64", "<d"),
+}
 
 
 # -- JSON ------------------------------------------------------------------------------------------
@@ -105,8 +132,13 @@ def safetensors_header(path: str | Path) -> dict:
             raise BadModelFile(path, f"only {size} bytes: too short for a safetensors header", "header length", 0)
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > SAFETENSORS_MAX_HEADER:
-            raise BadModelFile(path, f"header length {n} does not fit the file ({size} bytes; at most "
-                               f"{SAFETENSORS_MAX_HEADER} by the format)", "header length", 0)
+            raise BadModelFile(
+                path,
+                f"header length {n} does not fit the file ({size} bytes; at most "
+                f"{SAFETENSORS_MAX_HEADER} by the format)",
+                "header length",
+                0,
+            )
         raw = f.read(n)
     header = loads(raw, path, "the safetensors header", limit=4)
     if not isinstance(header, dict):
@@ -126,25 +158,38 @@ def safetensors_header(path: str | Path) -> dict:
         if dtype not in SAFETENSORS_DTYPES:
             raise BadModelFile(path, f"unknown dtype {dtype!r}", f"{field} dtype", 8)
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_uint(d) for d in shape):
-            raise BadModelFile(path, f"shape {shape!r} is not a list of at most {MAX_DIMS} non-negative "
-                               "integers", f"{field} shape", 8)
+            raise BadModelFile(
+                path, f"shape {shape!r} is not a list of at most {MAX_DIMS} non-negative integers", f"{field} shape", 8
+            )
         if not (isinstance(offs, list) and len(offs) == 2 and all(_uint(o) for o in offs)):
             raise BadModelFile(path, f"data_offsets {offs!r} is not [begin, end]", f"{field} data_offsets", 8)
         begin, end = offs
         if not begin <= end <= data:
-            raise BadModelFile(path, f"data_offsets [{begin}, {end}] lie outside the {data}-byte data section",
-                               f"{field} data_offsets", 8 + n + min(begin, data))
+            raise BadModelFile(
+                path,
+                f"data_offsets [{begin}, {end}] lie outside the {data}-byte data section",
+                f"{field} data_offsets",
+                8 + n + min(begin, data),
+            )
         want = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
         if end - begin != want:
-            raise BadModelFile(path, f"{end - begin} bytes for a {dtype} tensor of shape {shape} "
-                               f"({want} bytes)", f"{field} data_offsets", 8 + n + begin)
+            raise BadModelFile(
+                path,
+                f"{end - begin} bytes for a {dtype} tensor of shape {shape} ({want} bytes)",
+                f"{field} data_offsets",
+                8 + n + begin,
+            )
         out[name] = (dtype, tuple(shape), (begin, end))
         spans.append((begin, end, name))
     spans.sort()
     for (_, e0, n0), (b1, e1, n1) in itertools.pairwise(spans):
         if b1 < e0:
-            raise BadModelFile(path, f"tensors {n0!r} and {n1!r} overlap (bytes {b1}..{min(e0, e1)})",
-                               f"tensor {n1!r} data_offsets", 8 + n + b1)
+            raise BadModelFile(
+                path,
+                f"tensors {n0!r} and {n1!r} overlap (bytes {b1}..{min(e0, e1)})",
+                f"tensor {n1!r} data_offsets",
+                8 + n + b1,
+            )
     return out
 
 
@@ -163,16 +208,18 @@ class _Cursor:
 
     def take(self, n: int, field: str) -> bytes:
         if n < 0 or self.pos + n > self.size:
-            raise BadModelFile(self.path, f"{field} needs {n} bytes but the file ends at {self.size} (cut short?)",
-                               field, self.pos)
-        out = self.buf[self.pos:self.pos + n]  # (a copy of n bytes: callers bound n first)
+            raise BadModelFile(
+                self.path, f"{field} needs {n} bytes but the file ends at {self.size} (cut short?)", field, self.pos
+            )
+        out = self.buf[self.pos : self.pos + n]  # (a copy of n bytes: callers bound n first)
         self.pos += n
         return out
 
     def skip(self, n: int, field: str) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise BadModelFile(self.path, f"{field} needs {n} bytes but the file ends at {self.size} (cut short?)",
-                               field, self.pos)
+            raise BadModelFile(
+                self.path, f"{field} needs {n} bytes but the file ends at {self.size} (cut short?)", field, self.pos
+            )
         self.pos += n
 
     def unpack(self, fmt: str, field: str):
@@ -217,17 +264,27 @@ def check_gguf(path: str | Path) -> dict:
             n_tensors = c.unpack("<Q", "tensor_count")
             n_kv = c.unpack("<Q", "metadata_kv_count")
             if n_tensors * 28 > size or n_kv * 13 > size:  # the smallest entry of each kind
-                raise BadModelFile(path, f"{n_tensors} tensors and {n_kv} metadata entries cannot fit in "
-                                   f"{size} bytes", "tensor_count" if n_tensors * 28 > size else "metadata_kv_count", 8)
+                raise BadModelFile(
+                    path,
+                    f"{n_tensors} tensors and {n_kv} metadata entries cannot fit in {size} bytes",
+                    "tensor_count" if n_tensors * 28 > size else "metadata_kv_count",
+                    8,
+                )
             kv: dict = {}
             for i in range(n_kv):
                 key = c.string(f"metadata key #{i}", limit=1 << 16)
                 kv[key] = _gguf_value(c, c.unpack("<I", f"type of {key}"), key, 0)
             alignment = kv.get("general.alignment", 32)
-            if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or \
-                    alignment > 1 << 16 or alignment & (alignment - 1):
-                raise BadModelFile(path, f"general.alignment {alignment!r} is not a power of two up to 65536",
-                                   "general.alignment")
+            if (
+                not isinstance(alignment, int)
+                or isinstance(alignment, bool)
+                or alignment < 1
+                or alignment > 1 << 16
+                or alignment & (alignment - 1)
+            ):
+                raise BadModelFile(
+                    path, f"general.alignment {alignment!r} is not a power of two up to 65536", "general.alignment"
+                )
             tensors = {}
             for i in range(n_tensors):
                 at = c.pos
@@ -237,7 +294,9 @@ def check_gguf(path: str | Path) -> dict:
                     raise BadModelFile(path, "tensor name appears twice", field, at)
                 n_dims = c.unpack("<I", f"{field} n_dims")
                 if not 1 <= n_dims <= GGUF_MAX_DIMS:
-                    raise BadModelFile(path, f"{n_dims} dimensions (1 to {GGUF_MAX_DIMS})", f"{field} n_dims", c.pos - 4)
+                    raise BadModelFile(
+                        path, f"{n_dims} dimensions (1 to {GGUF_MAX_DIMS})", f"{field} n_dims", c.pos - 4
+                    )
                 dims = [c.unpack("<Q", f"{field} dims") for _ in range(n_dims)]
                 kind = c.unpack("<I", f"{field} type")
                 try:
@@ -249,11 +308,13 @@ def check_gguf(path: str | Path) -> dict:
                 if any(d < 1 or d > size * block for d in dims) or math.prod(dims) > size * block:
                     raise BadModelFile(path, f"dims {dims} cannot fit in {size} bytes", f"{field} dims", at)
                 if dims[0] % block:
-                    raise BadModelFile(path, f"first dim {dims[0]} is not whole {qtype.name} blocks of {block}",
-                                       f"{field} dims", at)
+                    raise BadModelFile(
+                        path, f"first dim {dims[0]} is not whole {qtype.name} blocks of {block}", f"{field} dims", at
+                    )
                 if offset % alignment:
-                    raise BadModelFile(path, f"offset {offset} is not aligned to {alignment}", f"{field} offset",
-                                       c.pos - 8)
+                    raise BadModelFile(
+                        path, f"offset {offset} is not aligned to {alignment}", f"{field} offset", c.pos - 8
+                    )
                 tensors[name] = (qtype.name, tuple(dims), offset, math.prod(dims) // block * type_size)
             data_start = -(-c.pos // alignment) * alignment
         except BadModelFile:
@@ -263,8 +324,13 @@ def check_gguf(path: str | Path) -> dict:
     spans = []
     for name, (_, _, offset, nbytes) in tensors.items():
         if data_start + offset + nbytes > size:
-            raise BadModelFile(path, f"data of {nbytes} bytes at {data_start + offset} runs past the end of the "
-                               f"file ({size} bytes; cut short?)", f"tensor {name!r} offset", data_start + offset)
+            raise BadModelFile(
+                path,
+                f"data of {nbytes} bytes at {data_start + offset} runs past the end of the "
+                f"file ({size} bytes; cut short?)",
+                f"tensor {name!r} offset",
+                data_start + offset,
+            )
         spans.append((offset, offset + nbytes, name))
     spans.sort()
     for (_, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
@@ -293,8 +359,9 @@ def _gguf_value(c: _Cursor, kind: int, key: str, depth: int):
     ename, efmt = GGUF_TYPES[elem]
     least = struct.calcsize(efmt) if efmt is not None else (8 if ename == "string" else 12)
     if count * least > c.size - c.pos:
-        raise BadModelFile(c.path, f"array of {count} {ename} values cannot fit in the {c.size - c.pos} bytes left",
-                           key, at)
+        raise BadModelFile(
+            c.path, f"array of {count} {ename} values cannot fit in the {c.size - c.pos} bytes left", key, at
+        )
     if efmt is not None:
         c.skip(count * least, key)
     else:

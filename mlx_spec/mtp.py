@@ -41,13 +41,27 @@ from .target import Target
 
 # model_type -> the mlx-lm module whose decoder layer the MTP layer is. The Qwen3-Next / Qwen3.5
 # family ship MTP heads; the dense families are what ``train mtp`` writes heads for.
-MTP_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5",
-             "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MTP_TYPES = {
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 GEMMA_NORMS = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}  # RMSNorm weights stored as weight - 1
 DEEPSEEK_TYPES = {"deepseek_v3", "deepseek_v32", "glm4_moe", "kimi_k2"}
 PREFIX = "mtp."
-NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
-         "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+NORMS = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
 STRIPPED = (
     "{path} has no mtp.* tensors: this conversion stripped the model's multi-token-prediction head "
     "(mlx-lm drops it, and most mlx-community conversions do not carry it). --draft mtp needs the "
@@ -125,7 +139,7 @@ def read_mtp_weights(path: Path) -> dict[str, mx.array]:
             w = mx.load(str(f))
         except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from None
-        out.update({k[len(PREFIX):]: v for k, v in w.items() if k.startswith(PREFIX)})
+        out.update({k[len(PREFIX) :]: v for k, v in w.items() if k.startswith(PREFIX)})
     return out
 
 
@@ -188,8 +202,10 @@ def check_strict(model: nn.Module, weights: dict, what: str, prefix: str = "") -
         raise CheckpointError(f"{what}: " + "; ".join(msg))
     bad = {k: (tuple(weights[k].shape), s) for k, s in expected.items() if tuple(weights[k].shape) != s}
     if bad:
-        raise CheckpointError(f"{what}: shape mismatch: " + ", ".join(
-            f"{prefix}{k} file {f} vs model {m}" for k, (f, m) in sorted(bad.items())[:8]))
+        raise CheckpointError(
+            f"{what}: shape mismatch: "
+            + ", ".join(f"{prefix}{k} file {f} vs model {m}" for k, (f, m) in sorted(bad.items())[:8])
+        )
 
 
 def _target_quant(target: Target):
@@ -214,12 +230,16 @@ def load_mtp(path: str | Path, target: Target, *, dtype=None, hint: str | None =
         raise CheckpointError(f"{path}/config.json: unreadable ({e})") from None
     mt = text_config(config).get("model_type") or config.get("model_type")
     if mt in DEEPSEEK_TYPES:
-        raise UnsupportedModel(f"--draft mtp: {path} is a {mt} checkpoint; its MTP layer (eh_proj, enorm, "
-                               "hnorm, shared_head) is known, but the target adapter does not run "
-                               f"{mt} targets")
+        raise UnsupportedModel(
+            f"--draft mtp: {path} is a {mt} checkpoint; its MTP layer (eh_proj, enorm, "
+            "hnorm, shared_head) is known, but the target adapter does not run "
+            f"{mt} targets"
+        )
     if mt not in MTP_TYPES:
-        raise UnsupportedModel(f"--draft mtp: {mt} targets have no multi-token-prediction head we load "
-                               f"(known: {', '.join(sorted(MTP_TYPES))})")
+        raise UnsupportedModel(
+            f"--draft mtp: {mt} targets have no multi-token-prediction head we load "
+            f"(known: {', '.join(sorted(MTP_TYPES))})"
+        )
     if not target.final_hidden:
         raise UnsupportedModel("--draft mtp needs a target built with final_hidden=True")
     weights = read_mtp_weights(path)
@@ -233,8 +253,7 @@ def load_mtp(path: str | Path, target: Target, *, dtype=None, hint: str | None =
     shift = mt in GEMMA_NORMS and original_form(path, mt)
     weights = sanitize(weights, int(c.get("num_experts") or 0), shift)
     if any(k.endswith(".scales") for k in weights):
-        nn.quantize(head, class_predicate=lambda p, m: f"{p}.scales" in weights,
-                    **_quant_args(config))
+        nn.quantize(head, class_predicate=lambda p, m: f"{p}.scales" in weights, **_quant_args(config))
     check_strict(head, weights, f"{path}: MTP head", PREFIX)
     head.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
@@ -242,8 +261,12 @@ def load_mtp(path: str | Path, target: Target, *, dtype=None, hint: str | None =
     q = _target_quant(target)
     if q and not any(k.endswith(".scales") for k in weights):
         bits, gs = q
-        nn.quantize(head, group_size=gs, bits=bits,
-                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % gs == 0)
+        nn.quantize(
+            head,
+            group_size=gs,
+            bits=bits,
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % gs == 0,
+        )
     mx.eval(head.parameters())
     head.eval()
     return head.bind(target.embed, target.head)

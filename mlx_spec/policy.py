@@ -42,8 +42,8 @@ tokens the target committed), so it is benched and recovered for free.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .costs import Costs
 
@@ -92,8 +92,9 @@ class Acceptance:
     (``prior_decay`` per cycle against ``decay``), so positions never drafted lately are soon
     judged by extrapolating the ones that were, not by the prior."""
 
-    def __init__(self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9,
-                 prior_decay: float = 0.8):
+    def __init__(
+        self, n: int, prior: Sequence[float] = (), *, weight: float = 3.0, decay: float = 0.9, prior_decay: float = 0.8
+    ):
         p = []
         for x in prior[:n]:  # a measured tail (few samples) may rise: P(first k+1 accepted) is
             p.append(min(max(0.0, float(x)), p[-1] if p else 1.0))  # held non-increasing, nothing more
@@ -148,8 +149,9 @@ class Copy:
     costs its bucket one judged token, and the short match after it starts the next drafts short.
     """
 
-    def __init__(self, prior: Sequence[tuple[int | None, float]] = LOOKUP_PRIOR, *, weight: float = 4.0,
-                 decay: float = 0.9):
+    def __init__(
+        self, prior: Sequence[tuple[int | None, float]] = LOOKUP_PRIOR, *, weight: float = 4.0, decay: float = 0.9
+    ):
         self.tops = [top for top, _ in prior]
         self.prior = [c for _, c in prior]
         self.weight, self.decay = weight, decay
@@ -238,11 +240,27 @@ class DraftPolicy:
             so a probe that succeeds after a long plain stretch is not outweighed by old failures.
     """
 
-    def __init__(self, costs: Costs, max_block: int, prior: Sequence[float] = (), *,
-                 sources: Sequence[str] = SOURCES, pinned: int | None = None, max_lookup: int = MAX_LOOKUP,
-                 measured: bool = True, decay: float = 0.9, prior_weight: float = 3.0,
-                 probe_every: int = 8, max_probe_every: int = 64, probe_block: int = 3, fail_limit: int = 3,
-                 fail_odds: float = 0.002, margin: float = 0.05, first_probe: int = 3, rest_decay: float = 0.97):
+    def __init__(
+        self,
+        costs: Costs,
+        max_block: int,
+        prior: Sequence[float] = (),
+        *,
+        sources: Sequence[str] = SOURCES,
+        pinned: int | None = None,
+        max_lookup: int = MAX_LOOKUP,
+        measured: bool = True,
+        decay: float = 0.9,
+        prior_weight: float = 3.0,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+        probe_block: int = 3,
+        fail_limit: int = 3,
+        fail_odds: float = 0.002,
+        margin: float = 0.05,
+        first_probe: int = 3,
+        rest_decay: float = 0.97,
+    ):
         bad = set(sources) - set(SOURCES)
         if bad:
             raise ValueError(f"unknown draft sources {sorted(bad)} (known: {', '.join(SOURCES)})")
@@ -348,8 +366,7 @@ class DraftPolicy:
             out[DFLASH] = self._best(self.dflash.curve(), lengths, lambda L: self.cycle_ms(DFLASH, L))
         n = min(len(ctx.lookup), self.max_lookup, room - 1)
         if LOOKUP in self.sources and n > 0:
-            out[LOOKUP] = self._best(self.copy.curve(ctx.match, n), range(2, n + 2),
-                                     lambda L: self.cycle_ms(LOOKUP, L))
+            out[LOOKUP] = self._best(self.copy.curve(ctx.match, n), range(2, n + 2), lambda L: self.cycle_ms(LOOKUP, L))
         return out
 
     def _is_benched(self, source: str, ctx: Context) -> bool:
@@ -377,9 +394,11 @@ class DraftPolicy:
         beats plain by the margin (DFlash only when not resting), else a DFlash probe when one
         is due, else a plain step."""
         plain = every[PLAIN][1] * (1.0 + self.margin)
-        drafts = {s: v for s, v in every.items()
-                  if s != PLAIN and v[1] > plain and not self._is_benched(s, ctx)
-                  and not (s == DFLASH and self.resting)}
+        drafts = {
+            s: v
+            for s, v in every.items()
+            if s != PLAIN and v[1] > plain and not self._is_benched(s, ctx) and not (s == DFLASH and self.resting)
+        }
         if drafts:
             s = max(drafts, key=lambda k: drafts[k][1])
             return Decision(s, drafts[s][0])
@@ -426,8 +445,15 @@ class DraftPolicy:
         self.trace.append(d)
         return d
 
-    def pick(self, decision: Decision, drafts: Sequence[int], confidence: Sequence[float] | None,
-             ctx: Context | None = None, *, trim: bool = False) -> Decision:
+    def pick(
+        self,
+        decision: Decision,
+        drafts: Sequence[int],
+        confidence: Sequence[float] | None,
+        ctx: Context | None = None,
+        *,
+        trim: bool = False,
+    ) -> Decision:
         """Greedy only, after a DFlash pass (its cost is paid): what to verify. Each draft
         position's chance is the mean of the drafter's own top probability there
         (``confidence``) and its running conditional acceptance.
@@ -452,8 +478,11 @@ class DraftPolicy:
         conf = list(confidence) if confidence is not None else []
         pd = [0.5 * (conf[k] + dcur[k]) if k < len(conf) else dcur[k] for k in range(len(drafts))]
         full = len(drafts) + 1  # the pass is paid: only the verify (1 row: unpipelined) is priced
-        Ld, rate_d = self._best(_cumprod(pd), range(1, full + 1) if trim else (full,),
-                                lambda L: self.verify_ms(L, piped=False) + self.overhead[DFLASH])
+        Ld, rate_d = self._best(
+            _cumprod(pd),
+            range(1, full + 1) if trim else (full,),
+            lambda L: self.verify_ms(L, piped=False) + self.overhead[DFLASH],
+        )
         got = decision if Ld == full else Decision(DFLASH, Ld, decision.probe)
         if n > 0 and not decision.probe:
             agree = 0
@@ -487,8 +516,11 @@ class DraftPolicy:
             ran = step.draft_block or L
             self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(ran)[1], 1e-6))
         if source in self.overhead:
-            passes = (step.verify_ms + step.draft_ms if step.verify_ms > 0
-                      else self.cycle_ms(source, L) - self.overhead[source])  # no timings: the model's
+            passes = (
+                step.verify_ms + step.draft_ms
+                if step.verify_ms > 0
+                else self.cycle_ms(source, L) - self.overhead[source]
+            )  # no timings: the model's
             rest = step.elapsed_ms - passes
             self.overhead[source] = _ema(self.overhead[source], max(0.0, rest), 0.2)
         if source == DFLASH and self._probing:  # a probe that failed doubles the spacing to the next
@@ -534,6 +566,7 @@ def _cumprod(xs: Sequence[float]) -> list[float]:
 
 # ---------------------------------------------------------------- construction
 
+
 def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     """A cheap cost curve when the tuner has stored none (no timing at all): relative units,
     verify rows 6 % of a plain step each (what a CPU's memory-bound forward shows; flatter on
@@ -547,8 +580,11 @@ def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     target = max(1, params(pair.model))
     drafter = params(pair.drafter) if pair.drafter is not None else 0
     args = getattr(pair.target, "args", None)
-    head = (pair.drafter.vocab_size_drafted or getattr(args, "vocab_size", 0)) * getattr(args, "hidden_size", 0) \
-        if pair.drafter is not None else 0
+    head = (
+        (pair.drafter.vocab_size_drafted or getattr(args, "vocab_size", 0)) * getattr(args, "hidden_size", 0)
+        if pair.drafter is not None
+        else 0
+    )
     ratio = min(1.0, (drafter + head) / target)
     tt = {B: 1.0 + 0.06 * (B - 1) for B in sizes}
     td = {B: ratio * (1.0 + 0.03 * (B - 1)) for B in sizes if B > 1}
@@ -560,8 +596,16 @@ class PolicyFactory:
     stored result (``tuner.TuneResult``) or ``estimate_costs``. ``block_size`` pins the DFlash
     block; ``sources`` limits the draft sources."""
 
-    def __init__(self, pair, result=None, *, block_size: int | None = None, max_block: int | None = None,
-                 sources: Sequence[str] = SOURCES, **kw):
+    def __init__(
+        self,
+        pair,
+        result=None,
+        *,
+        block_size: int | None = None,
+        max_block: int | None = None,
+        sources: Sequence[str] = SOURCES,
+        **kw,
+    ):
         if pair.drafter is None:
             sources = tuple(s for s in sources if s != DFLASH)
         if max_block is None:
@@ -574,5 +618,12 @@ class PolicyFactory:
         self.max_block, self.pinned, self.sources, self.kw = max_block, block_size, tuple(sources), kw
 
     def __call__(self) -> DraftPolicy:
-        return DraftPolicy(self.costs, self.max_block, self.prior, sources=self.sources, pinned=self.pinned,
-                           measured=self.measured, **self.kw)
+        return DraftPolicy(
+            self.costs,
+            self.max_block,
+            self.prior,
+            sources=self.sources,
+            pinned=self.pinned,
+            measured=self.measured,
+            **self.kw,
+        )

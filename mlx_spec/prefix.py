@@ -20,8 +20,8 @@ written to disk, and a lookup that finds a longer stored prefix there than in me
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -192,8 +192,11 @@ class PrefixCache:
         arrays = [c.keys for c in entry.target if isinstance(c, KVCache) and c.keys is not None]
         arrays += [a for c in entry.target if isinstance(c, ArraysCache) for a in c.cache if a is not None]
         arrays += [c.keys for c in entry.drafter or () if c.keys is not None]
-        mx.eval(arrays, [c.values for c in entry.drafter or () if c.values is not None],
-                [c.values for c in entry.target if isinstance(c, KVCache) and c.values is not None])
+        mx.eval(
+            arrays,
+            [c.values for c in entry.drafter or () if c.values is not None],
+            [c.values for c in entry.target if isinstance(c, KVCache) and c.values is not None],
+        )
         if self.disk is not None:
             self.disk.save(entry)
         self._keep(entry)
@@ -202,7 +205,9 @@ class PrefixCache:
         if not self.budget or entry.nbytes > self.budget:
             return
         for key, e in list(self._entries.items()):  # an entry this one extends is redundant
-            if common_prefix(e.tokens, entry.tokens) == len(e.tokens) and (e.drafter is None or entry.drafter is not None):
+            if common_prefix(e.tokens, entry.tokens) == len(e.tokens) and (
+                e.drafter is None or entry.drafter is not None
+            ):
                 del self._entries[key]
         self._entries[self._next] = entry
         self._next += 1
@@ -215,8 +220,15 @@ class PrefixCache:
     def stats(self) -> dict:
         """Counters; ``saved_ms`` estimates the prefill time the reused tokens saved (at the
         prefill rate this process measured, less the disk loads' time)."""
-        out = {"entries": len(self), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
-               "misses": self.misses, "reused_tokens": self.reused_tokens, "disk_tokens": self.disk_tokens}
+        out = {
+            "entries": len(self),
+            "bytes": self.nbytes,
+            "budget": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
+            "reused_tokens": self.reused_tokens,
+            "disk_tokens": self.disk_tokens,
+        }
         rate = self._prefill[1] / self._prefill[0] if self._prefill[0] else 0.0
         load = self.disk.load_ms if self.disk is not None else 0.0
         out["saved_ms"] = round(max(0.0, self.reused_tokens * rate - load), 3)

@@ -33,9 +33,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -124,9 +124,16 @@ def read_info(path: Path) -> EntryInfo:
             raise ValueError(f"not a prefix cache entry (format {meta.get('format')!r})")
         layers = json.loads(meta["layers"])
         st = path.stat()
-        return EntryInfo(path, meta["identity"], _decode_ids(meta["tokens"]), st.st_size,
-                         meta.get("drafter") not in (None, "null"), all(x["kind"] == "kv" for x in layers),
-                         json.loads(meta.get("models", "{}")), st.st_mtime)
+        return EntryInfo(
+            path,
+            meta["identity"],
+            _decode_ids(meta["tokens"]),
+            st.st_size,
+            meta.get("drafter") not in (None, "null"),
+            all(x["kind"] == "kv" for x in layers),
+            json.loads(meta.get("models", "{}")),
+            st.st_mtime,
+        )
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"unreadable header ({type(e).__name__}: {e})") from None
 
@@ -309,8 +316,14 @@ class PrefixStore:
         name = hashlib.sha256(np.asarray(entry.tokens, np.int32).tobytes()).hexdigest()[:32] + SUFFIX
         path = self.dir / name
         tmp = self.dir / f".{name}.{os.getpid()}.tmp{SUFFIX}"
-        meta = {"format": FORMAT, "identity": self.identity, "tokens": _encode_ids(entry.tokens),
-                "layers": json.dumps(layers), "drafter": json.dumps(ctx), "models": json.dumps(self.models)}
+        meta = {
+            "format": FORMAT,
+            "identity": self.identity,
+            "tokens": _encode_ids(entry.tokens),
+            "layers": json.dumps(layers),
+            "drafter": json.dumps(ctx),
+            "models": json.dumps(self.models),
+        }
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             nbytes = sum(a.nbytes for a in arrays.values())
@@ -326,8 +339,11 @@ class PrefixStore:
                 pass
             return None
         for p, info in list(self._index.items()):  # what this entry extends is redundant
-            if p != path and common_prefix(info.tokens, entry.tokens) == len(info.tokens) and \
-                    (entry.drafter is not None or not info.drafter):
+            if (
+                p != path
+                and common_prefix(info.tokens, entry.tokens) == len(info.tokens)
+                and (entry.drafter is not None or not info.drafter)
+            ):
                 _unlink(p)
                 del self._index[p]
         info = self._checked(path)
@@ -351,9 +367,18 @@ class PrefixStore:
             total -= size
 
     def stats(self) -> dict:
-        return {"entries": len(self), "bytes": self.nbytes, "budget": self.config.budget, "hits": self.hits,
-                "writes": self.writes, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "load_ms": round(self.load_ms, 3), "write_ms": round(self.write_ms, 3), "skipped": self.skipped}
+        return {
+            "entries": len(self),
+            "bytes": self.nbytes,
+            "budget": self.config.budget,
+            "hits": self.hits,
+            "writes": self.writes,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "load_ms": round(self.load_ms, 3),
+            "write_ms": round(self.write_ms, 3),
+            "skipped": self.skipped,
+        }
 
 
 def _unlink(p: Path) -> None:

@@ -60,7 +60,7 @@ class Bar:
         self.stream.write(f"\r\x1b[2K{end}" if self.tty else end)
         self.stream.flush()
 
-    def __enter__(self) -> "Bar":
+    def __enter__(self) -> Bar:
         self(0, 1)
         return self
 

@@ -44,28 +44,49 @@ class Prompt:
 
 
 BUILTIN = (
-    Prompt("code-1", "code", "Write a Python function that checks whether a string is a valid "
-           "IPv4 address. Include a docstring and three example calls."),
-    Prompt("code-2", "code", "Implement a Python class `LRUCache` with `get` and `put` methods, "
-           "using collections.OrderedDict. Show how to use it."),
-    Prompt("code-3", "code", "Write a Python script that reads a CSV file of sales (date, region, "
-           "amount) and prints the total amount per region, sorted from largest to smallest."),
-    Prompt("math-1", "math", "A train leaves at 9:40 and travels 210 km at 84 km/h. At what time "
-           "does it arrive? Explain each step."),
-    Prompt("math-2", "math", "Solve for x: 3(x - 4) + 7 = 2x + 9. Show your work step by step, "
-           "then check the answer."),
-    Prompt("math-3", "math", "A shop sells pencils at 3 for $0.75 and erasers at $0.40 each. How "
-           "much do 12 pencils and 5 erasers cost? Explain."),
-    Prompt("prose-1", "prose", "Write a short story about a lighthouse keeper who finds a message "
-           "in a bottle."),
-    Prompt("prose-2", "prose", "Explain how a refrigerator keeps food cold, for someone with no "
-           "background in physics."),
-    Prompt("prose-3", "prose", "Write a friendly email inviting your neighbours to a community "
-           "garden clean-up on Saturday morning."),
+    Prompt(
+        "code-1",
+        "code",
+        "Write a Python function that checks whether a string is a valid "
+        "IPv4 address. Include a docstring and three example calls.",
+    ),
+    Prompt(
+        "code-2",
+        "code",
+        "Implement a Python class `LRUCache` with `get` and `put` methods, "
+        "using collections.OrderedDict. Show how to use it.",
+    ),
+    Prompt(
+        "code-3",
+        "code",
+        "Write a Python script that reads a CSV file of sales (date, region, "
+        "amount) and prints the total amount per region, sorted from largest to smallest.",
+    ),
+    Prompt(
+        "math-1",
+        "math",
+        "A train leaves at 9:40 and travels 210 km at 84 km/h. At what time does it arrive? Explain each step.",
+    ),
+    Prompt("math-2", "math", "Solve for x: 3(x - 4) + 7 = 2x + 9. Show your work step by step, then check the answer."),
+    Prompt(
+        "math-3",
+        "math",
+        "A shop sells pencils at 3 for $0.75 and erasers at $0.40 each. How "
+        "much do 12 pencils and 5 erasers cost? Explain.",
+    ),
+    Prompt("prose-1", "prose", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    Prompt(
+        "prose-2", "prose", "Explain how a refrigerator keeps food cold, for someone with no background in physics."
+    ),
+    Prompt(
+        "prose-3",
+        "prose",
+        "Write a friendly email inviting your neighbours to a community garden clean-up on Saturday morning.",
+    ),
 )
 
 
-_SCORES = '''def load_scores(path):
+_SCORES = """def load_scores(path):
     scores = {}
     with open(path) as f:
         for line in f:
@@ -80,8 +101,8 @@ def best_player(scores):
         if top is None or value > scores[top]:
             top = name
     return top
-'''
-_INVENTORY = '''class Inventory:
+"""
+_INVENTORY = """class Inventory:
     def __init__(self):
         self.items = {}
 
@@ -92,8 +113,8 @@ _INVENTORY = '''class Inventory:
         if self.items.get(name, 0) < count:
             raise ValueError("not enough " + name)
         self.items[name] -= count
-'''
-_TEMPS = '''def celsius_to_fahrenheit(c):
+"""
+_TEMPS = """def celsius_to_fahrenheit(c):
     return c * 9 / 5 + 32
 
 
@@ -107,8 +128,8 @@ def describe(temp_c):
     if temp_c < 20:
         return "mild"
     return "warm"
-'''
-_DURATION = '''def parse_duration(text):
+"""
+_DURATION = """def parse_duration(text):
     units = {"s": 1, "m": 60, "h": 3600}
     total = 0
     number = ""
@@ -119,8 +140,8 @@ _DURATION = '''def parse_duration(text):
             total += int(number) * units[ch]
             number = ""
     return total
-'''
-_PACKAGE = '''{
+"""
+_PACKAGE = """{
   "name": "garden-tools",
   "version": "1.4.2",
   "description": "Small helpers for planning a vegetable garden",
@@ -130,8 +151,8 @@ _PACKAGE = '''{
     "pyyaml": "6.0"
   }
 }
-'''
-_SHAPES = '''import math
+"""
+_SHAPES = """import math
 
 
 class Circle:
@@ -162,8 +183,8 @@ def total_area(shapes):
     for shape in shapes:
         total += shape.area()
     return total
-'''
-_SETTINGS = '''[server]
+"""
+_SETTINGS = """[server]
 host = 127.0.0.1
 port = 8080
 workers = 4
@@ -177,15 +198,20 @@ pool_size = 10
 [logging]
 level = info
 file = server.log
-'''
+"""
 
 
 def _edit(pid: str, file: str, ask: str, lang: str = "python") -> Prompt:
     """A two-turn agent edit: the file handed over, acknowledged, then the change asked for."""
-    return Prompt(pid, "agent", messages=(
-        {"role": "user", "content": f"Here is my file:\n```{lang}\n{file}```"},
-        {"role": "assistant", "content": "Thanks, I have read the file. What would you like me to change?"},
-        {"role": "user", "content": ask}))
+    return Prompt(
+        pid,
+        "agent",
+        messages=(
+            {"role": "user", "content": f"Here is my file:\n```{lang}\n{file}```"},
+            {"role": "assistant", "content": "Thanks, I have read the file. What would you like me to change?"},
+            {"role": "user", "content": ask},
+        ),
+    )
 
 
 def _one(pid: str, ask: str, file: str, lang: str = "python") -> Prompt:
@@ -195,20 +221,40 @@ def _one(pid: str, ask: str, file: str, lang: str = "python") -> Prompt:
 
 AGENT = (
     _edit("agent-1", _SCORES, "Add a one-line docstring to each function. Reply with the complete file."),
-    _edit("agent-2", _INVENTORY, "Add a method `count(self, name)` that returns how many of an item "
-          "there are. Reply with the whole class."),
-    _one("agent-3", "Add a method `total(self)` returning the sum of all counts to this class. Reply with "
-         "the whole class.", _INVENTORY),
-    _one("agent-4", "Rename the function describe to classify in this file. Repeat the whole file with "
-         "only that change.", _TEMPS),
-    _one("agent-5", "Add type hints to this function. Output the whole function with the hints and "
-         "nothing else.", _DURATION),
-    _one("agent-6", "Change the version to 1.5.0 and add \"click\": \"8.1\" to the dependencies. Reply "
-         "with the complete JSON.", _PACKAGE, "json"),
+    _edit(
+        "agent-2",
+        _INVENTORY,
+        "Add a method `count(self, name)` that returns how many of an item there are. Reply with the whole class.",
+    ),
+    _one(
+        "agent-3",
+        "Add a method `total(self)` returning the sum of all counts to this class. Reply with the whole class.",
+        _INVENTORY,
+    ),
+    _one(
+        "agent-4",
+        "Rename the function describe to classify in this file. Repeat the whole file with only that change.",
+        _TEMPS,
+    ),
+    _one(
+        "agent-5",
+        "Add type hints to this function. Output the whole function with the hints and nothing else.",
+        _DURATION,
+    ),
+    _one(
+        "agent-6",
+        'Change the version to 1.5.0 and add "click": "8.1" to the dependencies. Reply with the complete JSON.',
+        _PACKAGE,
+        "json",
+    ),
     # verbatim re-emission of a longer file with a small change (long copying replies)
     _edit("agent-7", _SHAPES, "Rename the function total_area to sum_areas. Reply with the complete file."),
-    _edit("agent-8", _SETTINGS, "Change the port to 9090 and the log level to debug. Reply with the complete "
-          "file, unchanged otherwise.", "ini"),
+    _edit(
+        "agent-8",
+        _SETTINGS,
+        "Change the port to 9090 and the log level to debug. Reply with the complete file, unchanged otherwise.",
+        "ini",
+    ),
 )
 BUILTIN = BUILTIN + AGENT
 
@@ -256,16 +302,24 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             obj = {"prompt": obj}
         if isinstance(obj, dict) and "prompt" not in obj and isinstance(obj.get("text"), str):
             obj = {**obj, "prompt": obj["text"]}
-        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)):
-            raise BadRequest(f"{path}:{n}: expected a string, or an object with 'prompt' (string) or "
-                             "'messages' (list)")
+        if not isinstance(obj, dict) or not (
+            isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)
+        ):
+            raise BadRequest(f"{path}:{n}: expected a string, or an object with 'prompt' (string) or 'messages' (list)")
         if isinstance(obj.get("prompt"), str) and not obj["prompt"].strip() and obj.get("messages") is None:
             raise BadRequest(f"{path}:{n}: empty prompt")
         msgs = obj.get("messages")
         pid = str(obj.get("id", f"line-{n}"))
         kind = obj.get("kind") or next((k for k in KINDS if pid.startswith(k + "-")), "user")
-        out.append(Prompt(pid, str(kind), obj.get("prompt", ""),
-                          tuple(msgs) if msgs is not None else None, bool(obj.get("chat", True))))
+        out.append(
+            Prompt(
+                pid,
+                str(kind),
+                obj.get("prompt", ""),
+                tuple(msgs) if msgs is not None else None,
+                bool(obj.get("chat", True)),
+            )
+        )
     if not out:
         raise BadRequest(f"{path}: no prompts")
     return out

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,23 @@ CPU_FLOAT_REASON = (
     "CPU backend: kept float32, because MLX's quantized CPU kernels cost ~linear in block rows "
     "(a block verify costs ~B x a decode step) while float32 + BLAS amortizes"
 )
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
-               "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "U64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 FLOATS = {"F64", "F32", "F16", "BF16"}
 # The drafter's precision on a GPU backend (Metal): the cheapest setting whose acceptance stays
 # within 2 % of float32 with every hidden state and logit finite, measured by
@@ -36,7 +52,8 @@ GPU_DRAFTER_ACTIVATIONS = "bfloat16"
 GPU_DRAFTER_REASON = (
     "drafter 4-bit weights with bfloat16 activations: the cheapest measured setting within 2 % of "
     "float32 acceptance (-1.8 %) with every pass finite (docs/memory.md, drafter precision); a "
-    "non-finite pass switches it to float32 at run time")
+    "non-finite pass switches it to float32 at run time"
+)
 
 
 class Tensor(NamedTuple):
@@ -59,7 +76,9 @@ class QuantChoice:
     target_prequantized: bool  # the checkpoint itself is quantized: loaded as it is
     reason: str
     has_drafter: bool = True
-    drafter_activations: str | None = None  # "float32" | "float16" | "bfloat16": the drafter computes in it; None: as loaded
+    drafter_activations: str | None = (
+        None  # "float32" | "float16" | "bfloat16": the drafter computes in it; None: as loaded
+    )
 
     def describe(self) -> str:
         def name(b):
@@ -93,8 +112,15 @@ def checkpoint_quantization(config: dict) -> tuple[int, int] | None:
     return int(q["bits"]), int(q.get("group_size", DEFAULT_GROUP_SIZE))
 
 
-def choose(target_bits: str | None, drafter_bits: str | None, group_size: int | None, *,
-           metal: bool, checkpoint: tuple[int, int] | None, drafter: bool = True) -> QuantChoice:
+def choose(
+    target_bits: str | None,
+    drafter_bits: str | None,
+    group_size: int | None,
+    *,
+    metal: bool,
+    checkpoint: tuple[int, int] | None,
+    drafter: bool = True,
+) -> QuantChoice:
     """Resolve the --target-bits / --drafter-bits / --group-size flags (None = automatic).
 
     Defaults: the target stays as its checkpoint is. On a GPU backend (``metal``: Metal or
@@ -107,8 +133,10 @@ def choose(target_bits: str | None, drafter_bits: str | None, group_size: int | 
     t = parse_bits(target_bits)
     if checkpoint is not None:
         if t is not None and t != checkpoint[0]:
-            why.append(f"target checkpoint is already {checkpoint[0]}-bit: loaded as it is "
-                       f"(--target-bits {target_bits} not applied)")
+            why.append(
+                f"target checkpoint is already {checkpoint[0]}-bit: loaded as it is "
+                f"(--target-bits {target_bits} not applied)"
+            )
         t = checkpoint[0]
     t = t or None
     d = parse_bits(drafter_bits) if drafter else 0
@@ -140,8 +168,7 @@ def quantized_nbytes(numel: int, bits: int, group_size: int, scale_bytes: int) -
     return numel * bits // 8 + 2 * (numel // group_size) * scale_bytes
 
 
-def loaded_nbytes(tensors: Iterable[Tensor], *, bits: int | None, group_size: int,
-                  float_bytes: int | None) -> int:
+def loaded_nbytes(tensors: Iterable[Tensor], *, bits: int | None, group_size: int, float_bytes: int | None) -> int:
     """Bytes the tensors take once loaded: floats cast to ``float_bytes`` (None: as stored),
     quantizable weights quantized to ``bits`` unless the file already holds them quantized."""
     tensors = list(tensors)
@@ -191,8 +218,9 @@ def skeleton(config: dict):
 def is_quantized(module) -> bool:
     import mlx.nn as nn
 
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "scales" in m
-               for _, m in module.named_modules())
+    return any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "scales" in m for _, m in module.named_modules()
+    )
 
 
 def quantize_module(module, bits: int, group_size: int) -> int:
@@ -225,8 +253,9 @@ def materialize(module) -> None:
         mx.eval(v)
 
 
-def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str = "model",
-            before_materialize=None) -> None:
+def prepare(
+    module, *, bits: int | None, group_size: int, dtype=None, what: str = "model", before_materialize=None
+) -> None:
     """Cast floats to ``dtype`` (None: keep), quantize to ``bits`` unless already quantized,
     then materialize. Cast first: on CPU quantizing from float32 gives float32 scales.
     ``before_materialize(module)`` (e.g. sharding over a group) runs on the still lazy weights."""
@@ -243,7 +272,25 @@ def prepare(module, *, bits: int | None, group_size: int, dtype=None, what: str 
     materialize(module)
 
 
-__all__ = ["QuantChoice", "Tensor", "choose", "parse_bits", "checkpoint_quantization", "quantizable",
-           "quantized_nbytes", "loaded_nbytes", "safetensors_tensors", "module_tensors", "skeleton",
-           "is_quantized", "quantize_module", "materialize", "prepare", "BITS_CHOICES",
-           "DEFAULT_GROUP_SIZE", "CPU_FLOAT_REASON", "GPU_DRAFTER_BITS", "GPU_DRAFTER_ACTIVATIONS"]
+__all__ = [
+    "QuantChoice",
+    "Tensor",
+    "choose",
+    "parse_bits",
+    "checkpoint_quantization",
+    "quantizable",
+    "quantized_nbytes",
+    "loaded_nbytes",
+    "safetensors_tensors",
+    "module_tensors",
+    "skeleton",
+    "is_quantized",
+    "quantize_module",
+    "materialize",
+    "prepare",
+    "BITS_CHOICES",
+    "DEFAULT_GROUP_SIZE",
+    "CPU_FLOAT_REASON",
+    "GPU_DRAFTER_BITS",
+    "GPU_DRAFTER_ACTIVATIONS",
+]

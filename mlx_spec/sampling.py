@@ -17,8 +17,8 @@ the survivors are sampled at the temperature.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import mlx.core as mx
 
@@ -109,8 +109,9 @@ def sample_proposal(logits: mx.array, cfg: SamplingConfig, key: mx.array, n: int
     return sample_probs(q, key, n), q
 
 
-def speculative_sample(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array,
-                       residual: bool = True) -> tuple[mx.array, mx.array]:
+def speculative_sample(
+    p: mx.array, q: mx.array, drafts: mx.array, key: mx.array, residual: bool = True
+) -> tuple[mx.array, mx.array]:
     """Rejection sampling over a batch of N independent blocks, in one graph.
 
     Args:
@@ -162,8 +163,9 @@ def next_token(logits: mx.array, cfg: SamplingConfig, key: mx.array | None) -> m
     return sample_target(logits[-1:], cfg, sub).astype(mx.int32)
 
 
-def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
-                   residual: bool = True) -> tuple[int, int]:
+def accept_sampled(
+    logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array, residual: bool = True
+) -> tuple[int, int]:
     """One block. logits (L, V) target verify logits; proposal.tokens (L-1,) and proposal.q
     (L-1, V), the distribution the drafts were drawn from; ``q`` None means a deterministic
     proposal (q = point mass on the tokens, e.g. a lookup draft). ``proposal`` None or empty:
@@ -172,8 +174,9 @@ def accept_sampled(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.arra
     return int(a), int(tok)
 
 
-def sampled_acceptance(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array,
-                       residual: bool = True) -> mx.array:
+def sampled_acceptance(
+    logits: mx.array, proposal, cfg: SamplingConfig, key: mx.array, residual: bool = True
+) -> mx.array:
     """``accept_sampled``'s answer still on the device: (2,) int32 [accepted, token after them],
     so a loop reads it with its other values in one wait."""
     if proposal is None or proposal.tokens.size == 0:
@@ -184,6 +187,17 @@ def sampled_acceptance(logits: mx.array, proposal, cfg: SamplingConfig, key: mx.
     return mx.stack([a.reshape(()).astype(mx.int32), tok.reshape(()).astype(mx.int32)])
 
 
-__all__ = ["SamplingConfig", "accept_greedy", "filtered_logprobs", "target_probs", "sample_probs",
-           "sample_target", "sample_proposal", "speculative_sample", "next_token", "accept_sampled",
-           "sampled_acceptance", "point_mass"]
+__all__ = [
+    "SamplingConfig",
+    "accept_greedy",
+    "filtered_logprobs",
+    "target_probs",
+    "sample_probs",
+    "sample_target",
+    "sample_proposal",
+    "speculative_sample",
+    "next_token",
+    "accept_sampled",
+    "sampled_acceptance",
+    "point_mass",
+]

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID
@@ -75,15 +76,16 @@ class Session:
         return self.group is not None and self.group.rank() != 0
 
     @classmethod
-    def of(cls, pair, info: EngineInfo, *, context: int | None = None, plan=None, group=None) -> "Session":
+    def of(cls, pair, info: EngineInfo, *, context: int | None = None, plan=None, group=None) -> Session:
         from .text import tool_format
         from .thinking import think_format
 
         trained = model_context_length(getattr(pair, "model", None))
         limits = [x for x in (context, trained) if x]
         tokenizer = getattr(pair, "tokenizer", None)
-        return cls(pair, info, min(limits) if limits else None, plan, tool_format(tokenizer),
-                   think_format(tokenizer), group)
+        return cls(
+            pair, info, min(limits) if limits else None, plan, tool_format(tokenizer), think_format(tokenizer), group
+        )
 
 
 def model_context_length(model) -> int | None:
@@ -120,8 +122,9 @@ def check_names(cfg: LoadConfig) -> None:
         if local is None:
             if _is_repo_id(ref):
                 continue  # a Hugging Face repo id: fetched (or refused by name) when loading
-            raise MlxSpecError(f"{what} '{ref}' does not exist (not a directory, not a bundled model, "
-                               "not a Hugging Face repo id)")
+            raise MlxSpecError(
+                f"{what} '{ref}' does not exist (not a directory, not a bundled model, not a Hugging Face repo id)"
+            )
         if not local.is_dir():
             raise CheckpointError(f"{what} '{ref}' is a file, not a model directory")
         if not (local / "config.json").is_file():
@@ -136,8 +139,9 @@ def _check_drafter_config(ref: str, path: Path) -> None:
     try:
         DrafterArgs.from_config(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"drafter '{ref}': {path / 'config.json'} is not a DFlash drafter config "
-                              f"({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"drafter '{ref}': {path / 'config.json'} is not a DFlash drafter config ({type(e).__name__}: {e})"
+        ) from None
 
 
 def drafter_for(cfg: LoadConfig) -> str | None:
@@ -153,10 +157,12 @@ def drafter_for(cfg: LoadConfig) -> str | None:
         if not (MODELS_DIR / DEFAULT_DRAFTER).exists():
             raise MlxSpecError(
                 f"the bundled drafter models/{DEFAULT_DRAFTER} is missing from this install; "
-                "pass --drafter PATH, or --no-draft for plain decoding")
+                "pass --drafter PATH, or --no-draft for plain decoding"
+            )
         return str(MODELS_DIR / DEFAULT_DRAFTER)
-    raise MlxSpecError(f"no drafter for target '{cfg.target}': pass --drafter PATH_OR_REPO, "
-                       "or --no-draft for plain decoding")
+    raise MlxSpecError(
+        f"no drafter for target '{cfg.target}': pass --drafter PATH_OR_REPO, or --no-draft for plain decoding"
+    )
 
 
 def check(cfg: LoadConfig) -> str | None:
@@ -214,14 +220,19 @@ def serve_sizing(cfg: LoadConfig, *, context: bool, prefix_cache: bool) -> tuple
         def plan_at(n: int, pc: int):
             return memory.plan_for_config(replace(cfg, context=n, prefix_cache=pc), drafter, size, sources)[1]
 
-        s = memory.serve_sizing(plan_at, memory.target_dims(sources[0][0]).max_position,
-                                context=None if context else cfg.context,
-                                prefix_cache=None if prefix_cache else cfg.prefix_cache)
+        s = memory.serve_sizing(
+            plan_at,
+            memory.target_dims(sources[0][0]).max_position,
+            context=None if context else cfg.context,
+            prefix_cache=None if prefix_cache else cfg.prefix_cache,
+        )
     except (HubError, UnsupportedModel, IncompatiblePair):
         raise
     except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:  # as plan_session: loading says more
-        return cfg, (f"memory plan unavailable ({type(e).__name__}: {e}): context {cfg.context} tokens, "
-                     f"prefix cache {cfg.prefix_cache >> 20} MiB (the fixed defaults)")
+        return cfg, (
+            f"memory plan unavailable ({type(e).__name__}: {e}): context {cfg.context} tokens, "
+            f"prefix cache {cfg.prefix_cache >> 20} MiB (the fixed defaults)"
+        )
     return replace(cfg, context=s.context, prefix_cache=s.prefix_cache), s.why
 
 
@@ -294,8 +305,15 @@ def from_tuning(result) -> BlockChoice:
 TUNING = ("tune", "stored", "none")
 
 
-def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tuning: str = "tune",
-                 root: Path | None = None, tune_fn=None) -> BlockChoice | None:
+def choose_block(
+    pair,
+    cfg: LoadConfig,
+    progress: Progress | None = None,
+    *,
+    tuning: str = "tune",
+    root: Path | None = None,
+    tune_fn=None,
+) -> BlockChoice | None:
     """The block size for a loaded pair (None without a drafter), by one rule: ``cfg.block_size``
     (the flag) wins; else with ``cfg.tune`` off the checkpoint's; else the tuner's stored result for
     this machine and pair. ``tuning``: "tune" tunes first (once) when nothing is stored; "stored"
@@ -317,8 +335,11 @@ def choose_block(pair, cfg: LoadConfig, progress: Progress | None = None, *, tun
             return BlockChoice(cfg.block_size, "flag", pinned=True)
         if not tunes:
             return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint")
-        return from_tuning(result) if result is not None else \
-            BlockChoice(ckpt, "checkpoint; not tuned on this machine yet")
+        return (
+            from_tuning(result)
+            if result is not None
+            else BlockChoice(ckpt, "checkpoint; not tuned on this machine yet")
+        )
     kw = {"tune_fn": tune_fn} if tune_fn is not None else {}
     bar = None
     if progress is None:
@@ -349,8 +370,11 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
 
     cfg, quant = planned.cfg, planned.quant
     memory.set_wired_limit()
-    log(f"loading target {cfg.target}" + (f" + drafter {planned.drafter}" if planned.drafter
-                                          else " (no drafter: --no-draft)") + f" ({quant.describe()})")
+    log(
+        f"loading target {cfg.target}"
+        + (f" + drafter {planned.drafter}" if planned.drafter else " (no drafter: --no-draft)")
+        + f" ({quant.describe()})"
+    )
     shard = None
     if group is not None:
         from functools import partial
@@ -358,13 +382,27 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         from .distributed import shard_target
 
         shard = partial(shard_target, group=group)
-    return load_pair(cfg.target, planned.drafter, no_draft=cfg.no_draft, target_bits=quant.target_bits,
-                     drafter_bits=quant.drafter_bits, group_size=quant.group_size, draft_vocab=cfg.draft_vocab,
-                     shard=shard, drafter_activations=quant.drafter_activations)
+    return load_pair(
+        cfg.target,
+        planned.drafter,
+        no_draft=cfg.no_draft,
+        target_bits=quant.target_bits,
+        drafter_bits=quant.drafter_bits,
+        group_size=quant.group_size,
+        draft_vocab=cfg.draft_vocab,
+        shard=shard,
+        drafter_activations=quant.drafter_activations,
+    )
 
 
-def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = lambda m: None, *,
-                 tuning: str = "tune", group_aware: bool = False) -> Session:
+def open_session(
+    cfg: LoadConfig,
+    progress: Progress | None = None,
+    log: Log = lambda m: None,
+    *,
+    tuning: str = "tune",
+    group_aware: bool = False,
+) -> Session:
     """Check, plan, load and choose the block size: the ``Session`` every command runs on.
 
     ``progress(done, total, note)`` hears first-launch tuning (default: a bar on stderr); ``log``
@@ -378,11 +416,13 @@ def open_session(cfg: LoadConfig, progress: Progress | None = None, log: Log = l
     from . import distributed
 
     if distributed.launched() and not group_aware:  # every rank refuses alike, before joining
-        raise BadRequest("this command does not run under mlx.launch: `chat` reads one terminal (serve the "
-                         "group and use any OpenAI client), `tune` and `verify` measure or check one process "
-                         "(a group takes --block-size; its greedy output equals one process's). Under "
-                         "mlx.launch run `mlx_spec serve`, `generate` or `bench` (the group's pass costs), or "
-                         "let them start the group: `serve --ranks N`, `bench --ranks N` (docs/distributed.md)")
+        raise BadRequest(
+            "this command does not run under mlx.launch: `chat` reads one terminal (serve the "
+            "group and use any OpenAI client), `tune` and `verify` measure or check one process "
+            "(a group takes --block-size; its greedy output equals one process's). Under "
+            "mlx.launch run `mlx_spec serve`, `generate` or `bench` (the group's pass costs), or "
+            "let them start the group: `serve --ranks N`, `bench --ranks N` (docs/distributed.md)"
+        )
     group = distributed.init_group()  # None unless launched by mlx.launch
     if group is not None:
         cfg = replace(cfg, ranks=group.size(), prefix_cache=0)  # a group prefills every request in full

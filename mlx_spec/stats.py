@@ -13,10 +13,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 from types import MappingProxyType
-from typing import Any, Iterable
+from typing import Any
 
 from .decode import Step
 
@@ -34,8 +35,20 @@ def _add_counts(a: Any, b: Any) -> Any:
 
 # Per-request fields that ``Stats.merged`` leaves out: the prompt's own counts (the engine adds
 # them per request), the timings (rates are taken per run) and the per-cycle trace.
-NOT_MERGED = frozenset({"prompt_tokens", "cached_tokens", "draft_ms", "verify_ms", "rollback_ms",
-                        "prefill_ms", "decode_ms", "first_token_ms", "trace", "finish_reason"})
+NOT_MERGED = frozenset(
+    {
+        "prompt_tokens",
+        "cached_tokens",
+        "draft_ms",
+        "verify_ms",
+        "rollback_ms",
+        "prefill_ms",
+        "decode_ms",
+        "first_token_ms",
+        "trace",
+        "finish_reason",
+    }
+)
 
 
 @dataclass
@@ -106,7 +119,7 @@ class Stats:
                 self.hits[k] += 1
 
     @classmethod
-    def merged(cls, parts: Iterable["Stats"]) -> "Stats":
+    def merged(cls, parts: Iterable[Stats]) -> Stats:
         """The counters of several runs added up (the cycle counters, histograms, per-source
         counts and per-position counts; the per-request fields in ``NOT_MERGED`` keep their
         defaults)."""
@@ -129,9 +142,14 @@ class Stats:
 
     def source_stats(self) -> dict[str, dict]:
         """Per draft source: cycles, drafted, accepted, acceptance rate and tau."""
-        return {name: {**c, "acceptance_rate": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else 0.0,
-                       "mean_acceptance_length": round((c["accepted"] + c["cycles"]) / c["cycles"], 4)}
-                for name, c in sorted(self.sources.items())}
+        return {
+            name: {
+                **c,
+                "acceptance_rate": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else 0.0,
+                "mean_acceptance_length": round((c["accepted"] + c["cycles"]) / c["cycles"], 4),
+            }
+            for name, c in sorted(self.sources.items())
+        }
 
     def trace_text(self, limit: int | None = None) -> str:
         """The cycles in short form: ``d4:2`` = DFlash, 4 rows, 2 accepted; ``l9:8`` lookup; ``p``
@@ -163,7 +181,7 @@ class Stats:
         total = self.prefill_ms + self.decode_ms
         return self.tokens / (total / 1e3) if total else 0.0
 
-    def snapshot(self, trace: bool = False) -> "StatsSnapshot":
+    def snapshot(self, trace: bool = False) -> StatsSnapshot:
         """The figures of ``as_dict(trace)`` as a frozen value (what engine events carry)."""
         return StatsSnapshot(**{k: _freeze(v) for k, v in self.as_dict(trace).items()})
 
@@ -227,8 +245,11 @@ class StatsSnapshot:
     cycle_trace: tuple | None = None  # only in a snapshot(trace=True)
 
     def as_dict(self) -> dict:
-        return {f.name: _thaw(getattr(self, f.name)) for f in fields(self)
-                if not (f.name == "cycle_trace" and self.cycle_trace is None)}
+        return {
+            f.name: _thaw(getattr(self, f.name))
+            for f in fields(self)
+            if not (f.name == "cycle_trace" and self.cycle_trace is None)
+        }
 
 
 def _freeze(v: Any) -> Any:

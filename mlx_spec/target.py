@@ -11,7 +11,8 @@ GDN inputs, and ``rollback`` rebuilds the GDN state of the accepted prefix (see 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,8 +77,14 @@ class Target:
             input) as ``TargetOut.final``: what an MTP head reads (chain.py).
     """
 
-    def __init__(self, model: nn.Module, taps: Sequence[int] = (), *,
-                 restore: Callable[..., None] = gdn.restore, final_hidden: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: Sequence[int] = (),
+        *,
+        restore: Callable[..., None] = gdn.restore,
+        final_hidden: bool = False,
+    ):
         self.model = model
         self.model_type = _model_type(model)
         if self.model_type not in SUPPORTED:
@@ -97,8 +104,9 @@ class Target:
         self.gdn = {i for i, layer in enumerate(self.layers) if gdn.is_gdn(layer)}
         if self.gdn:
             if getattr(self.inner, "pipeline_size", 1) > 1:
-                raise UnsupportedModel("pipelined hybrid targets are not supported (tensor-parallel "
-                                       "sharding with mlx-lm's shard() is)")
+                raise UnsupportedModel(
+                    "pipelined hybrid targets are not supported (tensor-parallel sharding with mlx-lm's shard() is)"
+                )
             gdn.check_mirror(self.layers[min(self.gdn)], self.model_type)
         self.restore = restore
         self.final_hidden = final_hidden
@@ -122,14 +130,23 @@ class Target:
             mx.eval(w, scales, *([biases] if biases is not None else []))
 
             def head(h):
-                return mx.quantized_matmul(h, w, scales=scales, biases=biases, transpose=True,
-                                           group_size=m.group_size, bits=m.bits, mode=m.mode)
+                return mx.quantized_matmul(
+                    h,
+                    w,
+                    scales=scales,
+                    biases=biases,
+                    transpose=True,
+                    group_size=m.group_size,
+                    bits=m.bits,
+                    mode=m.mode,
+                )
         else:
             w = m["weight"][ids]
             mx.eval(w)
 
             def head(h):
                 return h @ w.T
+
         if bias is None:
             return head
         return lambda h: head(h) + bias
@@ -137,8 +154,9 @@ class Target:
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
-    def __call__(self, ids: mx.array, cache: list[Any], *, last_only: bool = False, taps: bool = True,
-                 record: bool = False) -> TargetOut:
+    def __call__(
+        self, ids: mx.array, cache: list[Any], *, last_only: bool = False, taps: bool = True, record: bool = False
+    ) -> TargetOut:
         """ids (B, T) -> logits and tapped features, advancing ``cache`` by T.
 
         ``record=True`` marks a verify pass: a later ``rollback`` may keep only a prefix of it.
@@ -197,6 +215,7 @@ class Target:
         for i, c in enumerate(cache):
             if i not in self.gdn:
                 c.trim(n)
-        self.restore([cache[i] for i in gdn], [tape.records[i] for i in gdn],
-                     [self.layers[i].linear_attn for i in gdn], n_keep)
+        self.restore(
+            [cache[i] for i in gdn], [tape.records[i] for i in gdn], [self.layers[i].linear_attn for i in gdn], n_keep
+        )
         mx.eval([cache[i].cache for i in gdn])

@@ -6,8 +6,9 @@ text that could still become a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from .decode import Step
 
@@ -40,9 +41,14 @@ def tool_format(tokenizer) -> ToolFormat | None:
     return ToolFormat(start, getattr(tokenizer, "tool_call_end", None) or "", parser)
 
 
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  chat: bool = False, tools: list | None = None,
-                  template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    chat: bool = False,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids for a raw prompt or a conversation (through the tokenizer's chat template).
     ``template_kwargs`` are extra template variables, e.g. ``{"enable_thinking": False}``."""
     if messages is None and chat:
@@ -55,8 +61,9 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
     return list(ids)
 
 
-def stream_text(steps: Iterable[Step], tokenizer, stop: Sequence[str] = (),
-                eos_ids: Iterable[int] = ()) -> Iterator[Chunk]:
+def stream_text(
+    steps: Iterable[Step], tokenizer, stop: Sequence[str] = (), eos_ids: Iterable[int] = ()
+) -> Iterator[Chunk]:
     """Detokenize steps; stop at a stop string (excluded from the output)."""
     eos = set(eos_ids)
     stop = [s for s in stop if s]

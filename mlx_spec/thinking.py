@@ -15,6 +15,7 @@ so a marker split across chunks never leaks into either part. Plain Python, no M
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 REASONING, CONTENT = "reasoning", "content"
 
 
@@ -40,7 +41,7 @@ def prompt_opens_reasoning(fmt: ThinkFormat | None, prompt_tail: str) -> bool:
     if fmt is None:
         return False
     i = prompt_tail.rfind(fmt.start)
-    return i >= 0 and fmt.end not in prompt_tail[i:] and not prompt_tail[i + len(fmt.start):].strip()
+    return i >= 0 and fmt.end not in prompt_tail[i:] and not prompt_tail[i + len(fmt.start) :].strip()
 
 
 class ThinkSplitter:
@@ -74,10 +75,10 @@ class ThinkSplitter:
             if i < 0:
                 keep = partial_suffix(self.buf, marker)
                 self._emit(out, self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf = self.buf[len(self.buf) - keep :]
                 return out
             self._emit(out, self.buf[:i])
-            self.buf = self.buf[i + len(marker):]
+            self.buf = self.buf[i + len(marker) :]
             self.in_reasoning = not self.in_reasoning
             self._strip = True
 
@@ -104,8 +105,7 @@ def split(fmt: ThinkFormat, text: str, in_reasoning: bool = False) -> tuple[str,
     """A whole output -> (reasoning, content). Same machine as streaming."""
     s = ThinkSplitter(fmt, in_reasoning)
     pieces = s.feed(text) + s.finish()
-    return ("".join(t for k, t in pieces if k == REASONING),
-            "".join(t for k, t in pieces if k == CONTENT))
+    return ("".join(t for k, t in pieces if k == REASONING), "".join(t for k, t in pieces if k == CONTENT))
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -106,11 +107,15 @@ class PromptResult:
     def describe(self) -> str:
         head = f"{self.prompt:<12} B={self.block_size:<3} {self.verdict:<9}"
         if self.divergence is None:
-            return (f"{head} {self.plain_tokens} tokens, sha256 {self.plain_sha256[:12]} (tokens) "
-                    f"{self.plain_text_sha256[:12]} (text), tau {self.tau:.2f}")
+            return (
+                f"{head} {self.plain_tokens} tokens, sha256 {self.plain_sha256[:12]} (tokens) "
+                f"{self.plain_text_sha256[:12]} (text), tau {self.tau:.2f}"
+            )
         d = self.divergence
-        out = (f"{head} first divergence at token {d.index}: plain {d.plain_text!r} ({d.plain_token}) "
-               f"vs speculative {d.spec_text!r} ({d.spec_token}); {d.reason}")
+        out = (
+            f"{head} first divergence at token {d.index}: plain {d.plain_text!r} ({d.plain_token}) "
+            f"vs speculative {d.spec_text!r} ({d.spec_token}); {d.reason}"
+        )
         return out + (f"; block size 2: {self.block2}" if self.block2 else "")
 
 
@@ -131,8 +136,7 @@ class Report:
         return self.count(MISMATCH) == 0
 
     def summary(self) -> str:
-        return (f"{self.count(IDENTICAL)} identical, {self.count(NUMERIC)} numeric, "
-                f"{self.count(MISMATCH)} mismatch")
+        return f"{self.count(IDENTICAL)} identical, {self.count(NUMERIC)} numeric, {self.count(MISMATCH)} mismatch"
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -141,9 +145,15 @@ class Report:
         return d
 
 
-def check(pair, prompts: Sequence[Prompt | str | Sequence[int]] | None = None,
-          block_sizes: Sequence[int] | None = None, max_tokens: int = 64, *,
-          tol: float | None = None, progress: Callable[[PromptResult], None] | None = None) -> Report:
+def check(
+    pair,
+    prompts: Sequence[Prompt | str | Sequence[int]] | None = None,
+    block_sizes: Sequence[int] | None = None,
+    max_tokens: int = 64,
+    *,
+    tol: float | None = None,
+    progress: Callable[[PromptResult], None] | None = None,
+) -> Report:
     """Compare greedy speculative with greedy plain decoding on every prompt and block size.
 
     Runs on the thread that owns ``pair`` (from another thread: ``engine.call(lambda pair:
@@ -152,8 +162,9 @@ def check(pair, prompts: Sequence[Prompt | str | Sequence[int]] | None = None,
     drafter's checkpoint block size. ``tol`` overrides the dtype-derived tolerance.
     """
     if pair.drafter is None:
-        raise BadRequest("verify compares speculative with plain decoding and needs a drafter "
-                         "(drop --no-draft, or pass --drafter)")
+        raise BadRequest(
+            "verify compares speculative with plain decoding and needs a drafter (drop --no-draft, or pass --drafter)"
+        )
     if max_tokens < 1:
         raise BadRequest(f"max_tokens must be >= 1 (got {max_tokens})")
     sizes = tuple(block_sizes or (pair.drafter.args.block_size,))
@@ -163,14 +174,16 @@ def check(pair, prompts: Sequence[Prompt | str | Sequence[int]] | None = None,
     results = []
     for n, item in enumerate(BUILTIN if prompts is None else prompts):
         name, ids = _encode(pair.tokenizer, item, n)
-        plain = [t for s in plain_steps(pair.model, ids, max_tokens=max_tokens, eos_ids=eos,
-                                        prefill_step=PREFILL_STEP) for t in s.tokens]
+        plain = [
+            t
+            for s in plain_steps(pair.model, ids, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP)
+            for t in s.tokens
+        ]
         for B in sizes:
             res = _compare(pair, name, ids, plain, B, max_tokens, eos, tol)
             if res.verdict != IDENTICAL and B != 2:
                 again = _compare(pair, name, ids, plain, 2, max_tokens, eos, tol)
-                note = IDENTICAL if again.divergence is None else (
-                    f"{again.verdict} at token {again.divergence.index}")
+                note = IDENTICAL if again.divergence is None else (f"{again.verdict} at token {again.divergence.index}")
                 verdict = max(res.verdict, again.verdict, key=_RANK.get)
                 res = replace(res, block2=note, verdict=verdict)
             log.info("verify %s", res.describe())
@@ -200,16 +213,30 @@ def _text_sha(tokenizer, tokens: Sequence[int]) -> str:
 def _compare(pair, name, ids, plain, B, max_tokens, eos, tol) -> PromptResult:
     spec, drafted, accepted, cycles, error = [], 0, 0, 0, None
     try:
-        for s in spec_steps(pair.target, pair.drafter, ids, block_size=B, max_tokens=max_tokens,
-                            eos_ids=eos, prefill_step=PREFILL_STEP):
+        for s in spec_steps(
+            pair.target, pair.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP
+        ):
             spec.extend(s.tokens)
             if not s.prefill:
                 drafted, accepted, cycles = drafted + s.drafted, accepted + s.accepted, cycles + 1
     except Exception as e:  # a crash of the speculative path is a finding, not an abort
         error = f"speculative decoding raised {type(e).__name__}: {e}"
     tk = pair.tokenizer
-    res = PromptResult(name, B, IDENTICAL, len(ids), len(plain), len(spec), _sha(plain), _sha(spec),
-                       _text_sha(tk, plain), _text_sha(tk, spec), drafted, accepted, cycles)
+    res = PromptResult(
+        name,
+        B,
+        IDENTICAL,
+        len(ids),
+        len(plain),
+        len(spec),
+        _sha(plain),
+        _sha(spec),
+        _text_sha(tk, plain),
+        _text_sha(tk, spec),
+        drafted,
+        accepted,
+        cycles,
+    )
     if error is None and spec == plain:
         return res
     i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
@@ -223,7 +250,7 @@ def _compare(pair, name, ids, plain, B, max_tokens, eos, tol) -> PromptResult:
 def _divergence(tk, plain, spec, i, verdict, reason, **rows) -> Divergence:
     p = plain[i] if i < len(plain) else None
     s = spec[i] if i < len(spec) else None
-    text = (lambda t: "" if t is None else tk.decode([t]))
+    text = lambda t: "" if t is None else tk.decode([t])
     fields = dict(single_gap=None, batched_gap=None, flip=None, drift=None, tolerance=None, dtype=None)
     return Divergence(i, p, s, text(p), text(s), **(fields | rows), verdict=verdict, reason=reason)
 
@@ -232,18 +259,34 @@ def _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol) -> Divergence
     tk = pair.tokenizer
     if i >= len(plain) or i >= len(spec):
         short, longer = ("speculative", "plain") if len(spec) < len(plain) else ("plain", "speculative")
-        return _divergence(tk, plain, spec, i, MISMATCH,
-                           f"the {short} run stopped after {i} tokens while the {longer} run went on "
-                           "with the same tokens (finish/truncation bug)")
+        return _divergence(
+            tk,
+            plain,
+            spec,
+            i,
+            MISMATCH,
+            f"the {short} run stopped after {i} tokens while the {longer} run went on "
+            "with the same tokens (finish/truncation bug)",
+        )
     single = _plain_row(pair.model, ids, i, max_tokens)  # log-probs (V,)
     batched = _spec_row(pair, ids, i, B, max_tokens, eos)  # logits (V,)
     dtype = str(batched.dtype).rsplit(".", 1)[-1]
     return classify(single, batched, plain[i], spec[i], dtype, tol, tk=tk, plain=plain, spec=spec, i=i)
 
 
-def classify(single: mx.array, batched: mx.array, plain_token: int, spec_token: int,
-             dtype: str = "float32", tol: float | None = None, *, tk=None, plain=None, spec=None,
-             i: int = 0) -> Divergence:
+def classify(
+    single: mx.array,
+    batched: mx.array,
+    plain_token: int,
+    spec_token: int,
+    dtype: str = "float32",
+    tol: float | None = None,
+    *,
+    tk=None,
+    plain=None,
+    spec=None,
+    i: int = 0,
+) -> Divergence:
     """The verdict at a divergence from the target's logits there in both forms.
 
     single: the plain run's row (logits or log-probs); batched: the verify row that chose the
@@ -254,28 +297,51 @@ def classify(single: mx.array, batched: mx.array, plain_token: int, spec_token: 
     ls = ls - mx.logsumexp(ls)
     lb_c = lb - mx.logsumexp(lb)
     top_s, top_b = mx.topk(ls, 2), mx.topk(lb, 2)
-    vals = mx.stack([ls[plain_token], ls[spec_token], lb[plain_token], lb[spec_token],
-                     ls.max(), lb.max(), mx.abs(lb).max(), mx.abs(lb_c - ls).max(),
-                     top_s.max() - top_s.min(), top_b.max() - top_b.min()]).tolist()
+    vals = mx.stack(
+        [
+            ls[plain_token],
+            ls[spec_token],
+            lb[plain_token],
+            lb[spec_token],
+            ls.max(),
+            lb.max(),
+            mx.abs(lb).max(),
+            mx.abs(lb_c - ls).max(),
+            top_s.max() - top_s.min(),
+            top_b.max() - top_b.min(),
+        ]
+    ).tolist()
     s_p, s_s, b_p, b_s, s_max, b_max, mag, drift, gap_s, gap_b = vals
     tol = tolerance(dtype, mag) if tol is None else tol
     flip = max(b_s - b_p, s_p - s_s)
     rows = dict(single_gap=gap_s, batched_gap=gap_b, flip=flip, drift=drift, tolerance=tol, dtype=dtype)
     if b_s < b_max:
-        verdict, reason = MISMATCH, (
-            f"the speculative run committed a token its own verify pass did not choose (logit "
-            f"{b_s:.4f} vs top {b_max:.4f}): accept-rule bug")
+        verdict, reason = (
+            MISMATCH,
+            (
+                f"the speculative run committed a token its own verify pass did not choose (logit "
+                f"{b_s:.4f} vs top {b_max:.4f}): accept-rule bug"
+            ),
+        )
     elif s_p < s_max:
         verdict, reason = MISMATCH, "the plain run did not take its own argmax"
     elif flip <= tol:
-        verdict, reason = NUMERIC, (
-            f"near tie: the two tokens are {flip:.3g} apart (tolerance {tol:.3g}, {dtype}); top-2 gap "
-            f"single-token {gap_s:.3g}, batched-verify {gap_b:.3g}")
+        verdict, reason = (
+            NUMERIC,
+            (
+                f"near tie: the two tokens are {flip:.3g} apart (tolerance {tol:.3g}, {dtype}); top-2 gap "
+                f"single-token {gap_s:.3g}, batched-verify {gap_b:.3g}"
+            ),
+        )
     else:
-        verdict, reason = MISMATCH, (
-            f"the forms disagree by {flip:.3g} > tolerance {tol:.3g} ({dtype}; drift {drift:.3g}); "
-            f"top-2 gap single-token {gap_s:.3g}, batched-verify {gap_b:.3g}: the verify pass saw a "
-            "different context (rollback, cache or position bug)")
+        verdict, reason = (
+            MISMATCH,
+            (
+                f"the forms disagree by {flip:.3g} > tolerance {tol:.3g} ({dtype}; drift {drift:.3g}); "
+                f"top-2 gap single-token {gap_s:.3g}, batched-verify {gap_b:.3g}: the verify pass saw a "
+                "different context (rollback, cache or position bug)"
+            ),
+        )
     if tk is None:
         return Divergence(i, plain_token, spec_token, "", "", **rows, verdict=verdict, reason=reason)
     return _divergence(tk, plain, spec, i, verdict, reason, **rows)
@@ -285,8 +351,7 @@ def _plain_row(model, ids, i: int, max_tokens: int) -> mx.array:
     """Replay plain decoding exactly (mlx-lm's generate_step) and return step i's log-probs."""
     from mlx_lm.generate import generate_step
 
-    gen = generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens,
-                        prefill_step_size=PREFILL_STEP)
+    gen = generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens, prefill_step_size=PREFILL_STEP)
     try:
         for k, (_, logprobs) in enumerate(gen):
             if k == i:
@@ -330,8 +395,9 @@ def _spec_row(pair, ids, i: int, B: int, max_tokens: int, eos) -> mx.array:
     """Replay the speculative run (same block size and max_tokens, so the same verify widths)
     until token i is committed; return the verify row that chose it."""
     rec = _Recorder(pair.target, len(ids) + i - 1)
-    steps = spec_steps(rec, pair.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=eos,
-                       prefill_step=PREFILL_STEP)
+    steps = spec_steps(
+        rec, pair.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP
+    )
     n = 0
     try:
         for s in steps:
@@ -346,5 +412,4 @@ def _spec_row(pair, ids, i: int, B: int, max_tokens: int, eos) -> mx.array:
     return rec.row
 
 
-__all__ = ["check", "classify", "tolerance", "Report", "PromptResult", "Divergence",
-           "IDENTICAL", "NUMERIC", "MISMATCH"]
+__all__ = ["check", "classify", "tolerance", "Report", "PromptResult", "Divergence", "IDENTICAL", "NUMERIC", "MISMATCH"]

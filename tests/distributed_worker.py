@@ -12,14 +12,14 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-import mlx.core as mx
-
 from mlx_spec import distributed
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.generation import GenConfig
 from mlx_spec.loading import check_pair, load_drafter, load_target_model
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.target import Target
+
+import mlx.core as mx
 
 
 def main(job_path: str) -> int:
@@ -41,8 +41,9 @@ def main(job_path: str) -> int:
         model, target, drafter = pair
         if method == "plain":
             return plain_steps(model, ids, max_tokens=cfg.max_tokens, sampling=cfg.sampling)
-        return spec_steps(target, drafter, ids, block_size=block, max_tokens=cfg.max_tokens,
-                          sampling=cfg.sampling, policy=policy)
+        return spec_steps(
+            target, drafter, ids, block_size=block, max_tokens=cfg.max_tokens, sampling=cfg.sampling, policy=policy
+        )
 
     results = []
 
@@ -54,6 +55,7 @@ def main(job_path: str) -> int:
         if rank != 0:
             run = partial(run_steps, pair)
             if job.get("die_rank") == rank and k == job.get("die_phase", 0):
+
                 def run(*a, _run=run):  # follow until a given step, then die (or hang)
                     for n, s in enumerate(_run(*a), 1):
                         if n == job.get("die_step", 3):
@@ -61,6 +63,7 @@ def main(job_path: str) -> int:
                                 os.kill(os.getpid(), signal.SIGSTOP)
                             os._exit(9)
                         yield s
+
             distributed.follow(group, run, timeout=job.get("timeout", 20.0))
             continue
         leader = distributed.Leader(group, timeout=job.get("timeout", 20.0))
@@ -69,32 +72,50 @@ def main(job_path: str) -> int:
         def failed(why, t_fail=t_fail):  # the watchdog fired: this thread may be stuck in a collective
             t_fail.append(time.perf_counter())
             if job.get("die_how") == "hang":
-                results.append({"phase": k, "tokens": [], "error": f"GroupFailed: {why}",
-                                "healthy": leader.healthy, "health": leader.health()})
-                write({"watchdog_s": t_fail[0] - t_start[0]})
+                results.append(
+                    {
+                        "phase": k,  # noqa: B023
+                        "tokens": [],
+                        "error": f"GroupFailed: {why}",
+                        "healthy": leader.healthy,  # noqa: B023
+                        "health": leader.health(),  # noqa: B023
+                    }
+                )
+                write({"watchdog_s": t_fail[0] - t_start[0]})  # noqa: B023
                 os._exit(0)
+
         leader.on_failure(failed)
         t_start = [time.perf_counter()]
         for case in phase["cases"]:
-            info = SimpleNamespace(method="plain" if case["block"] == 1 else "dflash", block_size=case["block"],
-                                   adaptive_max=0)
-            cfg = leader.seeded(GenConfig(max_tokens=case["max_tokens"], sampling=SamplingConfig(
-                case.get("temperature", 0.0), seed=case.get("seed"))))
+            info = SimpleNamespace(
+                method="plain" if case["block"] == 1 else "dflash", block_size=case["block"], adaptive_max=0
+            )
+            cfg = leader.seeded(
+                GenConfig(
+                    max_tokens=case["max_tokens"],
+                    sampling=SamplingConfig(case.get("temperature", 0.0), seed=case.get("seed")),
+                )
+            )
             t0 = t_start[0] = time.perf_counter()
             toks, sources, err = [], [], None
             try:
                 method = "plain" if case["block"] == 1 else "spec"
                 policy = None
                 if case.get("policy"):  # the adaptive policy (dflash + lookup), rank 0's choices shared
-                    from mlx_spec.policy import DraftPolicy
                     from mlx_spec.costs import Costs
+                    from mlx_spec.policy import DraftPolicy
 
                     costs = Costs(1.0, {2: 0.5, 4: 0.6, 8: 0.8}, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}, 64)
                     if case["policy"] == "plain":  # drafting never pays: runs of pipelined plain steps
                         costs = Costs(1.0, {2: 50.0, 4: 60.0, 8: 80.0}, {1: 1.0, 2: 40.0, 4: 60.0, 8: 90.0}, 64)
                     policy = leader.share(DraftPolicy(costs, case["block"]))
-                steps = leader.lead(run_steps(pair, case["prompt"], cfg, method, case["block"], policy),
-                                    case["prompt"], cfg, info, policy)
+                steps = leader.lead(
+                    run_steps(pair, case["prompt"], cfg, method, case["block"], policy),
+                    case["prompt"],
+                    cfg,
+                    info,
+                    policy,
+                )
                 for s in steps:
                     toks.extend(s.tokens)
                     sources.append(s.source)
@@ -105,10 +126,20 @@ def main(job_path: str) -> int:
                         break
             except Exception as e:
                 err = f"{type(e).__name__}: {e}"
-            results.append({"phase": k, "block": case["block"], "policy": case.get("policy") or False,
-                            "tokens": toks, "sources": sources, "error": err,
-                            "s": time.perf_counter() - t0, "healthy": leader.healthy,
-                            "health": leader.health(), "wire": dict(leader.wire.stats)})
+            results.append(
+                {
+                    "phase": k,
+                    "block": case["block"],
+                    "policy": case.get("policy") or False,
+                    "tokens": toks,
+                    "sources": sources,
+                    "error": err,
+                    "s": time.perf_counter() - t0,
+                    "healthy": leader.healthy,
+                    "health": leader.health(),
+                    "wire": dict(leader.wire.stats),
+                }
+            )
             if err:
                 break
         if not leader.healthy:

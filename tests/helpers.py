@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlx_spec.drafter import DFLASH1, DFLASH2, ContextCache, Drafter, DrafterArgs, Proposal
 from mlx_spec.target import Target
+
+import mlx.core as mx
 
 VOCAB = 128
 
 TARGET_CONFIGS = {
-    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                  vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
-                  tie_word_embeddings=False),
-    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
-                  tie_word_embeddings=False),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -37,16 +55,31 @@ def tiny_model(kind: str = "qwen3", seed: int = 0):
     return model, cfg
 
 
-def drafter_config(target_cfg: dict, *, v2: bool = False, layers: int = 1, taps=(0, 2),
-                   window: int | None = None, block_size: int = 8, is_causal=None) -> dict:
+def drafter_config(
+    target_cfg: dict,
+    *,
+    v2: bool = False,
+    layers: int = 1,
+    taps=(0, 2),
+    window: int | None = None,
+    block_size: int = 8,
+    is_causal=None,
+) -> dict:
     H = target_cfg["hidden_size"]
     cfg = {
         "architectures": [DFLASH2 if v2 else DFLASH1],
         "model_type": "qwen3",
-        "hidden_size": H, "num_hidden_layers": layers, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
-        "vocab_size": target_cfg["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "num_target_layers": target_cfg["num_hidden_layers"],
+        "hidden_size": H,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "vocab_size": target_cfg["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "num_target_layers": target_cfg["num_hidden_layers"],
         "block_size": block_size,
         "dflash_config": {"mask_token_id": target_cfg["vocab_size"] - 1, "target_layer_ids": list(taps)},
     }
@@ -87,9 +120,17 @@ class ScriptedDrafter:
 
     def __init__(self, full: list[int], vocab: int, right: int | None = None):
         self.full, self.vocab, self.right = full, vocab, right
-        self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
-                                num_key_value_heads=1, intermediate_size=1, vocab_size=vocab,
-                                num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
+        self.args = DrafterArgs(
+            hidden_size=1,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            intermediate_size=1,
+            vocab_size=vocab,
+            num_target_layers=1,
+            target_layer_ids=[0],
+            mask_token_id=0,
+        )
 
     def make_cache(self):
         return [ContextCache()]
@@ -132,8 +173,9 @@ def save_tiny_tokenizer(path, vocab_size: int = VOCAB, extra_specials=(), templa
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(specials + list(extra_specials))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<unk>",
-                                 bos_token=None, pad_token="<|endoftext|>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<unk>", bos_token=None, pad_token="<|endoftext|>"
+    )
     hf.chat_template = template
     hf.save_pretrained(str(path))
 
@@ -142,9 +184,9 @@ def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
     """Write a tiny target (with tokenizer) and drafter to disk; returns (target_dir, drafter_dir)."""
     from pathlib import Path
 
-    from mlx_lm.utils import save_config, save_model
-
     from mlx_spec.loading import save_drafter
+
+    from mlx_lm.utils import save_config, save_model
 
     root = Path(root)
     model, cfg = tiny_model(kind)

@@ -36,7 +36,9 @@ class Hub:
     url: str = ""
 
     def add_folder(self, repo: str, folder: Path) -> None:
-        self.repos[repo] = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        self.repos[repo] = {
+            str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+        }
 
     def sha(self, repo: str) -> str:
         return hashlib.sha1(repo.encode() + "\0".join(sorted(self.repos[repo])).encode()).hexdigest()
@@ -58,8 +60,15 @@ def _handler(hub: Hub):
         def do_GET(self):
             self._serve(head=False)
 
-        def _send(self, status: int, body: bytes, headers: dict | None = None, head: bool = False,
-                  limit: int | None = None, hang: bool = False) -> None:
+        def _send(
+            self,
+            status: int,
+            body: bytes,
+            headers: dict | None = None,
+            head: bool = False,
+            limit: int | None = None,
+            hang: bool = False,
+        ) -> None:
             self.send_response(status)
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
@@ -81,8 +90,9 @@ def _handler(hub: Hub):
 
         def _error(self, status: int, code: str, head: bool) -> None:
             body = json.dumps({"error": code}).encode()
-            self._send(status, body, {"X-Error-Code": code, "X-Error-Message": code,
-                                      "Content-Type": "application/json"}, head)
+            self._send(
+                status, body, {"X-Error-Code": code, "X-Error-Message": code, "Content-Type": "application/json"}, head
+            )
 
         def _serve(self, head: bool) -> None:
             path = unquote(urlparse(self.path).path)
@@ -95,18 +105,35 @@ def _handler(hub: Hub):
                 if repo not in hub.repos:
                     return self._error(404, "RepoNotFound", head)
                 files = hub.repos[repo]
-                info = {"id": repo, "modelId": repo, "sha": hub.sha(repo), "private": False, "disabled": False,
-                        "gated": False, "tags": [], "downloads": 0, "likes": 0,
-                        "siblings": [{"rfilename": n, "size": len(b)} for n, b in files.items()]}
+                info = {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": hub.sha(repo),
+                    "private": False,
+                    "disabled": False,
+                    "gated": False,
+                    "tags": [],
+                    "downloads": 0,
+                    "likes": 0,
+                    "siblings": [{"rfilename": n, "size": len(b)} for n, b in files.items()],
+                }
                 return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+(?:/(.*))?", path)
             if m:  # the file listing snapshot_download reads (one page, recursive)
                 repo, under = m.group(1), (m.group(2) or "").strip("/")
                 if repo not in hub.repos:
                     return self._error(404, "RepoNotFound", head)
-                tree = [{"type": "file", "path": n, "size": len(b), "oid": _etag(n, b),
-                         **({"lfs": {"oid": _etag(n, b), "size": len(b), "pointerSize": 134}} if _lfs(n) else {})}
-                        for n, b in hub.repos[repo].items() if n.startswith(under)]
+                tree = [
+                    {
+                        "type": "file",
+                        "path": n,
+                        "size": len(b),
+                        "oid": _etag(n, b),
+                        **({"lfs": {"oid": _etag(n, b), "size": len(b), "pointerSize": 134}} if _lfs(n) else {}),
+                    }
+                    for n, b in hub.repos[repo].items()
+                    if n.startswith(under)
+                ]
                 return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, head)
             m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
             if not m:
@@ -117,14 +144,18 @@ def _handler(hub: Hub):
             if name not in hub.repos[repo]:
                 return self._error(404, "EntryNotFound", head)
             data = hub.repos[repo][name]
-            headers = {"ETag": f'"{_etag(name, data)}"', "X-Repo-Commit": hub.sha(repo),
-                       "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+            headers = {
+                "ETag": f'"{_etag(name, data)}"',
+                "X-Repo-Commit": hub.sha(repo),
+                "Accept-Ranges": "bytes",
+                "Content-Type": "application/octet-stream",
+            }
             status, body = 200, data
             rng = self.headers.get("range")
             if rng:
                 a, _, b = rng.removeprefix("bytes=").partition("-")
                 start, end = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
-                body, status = data[start:end + 1], 206
+                body, status = data[start : end + 1], 206
                 headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             limit, hang = None, False
             if not head and not rng and (repo, name) in hub.cut:

@@ -8,12 +8,12 @@ clock's, and ``replay`` runs the loop on them and times every cycle by the curve
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from mlx_spec.policy import LOOKUP, Context, DraftPolicy
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step, spec_steps
+from mlx_spec.policy import LOOKUP, Context, DraftPolicy
 from mlx_spec.target import TargetOut
+
+import mlx.core as mx
 
 
 class _Offset:
@@ -35,8 +35,10 @@ class ReplyTarget:
     def __call__(self, ids, cache, last_only=False, record=False):
         p, L = cache[0].offset, ids.shape[1]
         cache[0].offset += L
-        nxt = [self.seq[r + 1] if r + 1 < len(self.seq) else self.end
-               for r in ([p + L - 1] if last_only else range(p, p + L))]
+        nxt = [
+            self.seq[r + 1] if r + 1 < len(self.seq) else self.end
+            for r in ([p + L - 1] if last_only else range(p, p + L))
+        ]
         logits = (mx.arange(self.vocab)[None] == mx.array(nxt)[:, None]).astype(mx.float32)[None]
         return TargetOut(logits, mx.zeros((1, len(nxt), 1)))
 
@@ -65,8 +67,9 @@ class CurveTimed(DraftPolicy):
         super().observe(self.curve.timed(step))
 
 
-def replay(prompt, full, costs: Costs, max_tokens: int, make, *, eos=(),
-           policy: DraftPolicy | None = None) -> tuple[list[Step], int]:
+def replay(
+    prompt, full, costs: Costs, max_tokens: int, make, *, eos=(), policy: DraftPolicy | None = None
+) -> tuple[list[Step], int]:
     """The cycles of a lookup-only policy (default: a fresh ``CurveTimed``) on the reply
     ``full`` (its EOS, one of ``eos``, included when it ended early): ``decode.spec_steps`` on
     a ``ReplyTarget`` that answers with the reply, drafting from the index ``make(prompt)``;
@@ -82,12 +85,22 @@ def replay(prompt, full, costs: Costs, max_tokens: int, make, *, eos=(),
 
     policy.stays_plain = noting
     end = int(eos[0]) if eos else 0  # (never read: the reply ends at EOS or at max_tokens)
-    for s in spec_steps(ReplyTarget(list(prompt) + list(full), end), NoDrafter(), prompt, block_size=8,
-                        max_tokens=max_tokens, eos_ids=eos, policy=policy, index=make(prompt)):
+    for s in spec_steps(
+        ReplyTarget(list(prompt) + list(full), end),
+        NoDrafter(),
+        prompt,
+        block_size=8,
+        max_tokens=max_tokens,
+        eos_ids=eos,
+        policy=policy,
+        index=make(prompt),
+    ):
         steps.append(s)  # one at a time: noting reads how many have come
     got = [t for s in steps for t in s.tokens]
     if got != list(full):
-        raise ValueError(f"the replay made {len(got)} tokens, not the reply's {len(full)}: "
-                         "is its EOS among eos, or is the reply cut at max_tokens?")
+        raise ValueError(
+            f"the replay made {len(got)} tokens, not the reply's {len(full)}: "
+            "is its EOS among eos, or is the reply cut at max_tokens?"
+        )
     # a step queued by a run's last step (the reply ended there) never ran
     return [costs.timed(s) for s in steps[1:]], sum(1 for k, yes in said if yes and k < len(steps) - 1)

@@ -7,18 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-
 from mlx_spec import backend, loading, memory, quantize
 from mlx_spec.errors import MlxSpecError
+
+import mlx.core as mx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_only_the_seam_asks_mlx_which_backend_it_is():
-    hits = [f"{p}:{n}" for d in ("mlx_spec", "tui") for p in (ROOT / d).rglob("*.py")
-            for n, line in enumerate(p.read_text().splitlines(), 1) if "metal.is_available" in line]
+    hits = [
+        f"{p}:{n}"
+        for d in ("mlx_spec", "tui")
+        for p in (ROOT / d).rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "metal.is_available" in line
+    ]
     assert hits and all(h.startswith(str(ROOT / "mlx_spec" / "backend.py")) for h in hits), hits
 
 
@@ -63,8 +68,9 @@ def test_an_unknown_kind_is_refused_by_name():
 
 def _probe(value: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), backend.ENV: value}
-    code = ("from mlx_spec import backend, loading; b = backend.current(); "
-            "print(b.kind, b.faked, loading.default_dtype())")
+    code = (
+        "from mlx_spec import backend, loading; b = backend.current(); print(b.kind, b.faked, loading.default_dtype())"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 

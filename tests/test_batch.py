@@ -5,6 +5,16 @@ hybrid GDN and MoE tiny targets; mixed prompt lengths; joins and cancels mid-bat
 2; drafts accepted raggedly). T > 0 keeps the target's distribution. Stats never mix.
 """
 
+from mlx_spec.batch import Acceptance, BatchBudget, BatchDecoder, StepCost, batched_steps
+from mlx_spec.decode import spec_steps
+from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.policy import PLAIN, Decision
+from mlx_spec.prefix import PrefixCache
+from mlx_spec.sampling import SamplingConfig, target_probs
+from mlx_spec.stats import Stats
+from mlx_spec.target import Target
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,18 +22,14 @@ from helpers import VOCAB, greedy_reference, tiny_drafter, tiny_model
 from test_hybrid import build
 from test_sampling import gof_pvalue
 
-from mlx_spec.policy import PLAIN, Decision
-from mlx_spec.batch import Acceptance, BatchDecoder, BatchBudget, StepCost, batched_steps
-from mlx_spec.decode import spec_steps
-from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
-from mlx_spec.errors import MlxSpecError
-from mlx_spec.prefix import PrefixCache
-from mlx_spec.sampling import SamplingConfig, target_probs
-from mlx_spec.stats import Stats
-from mlx_spec.target import Target
-
-PROMPTS = [[1, 5, 9, 17, 33, 2, 8, 40, 77], [3, 4, 5], list(range(10, 60)), [7] * 20, [100, 3, 2, 9, 11],
-           [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82]]
+PROMPTS = [
+    [1, 5, 9, 17, 33, 2, 8, 40, 77],
+    [3, 4, 5],
+    list(range(10, 60)),
+    [7] * 20,
+    [100, 3, 2, 9, 11],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82],
+]
 N = 24
 
 
@@ -40,9 +46,17 @@ class Scripted:
 
     def __init__(self, fulls, rights):
         self.fulls, self.rights = list(fulls), list(rights)
-        self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
-                                num_key_value_heads=1, intermediate_size=1, vocab_size=VOCAB,
-                                num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
+        self.args = DrafterArgs(
+            hidden_size=1,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            intermediate_size=1,
+            vocab_size=VOCAB,
+            num_target_layers=1,
+            target_layer_ids=[0],
+            mask_token_id=0,
+        )
 
     def make_cache(self):
         c = ContextCache()
@@ -96,7 +110,7 @@ def test_batched_equals_alone_dense(dense, v2, policy):
     assert dec.packed_drafter and dec.packed.packed
     assert dec.kv is not None and dec.packed.slotted == dec.packed.packed  # attention batched
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS], joins={3: 2, 4: 5, 5: 9})
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(PROMPTS):  # noqa: B007
         assert got[i] == alone[i], f"prompt {i}"
     assert max(dec.batch_sizes) >= 4
     if policy is AlwaysDraft:
@@ -116,8 +130,9 @@ def test_ragged_acceptance_is_exact(kind):
     refs = [greedy_reference(model, p, N) for p in prompts]
     fulls = [list(p) + r for p, r in zip(prompts, refs)]
     rights = [None, 0, 1, 2, None]
-    dec = BatchDecoder(target, Scripted(fulls, rights), block_size=5, max_batch=8, prefill_chunk=8,
-                       policy=AlwaysDraft())
+    dec = BatchDecoder(
+        target, Scripted(fulls, rights), block_size=5, max_batch=8, prefill_chunk=8, policy=AlwaysDraft()
+    )
     # (joins in index order: the scripted drafter hands out continuations in order of admission)
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in prompts], joins={3: 1, 4: 3})
     for i in range(len(prompts)):
@@ -127,8 +142,11 @@ def test_ragged_acceptance_is_exact(kind):
     assert acc[0] > acc[3] > acc[2] > acc[1] == 0  # ragged acceptance really happened
 
 
-@pytest.mark.parametrize("split_at,kind", [(None, "dense"), (0.0, "dense"), (float("inf"), "dense"),
-                                           (None, "qwen3_moe")], ids=["default", "split", "padded", "moe"])
+@pytest.mark.parametrize(
+    "split_at,kind",
+    [(None, "dense"), (0.0, "dense"), (float("inf"), "dense"), (None, "qwen3_moe")],
+    ids=["default", "split", "padded", "moe"],
+)
 def test_few_drafting_among_plain_rows_attend_split_exactly(dense, split_at, kind):
     """A few sequences drafting (blocks 5, 3, 2) among plain ones: their attention runs split
     (every row's first query in one call, each drafting row's others against its own keys) or
@@ -142,8 +160,9 @@ def test_few_drafting_among_plain_rows_attend_split_exactly(dense, split_at, kin
     refs = [greedy_reference(model, p, N) for p in prompts]
     fulls = [list(p) + r for p, r in zip(prompts, refs)]
     blocks = [5, 1, 3, 1, 1, 2]
-    dec = BatchDecoder(target, Scripted(fulls, [None, None, 1, None, None, 0]), max_batch=8, prefill_chunk=64,
-                       policy=AlwaysDraft())
+    dec = BatchDecoder(
+        target, Scripted(fulls, [None, None, 1, None, None, 0]), max_batch=8, prefill_chunk=64, policy=AlwaysDraft()
+    )
     if split_at is not None:
         dec.kv.split_at = split_at
     plans = []
@@ -186,8 +205,7 @@ def test_rows_leave_and_join_mid_batch(dense):
     model, _ = dense
     dec = BatchDecoder(Target(model), None, max_batch=4, prefill_chunk=8)
     lengths = [5, 20, 3, 12, 9, 16]
-    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, lengths)],
-                        joins={4: 4, 5: 7})
+    got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, lengths)], joins={4: 4, 5: 7})
     for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
         assert got[i] == greedy_reference(model, p, n), f"prompt {i}"
     assert dec.kv is not None and len(dec.kv) == 0 and dec.kv.nbytes == 0
@@ -196,9 +214,9 @@ def test_rows_leave_and_join_mid_batch(dense):
 def _joined_kv(lengths):
     """A one-layer ``BatchKV`` with a row per length joined (keys k, values k + 1): (kv, the rows'
     parked caches, their keys)."""
-    from mlx_lm.models.cache import KVCache
-
     from mlx_spec.batch import BatchKV
+
+    from mlx_lm.models.cache import KVCache
 
     kv, caches, want = BatchKV([0]), [], []
     for n in lengths:
@@ -291,8 +309,16 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
     refs = [greedy_reference(model, p, N) for p in PROMPTS[:5]]
     eos = refs[2][6]  # sequence 2 ends at its 7th token (or earlier, where that token comes first)
     kept, pols = {}, [_StaysPlain() for _ in range(5)]
-    jobs = [dict(prompt=p, max_tokens=N - 2 * i, policy=pols[i], eos_ids=(eos,) if i == 2 else (),
-                 on_exit=lambda pf, i=i: kept.__setitem__(i, pf)) for i, p in enumerate(PROMPTS[:5])]
+    jobs = [
+        dict(
+            prompt=p,
+            max_tokens=N - 2 * i,
+            policy=pols[i],
+            eos_ids=(eos,) if i == 2 else (),
+            on_exit=lambda pf, i=i: kept.__setitem__(i, pf),
+        )
+        for i, p in enumerate(PROMPTS[:5])
+    ]
     dec = BatchDecoder(target, d, max_batch=5, prefill_chunk=64, pipeline=pipeline)
     got, steps = _run_batch(dec, jobs, joins={4: 6}, cancels={1: 9})
     for i in (0, 3, 4):
@@ -313,7 +339,9 @@ def test_pipelined_plain_steps_are_exact_and_leave_consistent_caches(dense, pipe
             assert c.offset == n and np.allclose(np.array(c.keys[..., :n, :]), np.array(r.keys[..., :n, :]), atol=1e-4)
             assert np.allclose(np.array(c.values[..., :n, :]), np.array(r.values[..., :n, :]), atol=1e-4)
         decoded = sum(1 for st in steps[i] if not st.prefill)
-        assert pols[i].observed == decoded and decoded <= pols[i].chosen <= decoded + 1  # (+1: a step queued at the end)
+        assert (
+            pols[i].observed == decoded and decoded <= pols[i].chosen <= decoded + 1
+        )  # (+1: a step queued at the end)
     assert (dec.pipelined > 10) == pipeline and all(sum(x.drafted for x in steps[i]) == 0 for i in steps)
 
 
@@ -343,11 +371,13 @@ def test_a_step_is_asked_with_the_room_it_has(dense, pipeline):
     target, d, _ = tiny_drafter(model, cfg)
     pols = [_Rooms(), _Rooms()]
     dec = BatchDecoder(target, d, max_batch=2, prefill_chunk=64, pipeline=pipeline)
-    got, _ = _run_batch(dec, [dict(prompt=PROMPTS[0], max_tokens=N, policy=pols[0]),
-                              dict(prompt=PROMPTS[1], max_tokens=2, policy=pols[1])])
+    got, _ = _run_batch(
+        dec,
+        [dict(prompt=PROMPTS[0], max_tokens=N, policy=pols[0]), dict(prompt=PROMPTS[1], max_tokens=2, policy=pols[1])],
+    )
     assert [len(got[0]), len(got[1])] == [N, 2] and (dec.pipelined > N // 2) == pipeline
     for pol, n in zip(pols, (N, 2)):
-        assert pol.rooms[: n - 1] == list(range(n - 1, 0, -1)) and pol.rooms[n - 1:] in ([], [0])
+        assert pol.rooms[: n - 1] == list(range(n - 1, 0, -1)) and pol.rooms[n - 1 :] in ([], [0])
         assert all(r in pol.rooms for r in pol.peeked) and min(pol.peeked, default=0) >= 0
 
 
@@ -359,8 +389,10 @@ def test_pipelined_sampled_plain_steps_draw_as_stepwise(dense):
     outs = {}
     for pipeline in (True, False):
         dec = BatchDecoder(target, d, max_batch=4, prefill_chunk=64, pipeline=pipeline)
-        jobs = [dict(prompt=p, max_tokens=N, policy=_StaysPlain(), sampling=SamplingConfig(1.0, seed=7 + i))
-                for i, p in enumerate(PROMPTS[:3])]
+        jobs = [
+            dict(prompt=p, max_tokens=N, policy=_StaysPlain(), sampling=SamplingConfig(1.0, seed=7 + i))
+            for i, p in enumerate(PROMPTS[:3])
+        ]
         outs[pipeline], _ = _run_batch(dec, jobs)
         assert (dec.pipelined > N // 2) == pipeline
     assert outs[True] == outs[False]
@@ -385,8 +417,9 @@ def test_cancel_leaves_the_others_alone(dense):
     target, d, _ = tiny_drafter(model, cfg)
     alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=N)) for p in PROMPTS[:4]]
     kept = {}
-    jobs = [dict(prompt=p, max_tokens=N, on_exit=lambda pf, i=i: kept.__setitem__(i, pf))
-            for i, p in enumerate(PROMPTS[:4])]
+    jobs = [
+        dict(prompt=p, max_tokens=N, on_exit=lambda pf, i=i: kept.__setitem__(i, pf)) for i, p in enumerate(PROMPTS[:4])
+    ]
     dec = BatchDecoder(target, d, block_size=4, max_batch=4, prefill_chunk=8, policy=AlwaysDraft())
     got, _ = _run_batch(dec, jobs, cancels={1: 4, 2: 1})  # 2 is cancelled while prefilling
     assert got[0] == alone[0] and got[3] == alone[3]
@@ -409,8 +442,7 @@ def test_prefix_cache_reuse_under_batching(dense):
     alone = _tokens(spec_steps(target, d, second, block_size=4, max_tokens=N))
     pf = pc.lookup(second, drafter=True)
     assert pf is not None and len(pf.tokens) >= 30
-    got, steps = _run_batch(dec, [dict(prompt=second, max_tokens=N, prefill=pf),
-                                  dict(prompt=PROMPTS[0], max_tokens=N)])
+    got, steps = _run_batch(dec, [dict(prompt=second, max_tokens=N, prefill=pf), dict(prompt=PROMPTS[0], max_tokens=N)])
     assert got[0] == alone
     assert steps[0][0].cached_tokens == len(pf.tokens)
 
@@ -455,8 +487,10 @@ def test_sampled_batch_matches_alone_with_a_seed(dense):
     model, cfg = dense
     target, d, _ = tiny_drafter(model, cfg)
     samplings = [SamplingConfig(1.0, seed=s) for s in (1, 2, 3)]
-    alone = [_tokens(spec_steps(target, d, PROMPTS[i], block_size=4, max_tokens=16, sampling=sp))
-             for i, sp in enumerate(samplings)]
+    alone = [
+        _tokens(spec_steps(target, d, PROMPTS[i], block_size=4, max_tokens=16, sampling=sp))
+        for i, sp in enumerate(samplings)
+    ]
     dec = BatchDecoder(target, d, block_size=4, max_batch=4, policy=AlwaysDraft())
     got, _ = _run_batch(dec, [dict(prompt=PROMPTS[i], max_tokens=16, sampling=sp) for i, sp in enumerate(samplings)])
     assert [got[i] for i in range(3)] == alone
@@ -466,8 +500,9 @@ def test_sampled_batch_keeps_the_target_distribution():
     """Many sequences in one batch, each sampling two tokens at T = 1 through drafted blocks:
     the joint law of (y1, y2) is the target's p(y1) p(y2 | y1)."""
     V = 16
-    from helpers import TARGET_CONFIGS
     import importlib
+
+    from helpers import TARGET_CONFIGS
 
     tcfg = dict(TARGET_CONFIGS["qwen3"], vocab_size=V)
     mod = importlib.import_module("mlx_lm.models.qwen3")
@@ -533,8 +568,9 @@ def test_a_policy_curve_is_judged_at_its_expected_tokens():
         curves += [a.curve(), cp.curve(rng.randint(0, 40), rng.randint(1, 31))]
     for c in curves:
         acc = Acceptance(len(c), c)
-        assert all(acc.expected(L) == pytest.approx(adaptive.expected_tokens(c, L), rel=1e-12)
-                   for L in range(1, len(c) + 3))
+        assert all(
+            acc.expected(L) == pytest.approx(adaptive.expected_tokens(c, L), rel=1e-12) for L in range(1, len(c) + 3)
+        )
 
 
 def test_a_wished_draft_is_judged_by_its_sequences_own_curve():
@@ -546,8 +582,9 @@ def test_a_wished_draft_is_judged_by_its_sequences_own_curve():
     from mlx_spec import policy as adaptive
 
     asked = []
-    pol = NS(dflash=NS(curve=lambda: [0.9, 0.6, 0.3]),
-             copy=NS(curve=lambda match, n: asked.append((match, n)) or [0.8] * n))
+    pol = NS(
+        dflash=NS(curve=lambda: [0.9, 0.6, 0.3]), copy=NS(curve=lambda match, n: asked.append((match, n)) or [0.8] * n)
+    )
     s = NS(policy=pol, ctx=NS(match=5), acc="counted")
     dflash = BatchDecoder._acceptance(s, Decision(adaptive.DFLASH, 4))
     lookup = BatchDecoder._acceptance(s, Decision(adaptive.LOOKUP, 6))
@@ -651,8 +688,7 @@ def test_decoder_steps_plain_at_a_large_batch_and_drafts_again_when_it_shrinks(d
     refs = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
     fulls = [list(p) + r for p, r in zip(prompts, refs)]
     pol = _FixedCost((72.0, 6.0, 4.0, 12.0))
-    dec = BatchDecoder(target, Scripted(fulls, [None] * 8), block_size=4, max_batch=8, prefill_chunk=256,
-                       policy=pol)
+    dec = BatchDecoder(target, Scripted(fulls, [None] * 8), block_size=4, max_batch=8, prefill_chunk=256, policy=pol)
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=n) for p, n in zip(prompts, lengths)])
     for i in range(len(prompts)):
         assert got[i] == refs[i], f"prompt {i}"
@@ -667,8 +703,8 @@ def test_plain_steps_the_batch_decides_are_pipelined_too(dense):
     """Sequences whose own policies wish to draft, in a batch whose rows cost more than drafts
     return: the batch steps plain, and those steps are queued ahead (asked one step early, nothing
     counted twice); outputs stay plain greedy."""
-    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
+    from mlx_spec.policy import DraftPolicy
 
     model, cfg = dense
     target, d, _ = tiny_drafter(model, cfg)
@@ -690,8 +726,8 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
     step: the batch offers their steps to the drafter, judges them at its running acceptance,
     and drafts (the drafter is right: accepted); alone, the same sequence never drafts.
     Outputs stay plain greedy."""
-    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
+    from mlx_spec.policy import DraftPolicy
 
     model, _ = dense
     target = Target(model, [0])
@@ -700,13 +736,25 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
     fulls = [list(p) + r for p, r in zip(prompts, refs)]
     dear = Costs(10.0, {B: 5.0 for B in (2, 4, 8)}, {B: 10.0 + 10.0 * B for B in (1, 2, 4, 8)}, 64)
     make = lambda: DraftPolicy(dear, 4, sources=("dflash",))  # noqa: E731
-    dec = BatchDecoder(target, Scripted(fulls, [None] * 2), block_size=4, max_batch=2, prefill_chunk=256,
-                       policy=_FixedCost((72.0, 6.0, 4.0, 12.0)))
+    dec = BatchDecoder(
+        target,
+        Scripted(fulls, [None] * 2),
+        block_size=4,
+        max_batch=2,
+        prefill_chunk=256,
+        policy=_FixedCost((72.0, 6.0, 4.0, 12.0)),
+    )
     got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N, policy=make()) for p in prompts])
     assert [got[0], got[1]] == refs
     assert dec.steps["drafted"] > 0 and sum(st.accepted for st in steps[0]) > N // 3
-    alone = BatchDecoder(target, Scripted(fulls[:1], [None]), block_size=4, max_batch=1, prefill_chunk=256,
-                         policy=_FixedCost((72.0, 6.0, 4.0, 12.0)))
+    alone = BatchDecoder(
+        target,
+        Scripted(fulls[:1], [None]),
+        block_size=4,
+        max_batch=1,
+        prefill_chunk=256,
+        policy=_FixedCost((72.0, 6.0, 4.0, 12.0)),
+    )
     got1, steps1 = _run_batch(alone, [dict(prompt=prompts[0], max_tokens=N, policy=make())])
     assert got1[0] == refs[0] and sum(st.drafted for st in steps1[0] if not st.prefill) <= 3  # probes at most
 
@@ -714,15 +762,16 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
 @pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
 def test_per_sequence_draft_policies_with_lookup(dense, sources):
     """Each sequence brings its own DraftPolicy (DFlash and/or lookup drafts): still plain greedy."""
-    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
+    from mlx_spec.policy import DraftPolicy
 
     model, cfg = dense
     target, d, _ = tiny_drafter(model, cfg)
     costs = Costs(10.0, {B: 2.0 for B in (2, 4, 8)}, {B: 10.0 + 0.1 * B for B in (1, 2, 4, 8)}, 64)
     prompts = [[1, 2, 3, 4, 5, 6] * 4, PROMPTS[0], [9, 8, 7] * 6, PROMPTS[2]]
-    dec = BatchDecoder(target, d if "dflash" in sources else None, block_size=4, max_batch=4,
-                       prefill_chunk=8, policy=AlwaysDraft())
+    dec = BatchDecoder(
+        target, d if "dflash" in sources else None, block_size=4, max_batch=4, prefill_chunk=8, policy=AlwaysDraft()
+    )
     jobs = [dict(prompt=p, max_tokens=N, policy=DraftPolicy(costs, 8, sources=sources)) for p in prompts]
     got, steps = _run_batch(dec, jobs, joins={3: 2})
     for i, p in enumerate(prompts):
@@ -737,9 +786,9 @@ def test_per_sequence_draft_policies_with_lookup(dense, sources):
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from helpers import tiny_engine_loader
-
     from mlx_spec.engine import Engine
+
+    from helpers import tiny_engine_loader
 
     loader = tiny_engine_loader(tmp_path_factory.mktemp("pair"))
     with Engine(loader, max_batch=4, prefix_cache=1 << 22) as batched, Engine(loader) as single:
@@ -748,8 +797,14 @@ def engines(tmp_path_factory):
         yield batched, single
 
 
-REQUESTS = ["hello there", "write a poem about the sea and the sky", "abc", "count: 1 2 3 4 5 6",
-            "the quick brown fox jumps over the lazy dog", "x"]
+REQUESTS = [
+    "hello there",
+    "write a poem about the sea and the sky",
+    "abc",
+    "count: 1 2 3 4 5 6",
+    "the quick brown fox jumps over the lazy dog",
+    "x",
+]
 
 
 def test_engine_batches_concurrent_requests_exactly(engines):
@@ -829,17 +884,24 @@ def test_engine_stop_strings_and_bad_requests_in_a_batch(engines):
 def test_plan_refuses_a_sequence_that_would_not_fit_and_keeps_serving(tmp_path):
     """Admission by the plan's K/V per sequence: a request whose caches cannot fit is refused
     before it runs (PlanError); requests that fit wait for room and run; serving goes on."""
-    from helpers import save_tiny_pair
-
     from mlx_spec.engine import Engine, Failed, Request
     from mlx_spec.generation import engine_info
     from mlx_spec.loading import load_pair
     from mlx_spec.memory import Item, MemoryPlan, batch_room
     from mlx_spec.session import Session
 
+    from helpers import save_tiny_pair
+
     kv = 1000  # bytes per position, planned for 512 positions
-    plan = MemoryPlan((Item("target weights", 10**6), Item("target KV cache", 512 * kv)), 256, 4, 256,
-                      10**6 + 3 * 512 * kv, "test", 256)
+    plan = MemoryPlan(
+        (Item("target weights", 10**6), Item("target KV cache", 512 * kv)),
+        256,
+        4,
+        256,
+        10**6 + 3 * 512 * kv,
+        "test",
+        256,
+    )
     room = batch_room(plan)
     assert room.room == 3 * 512 * kv and room.need(30) == 256 * kv and room.max_batch(256) == 3
     t, d = save_tiny_pair(tmp_path)
@@ -897,17 +959,24 @@ def test_admission_after_a_long_request_leaves(tmp_path, monkeypatch):
     """Long leaves, short ones arrive (an explicit --max-batch above what the plan holds at the
     longest length): the shared K/V never holds more than the plan's room (rows x the buffers'
     real length), and once the long request has left the short ones fill the room it freed."""
-    from helpers import save_tiny_pair
-
     from mlx_spec.engine import Engine, Request
     from mlx_spec.generation import engine_info
     from mlx_spec.loading import load_pair
     from mlx_spec.memory import Item, MemoryPlan, batch_room
     from mlx_spec.session import Session
 
+    from helpers import save_tiny_pair
+
     kv = 1000
-    plan = MemoryPlan((Item("target weights", 10**6), Item("target KV cache", 512 * kv)), 256, 4, 256,
-                      10**6 + 3 * 512 * kv, "test", 256)
+    plan = MemoryPlan(
+        (Item("target weights", 10**6), Item("target KV cache", 512 * kv)),
+        256,
+        4,
+        256,
+        10**6 + 3 * 512 * kv,
+        "test",
+        256,
+    )
     room = batch_room(plan)
     assert room.need(290) == 512 * kv and room.need(160) == 256 * kv  # 3 long rows fit, or 6 short
     t, d = save_tiny_pair(tmp_path)
@@ -940,17 +1009,17 @@ def test_admission_after_a_long_request_leaves(tmp_path, monkeypatch):
 def test_server_concurrent_openai_clients_and_metrics(tmp_path):
     import threading
 
-    import httpx
-    import openai
-    from helpers import save_tiny_pair
-    from test_server import serve_in_thread
-
     from mlx_spec.engine import Engine
     from mlx_spec.generation import GenConfig, engine_info, run
     from mlx_spec.loading import load_pair
     from mlx_spec.server.app import create_app
     from mlx_spec.session import Session
     from mlx_spec.text import encode_prompt
+
+    import httpx
+    import openai
+    from helpers import save_tiny_pair
+    from test_server import serve_in_thread
 
     t, d = save_tiny_pair(tmp_path)
 
@@ -961,16 +1030,24 @@ def test_server_concurrent_openai_clients_and_metrics(tmp_path):
     prompts = [f"tell me about {w}" for w in ("the sea", "rain", "a cat sitting on a mat", "x")]
     pair = load_pair(str(t), str(d))
     info = engine_info(pair, 4, "flag")
-    want = [run(pair, info, encode_prompt(pair.tokenizer, messages=[{"role": "user", "content": p}]),
-                GenConfig(max_tokens=20)).text for p in prompts]
+    want = [
+        run(
+            pair,
+            info,
+            encode_prompt(pair.tokenizer, messages=[{"role": "user", "content": p}]),
+            GenConfig(max_tokens=20),
+        ).text
+        for p in prompts
+    ]
     with Engine(loader, max_batch=4, max_queue=8) as e, serve_in_thread(create_app(e)) as url:
         e.wait_ready(60)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         got = [None] * len(prompts)
 
         def ask(i):
-            kw = dict(model=e.info.target, messages=[{"role": "user", "content": prompts[i]}], max_tokens=20,
-                      temperature=0)
+            kw = dict(
+                model=e.info.target, messages=[{"role": "user", "content": prompts[i]}], max_tokens=20, temperature=0
+            )
             if i % 2:
                 parts = client.chat.completions.create(stream=True, **kw)
                 got[i] = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
@@ -994,12 +1071,12 @@ def test_loadtest_levels_against_a_server_in_process(tmp_path):
     thread (the real command also starts both servers as child processes)."""
     import time
 
-    from helpers import tiny_engine_loader
-    from test_server import serve_in_thread
-
     from mlx_spec import loadtest
     from mlx_spec.engine import Engine
     from mlx_spec.server.app import create_app
+
+    from helpers import tiny_engine_loader
+    from test_server import serve_in_thread
 
     with Engine(tiny_engine_loader(tmp_path), max_batch=2) as e, serve_in_thread(create_app(e)) as url:
         e.wait_ready(60)
@@ -1056,7 +1133,7 @@ def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dens
     assert not dec.packed_drafter
     assert dec.drafter_path.startswith("per sequence (the packed pass differs from the drafter's by up to 0.5")
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "packed pass is off" in r.getMessage()]
-    assert warned and dec.drafter_path[len("per sequence ("):-1] in warned[0].getMessage()
+    assert warned and dec.drafter_path[len("per sequence (") : -1] in warned[0].getMessage()
     monkeypatch.undo()
     alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=8)) for p in PROMPTS[:2]]
     got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=8) for p in PROMPTS[:2]])

@@ -3,18 +3,30 @@
 import json
 import math
 
-import pytest
-from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
-
 from mlx_spec.analysis import COPY_SUBSET, copy_ceiling, copy_max_draft, copy_oracle, copy_share, reach_table, scopes
-from mlx_spec.bench import (Costs, Method, PromptRow, Run, Sample, ceiling, efficiency, engaged, pooled_ceiling,
-                            prompt_report, subset_speedups, summarize)
-from mlx_spec.decode import Step, spec_steps
 from mlx_spec.baselines import ar_draft_steps, find_draft, layer_skip_draft, lookup_steps
-from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
+from mlx_spec.bench import (
+    Costs,
+    Method,
+    PromptRow,
+    Run,
+    Sample,
+    ceiling,
+    efficiency,
+    engaged,
+    pooled_ceiling,
+    prompt_report,
+    subset_speedups,
+    summarize,
+)
+from mlx_spec.decode import Step, spec_steps
 from mlx_spec.progress import Bar as ProgressBar
+from mlx_spec.prompts import BUILTIN, KINDS, WORKLOADS, builtin_prompts, interleave, load_prompts
 from mlx_spec.stats import Stats
 from mlx_spec.target import Target
+
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, save_tiny_pair, tiny_model
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 5, 9, 17]
 
@@ -120,8 +132,11 @@ def test_copy_ceiling_is_an_oracle_over_the_copied_spans():
     step = Costs(100.0, {}, {1: 100.0, 9: 100.0, 10: 1000.0, 33: 1000.0}, 0)
     assert copy_oracle(file, file[:40], step) == (39, pytest.approx(500.0))
     assert copy_ceiling(file, file, linear, max_draft=8) == pytest.approx(9900 / (11 * 140))  # 11 blocks of 9
-    rows = [PromptRow("a", "agent", 100, 100, 1.0, oracle=(99, 780.0)),
-            PromptRow("b", "agent", 3, 40, 0.0, oracle=(39, 3900.0)), PromptRow("c", "agent", 3, 1, 0.0)]
+    rows = [
+        PromptRow("a", "agent", 100, 100, 1.0, oracle=(99, 780.0)),
+        PromptRow("b", "agent", 3, 40, 0.0, oracle=(39, 3900.0)),
+        PromptRow("c", "agent", 3, 1, 0.0),
+    ]
     assert pooled_ceiling(rows, 100.0) == pytest.approx(round(138 * 100 / 4680, 3))
     assert pooled_ceiling(rows[2:], 100.0) is None
 
@@ -156,17 +171,20 @@ def test_a_switched_cycle_charges_the_draft_pass_at_the_drafters_block(monkeypat
     from mlx_spec.bench import Runner, model_ms
 
     runner = Runner(SimpleNamespace(tokenizer=SimpleNamespace(eos_token_ids=[])))
-    steps = [Step((0,), prefill=True), Step((1,), source="plain"),
-             Step(tuple(range(33)), drafted=32, accepted=32, block_size=33, source="lookup", draft_ms=5.0,
-                  draft_block=8),
-             Step((1, 2), drafted=7, accepted=1, block_size=8, source="dflash", draft_ms=5.0, draft_block=8),
-             Step((1, 2), drafted=3, accepted=1, block_size=4, source="lookup")]
+    steps = [
+        Step((0,), prefill=True),
+        Step((1,), source="plain"),
+        Step(tuple(range(33)), drafted=32, accepted=32, block_size=33, source="lookup", draft_ms=5.0, draft_block=8),
+        Step((1, 2), drafted=7, accepted=1, block_size=8, source="dflash", draft_ms=5.0, draft_block=8),
+        Step((1, 2), drafted=3, accepted=1, block_size=4, source="lookup"),
+    ]
     monkeypatch.setattr(runner, "steps", lambda method, ids, n: iter(steps))
     run = runner.run(Method("hybrid", 8), [1], 40)
     assert run.blocks == {1: 1, 33: 1, 8: 1, 4: 1} and run.drafter_blocks == {8: 2}
     costs = Costs(100.0, {8: 30.0, 33: 90.0}, {1: 100.0, 4: 130.0, 8: 160.0, 33: 300.0}, 32)
     assert model_ms(Method("hybrid", 8), run.blocks, costs, run.drafter_blocks) == pytest.approx(
-        100 + 300 + 160 + 130 + 2 * 30)
+        100 + 300 + 160 + 130 + 2 * 30
+    )
 
 
 def test_copy_table_shows_the_ceiling_and_each_rows_share():
@@ -174,15 +192,28 @@ def test_copy_table_shows_the_ceiling_and_each_rows_share():
     from mlx_spec.commands.bench import copy_table
 
     rows = [Row("plain (ours)", "plain", 1), Row("hybrid (default)", "hybrid", 8, tau=5.0)]
-    prompts = [PromptRow("agent-1", "agent", 150, 100, 0.9, tau={"hybrid (default)": 5.0},
-                         speedup={"hybrid (default)": 3.0}, speedup_mlx={"hybrid (default)": 3.1}, ceiling=6.0,
-                         oracle=(99, 1000.0), of_ceiling={"hybrid (default)": 0.5}),
-               PromptRow("agent-5", "agent", 120, 60, 0.2, ceiling=1.1, oracle=(59, 5000.0))]
+    prompts = [
+        PromptRow(
+            "agent-1",
+            "agent",
+            150,
+            100,
+            0.9,
+            tau={"hybrid (default)": 5.0},
+            speedup={"hybrid (default)": 3.0},
+            speedup_mlx={"hybrid (default)": 3.1},
+            ceiling=6.0,
+            oracle=(99, 1000.0),
+            of_ceiling={"hybrid (default)": 0.5},
+        ),
+        PromptRow("agent-5", "agent", 120, 60, 0.2, ceiling=1.1, oracle=(59, 5000.0)),
+    ]
     text = copy_table(prompts, rows, {"hybrid (default)": (3.0, 3.1)}, {"agent": 2.0, "copying": 6.0})
     assert "ceiling" in text.splitlines()[1] and "hybrid (default) tau x/x-mlx %ceil" in text
     assert "5.00 3.00/3.10 50%" in text and "6.00" in text
-    assert ("copy share >= 50%: agent-1; ceiling x6.00): hybrid (default) x3.00 / x3.10 mlx-lm "
-            "(50% of the ceiling)") in text
+    assert (
+        "copy share >= 50%: agent-1; ceiling x6.00): hybrid (default) x3.00 / x3.10 mlx-lm (50% of the ceiling)"
+    ) in text
     assert "all agent prompts: ceiling x2.00" in text
 
 
@@ -209,7 +240,9 @@ def test_two_baselines_per_kind_and_the_worst_prompt():
     pr = {x.prompt_id: x for x in prompt_report(samples, prompts)}
     assert pr["c1"].copy_share == pytest.approx(6 / 25)  # tokens 0..5 of the reply repeat the prompt
     assert pr["c2"].copy_share == 0.0 and pr["p1"].tau["dflash B=4"] == 3.0
-    assert pr["c1"].speedup["dflash B=4"] == pytest.approx(6.0) and pr["p1"].speedup_mlx["dflash B=4"] == pytest.approx(1.2)
+    assert pr["c1"].speedup["dflash B=4"] == pytest.approx(6.0) and pr["p1"].speedup_mlx["dflash B=4"] == pytest.approx(
+        1.2
+    )
     costs = Costs(0.1e3, {}, {1: 100.0, 33: 260.0}, 0)  # a cost curve: the copy ceiling, each row's share
     pr = {x.prompt_id: x for x in prompt_report(samples, prompts, costs=costs)}
     c1 = pr["c1"]
@@ -287,8 +320,11 @@ def test_spec_steps_policy_sets_each_cycle(tiny):
     target = Target(model, [0])
     seen = []
     policy = _Planned([4, 1, 1, 6, 2, 8] * 20, seen)
-    steps = list(spec_steps(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT, block_size=16,
-                            max_tokens=30, policy=policy))
+    steps = list(
+        spec_steps(
+            target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT, block_size=16, max_tokens=30, policy=policy
+        )
+    )
     assert [t for s in steps for t in s.tokens] == ref
     assert seen[0].prefill and [s.block_size for s in steps[1:5]] == [4, 1, 1, 6]
     assert steps[2].drafted == 0 and steps[4].accepted == 2
@@ -302,8 +338,10 @@ def test_prompts_builtin_and_jsonl(tmp_path):
     assert len(agent) >= 5 and all(p.messages for p in agent)
     assert any(len(p.messages) == 3 and p.messages[1]["role"] == "assistant" for p in agent)  # multi-turn edits
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
-                 '{"id": "math-7", "prompt": "1+1?"}\n')
+    f.write_text(
+        '{"prompt": "hi", "kind": "code"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
+        '{"id": "math-7", "prompt": "1+1?"}\n'
+    )
     ps = load_prompts(f)
     assert [p.kind for p in ps] == ["code", "user", "math"] and ps[1].messages[0]["content"] == "yo"
     f.write_text('{"nope": 1}\n')
@@ -330,7 +368,7 @@ def test_bench_prompts_are_not_training_prompts():
     text = "\n".join(keys)
     for p in (p for p in BUILTIN if p.kind == "agent"):
         body = p.messages[0]["content"]
-        file = body[body.index("```"):]
+        file = body[body.index("```") :]
         assert not [ln for ln in file.splitlines() if len(ln) > 24 and ln in text], p.id
 
 
@@ -353,15 +391,46 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     t, d = save_tiny_pair(tmp_path)
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n{"prompt": "hello there", "kind": "prose"}\n')
-    rc = main(["bench", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--max-tokens", "12",
-               "--repeats", "1", "--block-sizes", "2,4", "--ar-draft", str(t), "--json",
-               "--json-out", str(tmp_path / "bench.json")])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            str(t),
+            "--drafter",
+            str(d),
+            "--prompts",
+            str(f),
+            "--max-tokens",
+            "12",
+            "--repeats",
+            "1",
+            "--block-sizes",
+            "2,4",
+            "--ar-draft",
+            str(t),
+            "--json",
+            "--json-out",
+            str(tmp_path / "bench.json"),
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
-    policy = ["lookup per-cycle", "hybrid (default)"] if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory") else []
-    assert labels == ["mlx-lm plain", "plain (ours)", "lookup B=8", "ar-draft B=4", "dflash B=2", "dflash B=4",
-                      "dflash per-cycle", *policy]
+    policy = (
+        ["lookup per-cycle", "hybrid (default)"]
+        if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory")
+        else []
+    )
+    assert labels == [
+        "mlx-lm plain",
+        "plain (ours)",
+        "lookup B=8",
+        "ar-draft B=4",
+        "dflash B=2",
+        "dflash B=4",
+        "dflash per-cycle",
+        *policy,
+    ]
     assert out["blas"] and out["costs"]["t1_ms"] > 0 and out["kinds"] == ["code", "prose"]
     for r in out["rows"]:
         if r["status"] != "ok":  # a random tiny drafter may accept nothing: then no speed at all
@@ -397,8 +466,25 @@ def test_bench_vocab_compare_rows(tmp_path, capsys, monkeypatch):
     t, d = save_tiny_pair(tmp_path)
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n')
-    base = ["bench", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--max-tokens", "10",
-            "--repeats", "1", "--block-sizes", "4", "--lookup-block", "0", "--no-adaptive", "--json"]
+    base = [
+        "bench",
+        "--target",
+        str(t),
+        "--drafter",
+        str(d),
+        "--prompts",
+        str(f),
+        "--max-tokens",
+        "10",
+        "--repeats",
+        "1",
+        "--block-sizes",
+        "4",
+        "--lookup-block",
+        "0",
+        "--no-adaptive",
+        "--json",
+    ]
     assert main(base + ["--vocab-compare"]) != 0
     assert "full head already" in capsys.readouterr().err
     write_draft_vocab(d, range(0, 128, 2))
@@ -431,7 +517,11 @@ def test_merged_stats_add_every_counter():
             setattr(b, f.name, [10 * (i + 1)])
         elif kind is dict:
             setattr(a, f.name, {1: 2} if f.name == "block_sizes" else {"dflash": {"cycles": 1}})
-            setattr(b, f.name, {1: 3, 4: 1} if f.name == "block_sizes" else {"dflash": {"cycles": 2}, "lookup": {"cycles": 1}})
+            setattr(
+                b,
+                f.name,
+                {1: 3, 4: 1} if f.name == "block_sizes" else {"dflash": {"cycles": 2}, "lookup": {"cycles": 1}},
+            )
         else:
             raise AssertionError(f"Stats.{f.name}: a {kind.__name__} neither merged nor in NOT_MERGED")
     a.cached_tokens = b.cached_tokens = 7
@@ -452,8 +542,10 @@ def test_merged_stats_add_the_drafter_counters():
     from mlx_spec.decode import Step
 
     parts = []
-    for steps in ([Step((1, 2), drafted=3, accepted=1, block_size=4, source="dflash", draft_block=4)],
-                  [Step((3,), source="dflash", draft_block=4), Step((4,), source="plain")]):
+    for steps in (
+        [Step((1, 2), drafted=3, accepted=1, block_size=4, source="dflash", draft_block=4)],
+        [Step((3,), source="dflash", draft_block=4), Step((4,), source="plain")],
+    ):
         st = Stats()
         for s in steps:
             st.add(s)
@@ -471,8 +563,11 @@ def test_the_reach_table_prices_every_measured_block_and_dflash_up_to_the_drafte
     assert got[(4, "dflash")].break_even == pytest.approx(1.7) and got[(16, "lookup")].perfect == pytest.approx(16 / 3)
     assert all(r.source == "lookup" for r in reach_table(costs))  # no drafter: the lookup only
     gap = Costs(100.0, {4: 20.0}, costs.tt_ms, 0)  # Td not measured at 2: no DFlash price there (not Td(4))
-    assert [(r.block, r.source) for r in reach_table(gap, dflash_max=4)][:3] == [(2, "lookup"), (4, "dflash"),
-                                                                                  (4, "lookup")]
+    assert [(r.block, r.source) for r in reach_table(gap, dflash_max=4)][:3] == [
+        (2, "lookup"),
+        (4, "dflash"),
+        (4, "lookup"),
+    ]
     methods = [Method("dflash", 4), Method("dflash", 4, full_vocab=True)]
     samples = [Sample(m, 0, "c1", "code", _run(_steps([(3, 2)] * 8), 0.1)) for m in methods]
     samples.append(Sample(methods[0], 0, "p1", "prose", _run(_steps([(3, 1)] * 8), 0.1)))

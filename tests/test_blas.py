@@ -3,11 +3,11 @@
 import os
 import re
 
-import pytest
-
 import mlx_spec
 from mlx_spec import blas
 from mlx_spec.errors import BadRequest
+
+import pytest
 
 
 def test_thread_candidates():
@@ -72,10 +72,12 @@ def _load_in_child(choice: str) -> dict:
     import subprocess
     import sys
 
-    code = ("import json, mlx_spec, mlx.core as mx; from mlx_spec import blas; b = mlx_spec.BLAS; "
-            "a = mx.arange(12, dtype=mx.float32).reshape(3, 4); "
-            "print(json.dumps({'name': b.name, 'pinned': b.pinned, 'threads': blas.get_threads(b), "
-            "'mm': (a @ a.T).tolist()}))")
+    code = (
+        "import json, mlx_spec, mlx.core as mx; from mlx_spec import blas; b = mlx_spec.BLAS; "
+        "a = mx.arange(12, dtype=mx.float32).reshape(3, 4); "
+        "print(json.dumps({'name': b.name, 'pinned': b.pinned, 'threads': blas.get_threads(b), "
+        "'mm': (a @ a.T).tolist()}))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     env["MLX_SPEC_BLAS"] = choice
     env[{"mkl": "MKL_NUM_THREADS", "openblas": "OPENBLAS_NUM_THREADS"}[choice]] = "1"  # its own variable alone
@@ -120,9 +122,11 @@ def test_the_tuners_key_changes_with_the_library_and_its_version(monkeypatch):
     from mlx_spec import tuning
 
     keys = []
-    for info in (blas.BlasInfo("openblas", "/usr/lib/libopenblas.so.0", "core=auto-detected"),
-                 blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.2", version="2026.2"),
-                 blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.3", version="2026.3")):
+    for info in (
+        blas.BlasInfo("openblas", "/usr/lib/libopenblas.so.0", "core=auto-detected"),
+        blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.2", version="2026.2"),
+        blas.BlasInfo("mkl", "/site/lib/libmkl_rt.so.3", "version 2026.3", version="2026.3"),
+    ):
         monkeypatch.setattr(mlx_spec, "BLAS", info)
         keys.append(tuning.machine_info()["blas"])
     assert keys[0] == "openblas /usr/lib/libopenblas.so.0"  # as stored before (no version: unchanged)
@@ -156,4 +160,8 @@ def test_a_library_that_fails_to_load_is_said_not_silently_dropped(tmp_path, mon
     other.write_bytes(b"not one either")
     monkeypatch.setattr(blas, "candidates", lambda choice, mkl, intel: (str(junk), str(other)))
     info = blas.load_blas({"MLX_SPEC_BLAS": "auto"})
-    assert info.name == "reference" and f"could not load {junk}" in info.detail and f"could not load {other}" in info.detail
+    assert (
+        info.name == "reference"
+        and f"could not load {junk}" in info.detail
+        and f"could not load {other}" in info.detail
+    )

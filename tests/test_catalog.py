@@ -5,13 +5,13 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from mlx_spec import catalog, cli
 from mlx_spec.default_target import DEFAULT_TARGET_ID
-from mlx_spec.errors import BadRequest, UnsupportedModel
+from mlx_spec.errors import BadRequest
 from mlx_spec.loading import MODELS_DIR
 from mlx_spec.target import SUPPORTED
+
+import pytest
 
 REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 

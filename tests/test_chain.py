@@ -3,6 +3,13 @@ itself against a step-by-step reference that recomputes everything without a cac
 
 import json
 
+from mlx_spec.chain import ChainDrafter
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, load_eagle, save_eagle
+from mlx_spec.errors import CheckpointError, IncompatiblePair, UnsupportedModel
+from mlx_spec.mtp import MTPHead, load_mtp
+from mlx_spec.sampling import SamplingConfig, target_probs
+from mlx_spec.target import Target
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,13 +17,6 @@ from helpers import VOCAB, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.utils import save_config, save_model
 from test_hybrid import build
-
-from mlx_spec.chain import ChainDrafter
-from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, load_eagle, save_eagle
-from mlx_spec.errors import CheckpointError, IncompatiblePair, UnsupportedModel
-from mlx_spec.mtp import MTPHead, load_mtp
-from mlx_spec.sampling import SamplingConfig, target_probs
-from mlx_spec.target import Target
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3]
 
@@ -213,6 +213,7 @@ def test_eagle_proposal_probabilities_match_its_logits(eagle_pair):
 
 # -- strict loading --------------------------------------------------------------------------
 
+
 def _edit_mtp(root, fn):
     f = root / "model-mtp.safetensors"
     w = dict(mx.load(str(f)))
@@ -228,8 +229,12 @@ def test_mtp_loading_names_a_missing_extra_or_misshapen_tensor(tmp_path, kind):
     _edit_mtp(root, lambda w: w.pop("mtp.pre_fc_norm_hidden.weight"))
     with pytest.raises(CheckpointError, match=r"missing from the file: mtp\.pre_fc_norm_hidden\.weight"):
         load_mtp(root, target)
-    _edit_mtp(root, lambda w: w.update({"mtp.pre_fc_norm_hidden.weight": mx.ones((64,)),
-                                        "mtp.layers.0.surplus.weight": mx.ones((4,))}))
+    _edit_mtp(
+        root,
+        lambda w: w.update(
+            {"mtp.pre_fc_norm_hidden.weight": mx.ones((64,)), "mtp.layers.0.surplus.weight": mx.ones((4,))}
+        ),
+    )
     with pytest.raises(CheckpointError, match=r"unused tensors in the file: mtp\.layers\.0\.surplus\.weight"):
         load_mtp(root, target)
     _edit_mtp(root, lambda w: (w.pop("mtp.layers.0.surplus.weight"), w.update({"mtp.fc.weight": mx.ones((64, 64))})))
@@ -266,9 +271,12 @@ def test_original_form_norms_are_shifted_like_mlx_lm_shifts_the_target(tmp_path)
     target = Target(model, (), final_hidden=True)
     plain = load_mtp(root, target)
     np.testing.assert_allclose(np.array(plain.norm.weight), np.array(head.norm.weight))
-    mx.save_safetensors(str(root / "extra.safetensors"), {"model.layers.0.mlp.experts.0.up_proj.weight": mx.zeros((2, 2))})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "mtp.fc.weight": "model-mtp.safetensors"}}))
+    mx.save_safetensors(
+        str(root / "extra.safetensors"), {"model.layers.0.mlp.experts.0.up_proj.weight": mx.zeros((2, 2))}
+    )
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"mtp.fc.weight": "model-mtp.safetensors"}})
+    )
     shifted = load_mtp(root, target)
     np.testing.assert_allclose(np.array(shifted.norm.weight), np.array(head.norm.weight) + 1, atol=1e-6)
 
@@ -287,13 +295,17 @@ def test_eagle_loading_names_a_missing_extra_or_misshapen_tensor(tmp_path, layou
     _edit_eagle(tmp_path, lambda w: w.pop(f"{layer}.hidden_norm.weight"))
     with pytest.raises(CheckpointError, match=rf"missing from the file: {layer}\.hidden_norm\.weight"):
         load_eagle(tmp_path)
-    _edit_eagle(tmp_path, lambda w: w.update({f"{layer}.hidden_norm.weight": mx.ones((64,)),
-                                              f"{layer}.bogus": mx.ones((3,))}))
+    _edit_eagle(
+        tmp_path, lambda w: w.update({f"{layer}.hidden_norm.weight": mx.ones((64,)), f"{layer}.bogus": mx.ones((3,))})
+    )
     with pytest.raises(CheckpointError, match=rf"unused tensors in the file: {layer}\.bogus"):
         load_eagle(tmp_path)
-    _edit_eagle(tmp_path, lambda w: (w.pop(f"{layer}.bogus"),
-                                     w.update({f"{layer}.self_attn.q_proj.weight": mx.ones((64, 64))})))
-    with pytest.raises(CheckpointError, match=rf"{layer}\.self_attn\.q_proj\.weight file \(64, 64\) vs model \(64, 128\)"):
+    _edit_eagle(
+        tmp_path, lambda w: (w.pop(f"{layer}.bogus"), w.update({f"{layer}.self_attn.q_proj.weight": mx.ones((64, 64))}))
+    )
+    with pytest.raises(
+        CheckpointError, match=rf"{layer}\.self_attn\.q_proj\.weight file \(64, 64\) vs model \(64, 128\)"
+    ):
         load_eagle(tmp_path)
 
 
@@ -342,8 +354,9 @@ def test_eagle_default_taps_are_low_middle_high_layer_inputs(tmp_path):
 
 def test_eagle_that_does_not_fit_the_target_is_refused(tmp_path):
     model, tcfg = tiny_model("llama")
-    cfg = eagle_config(dict(tcfg, hidden_size=32, num_attention_heads=2, head_dim=16), intermediate_size=96,
-                       layer_ids=(1, 2, 9))
+    cfg = eagle_config(
+        dict(tcfg, hidden_size=32, num_attention_heads=2, head_dim=16), intermediate_size=96, layer_ids=(1, 2, 9)
+    )
     with pytest.raises(IncompatiblePair, match=r"width 32.*layer ids \[9\] out of range"):
         Eagle3(Eagle3Args.from_config(cfg)).bind(Target(model, ()))
 
@@ -359,6 +372,7 @@ def test_mtp_pass_is_fc_over_embedding_then_hidden_one_layer_and_norm(mtp_pair):
     x = head.layers[0](x, "causal", None)
     want = target.head(mx.fast.rms_norm(x, head.norm.weight, head.norm.eps))
     from mlx_spec.chain import draft_logits
+
     np.testing.assert_allclose(np.array(draft_logits(head, out.final, mx.array(PROMPT))), np.array(want), atol=1e-4)
 
 
@@ -375,6 +389,7 @@ def test_eagle_pass_reads_the_embedding_then_the_fused_taps(eagle_pair):
     h = h + L.mlp(L.post_attention_layernorm(h))
     want = mx.fast.rms_norm(h, d.norm.weight, d.norm.eps) @ d.lm_head.weight.T
     from mlx_spec.chain import draft_logits
+
     np.testing.assert_allclose(np.array(draft_logits(d, out.hidden, mx.array(PROMPT))), np.array(want), atol=1e-4)
 
 
@@ -393,7 +408,9 @@ def test_a_stored_quantized_mtp_head_loads_as_it_is(tmp_path):
 
     root, model, head = write_mtp_checkpoint(tmp_path, "qwen3")
     nn.quantize(head, group_size=64, bits=8)
-    mx.save_safetensors(str(root / "model-mtp.safetensors"), {"mtp." + k: v for k, v in tree_flatten(head.parameters())})
+    mx.save_safetensors(
+        str(root / "model-mtp.safetensors"), {"mtp." + k: v for k, v in tree_flatten(head.parameters())}
+    )
     cfg = json.loads((root / "config.json").read_text())
     (root / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 64, "bits": 8})))
     got = load_mtp(root, Target(model, (), final_hidden=True))
@@ -426,9 +443,9 @@ def chain_greedy(target, drafter, prompt, n: int, k: int):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_next"])
 def test_greedy_chain_decoding_with_an_mtp_head_equals_plain_decoding(tmp_path, kind):
-    from helpers import greedy_reference
-
     from mlx_spec.chain_loading import load_chain
+
+    from helpers import greedy_reference
 
     root, model, _ = write_mtp_checkpoint(tmp_path, kind, per_expert=kind == "qwen3_next")
     target, head = load_chain("mtp", model, root)
@@ -436,9 +453,9 @@ def test_greedy_chain_decoding_with_an_mtp_head_equals_plain_decoding(tmp_path, 
 
 
 def test_greedy_chain_decoding_with_an_eagle_drafter_equals_plain_decoding(tmp_path):
-    from helpers import greedy_reference
-
     from mlx_spec.chain_loading import load_chain
+
+    from helpers import greedy_reference
 
     model, _ = make_eagle(tmp_path, "speculators", reduced=True)
     target, d = load_chain("eagle", model, drafter=tmp_path)

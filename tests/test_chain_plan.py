@@ -2,16 +2,16 @@
 
 import json
 
+from mlx_spec import catalog, memory
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config
+from mlx_spec.mtp import MTP_TYPES, MTPHead
+from mlx_spec.target import SUPPORTED, Target
+
 import mlx.core as mx
 import pytest
 from helpers import tiny_model
 from mlx.utils import tree_flatten
 from test_hybrid import CONFIGS
-
-from mlx_spec import catalog, memory
-from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config
-from mlx_spec.mtp import MTP_TYPES, MTPHead
-from mlx_spec.target import SUPPORTED, Target
 
 
 def test_every_chain_entry_names_a_kind_a_layout_and_a_runnable_target():

@@ -6,10 +6,10 @@ import importlib
 import subprocess
 import sys
 
-import pytest
-
 import mlx_spec
 from mlx_spec.cli import COMMANDS, HelpFormatter
+
+import pytest
 
 
 def _cli(*argv) -> subprocess.CompletedProcess:

@@ -7,15 +7,15 @@ import socket
 import threading
 import time
 
+from mlx_spec.engine import Delta, Done, Handle, Started
+from mlx_spec.generation import EngineInfo, Request
+from mlx_spec.stats import StatsSnapshot
+
 import httpx
 import pytest
 from helpers import tiny_engine_loader
 from test_server import running_engine
 from test_server_guard import serve_policy
-
-from mlx_spec.engine import Delta, Done, Handle, Started
-from mlx_spec.generation import EngineInfo, Request
-from mlx_spec.stats import StatsSnapshot
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -50,9 +50,21 @@ class StreamingEngine:
         return h
 
     def snapshot(self):
-        return {"requests": len(self.handles), "cancelled": len(self.cancelled), "errors": 0, "prompt_tokens": 0,
-                "tokens": 0, "cycles": 0, "drafted": 0, "accepted": 0, "accepted_by_position": [],
-                "queue_depth": 0, "state": self.state, "prefix_cache_bytes": 0, "cached_tokens": 0}
+        return {
+            "requests": len(self.handles),
+            "cancelled": len(self.cancelled),
+            "errors": 0,
+            "prompt_tokens": 0,
+            "tokens": 0,
+            "cycles": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "accepted_by_position": [],
+            "queue_depth": 0,
+            "state": self.state,
+            "prefix_cache_bytes": 0,
+            "cached_tokens": 0,
+        }
 
 
 def _raw_stream(port: int, max_tokens: int) -> socket.socket:
@@ -61,8 +73,10 @@ def _raw_stream(port: int, max_tokens: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
     body = json.dumps({"messages": MSG, "stream": True, "max_tokens": max_tokens}).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return s
 
 
@@ -186,12 +200,12 @@ def test_the_buffer_cache_is_bounded_by_the_plans_allowance(pair_root):
     """At start the engine thread sets MLX's cache limit to the plan's "MLX cache allowance"."""
     from types import SimpleNamespace
 
-    import mlx.core as mx
-
     from mlx_spec.generation import engine_info
     from mlx_spec.loading import load_pair
     from mlx_spec.memory import Item
     from mlx_spec.session import Session
+
+    import mlx.core as mx
 
     tiny_engine_loader(pair_root)  # (writes the pair)
     plan = SimpleNamespace(items=(Item("target weights", 1 << 20, ""), Item("MLX cache allowance", 5 << 20, "")))

@@ -2,12 +2,12 @@
 every time and never past the length asked; one measured row on the tiny pair (its decode rows
 agree token for token, its restart row really loads from disk)."""
 
-import pytest
-from helpers import tiny_engine_loader
-
 from mlx_spec import contextbench
 from mlx_spec.errors import BadRequest
 from mlx_spec.prompts import builtin_prompts
+
+import pytest
+from helpers import tiny_engine_loader
 
 
 def test_context_sizes_parse_and_bad_ones_are_named():
@@ -29,7 +29,7 @@ def test_padding_is_deterministic_realistic_and_within_the_length(kind):
     assert (msgs, n) == contextbench.padded(prompt, 3000, count)
     assert 2500 < n <= 3000 and count(msgs) == n
     own = list(prompt.messages) if prompt.messages else [{"role": "user", "content": prompt.text}]
-    assert msgs[-len(own):] == own  # the prompt itself comes last, untouched
+    assert msgs[-len(own) :] == own  # the prompt itself comes last, untouched
     pad = msgs[: -len(own)]
     if kind == "agent":  # a long file handed over first
         assert len(pad) == 2 and "mlx_spec/" in pad[0]["content"] and "def " in pad[0]["content"]

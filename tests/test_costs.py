@@ -1,10 +1,10 @@
 """The pass-cost curve's model time of a cycle (costs.Costs.step_ms / timed): what bench's
 per-cycle rows and tests/reply_replay.py charge."""
 
-import pytest
-
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step
+
+import pytest
 
 CURVE = Costs(100.0, {4: 30.0, 8: 50.0}, {1: 110.0, 4: 140.0, 8: 180.0}, 0)
 
@@ -17,8 +17,18 @@ def test_a_step_costs_t1_plain_tt_when_verified_and_td_where_the_drafter_ran():
 
 
 def test_a_timed_step_carries_the_curves_times_and_nothing_else():
-    step = Step((1, 2, 3), drafted=3, accepted=2, block_size=4, draft_ms=7.0, verify_ms=9.0, rollback_ms=2.0,
-                elapsed_ms=25.0, source="dflash", draft_block=8)
+    step = Step(
+        (1, 2, 3),
+        drafted=3,
+        accepted=2,
+        block_size=4,
+        draft_ms=7.0,
+        verify_ms=9.0,
+        rollback_ms=2.0,
+        elapsed_ms=25.0,
+        source="dflash",
+        draft_block=8,
+    )
     got = CURVE.timed(step)
     assert (got.verify_ms, got.draft_ms, got.rollback_ms, got.elapsed_ms) == (140.0, 50.0, 0.0, 190.0)
     assert got.tokens == step.tokens and got.draft_block == 8 and got.source == "dflash"

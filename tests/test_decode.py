@@ -1,11 +1,11 @@
 """Greedy speculative output == mlx-lm's own greedy output, token for token."""
 
+from mlx_spec.decode import spec_steps
+from mlx_spec.target import Target
+
 import mlx.core as mx
 import pytest
 from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny_model
-
-from mlx_spec.decode import spec_steps
-from mlx_spec.target import Target
 
 SHORT = [1, 5, 9, 17, 33, 2, 8]
 LONG = [(7 * i + 3) % 120 + 4 for i in range(40)]  # longer than the sliding window below
@@ -82,8 +82,7 @@ def test_eos_mid_block_and_max_tokens(target_model):
     full = SHORT + ref
     eos = ref[10]
     first = ref.index(eos)
-    steps = list(spec_steps(target, ScriptedDrafter(full, VOCAB), SHORT, block_size=8,
-                            max_tokens=N, eos_ids=[eos]))
+    steps = list(spec_steps(target, ScriptedDrafter(full, VOCAB), SHORT, block_size=8, max_tokens=N, eos_ids=[eos]))
     assert _tokens(steps) == ref[: first + 1]
     assert steps[-1].finish_reason == "stop"
     for m in (1, 2, 7, 8, 9):
@@ -120,11 +119,11 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     exactly the ids they name (target and drafter context), whether the reply ends at
     max_tokens, at EOS with a step in flight, or the generator is closed mid-run; a next turn
     from those caches equals a fresh run."""
-    from test_hybrid import build
-
-    from mlx_spec.policy import DraftPolicy
     from mlx_spec.costs import Costs
+    from mlx_spec.policy import DraftPolicy
     from mlx_spec.prefix import Prefill
+
+    from test_hybrid import build
 
     model, cfg = tiny_model(kind) if kind == "qwen3" else build(kind)
     target, drafter, _ = tiny_drafter(model, cfg, v2=True)
@@ -143,8 +142,11 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     check(kept[-1])
     assert list(kept[-1].tokens) == LONG + ref[:-1]
     eos = ref[12]
-    steps = list(spec_steps(target, drafter, LONG, block_size=4, max_tokens=N, eos_ids=[eos], policy=policy(),
-                            on_exit=kept.append))
+    steps = list(
+        spec_steps(
+            target, drafter, LONG, block_size=4, max_tokens=N, eos_ids=[eos], policy=policy(), on_exit=kept.append
+        )
+    )
     assert _tokens(steps) == ref[: ref.index(eos) + 1] and steps[-1].finish_reason == "stop"
     check(kept[-1])  # the step queued with the EOS token stays fed: the caches hold it too
     gen = spec_steps(target, drafter, LONG, block_size=4, max_tokens=N, policy=policy(), on_exit=kept.append)
@@ -154,8 +156,7 @@ def test_pipelined_plain_runs_keep_caches_consistent(kind):
     assert got == ref[:6] and list(kept[-1].tokens[: len(LONG) + 5]) == LONG + ref[:5]
     turn2 = list(kept[-1].tokens) + [3, 5, 7]
     fresh = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12))
-    reused = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12, prefill=kept[-1],
-                                policy=policy()))
+    reused = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=12, prefill=kept[-1], policy=policy()))
     assert reused == fresh
 
 
@@ -163,12 +164,12 @@ def test_pipelined_plain_runs_sample_the_targets_law():
     """T > 0: the steps of a pipelined plain run (the second and third tokens, each fed the
     previous one while it was still lazy) are drawn from the target's distribution given the
     tokens before them (chi-square against the mixture of the exact conditionals)."""
+    from mlx_spec.costs import Costs
+    from mlx_spec.policy import DraftPolicy
+    from mlx_spec.sampling import SamplingConfig, target_probs
+
     import numpy as np
     from test_sampling import gof_pvalue
-
-    from mlx_spec.policy import DraftPolicy
-    from mlx_spec.costs import Costs
-    from mlx_spec.sampling import SamplingConfig, target_probs
 
     model, cfg = tiny_model("qwen3")
     target, drafter, _ = tiny_drafter(model, cfg, v2=True)
@@ -178,8 +179,17 @@ def test_pipelined_plain_runs_sample_the_targets_law():
         counts, expect = np.zeros(VOCAB), np.zeros(VOCAB)
         for seed in range(n):
             sc = SamplingConfig(1.0, top_k=5, seed=1000 * pos + seed)
-            toks = _tokens(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=3, sampling=sc,
-                                      policy=DraftPolicy(costs, 4, sources=())))
+            toks = _tokens(
+                spec_steps(
+                    target,
+                    drafter,
+                    SHORT,
+                    block_size=4,
+                    max_tokens=3,
+                    sampling=sc,
+                    policy=DraftPolicy(costs, 4, sources=()),
+                )
+            )
             counts[toks[pos]] += 1
             logits = model(mx.array([SHORT + toks[:pos]]))[0, -1:]
             expect += np.array(target_probs(logits, sc)[0])
@@ -247,8 +257,7 @@ def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
     prompt = LONG + LONG[:20]  # the lookup finds the prompt's own repeat
     script = ["dflash", "plain", "plain", "lookup", "dflash", "plain", "lookup", "lookup", "plain"]
     waits = _CountingWaits()
-    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=12, policy=_Script(script),
-                            waits=waits))
+    steps = list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=12, policy=_Script(script), waits=waits))
     assert sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
     per = {}
     for s in steps[1:]:

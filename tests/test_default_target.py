@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-
 from mlx_spec import default_target as dt
 from mlx_spec.errors import CheckpointError
+
+import mlx.core as mx
+import pytest
 
 try:  # pytest's default "prepend" import mode puts tests/ on sys.path
     from test_gguf import tiny_model, train_tokenizer, write_gguf
@@ -54,11 +54,7 @@ def test_install_target_is_atomic_and_checks_hash(tmp_path, tiny_gguf):
     (dest / "partial.bin").write_bytes(b"debris")
     out = dt.install_target(tiny_gguf, dest, sha256=dt.sha256_of(tiny_gguf), dtype="float32")
     assert not (dest / "partial.bin").exists()
-    assert (
-        out == dest
-        and (dest / "config.json").is_file()
-        and (dest / "mlx_spec_source.json").is_file()
-    )
+    assert out == dest and (dest / "config.json").is_file() and (dest / "mlx_spec_source.json").is_file()
     assert [p.name for p in dest.parent.iterdir()] == ["tiny"]  # no temp dirs left behind
 
 
@@ -94,9 +90,7 @@ def test_real_default_target_greedy():
 
     target = dt.ensure_default_target()
     model, tokenizer = load(str(target.path))
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     text = generate(model, tokenizer, prompt, max_tokens=24)
     if target.dtype == "float32":
         assert text == EXPECTED_F32

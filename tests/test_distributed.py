@@ -18,16 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-from helpers import greedy_reference, save_tiny_tokenizer, tiny_drafter, tiny_model
-
 from mlx_spec import distributed
 from mlx_spec.decode import spec_steps
 from mlx_spec.errors import UnsupportedModel
 from mlx_spec.loading import load_drafter, load_target_model, save_drafter
 from mlx_spec.server import process
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import pytest
+from helpers import greedy_reference, save_tiny_tokenizer, tiny_drafter, tiny_model
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77]
@@ -89,9 +89,15 @@ def launch(tmp: Path, job: dict, *, timeout: float = LAUNCH_S, env: dict | None 
     path = os.pathsep.join([str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     base = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=path, **(env or {}))
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "distributed_worker.py"), str(tmp / "job.json")],
-                              env=dict(base, MLX_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "distributed_worker.py"), str(tmp / "job.json")],
+            env=dict(base, MLX_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
     try:
         order = [first] + [r for r in range(len(procs)) if r != first]
         codes, logs = [None] * len(procs), [""] * len(procs)
@@ -131,8 +137,7 @@ def _single(pair: dict, name: str, block: int, **sampling) -> list[int]:
     target = Target(model, drafter.args.target_layer_ids)
     drafter.bind(target.embed, target.head)
     toks = []
-    for s in spec_steps(target, drafter, PROMPT, block_size=block, max_tokens=N,
-                        sampling=SamplingConfig(**sampling)):
+    for s in spec_steps(target, drafter, PROMPT, block_size=block, max_tokens=N, sampling=SamplingConfig(**sampling)):
         toks.extend(s.tokens)
     return toks
 
@@ -148,15 +153,15 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
                 cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": True})
                 # and one whose costs make it stay plain: rank 0's stays_plain answers are shared
                 cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": "plain"})
-            phases.append({"target": pair["target"], "drafter": pair[name], "kind": kind, "name": name,
-                           "cases": cases})
+            phases.append({"target": pair["target"], "drafter": pair[name], "kind": kind, "name": name, "cases": cases})
     got, codes, took, logs = launch(tmp_path, {"phases": phases})
     assert codes == [0, 0], logs
     assert got["group"] == {"size": 2, "rank": 0, "backend": "ring", "sharded": True}
     results = got["results"]
     assert all(r["error"] is None for r in results), results
-    by = {(phases[r["phase"]]["kind"], phases[r["phase"]]["name"], r["block"], r["policy"]): r["tokens"]
-          for r in results}
+    by = {
+        (phases[r["phase"]]["kind"], phases[r["phase"]]["name"], r["block"], r["policy"]): r["tokens"] for r in results
+    }
     for kind, pair in pairs.items():
         model, _ = load_target_model(pair["target"])
         plain = greedy_reference(model, PROMPT, N)
@@ -189,12 +194,19 @@ def test_sampled_ranks_agree_then_a_hung_rank_is_detected(pairs, tmp_path):
     within the timeout and reports the group unhealthy."""
     pair = pairs["qwen3"]
     timeout = 4.0
-    cases = [{"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7},
-             {"prompt": PROMPT, "block": 8, "max_tokens": N, "temperature": 1.0, "seed": None},
-             {"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7, "stop_after": 5}]
-    phases = [{"target": pair["target"], "drafter": pair["dflash2"], "cases": cases},
-              {"target": pair["target"], "drafter": pair["dflash2"],
-               "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}]
+    cases = [
+        {"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7},
+        {"prompt": PROMPT, "block": 8, "max_tokens": N, "temperature": 1.0, "seed": None},
+        {"prompt": PROMPT, "block": 4, "max_tokens": N, "temperature": 0.8, "seed": 7, "stop_after": 5},
+    ]
+    phases = [
+        {"target": pair["target"], "drafter": pair["dflash2"], "cases": cases},
+        {
+            "target": pair["target"],
+            "drafter": pair["dflash2"],
+            "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}],
+        },
+    ]
     job = {"phases": phases, "die_rank": 1, "die_phase": 1, "die_step": 3, "die_how": "hang", "timeout": timeout}
     got, codes, _, logs = launch(tmp_path, job, env={distributed.CHECK_ENV: "1"})
     assert codes[0] == 0, logs
@@ -212,9 +224,19 @@ def test_sampled_ranks_agree_then_a_hung_rank_is_detected(pairs, tmp_path):
 @pytest.mark.slow  # the server test kills a rank too
 def test_dead_rank_fails_the_request(pairs, tmp_path):
     pair = pairs["qwen3"]
-    job = {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
-                       "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}],
-           "die_rank": 1, "die_step": 3, "die_how": "exit", "timeout": 4.0}
+    job = {
+        "phases": [
+            {
+                "target": pair["target"],
+                "drafter": pair["dflash2"],
+                "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}],
+            }
+        ],
+        "die_rank": 1,
+        "die_step": 3,
+        "die_how": "exit",
+        "timeout": 4.0,
+    }
     got, codes, took, logs = launch(tmp_path, job, timeout=60)
     (res,) = got["results"]
     assert res["error"] and res["error"].startswith("GroupFailed"), res
@@ -227,9 +249,17 @@ def test_a_follower_exits_when_rank_0_hangs(pairs, tmp_path):
     """Rank 0 stops (SIGSTOP) mid-generation: the follower's watchdog ends it (exit code 3)
     within the timeout instead of waiting in a collective forever."""
     pair = pairs["qwen3"]
-    job = {"phases": [{"target": pair["target"], "drafter": pair["dflash2"],
-                       "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}]}],
-           "leader_stop_step": 3, "timeout": 4.0}
+    job = {
+        "phases": [
+            {
+                "target": pair["target"],
+                "drafter": pair["dflash2"],
+                "cases": [{"prompt": PROMPT, "block": 4, "max_tokens": 200}],
+            }
+        ],
+        "leader_stop_step": 3,
+        "timeout": 4.0,
+    }
     _, codes, took, logs = launch(tmp_path, job, timeout=60, first=1)
     assert codes[1] == 3, logs
     assert "no answer from the group within 4 s" in logs[1]
@@ -262,7 +292,8 @@ def test_a_vocabulary_that_does_not_split_over_the_ranks_is_refused_by_name():
 
     model, _ = build("qwen3_5", vocab_size=47)
     assert distributed.shard_problems(model, 2) == [
-        "vocab_size=47 is not divisible by 2 processes ('qwen3_5' splits its output head by vocabulary)"]
+        "vocab_size=47 is not divisible by 2 processes ('qwen3_5' splits its output head by vocabulary)"
+    ]
     with pytest.raises(UnsupportedModel, match="vocab_size=47 is not divisible by 2"):
         distributed.shard_target(model, Group())
     from mlx_lm.models import qwen3_5
@@ -292,8 +323,14 @@ def test_plan_per_rank(pairs):
     pair = pairs["qwen3_5"]
     read = lambda p: json.loads((Path(p) / "config.json").read_text())  # noqa: E731
     quant = QuantChoice(None, None, 64, False, "")
-    p1 = memory.inputs_for(read(pair["target"]), safetensors_tensors(pair["target"]), read(pair["dflash2"]),
-                           safetensors_tensors(pair["dflash2"]), quant, metal=False)
+    p1 = memory.inputs_for(
+        read(pair["target"]),
+        safetensors_tensors(pair["target"]),
+        read(pair["dflash2"]),
+        safetensors_tensors(pair["dflash2"]),
+        quant,
+        metal=False,
+    )
     p2 = replace(p1, ranks=2)
     one = {i.name: i.bytes for i in memory.items(p1, 4096, 8)}
     two = {i.name: i.bytes for i in memory.items(p2, 4096, 8)}
@@ -324,10 +361,26 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_SPEC_GROUP_TIMEOUT="20")
-    cmd = [sys.executable, "-m", "mlx_spec", "serve", "--target", pair["target"], "--drafter", pair["dflash2"],
-           "--block-size", "4", "--port", str(http)]
-    procs = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / f"rank{r}.log", "w")) for r in (0, 1)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "serve",
+        "--target",
+        pair["target"],
+        "--drafter",
+        pair["dflash2"],
+        "--block-size",
+        "4",
+        "--port",
+        str(http),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd, env=dict(env, MLX_RANK=str(r)), stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{r}.log", "w")
+        )
+        for r in (0, 1)
+    ]
     url = f"http://127.0.0.1:{http}"
     try:
         deadline = time.monotonic() + LAUNCH_S
@@ -352,8 +405,7 @@ def test_server_reports_a_dead_rank(pairs, tmp_path):
         def long_request():
             t = time.monotonic()
             try:
-                got["r"] = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3000},
-                                      timeout=60)
+                got["r"] = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3000}, timeout=60)
             except httpx.HTTPError as e:  # named below instead of a bare KeyError
                 got["e"] = e
             got["s"] = time.monotonic() - t
@@ -417,8 +469,22 @@ def test_detached_group_is_stopped_with_every_rank(tmp_path):
     (http,) = _free_ports(1)
     pids: list[int] = []
     try:
-        r = _cli("serve", "--target", pair["target"], "--drafter", pair["dflash2"], "--block-size", "4",
-                 "--port", str(http), "--ranks", "2", "--detach", env=env, timeout=LAUNCH_S)
+        r = _cli(
+            "serve",
+            "--target",
+            pair["target"],
+            "--drafter",
+            pair["dflash2"],
+            "--block-size",
+            "4",
+            "--port",
+            str(http),
+            "--ranks",
+            "2",
+            "--detach",
+            env=env,
+            timeout=LAUNCH_S,
+        )
         assert r.returncode == 0, r.stderr
         assert "rank 0 pid" in r.stdout and "rank 1 pid" in r.stdout, r.stdout
         state = json.loads((tmp_path / "state" / f"server-{http}.json").read_text())
@@ -432,8 +498,7 @@ def test_detached_group_is_stopped_with_every_rank(tmp_path):
         g = srv["group"]
         assert srv["health"] == "ready" and g["size"] == 2 and g["sharded"] is True and g["healthy"] is True
         assert g["launcher_pid"] == state["pid"] and all(x["alive"] for x in g["ranks"]), g
-        ok = httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hi", "max_tokens": 6},
-                        timeout=60)
+        ok = httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hi", "max_tokens": 6}, timeout=60)
         assert ok.status_code == 200 and ok.json()["speculation"]["group"]["size"] == 2
 
         t = time.monotonic()
@@ -466,9 +531,27 @@ def test_bench_reports_two_rank_pass_costs_beside_one_process(pairs, tmp_path):
     prompts.write_text(json.dumps({"prompt": "hello there " * 8}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RANK") and k not in distributed.LAUNCH_ENV}
     env.update(OPENBLAS_NUM_THREADS="1")
-    r = _cli("bench", "--target", pair["target"], "--drafter", pair["dflash2"], "--costs-only", "--ranks", "2",
-             "--block-sizes", "2,4", "--repeats", "1", "--prompts", str(prompts), "--time-budget", "120", "--json",
-             env=env, timeout=LAUNCH_S + 60)
+    r = _cli(
+        "bench",
+        "--target",
+        pair["target"],
+        "--drafter",
+        pair["dflash2"],
+        "--costs-only",
+        "--ranks",
+        "2",
+        "--block-sizes",
+        "2,4",
+        "--repeats",
+        "1",
+        "--prompts",
+        str(prompts),
+        "--time-budget",
+        "120",
+        "--json",
+        env=env,
+        timeout=LAUNCH_S + 60,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     one, two = rep["single"], rep["ranks"]
@@ -496,7 +579,7 @@ def test_launch_plan_checks_the_group_flags(tmp_path):
     assert local.local and local.ranks == 2 and local.backend == "ring" and local.port is not None
     cmd = local.command(["python", "-m", "mlx_spec", "serve"])
     assert cmd[1:7] == ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
-    assert cmd[cmd.index("--"):] == ["--", "python", "-m", "mlx_spec", "serve"]
+    assert cmd[cmd.index("--") :] == ["--", "python", "-m", "mlx_spec", "serve"]
     two = distributed.launch_plan(hosts="127.0.0.1,10.0.0.2", environ={})
     assert two.ranks == 2 and not two.local and two.port is None and two.local_ranks == 1
     assert "--hosts" in two.command([]) and "127.0.0.1,10.0.0.2" in two.command([])
@@ -504,23 +587,39 @@ def test_launch_plan_checks_the_group_flags(tmp_path):
     shown = distributed.Launch.shown(two.command(["serve"]))
     assert "--env" not in shown and "127.0.0.1,10.0.0.2" in shown and "serve" not in shown
     hf = tmp_path / "hosts.json"
-    hf.write_text(json.dumps({"backend": "jaccl", "hosts": [{"ssh": "127.0.0.1", "ips": ["10.0.0.1"], "rdma": [None, "x"]},
-                                                            {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["x", None]}]}))
+    hf.write_text(
+        json.dumps(
+            {
+                "backend": "jaccl",
+                "hosts": [
+                    {"ssh": "127.0.0.1", "ips": ["10.0.0.1"], "rdma": [None, "x"]},
+                    {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["x", None]},
+                ],
+            }
+        )
+    )
     plan = distributed.launch_plan(hostfile=str(hf), environ={})
     assert plan.ranks == 2 and plan.backend == "jaccl" and plan.hosts == ("127.0.0.1", "b") and plan.local_ranks == 1
     remote0 = tmp_path / "remote0.json"  # the docs' old mistake: this Mac by name, so ssh starts rank 0
-    remote0.write_text(json.dumps({"hosts": [{"ssh": "mac-1.local", "ips": ["10.0.0.1"]},
-                                             {"ssh": "mac-2.local", "ips": ["10.0.0.2"]}]}))
-    for kw, msg in [({"ranks": 1}, "at least 2 ranks"), ({"ranks": 3, "hosts": "a,b"}, "--ranks 3 but 2 hosts"),
-                    ({"hosts": "a", "hostfile": str(hf)}, "not both"), ({"ranks": 2, "backend": "mpi"}, "--backend"),
-                    ({"hosts": "a,b", "backend": "jaccl"}, "jaccl needs --hostfile"),
-                    ({"hostfile": str(tmp_path / "none.json")}, "no such file"),
-                    ({"backend": "jaccl"}, "need --ranks, --hosts or --hostfile"),
-                    ({"port": 5000}, "need --ranks, --hosts or --hostfile"),
-                    ({"ranks": 3, "port": 65534}, "past 65535"),
-                    ({"hosts": "10.0.0.1,127.0.0.1"}, "rank 0 must run on this machine"),
-                    ({"hostfile": str(remote0)}, "rank 0 must run on this machine"),
-                    ({"hosts": "127.0.0.1,mac-2.local"}, "needs IP addresses")]:
+    remote0.write_text(
+        json.dumps(
+            {"hosts": [{"ssh": "mac-1.local", "ips": ["10.0.0.1"]}, {"ssh": "mac-2.local", "ips": ["10.0.0.2"]}]}
+        )
+    )
+    for kw, msg in [
+        ({"ranks": 1}, "at least 2 ranks"),
+        ({"ranks": 3, "hosts": "a,b"}, "--ranks 3 but 2 hosts"),
+        ({"hosts": "a", "hostfile": str(hf)}, "not both"),
+        ({"ranks": 2, "backend": "mpi"}, "--backend"),
+        ({"hosts": "a,b", "backend": "jaccl"}, "jaccl needs --hostfile"),
+        ({"hostfile": str(tmp_path / "none.json")}, "no such file"),
+        ({"backend": "jaccl"}, "need --ranks, --hosts or --hostfile"),
+        ({"port": 5000}, "need --ranks, --hosts or --hostfile"),
+        ({"ranks": 3, "port": 65534}, "past 65535"),
+        ({"hosts": "10.0.0.1,127.0.0.1"}, "rank 0 must run on this machine"),
+        ({"hostfile": str(remote0)}, "rank 0 must run on this machine"),
+        ({"hosts": "127.0.0.1,mac-2.local"}, "needs IP addresses"),
+    ]:
         with pytest.raises(BadRequest, match=msg):
             distributed.launch_plan(**kw, environ={})
     with pytest.raises(BadRequest, match="already a rank"):

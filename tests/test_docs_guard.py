@@ -41,16 +41,35 @@ def hits(text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-@pytest.mark.parametrize("text", ["measured in session 7", "Session 10: the latest run", "see issue 17",
-                                  "issues 17 and 18", "fixed in #17", "output in runs/bench.txt",
-                                  "the session-5 tuner", "issue17-bench10"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "measured in session 7",
+        "Session 10: the latest run",
+        "see issue 17",
+        "issues 17 and 18",
+        "fixed in #17",
+        "output in runs/bench.txt",
+        "the session-5 tuner",
+        "issue17-bench10",
+    ],
+)
 def test_each_kind_of_lab_reference_is_caught(text):
     assert hits(text), text
 
 
-@pytest.mark.parametrize("text", ["a crash class on Metal (ml-explore/mlx#3126)", "jundot/omlx#2987",
-                                  "one session of the chat", "a new session starts", "tissue 5",
-                                  "color: #123456", "benchmarks/results/2026-12-01-xeon-2core-linux/bench.txt"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a crash class on Metal (ml-explore/mlx#3126)",
+        "jundot/omlx#2987",
+        "one session of the chat",
+        "a new session starts",
+        "tissue 5",
+        "color: #123456",
+        "benchmarks/results/2026-12-01-xeon-2core-linux/bench.txt",
+    ],
+)
 def test_what_is_not_a_lab_reference_passes(text):
     assert not hits(text), text
 

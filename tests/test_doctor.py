@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 
-from helpers import save_tiny_pair
-
 from mlx_spec.cli import main
+
+from helpers import save_tiny_pair
 
 
 def test_doctor_json_reports_backend_precision_costs_and_acceptance(tmp_path, capsys):
     t, d = save_tiny_pair(tmp_path)
-    assert main(["doctor", "--json", "--target", str(t), "--drafter", str(d), "--reps", "1",
-                 "--max-tokens", "8"]) == 0
+    assert main(["doctor", "--json", "--target", str(t), "--drafter", str(d), "--reps", "1", "--max-tokens", "8"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["backend"]["kind"] == "cpu" and r["backend"]["budget"] > 0
     assert "float32" in r["precision"]["why"] or r["precision"]["why"]

@@ -2,17 +2,17 @@
 
 import json
 
-import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
-import pytest
-from helpers import VOCAB, greedy_reference, save_tiny_pair, tiny_drafter, tiny_model
-
 from mlx_spec.decode import spec_steps
 from mlx_spec.drafter import DraftVocab
 from mlx_spec.errors import CheckpointError
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers import VOCAB, greedy_reference, save_tiny_pair, tiny_drafter, tiny_model
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8]
 N = 30
@@ -81,8 +81,9 @@ def test_a_reduced_vocab_drafts_inside_it_and_stays_lossless(pair, v2):
         c = drafter.make_cache()
         drafter.add_context(feats, c)
         h = drafter.hidden(mx.array([[ref[0]] + [VOCAB - 1] * 3]), None, c)[0, 1:]
-        toks, q = drafter.sample(h, drafter.logits(h), mx.array(ref[0]), SamplingConfig(0.9, top_p=0.95),
-                                 mx.random.key(3), n)
+        toks, q = drafter.sample(
+            h, drafter.logits(h), mx.array(ref[0]), SamplingConfig(0.9, top_p=0.95), mx.random.key(3), n
+        )
         q, toks = np.array(q), np.array(toks)
         assert q.shape[-1] == VOCAB and np.allclose(q.sum(-1), 1, atol=1e-5)
         outside = np.setdiff1d(np.arange(VOCAB), sub)
@@ -111,9 +112,13 @@ def test_draft_vocab_file_is_used_reported_counted_and_checked(tmp_path):
     full = memory.plan_for(str(tdir), str(ddir), quant, context=256, metal=False, draft_vocab="full")
     assert "draft head rows" not in {i.name for i in full.items}
     f = ddir / "draft_vocab.json"
-    for body, why in [("{not json", "unreadable"), (json.dumps({"ids": [3, 2]}), "sorted"),
-                      (json.dumps({"ids": [1, VOCAB]}), "outside the vocabulary"),
-                      (json.dumps({"ids": []}), "non-empty"), (json.dumps({"idz": [1]}), "unreadable")]:
+    for body, why in [
+        ("{not json", "unreadable"),
+        (json.dumps({"ids": [3, 2]}), "sorted"),
+        (json.dumps({"ids": [1, VOCAB]}), "outside the vocabulary"),
+        (json.dumps({"ids": []}), "non-empty"),
+        (json.dumps({"idz": [1]}), "unreadable"),
+    ]:
         f.write_text(body)
         with pytest.raises(CheckpointError, match=why) as e:
             load_pair(str(tdir), str(ddir))

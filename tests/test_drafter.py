@@ -2,15 +2,15 @@
 
 import json
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from helpers import drafter_config, save_tiny_pair, tiny_drafter, tiny_model
-
 from mlx_spec.drafter import DFLASH1, Drafter, DrafterArgs, block_mask, build_target_layer_ids
 from mlx_spec.errors import CheckpointError, IncompatiblePair
 from mlx_spec.loading import check_pair, load_drafter, save_drafter
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import drafter_config, tiny_drafter, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,9 @@ def test_identity_dflash2_equals_dflash1(model_cfg):
     # copy the shared backbone so only the DFlash 2 additions differ
     from mlx.utils import tree_flatten
 
-    v1.load_weights([(k, v) for k, v in tree_flatten(v2.parameters())
-                     if "conv" not in k and "candidate_selector" not in k])
+    v1.load_weights(
+        [(k, v) for k, v in tree_flatten(v2.parameters()) if "conv" not in k and "candidate_selector" not in k]
+    )
     feats = target(mx.array([[3, 9, 27, 81, 5, 15]]), target.make_cache()).hidden
     anchor = mx.array(7)
     for B in (2, 4, 8):
@@ -49,11 +50,17 @@ def test_identity_dflash2_equals_dflash1(model_cfg):
         h2 = v2.hidden(mx.array([[7] + [127] * (B - 1)]), feats, v2.make_cache())
         assert mx.allclose(h1, h2, atol=1e-5)
     # with a non-zero successor codebook the selector may change the path: the test has power
-    v2.candidate_selector.successor_codebook.weight = mx.random.normal(v2.candidate_selector.successor_codebook.weight.shape) * 10
-    v2.candidate_selector.predecessor_codebook.weight = mx.random.normal(v2.candidate_selector.predecessor_codebook.weight.shape) * 10
+    v2.candidate_selector.successor_codebook.weight = (
+        mx.random.normal(v2.candidate_selector.successor_codebook.weight.shape) * 10
+    )
+    v2.candidate_selector.predecessor_codebook.weight = (
+        mx.random.normal(v2.candidate_selector.predecessor_codebook.weight.shape) * 10
+    )
     changed = any(
         v1.propose(mx.array(a), feats, v1.make_cache(), 8).tokens.tolist()
-        != v2.propose(mx.array(a), feats, v2.make_cache(), 8).tokens.tolist() for a in range(10))
+        != v2.propose(mx.array(a), feats, v2.make_cache(), 8).tokens.tolist()
+        for a in range(10)
+    )
     assert changed
 
 
@@ -154,8 +161,11 @@ def test_not_a_drafter_and_bad_config(tmp_path, saved):
 def test_mismatched_target_is_refused(model_cfg):
     model, cfg = model_cfg
     target = Target(model, [0, 2])
-    for change, culprit in (({"hidden_size": 32}, "hidden_size"), ({"vocab_size": 100}, "vocab_size"),
-                            ({"num_target_layers": 36}, "36-layer target")):
+    for change, culprit in (
+        ({"hidden_size": 32}, "hidden_size"),
+        ({"vocab_size": 100}, "vocab_size"),
+        ({"num_target_layers": 36}, "36-layer target"),
+    ):
         dcfg = drafter_config(cfg)
         dcfg.update(change)
         d = Drafter(DrafterArgs.from_config(dcfg))

@@ -2,14 +2,14 @@
 
 import dataclasses
 
-import mlx.core as mx
-import pytest
-from helpers import tiny_engine_loader
-
 from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
 from mlx_spec.generation import EngineInfo
 from mlx_spec.session import Session
 from mlx_spec.stats import StatsSnapshot
+
+import mlx.core as mx
+import pytest
+from helpers import tiny_engine_loader
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,9 @@ def test_events_are_plain_values_and_sequential_requests(engine):
 
 def test_plain_ab_gives_same_greedy_text(engine):
     spec = engine.submit(Request(messages=[{"role": "user", "content": "hi"}], max_tokens=10)).result()
-    plain = engine.submit(Request(messages=[{"role": "user", "content": "hi"}], max_tokens=10, speculate=False)).result()
+    plain = engine.submit(
+        Request(messages=[{"role": "user", "content": "hi"}], max_tokens=10, speculate=False)
+    ).result()
     assert plain.engine.method == "plain" and plain.engine.mode == "plain" and plain.timings["draft_n"] == 0
     assert spec.text == plain.text
 

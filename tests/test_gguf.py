@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlx_spec.errors import CheckpointError, UnsupportedModel
+from mlx_spec.gguf import convert_gguf, map_weights, quant_bits, read_gguf
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -14,9 +17,6 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from mlx_spec.errors import CheckpointError, UnsupportedModel
-from mlx_spec.gguf import convert_gguf, map_weights, quant_bits, read_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -54,11 +54,7 @@ def to_gguf_name(name: str) -> str:
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def train_tokenizer() -> Tokenizer:
@@ -88,11 +84,7 @@ def tiny_model(vocab_size: int, *, tied: bool = True, seed: int = 0) -> tuple[ll
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(args))
     # random norms, so a swapped norm mapping would show in the logits
-    norms = [
-        (k, 1 + 0.2 * mx.random.normal(v.shape))
-        for k, v in tree_flatten(model.parameters())
-        if "norm" in k
-    ]
+    norms = [(k, 1 + 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters()) if "norm" in k]
     model.load_weights(norms, strict=False)
     mx.eval(model.parameters())
     return model, args
@@ -229,17 +221,10 @@ def test_quantized_types(tmp_path, tk, source):
     out = convert_gguf(tmp_path / "q.gguf", tmp_path / "keep", dtype="keep")
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert (quant["bits"], quant["group_size"]) == (4, 32)
-    assert (
-        quant["model.embed_tokens"]["bits"] == 8
-        and quant["model.layers.0.mlp.gate_proj"]["bits"] == 8
-    )
+    assert quant["model.embed_tokens"]["bits"] == 8 and quant["model.layers.0.mlp.gate_proj"]["bits"] == 8
     kept, _ = load(str(out))
     layer = kept.model.layers[0]
-    assert (
-        layer.self_attn.q_proj.bits == 4
-        and layer.mlp.gate_proj.bits == 8
-        and kept.model.embed_tokens.bits == 8
-    )
+    assert layer.self_attn.q_proj.bits == 4 and layer.mlp.gate_proj.bits == 8 and kept.model.embed_tokens.bits == 8
     assert not hasattr(layer.mlp.up_proj, "bits")  # F16 stays a plain Linear
     np.testing.assert_allclose(logits_of(kept), want, atol=2e-2, rtol=2e-2)
 
@@ -279,12 +264,9 @@ def test_chat_template(converted, tk):
     ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert (
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True) == tk.encode(text).ids
-    )
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True) == tk.encode(text).ids
 
 
 def test_refuses_unsupported_tensor_type(tmp_path, tk, source):

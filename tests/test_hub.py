@@ -28,10 +28,14 @@ def hub(tmp_path_factory):
     h.add_folder(D, d)
     h.repos["org/no-config"] = {"model.safetensors": h.repos[T]["model.safetensors"], "README.md": b"hi"}
     h.repos["org/broken"] = dict(h.repos[T])
-    h.repos["org/wide"] = {**h.repos[T], "config.json": json.dumps(
-        {**json.loads(h.repos[T]["config.json"]), "hidden_size": 128}).encode()}
-    h.repos["org/other-arch"] = {**h.repos[T], "config.json": json.dumps(
-        {**json.loads(h.repos[T]["config.json"]), "model_type": "gpt_oss"}).encode()}
+    h.repos["org/wide"] = {
+        **h.repos[T],
+        "config.json": json.dumps({**json.loads(h.repos[T]["config.json"]), "hidden_size": 128}).encode(),
+    }
+    h.repos["org/other-arch"] = {
+        **h.repos[T],
+        "config.json": json.dumps({**json.loads(h.repos[T]["config.json"]), "model_type": "gpt_oss"}).encode(),
+    }
     # huggingface-hub writes downloads in 10 MiB chunks, so a resumable cut needs a bigger file
     big = tmp_path_factory.mktemp("big") / "model.safetensors"
     mx.save_safetensors(str(big), {"pad": mx.arange(3 << 20, dtype=mx.float32)})
@@ -47,8 +51,14 @@ def hf_home(tmp_path):
 
 
 def env_for(hub, hf_home, offline=False) -> dict:
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+    }
     env.pop("HF_HUB_OFFLINE", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
@@ -56,13 +66,15 @@ def env_for(hub, hf_home, offline=False) -> dict:
 
 
 def run(hub, hf_home, *args, offline=False, timeout=240):
-    return subprocess.run([sys.executable, *args], env=env_for(hub, hf_home, offline), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], env=env_for(hub, hf_home, offline), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_process(hub, hf_home, *args):
-    return subprocess.Popen([sys.executable, *args], env=env_for(hub, hf_home), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, *args], env=env_for(hub, hf_home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def snapshot_files(hf_home: Path, repo: str) -> set[str]:
@@ -74,8 +86,21 @@ def incomplete(hf_home: Path, repo: str) -> list[Path]:
     return list((hf_home / "hub" / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.incomplete"))
 
 
-GEN = ["-m", "mlx_spec", "generate", "--target", T, "--drafter", D, "--prompt", "hi", "--max-tokens", "4",
-       "--block-size", "4"]
+GEN = [
+    "-m",
+    "mlx_spec",
+    "generate",
+    "--target",
+    T,
+    "--drafter",
+    D,
+    "--prompt",
+    "hi",
+    "--max-tokens",
+    "4",
+    "--block-size",
+    "4",
+]
 
 
 def test_refused_plan_fetches_no_weight_file(hub, hf_home):
@@ -108,8 +133,21 @@ def test_download_run_then_offline(hub, hf_home):
     run(hub, hf_home, *GEN, "--json")
     assert not [h for h in hub.log if h.path.startswith("/api/")]
     # offline and never downloaded: a clear message naming the repo
-    r3 = run(hub, hf_home, "-m", "mlx_spec", "generate", "--target", "org/broken", "--drafter", D, "--prompt", "x", "--no-tune",
-             offline=True)
+    r3 = run(
+        hub,
+        hf_home,
+        "-m",
+        "mlx_spec",
+        "generate",
+        "--target",
+        "org/broken",
+        "--drafter",
+        D,
+        "--prompt",
+        "x",
+        "--no-tune",
+        offline=True,
+    )
     assert r3.returncode == 1 and "org/broken" in r3.stderr and "HF_HUB_OFFLINE=1" in r3.stderr
 
 

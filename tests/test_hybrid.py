@@ -8,40 +8,73 @@ after the same committed tokens. A deliberately broken rollback must fail these 
 import importlib
 from functools import partial
 
-import mlx.core as mx
-import pytest
-from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
-
 from mlx_spec import gdn
 from mlx_spec.decode import spec_steps
 from mlx_spec.errors import MlxSpecError, UnsupportedModel
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77]
 N = 28
 BLOCKS = (2, 4, 8, 16)
 ATOL, RTOL = 2e-5, 1e-4  # batched verify vs single-token decode round differently (float32)
 
-_GDN = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=VOCAB,
-            max_position_embeddings=4096, linear_num_value_heads=4, linear_num_key_heads=2,
-            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            full_attention_interval=2, tie_word_embeddings=False)
-_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=64, decoder_sparse_step=1)
+_GDN = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    tie_word_embeddings=False,
+)
+_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    decoder_sparse_step=1,
+)
 _ROPE = {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 CONFIGS = {
     "qwen3_5": dict(_GDN, model_type="qwen3_5", rope_parameters=_ROPE),
     "qwen3_5_moe": dict(_GDN, **_MOE, model_type="qwen3_5_moe", rope_parameters=_ROPE),
-    "qwen3_next": dict(_GDN, **_MOE, model_type="qwen3_next", mlp_only_layers=[], rope_theta=10000.0,
-                       partial_rotary_factor=0.25),
-    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                      vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
-                      tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=True),
+    "qwen3_next": dict(
+        _GDN, **_MOE, model_type="qwen3_next", mlp_only_layers=[], rope_theta=10000.0, partial_rotary_factor=0.25
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
 }
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -156,9 +189,11 @@ def _off_by_one(caches, records, attns, n_keep, **kw):
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_broken_rollback_is_caught(prepared, kind, broken):
     _, model, _, ref, states = prepared(kind)
-    restore = {"no_conv": partial(gdn.restore, conv=False),
-               "no_state": partial(gdn.restore, state=False),
-               "off_by_one": _off_by_one}[broken]
+    restore = {
+        "no_conv": partial(gdn.restore, conv=False),
+        "no_state": partial(gdn.restore, state=False),
+        "off_by_one": _off_by_one,
+    }[broken]
     target = Target(model, [0, 2], restore=restore)
     steps, problems = run_checked(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=1), 4, states)
     assert problems, broken
@@ -233,18 +268,33 @@ def test_rollback_to_before_the_pass():
 
 
 def test_unrollable_caches_are_refused_by_name():
+    from helpers import TARGET_CONFIGS
     from mlx_lm.models import llama, mamba
 
-    from helpers import TARGET_CONFIGS
-
     mx.random.seed(0)
-    swa = dict(TARGET_CONFIGS["llama"], sliding_window=16,
-               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    swa = dict(
+        TARGET_CONFIGS["llama"],
+        sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
     with pytest.raises(UnsupportedModel, match=r"layers 0-1, 3 use RotatingKVCache \(sliding-window"):
         Target(llama.Model(llama.ModelArgs.from_dict(swa)), [0])
-    m = mamba.Model(mamba.ModelArgs.from_dict(dict(
-        model_type="mamba", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, state_size=8,
-        num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8)))
+    m = mamba.Model(
+        mamba.ModelArgs.from_dict(
+            dict(
+                model_type="mamba",
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                state_size=8,
+                num_hidden_layers=2,
+                conv_kernel=4,
+                use_bias=False,
+                use_conv_bias=True,
+                time_step_rank=8,
+            )
+        )
+    )
     with pytest.raises(UnsupportedModel, match=r"'mamba'.*layers 0-1 use ArraysCache \(recurrent state\)"):
         Target(m, [0])
 
@@ -257,6 +307,5 @@ def test_dflash_drafter_on_a_hybrid_target(prepared, kind):
     for block in (4, 16):
         steps = list(spec_steps(target, drafter, PROMPT, block_size=block, max_tokens=N))
         assert _tokens(steps) == ref
-    steps = list(spec_steps(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT,
-                            block_size=8, max_tokens=N))
+    steps = list(spec_steps(target, ScriptedDrafter(PROMPT + ref, VOCAB, right=2), PROMPT, block_size=8, max_tokens=N))
     assert all(s.rollback_ms > 0 for s in steps[1:] if not s.finish_reason)

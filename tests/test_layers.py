@@ -97,8 +97,10 @@ def test_every_module_has_a_layer():
         if planned:
             assert name not in mods, f"`{name}` exists now: drop 'planned' from its row in docs/architecture.md"
         else:
-            assert name in mods, (f"docs/architecture.md lists `{name}` but mlx_spec/ has no such module: "
-                                  "remove the row, or mark it 'planned:'")
+            assert name in mods, (
+                f"docs/architecture.md lists `{name}` but mlx_spec/ has no such module: "
+                "remove the row, or mark it 'planned:'"
+            )
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -114,8 +116,10 @@ def test_no_module_imports_a_layer_above_its_own():
             if dep not in rank:
                 problems.append(f"mlx_spec/{path.relative_to(PKG)}:{line} imports `{dep}`, which has no layer: {FIX}")
             elif rank[dep] > rank[name]:
-                problems.append(f"mlx_spec/{path.relative_to(PKG)}:{line}: `{name}` ({rows[name][0]}) imports "
-                                f"`{dep}` ({rows[dep][0]}), a higher layer")
+                problems.append(
+                    f"mlx_spec/{path.relative_to(PKG)}:{line}: `{name}` ({rows[name][0]}) imports "
+                    f"`{dep}` ({rows[dep][0]}), a higher layer"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -133,8 +137,10 @@ def test_only_the_commands_that_start_them_import_the_server_or_the_tui():
 def test_the_import_reader_sees_function_level_and_relative_imports(tmp_path):
     """The checker itself: imports inside functions count, relative imports resolve."""
     src = tmp_path / "x.py"
-    src.write_text("from .errors import BadRequest\n\ndef f():\n    import tui.app\n"
-                   "    import mlx_spec.server.app\n    from . import BLAS\n    from .server import tools\n")
+    src.write_text(
+        "from .errors import BadRequest\n\ndef f():\n    import tui.app\n"
+        "    import mlx_spec.server.app\n    from . import BLAS\n    from .server import tools\n"
+    )
     assert set(imports(src, ["mlx_spec"])) == {"errors", "tui", "server/app", "__init__", "server", "server/tools"}
     src.write_text("def g():\n    from ..engine import Done\n    from . import tools\n")
     assert set(imports(src, ["mlx_spec", "server"])) == {"engine", "server", "server/tools"}
@@ -147,13 +153,17 @@ def test_no_import_circles():
     moved knowing only what it imports."""
     mods = modules()
     packages = {k for k, p in mods.items() if p.name == "__init__.py"}
-    graph = {name: sorted(d for d in imports(path, _package_of(path)) if d != name and d in mods and d not in packages)
-             for name, path in mods.items() if name not in packages}
+    graph = {
+        name: sorted(d for d in imports(path, _package_of(path)) if d != name and d in mods and d not in packages)
+        for name, path in mods.items()
+        if name not in packages
+    }
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as e:
-        raise AssertionError("modules importing each other (move what both need below them): "
-                             + " -> ".join(e.args[1])) from None
+        raise AssertionError(
+            "modules importing each other (move what both need below them): " + " -> ".join(e.args[1])
+        ) from None
 
 
 def private_uses(path: Path, package: list[str]) -> list[str]:
@@ -183,8 +193,13 @@ def private_uses(path: Path, package: list[str]) -> list[str]:
                 if a.asname and _ours(a.name) is not None:
                     bound[a.asname] = _ours(a.name)
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
-                and bound[node.value.id] != own and private(node.attr)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and bound[node.value.id] != own
+            and private(node.attr)
+        ):
             found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
     return found
 
@@ -192,8 +207,11 @@ def private_uses(path: Path, package: list[str]) -> list[str]:
 def test_no_module_takes_another_modules_underscore_names():
     """A leading underscore means "this module's own": no other module imports or reads it (what
     two modules share is public, named for what it does)."""
-    problems = [f"mlx_spec/{path.relative_to(PKG)}:{hit}" for name, path in modules().items()
-                for hit in private_uses(path, _package_of(path))]
+    problems = [
+        f"mlx_spec/{path.relative_to(PKG)}:{hit}"
+        for name, path in modules().items()
+        for hit in private_uses(path, _package_of(path))
+    ]
     assert not problems, "\n".join(problems)
 
 

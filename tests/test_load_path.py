@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 
-import pytest
-from helpers import save_tiny_pair
-
 from mlx_spec.config import LoadConfig
 from mlx_spec.errors import BadRequest, CheckpointError, MlxSpecError
+
+import pytest
+from helpers import save_tiny_pair
 
 LOADING = ("memory plan", "loading target")  # what a command prints once it starts planning / loading
 
@@ -47,8 +47,13 @@ def cache(tmp_path, monkeypatch):
 
 
 def cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "mlx_spec", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 # -- the configuration ----------------------------------------------------------------------------
@@ -58,9 +63,18 @@ def test_load_config_is_frozen_and_refuses_bad_values():
     cfg = LoadConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_size = 4
-    for bad in (dict(block_size=1), dict(block_size=0), dict(context=1), dict(group_size=48),
-                dict(draft_vocab="half"), dict(target_bits="3"), dict(prefix_cache=-1), dict(tune_budget_s=0),
-                dict(budget=0), dict(target="")):
+    for bad in (
+        dict(block_size=1),
+        dict(block_size=0),
+        dict(context=1),
+        dict(group_size=48),
+        dict(draft_vocab="half"),
+        dict(target_bits="3"),
+        dict(prefix_cache=-1),
+        dict(tune_budget_s=0),
+        dict(budget=0),
+        dict(target=""),
+    ):
         with pytest.raises(BadRequest):
             LoadConfig(**bad)
 
@@ -68,15 +82,43 @@ def test_load_config_is_frozen_and_refuses_bad_values():
 def test_flags_become_a_config_once():
     from mlx_spec.cli import load_config
 
-    args = argparse.Namespace(target="t", drafter="d", no_draft=False, block_size=6, target_bits="4",
-                              drafter_bits=None, group_size=32, draft_vocab="full", context=2048, force=True,
-                              no_tune=True, tune_budget=12.0, no_adaptive=True, prefix_cache_mb=1.5,
-                              budget_gb=2.0, prompt_tokens=100, ranks=2)
+    args = argparse.Namespace(
+        target="t",
+        drafter="d",
+        no_draft=False,
+        block_size=6,
+        target_bits="4",
+        drafter_bits=None,
+        group_size=32,
+        draft_vocab="full",
+        context=2048,
+        force=True,
+        no_tune=True,
+        tune_budget=12.0,
+        no_adaptive=True,
+        prefix_cache_mb=1.5,
+        budget_gb=2.0,
+        prompt_tokens=100,
+        ranks=2,
+    )
     cfg = load_config(args)
-    assert cfg == LoadConfig(target="t", drafter="d", block_size=6, target_bits="4", group_size=32,
-                             draft_vocab="full", context=2048, force=True, tune=False, tune_budget_s=12.0,
-                             adaptive=False, prefix_cache=int(1.5 * 2**20), budget=2 * 2**30,
-                             prompt_tokens=100, ranks=2)
+    assert cfg == LoadConfig(
+        target="t",
+        drafter="d",
+        block_size=6,
+        target_bits="4",
+        group_size=32,
+        draft_vocab="full",
+        context=2048,
+        force=True,
+        tune=False,
+        tune_budget_s=12.0,
+        adaptive=False,
+        prefix_cache=int(1.5 * 2**20),
+        budget=2 * 2**30,
+        prompt_tokens=100,
+        ranks=2,
+    )
     # a command without some flags (tune has no --block-size) gets the defaults
     assert load_config(argparse.Namespace(target="t")) == LoadConfig(target="t")
     with pytest.raises(BadRequest, match="--budget-gb"):
@@ -107,8 +149,10 @@ def test_names_are_checked_before_anything_loads(pair_dirs, tmp_path):
 def _stored(key, best, date="2026-11-29T12:00:00+00:00"):
     from mlx_spec.tuning import Candidate, TuneResult
 
-    cands = (Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
-             Candidate(6, True, 13.0, 0.04, 1.3, 2.5, 1.3, 3, final=True))
+    cands = (
+        Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
+        Candidate(6, True, 13.0, 0.04, 1.3, 2.5, 1.3, 3, final=True),
+    )
     return TuneResult(key, best, date, cands)
 
 
@@ -125,12 +169,15 @@ def test_one_rule_for_the_block_size(pair, tmp_path):
 
     ckpt = pair.drafter.args.block_size
     cfg = LoadConfig(tune_budget_s=7.0)
-    assert choose_block(pair, dataclasses.replace(cfg, block_size=3), root=tmp_path, tune_fn=fake_tune) == \
-        BlockChoice(3, "flag", pinned=True)
-    assert choose_block(pair, dataclasses.replace(cfg, tune=False), root=tmp_path, tune_fn=fake_tune) == \
-        BlockChoice(ckpt, "checkpoint (--no-tune)")
-    assert choose_block(pair, cfg, root=tmp_path, tuning="stored") == \
-        BlockChoice(ckpt, "checkpoint; not tuned on this machine yet")  # verify never tunes
+    assert choose_block(pair, dataclasses.replace(cfg, block_size=3), root=tmp_path, tune_fn=fake_tune) == BlockChoice(
+        3, "flag", pinned=True
+    )
+    assert choose_block(pair, dataclasses.replace(cfg, tune=False), root=tmp_path, tune_fn=fake_tune) == BlockChoice(
+        ckpt, "checkpoint (--no-tune)"
+    )
+    assert choose_block(pair, cfg, root=tmp_path, tuning="stored") == BlockChoice(
+        ckpt, "checkpoint; not tuned on this machine yet"
+    )  # verify never tunes
     assert calls == []
     assert choose_block(pair, cfg, root=tmp_path, tune_fn=fake_tune) == BlockChoice(6, "tuned 2026-11-29")
     assert choose_block(pair, cfg, root=tmp_path, tune_fn=fake_tune).block_size == 6 and calls == [7.0]
@@ -145,15 +192,26 @@ def test_the_mode_is_decided_in_one_place(pair):
     from mlx_spec.session import BlockChoice, info_for
 
     spec = info_for(pair, BlockChoice(4, "flag", pinned=True))
-    assert (spec.mode, spec.method, spec.block_size, spec.speculative, spec.pinned) == \
-        ("speculative", "dflash2", 4, True, True)
+    assert (spec.mode, spec.method, spec.block_size, spec.speculative, spec.pinned) == (
+        "speculative",
+        "dflash2",
+        4,
+        True,
+        True,
+    )
     assert not info_for(pair, BlockChoice(4, "tuned 2026-11-29")).pinned
     off = info_for(pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True))
     assert (off.mode, off.method, off.drafter, off.speculative) == ("tuned-off", "plain", pair.drafter_id, False)
     # the per-cycle policy (the default) stays speculative: plain steps where drafts do not pay are
     # its own choice, and lookup drafts may pay where DFlash does not
-    off_policy = info_for(pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True), adaptive=True)
-    assert off_policy.speculative and off_policy.adaptive_max >= 16 and off_policy.block_size == pair.drafter.args.block_size
+    off_policy = info_for(
+        pair, BlockChoice(1, "tuned 2026-11-29: off — plain decoding faster", off=True), adaptive=True
+    )
+    assert (
+        off_policy.speculative
+        and off_policy.adaptive_max >= 16
+        and off_policy.block_size == pair.drafter.args.block_size
+    )
     assert "DFlash drafts start resting" in off_policy.describe()
     plain = engine_info(plain_view(pair))
     assert (plain.mode, plain.drafter) == ("plain", None)
@@ -171,11 +229,17 @@ def test_no_code_parses_the_provenance_text():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    parse = re.compile(r'startswith\("tuned|(block_size_source|block_source)\s*(==|!=|\.startswith|\.endswith)'
-                       r'|in\s+\w*\.?(block_size_source|block_source)\b')
-    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for folder in ("mlx_spec", "tui")
-            for p in (root / folder).rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
-            if parse.search(line)]
+    parse = re.compile(
+        r'startswith\("tuned|(block_size_source|block_source)\s*(==|!=|\.startswith|\.endswith)'
+        r"|in\s+\w*\.?(block_size_source|block_source)\b"
+    )
+    hits = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for folder in ("mlx_spec", "tui")
+        for p in (root / folder).rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if parse.search(line)
+    ]
     assert hits == []
 
 
@@ -274,20 +338,34 @@ class _Health(http.server.BaseHTTPRequestHandler):
 def test_status_names_the_drafter_the_server_runs(tmp_path):
     """A server started without --drafter runs the bundled one: status's top-level drafter is the
     one its /health reports, not the (empty) flag."""
-    import psutil
-
     from mlx_spec.server import process
 
-    spec = {"enabled": True, "method": "dflash2", "target": "smollm2-135m-instruct",
-            "drafter": "/x/models/smollm2-135m-dflash2", "block_size": 6, "block_size_source": "tuned 2026-11-29",
-            "draft_vocab": None}
+    import psutil
+
+    spec = {
+        "enabled": True,
+        "method": "dflash2",
+        "target": "smollm2-135m-instruct",
+        "drafter": "/x/models/smollm2-135m-dflash2",
+        "block_size": 6,
+        "block_size_source": "tuned 2026-11-29",
+        "draft_vocab": None,
+    }
     _Health.body = json.dumps({"status": "ok", "speculation": spec}).encode()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         me = psutil.Process()
-        state = process.ServerState(me.pid, me.create_time(), "127.0.0.1", server.server_address[1],
-                                    "smollm2-135m-instruct", None, str(tmp_path / "log"), time.time())
+        state = process.ServerState(
+            me.pid,
+            me.create_time(),
+            "127.0.0.1",
+            server.server_address[1],
+            "smollm2-135m-instruct",
+            None,
+            str(tmp_path / "log"),
+            time.time(),
+        )
         process.write_state(state, tmp_path / "state")
         r = cli("status", "--json", env={"MLX_SPEC_STATE_DIR": str(tmp_path / "state")}, timeout=60)
     finally:

@@ -15,14 +15,13 @@ index it is given), whose pipelined plain steps are decided one token early, nev
 
 import random
 
-import pytest
-
-from mlx_spec.policy import LOOKUP, PLAIN
 from mlx_spec.analysis import copy_oracle
 from mlx_spec.costs import Costs
 from mlx_spec.decode import spec_steps
 from mlx_spec.lookup import BREAK_EXPIRES, SuffixIndex
+from mlx_spec.policy import LOOKUP, PLAIN
 
+import pytest
 import reply_replay
 
 # A file of lines [A_i, 7, 8, B_i, 9]: A_i and B_i distinct (names), 7, 8, 9 common (brackets,
@@ -148,7 +147,7 @@ def _edited_copies(n=300):
         while len(reply) < 60:
             if rng.random() < 0.6:
                 s = rng.randrange(len(prompt))
-                reply += prompt[s:s + rng.randint(3, 20)]
+                reply += prompt[s : s + rng.randint(3, 20)]
             else:
                 reply += [rng.randrange(12) for _ in range(rng.randint(1, 4))]
         yield prompt, reply[:60]
@@ -164,7 +163,7 @@ def test_a_reused_choice_is_the_choice_now():
     for prompt, reply, chunk in cases:
         idx = SuffixIndex(prompt, 4, stop=[0])
         for i in range(0, len(reply), chunk):
-            idx.extend(reply[i:i + chunk])
+            idx.extend(reply[i : i + chunk])
             got = idx.propose(5)
             run, idx._run = idx._run, None  # as if the pointer had not just been taken: chosen afresh
             assert got == idx.propose(5)
@@ -191,11 +190,23 @@ REPLAY = reply_replay  # its stand-ins: ReplyTarget (answers with the reply), No
 ReplyTarget, NoDrafter, CurveTimed = REPLAY.ReplyTarget, REPLAY.NoDrafter, REPLAY.CurveTimed
 
 # a CPU cost curve `mlx_spec bench` measured on a 2-core x86 machine: a draft must be likely to pay for its rows
-CPU = Costs(87.8, {}, {1: 88.1, 2: 104.7, 3: 112.3, 4: 137.4, 6: 133.1, 8: 147.0, 12: 197.5, 16: 185.2,
-                       24: 284.4, 33: 298.8}, 239)
+CPU = Costs(
+    87.8,
+    {},
+    {1: 88.1, 2: 104.7, 3: 112.3, 4: 137.4, 6: 133.1, 8: 147.0, 12: 197.5, 16: 185.2, 24: 284.4, 33: 298.8},
+    239,
+)
 REPLIES = {  # new text (plain runs), copied lines (lookup drafts), edits inside them (re-syncs)
-    "edits": [5] + LINES[0] + [61, 62] + LINES[1] + [12, 7, 70, 32, 9] + LINES[3] + [71, 72, 73]
-             + LINES[4] + [74, 7, 8, 35, 9] + [75, 76, 77, 78],
+    "edits": [5]
+    + LINES[0]
+    + [61, 62]
+    + LINES[1]
+    + [12, 7, 70, 32, 9]
+    + LINES[3]
+    + [71, 72, 73]
+    + LINES[4]
+    + [74, 7, 8, 35, 9]
+    + [75, 76, 77, 78],
     "new text first": [5, 80, 81, 82, 83, 84, 85, 86, 87] + FILE[:12] + [88, 89, 90] + FILE[12:] + [91, 92],
 }
 
@@ -207,8 +218,9 @@ def test_the_replay_is_the_engines_run_timed_by_the_curve(name):
     Tt(L) per verify), lookup drafts accepted, and runs of plain steps pipelined (queued while
     the step before them ran; at most one per pair of plain steps in a row)."""
     reply, eos = REPLIES[name], 0
-    steps, queued = REPLAY.replay(PROMPT, reply + [eos], CPU, len(reply) + 4,
-                                  lambda p: SuffixIndex(p, 4, stop=[eos]), eos=[eos])
+    steps, queued = REPLAY.replay(
+        PROMPT, reply + [eos], CPU, len(reply) + 4, lambda p: SuffixIndex(p, 4, stop=[eos]), eos=[eos]
+    )
     assert [t for s in steps for t in s.tokens] == reply[1:] + [eos]  # (the first is the prefill's)
     assert all(s.elapsed_ms == s.verify_ms == CPU.step_ms(s.block_size) and s.draft_ms == 0 for s in steps)
     assert any(s.source == LOOKUP and s.accepted > 0 for s in steps)
@@ -231,9 +243,18 @@ def test_spec_steps_drafts_from_the_index_it_is_given():
             return super().choose(ctx)
 
     def run(index=None, sources=(LOOKUP,)):
-        list(spec_steps(ReplyTarget(PROMPT + reply, eos), NoDrafter(), PROMPT, block_size=8,
-                        max_tokens=len(reply) + 4, eos_ids=[eos], policy=Noting(CPU, 8, sources=sources),
-                        index=index))
+        list(
+            spec_steps(
+                ReplyTarget(PROMPT + reply, eos),
+                NoDrafter(),
+                PROMPT,
+                block_size=8,
+                max_tokens=len(reply) + 4,
+                eos_ids=[eos],
+                policy=Noting(CPU, 8, sources=sources),
+                index=index,
+            )
+        )
 
     shown = []
     run()
@@ -278,9 +299,18 @@ def test_a_pipelined_plain_step_is_decided_one_token_early_never_more():
             seen.append(ctx.match.at)
             return super().choose(ctx)
 
-    steps = list(spec_steps(ReplyTarget(PROMPT + reply, eos), NoDrafter(), PROMPT, block_size=8,
-                            max_tokens=len(reply) + 4, eos_ids=[eos], policy=Noting(CPU, 8, sources=(LOOKUP,)),
-                            index=index))
+    steps = list(
+        spec_steps(
+            ReplyTarget(PROMPT + reply, eos),
+            NoDrafter(),
+            PROMPT,
+            block_size=8,
+            max_tokens=len(reply) + 4,
+            eos_ids=[eos],
+            policy=Noting(CPU, 8, sources=(LOOKUP,)),
+            index=index,
+        )
+    )
     # one decision per cycle, in order (and one for a step queued as the reply's EOS was read)
     assert len(seen) - (len(steps) - 1) in (0, 1)
     n, lags = len(PROMPT) + 1, []

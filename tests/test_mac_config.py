@@ -10,6 +10,10 @@ layout, built here from a tiny GGUF with the default target's mixed tensor types
 
 from __future__ import annotations
 
+from mlx_spec import backend, default_target, loading, memory, quantize, verify
+from mlx_spec.batch import BatchDecoder, batched_steps
+from mlx_spec.decode import spec_steps
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,10 +22,6 @@ from helpers import greedy_reference, tiny_drafter, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from test_hybrid import build
-
-from mlx_spec import backend, default_target, loading, memory, quantize, verify
-from mlx_spec.batch import BatchDecoder, batched_steps
-from mlx_spec.decode import spec_steps
 
 PROMPTS = ([1, 5, 9, 17, 33, 2, 8], [(7 * i + 3) % 120 + 4 for i in range(30)], [4, 4, 4, 90, 12])
 N = 24
@@ -38,7 +38,9 @@ def mac_layout(model, bits: int = 4):
     """Float16 weights quantized with float16 scales, float32 norms: a kept GGUF on a Mac."""
     model.set_dtype(mx.float16)
     quantize.quantize_module(model, bits, GROUP)
-    norms = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters()) if k.split(".")[-2].endswith("norm")]
+    norms = [
+        (k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters()) if k.split(".")[-2].endswith("norm")
+    ]
     model.load_weights(norms, strict=False)
     mx.eval(model.parameters())
     return model
@@ -48,10 +50,10 @@ def mac_drafter(model, cfg, bits: str | None = None, **kw):
     """A float16 drafter prepared as the Mac chooses for a 4-bit target: by default the measured
     drafter precision, or ``bits`` ("4", "8") as --drafter-bits asks (16-bit activations).
     Prepared before it binds to the target, as loading does."""
-    from helpers import drafter_config
-
     from mlx_spec.drafter import Drafter, DrafterArgs
     from mlx_spec.target import Target
+
+    from helpers import drafter_config
 
     dcfg = drafter_config(cfg, **{k: v for k, v in kw.items() if k != "seed"})
     mx.random.seed(kw.get("seed", 1))
@@ -99,10 +101,10 @@ def test_without_the_fixture_this_machine_is_the_cpu_backend():
 def kept_gguf(tmp_path_factory):
     """A tiny GGUF with the default target's tensor types (Q4_1 attention and MLP, Q8_0
     embedding, F32 norms), converted as the Mac default does (weights kept)."""
+    from mlx_spec.gguf import convert_gguf
+
     from test_gguf import tiny_model as gguf_model
     from test_gguf import train_tokenizer, write_gguf
-
-    from mlx_spec.gguf import convert_gguf
 
     tk = train_tokenizer()
     model, args = gguf_model(tk.get_vocab_size())
@@ -142,8 +144,9 @@ def test_the_plans_kv_bytes_are_what_the_loaded_cache_holds(mac, kind, tmp_path,
         dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
         assert dtypes["model.layers.0.self_attn.q_proj.scales"] == mx.float16
         assert dtypes["model.norm.weight"] == mx.float32
-    quant = quantize.choose(None, None, None, metal=True, checkpoint=quantize.checkpoint_quantization(cfg),
-                            drafter=False)
+    quant = quantize.choose(
+        None, None, None, metal=True, checkpoint=quantize.checkpoint_quantization(cfg), drafter=False
+    )
     inputs = memory.inputs_for(cfg, quantize.safetensors_tensors(path), None, (), quant, metal=True)
     dims = memory.target_dims(cfg)
     planned = memory.kv_bytes(dims, inputs.act_bytes) * dims.layers
@@ -211,11 +214,11 @@ def test_sampling_keeps_the_target_distribution(mac):
     the target's p(y1) p(y2 | y1)."""
     import importlib
 
+    from mlx_spec.sampling import SamplingConfig, target_probs
+
     from helpers import TARGET_CONFIGS
     from test_batch import AlwaysDraft
     from test_sampling import gof_pvalue
-
-    from mlx_spec.sampling import SamplingConfig, target_probs
 
     V = 8
     tcfg = dict(TARGET_CONFIGS["qwen3"], vocab_size=V)
@@ -309,10 +312,12 @@ def test_metal_calibration_of_verify_tolerance():
     ids = mx.array([PROMPTS[1]])
     full = model(ids)[0]
     cache = make_prompt_cache(model)
-    rows = [model(ids[:, i:i + 1], cache=cache)[0, 0] for i in range(ids.shape[1])]
+    rows = [model(ids[:, i : i + 1], cache=cache)[0, 0] for i in range(ids.shape[1])]
     one = mx.stack(rows)
     mag = float(mx.abs(full).max())
     ulps = float(mx.abs(full.astype(mx.float32) - one.astype(mx.float32)).max()) / (verify.EPS["float16"] * mag)
-    print(f"Metal calibration: single-row vs multi-row logits differ by {ulps:.2f} float16 ulps of {mag:.2f}; "
-          f"allowance {verify.ULPS_GPU['float16']}")
+    print(
+        f"Metal calibration: single-row vs multi-row logits differ by {ulps:.2f} float16 ulps of {mag:.2f}; "
+        f"allowance {verify.ULPS_GPU['float16']}"
+    )
     assert ulps <= verify.ULPS_GPU["float16"]

@@ -1,13 +1,12 @@
 """The memory plan: arithmetic on synthetic configs, weights from headers, refusal, accuracy."""
 
-
 import mlx_spec  # noqa: F401  (before mlx: loads the optimized BLAS when this file runs alone)
+from mlx_spec import memory, quantize
+from mlx_spec.errors import PlanError
+
 import mlx.core as mx
 import pytest
 from helpers import TARGET_CONFIGS, drafter_config, save_tiny_pair, tiny_model
-
-from mlx_spec import memory, quantize
-from mlx_spec.errors import PlanError
 
 MiB = 2**20
 DENSE = dict(TARGET_CONFIGS["qwen3"])  # L=4, H=64, 4 heads / 2 kv heads, head_dim 16, I=128, V=128
@@ -70,12 +69,30 @@ def test_sliding_window_drafter_cache_is_bounded():
     assert _rows(full, 10_000, 8)["drafter context cache"] == 2 * per_row * 10_000
 
 
-HYBRID = {"model_type": "qwen3_5", "text_config": dict(
-    model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=8, intermediate_size=128,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=128,
-    max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False, full_attention_interval=4,
-    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_conv_kernel_dim=4, partial_rotary_factor=0.25)}
+HYBRID = {
+    "model_type": "qwen3_5",
+    "text_config": dict(
+        model_type="qwen3_5_text",
+        hidden_size=64,
+        num_hidden_layers=8,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=128,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        full_attention_interval=4,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+    ),
+}
 
 
 def test_hybrid_recurrent_state_is_fixed_and_matches_mlx_lm():
@@ -95,8 +112,16 @@ def test_hybrid_recurrent_state_is_fixed_and_matches_mlx_lm():
 
 
 def test_moe_weights_and_active_width():
-    cfg = dict(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    cfg = dict(
+        DENSE,
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
     d = memory.target_dims(cfg)
     assert d.intermediate == 2 * 32
     p = _inputs(cfg)
@@ -137,8 +162,10 @@ def test_plan_from_files_equals_loaded_bytes(pair_dir, bits):
     quant = quantize.QuantChoice(bits, bits, 32, False, "")
     plan = memory.plan_for(str(tdir), str(ddir), quant, context=512, budget=(1 << 40, "test"))
     pair = load_pair(str(tdir), str(ddir), target_bits=bits, drafter_bits=bits, group_size=32)
-    nbytes = [sum(t.numel * quantize.DTYPE_BYTES[t.dtype] for t in quantize.module_tensors(m))
-              for m in (pair.model, pair.drafter)]
+    nbytes = [
+        sum(t.numel * quantize.DTYPE_BYTES[t.dtype] for t in quantize.module_tensors(m))
+        for m in (pair.model, pair.drafter)
+    ]
     assert [plan.items[0].bytes, plan.items[1].bytes] == nbytes
 
 
@@ -166,8 +193,19 @@ def test_cli_generate_refuses_with_nonzero_exit(pair_dir, monkeypatch, capsys):
 
     monkeypatch.setattr(memory, "device_budget", lambda: (1 << 20, "tiny test budget"))
     tdir, ddir = pair_dir
-    argv = ["generate", "--target", str(tdir), "--drafter", str(ddir), "--prompt", "hi", "--max-tokens", "4",
-            "--block-size", "4"]
+    argv = [
+        "generate",
+        "--target",
+        str(tdir),
+        "--drafter",
+        str(ddir),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "4",
+        "--block-size",
+        "4",
+    ]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "memory plan" in err and "biggest items: verify / prefill scratch" in err
@@ -195,17 +233,25 @@ def test_live_numbers(pair_dir):
     assert memory.live()["plan"] is None
 
 
-ACCURACY = dict(TARGET_CONFIGS["qwen3"], hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=8192)
+ACCURACY = dict(
+    TARGET_CONFIGS["qwen3"],
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=8192,
+)
 
 
 def test_planned_peak_within_15_percent_of_measured():
     """Prefill 256 + 256 generated tokens, block 8, random DFlash 2 drafter (small case of
     benchmarks/plan_accuracy.py)."""
-    from mlx_lm.models import qwen3
-
     from mlx_spec.decode import spec_steps
     from mlx_spec.target import Target
+
+    from mlx_lm.models import qwen3
 
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(ACCURACY))
@@ -215,8 +261,9 @@ def test_planned_peak_within_15_percent_of_measured():
     mx.eval(drafter.parameters())
     target = Target(model, drafter.args.target_layer_ids)
     drafter.bind(target.embed, target.head)
-    p = memory.inputs_for(ACCURACY, quantize.module_tensors(model), dcfg, quantize.module_tensors(drafter),
-                          FLOAT, metal=False)
+    p = memory.inputs_for(
+        ACCURACY, quantize.module_tensors(model), dcfg, quantize.module_tensors(drafter), FLOAT, metal=False
+    )
     plan = memory.make_plan(p, context=512, block_size=8, prompt=256, budget=1 << 40, budget_source="t")
     mx.clear_cache()
     mx.reset_peak_memory()

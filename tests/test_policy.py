@@ -10,21 +10,21 @@
 
 import random
 
-import mlx.core as mx
-import pytest
-from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny_model
-from test_hybrid import build
-
 from mlx_spec import decode
-from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, PolicyFactory, estimate_costs
+from mlx_spec.baselines import find_draft
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step, spec_steps
-from mlx_spec.baselines import find_draft
 from mlx_spec.lookup import SuffixIndex
+from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Context, Decision, DraftPolicy, PolicyFactory, estimate_costs
 from mlx_spec.prefix import PrefixCache
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import Stats
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import pytest
+from helpers import VOCAB, ScriptedDrafter, greedy_reference, tiny_drafter, tiny_model
+from test_hybrid import build
 
 COSTS = Costs(100.0, {2: 20.0, 4: 25.0, 8: 35.0, 16: 60.0}, {1: 100.0, 2: 105.0, 4: 115.0, 8: 140.0, 16: 200.0}, 64)
 
@@ -33,8 +33,16 @@ def _cycle(policy, decision, accepted, tokens=None, costs=COSTS):
     L = decision.length
     draft = costs.draft(L) if decision.source == DFLASH else 0.0
     toks = tuple(tokens) if tokens is not None else tuple(range(accepted + 1))
-    return Step(toks, drafted=L - 1, accepted=accepted, block_size=L, source=decision.source,
-                verify_ms=costs.verify(L), draft_ms=draft, elapsed_ms=costs.verify(L) + draft)
+    return Step(
+        toks,
+        drafted=L - 1,
+        accepted=accepted,
+        block_size=L,
+        source=decision.source,
+        verify_ms=costs.verify(L),
+        draft_ms=draft,
+        elapsed_ms=costs.verify(L) + draft,
+    )
 
 
 # ---------------------------------------------------------------- the policy, scripted
@@ -69,8 +77,10 @@ def test_failed_drafts_fall_to_plain_probe_with_growing_spacing_and_recover():
 def test_policy_rate_reaches_most_of_the_best_fixed_block():
     """Stationary per-position acceptance c: tokens per ms >= 90 % of the best fixed block's."""
     for cond in (0.3, 0.6, 0.85):
-        best = max(sum(cond ** i for i in range(L)) / (COSTS.draft(L) + COSTS.verify(L) if L > 1 else COSTS.verify(1))
-                   for L in range(1, 17))
+        best = max(
+            sum(cond**i for i in range(L)) / (COSTS.draft(L) + COSTS.verify(L) if L > 1 else COSTS.verify(1))
+            for L in range(1, 17)
+        )
         rates = []
         for seed in range(6):
             rng, p = random.Random(seed), DraftPolicy(COSTS, 16, sources=(DFLASH,))
@@ -105,9 +115,13 @@ def test_lookup_learns_from_cycles_it_did_not_draft():
     p = DraftPolicy(COSTS, 8, prior=[0.9, 0.8, 0.7])
     for _ in range(30):  # the lookup's guesses never match what the target commits
         d = p.choose(Context(lookup=(5, 6, 7, 8), match=10))
-        p.observe(_cycle(p, d, 0, tokens=[9]) if d.source == PLAIN else
-                  _cycle(p, d, d.length - 1 if d.source == DFLASH else 0,
-                         tokens=[9] * (d.length if d.source == DFLASH else 1)))
+        p.observe(
+            _cycle(p, d, 0, tokens=[9])
+            if d.source == PLAIN
+            else _cycle(
+                p, d, d.length - 1 if d.source == DFLASH else 0, tokens=[9] * (d.length if d.source == DFLASH else 1)
+            )
+        )
     assert p.choose(Context(lookup=(5, 6, 7, 8), match=10)).source == DFLASH
 
 
@@ -135,8 +149,11 @@ def test_pinned_block_and_sources():
 def test_costs_rescale_from_measured_timings():
     p = DraftPolicy(estimate_costs_stub(), 8, measured=False)
     assert p.scale["verify"] is None  # an estimate: the first measured cycle sets the scale
-    p.observe(Step((1, 2), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_ms=30.0,
-                   verify_ms=120.0, elapsed_ms=155.0))
+    p.observe(
+        Step(
+            (1, 2), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_ms=30.0, verify_ms=120.0, elapsed_ms=155.0
+        )
+    )
     assert p.verify_ms(4) == pytest.approx(120.0) and p.draft_ms(4) == pytest.approx(30.0)
     assert p.overhead[DFLASH] == pytest.approx(1.0)  # 20 % of the 5 ms of host work
 
@@ -187,8 +204,14 @@ def dense():
 
 
 def _policy(sources, pinned=None):
-    return DraftPolicy(Costs(1.0, {2: 0.05, 4: 0.06, 8: 0.08}, {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}, 0),
-                       8, prior=[0.8, 0.6, 0.4], sources=sources, pinned=pinned, probe_every=2)
+    return DraftPolicy(
+        Costs(1.0, {2: 0.05, 4: 0.06, 8: 0.08}, {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}, 0),
+        8,
+        prior=[0.8, 0.6, 0.4],
+        sources=sources,
+        pinned=pinned,
+        probe_every=2,
+    )
 
 
 def _run(target, drafter, prompt, policy=None, n=N, **kw):
@@ -319,8 +342,10 @@ def test_trimmed_blocks_are_lossless(dense, kind):
     assert d["trimmed"] == sum(L < full for L, full in picks) > 0
     assert d["plain_cycles"] == sum(L == 1 for L, _ in picks) + 1 > 1
     assert [s.block_size for s in steps[1:-1]] == [L for L, _ in picks]
-    assert all(s.drafted == s.block_size - 1 and (s.source == DFLASH or s.block_size == 1)  # (the room left)
-               for s in steps[1:])
+    assert all(
+        s.drafted == s.block_size - 1 and (s.source == DFLASH or s.block_size == 1)  # (the room left)
+        for s in steps[1:]
+    )
 
 
 class _Rooms:
@@ -489,8 +514,11 @@ def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
         assert s.elapsed_ms == pytest.approx(s.verify_ms + s.draft_ms + s.rollback_ms)  # nothing else is timed
     assert sum(s.elapsed_ms for s in plain) == pytest.approx(100.0 * len(plain))
     # a plain step that paid two passes queued the next (plain) step before reading its own token
-    assert all(b.source == PLAIN for a, b in zip(steps[1:], steps[2:])
-               if a.source == PLAIN and a.elapsed_ms == pytest.approx(200.0))
+    assert all(
+        b.source == PLAIN
+        for a, b in zip(steps[1:], steps[2:])
+        if a.source == PLAIN and a.elapsed_ms == pytest.approx(200.0)
+    )
     assert ({DFLASH, LOOKUP} if lookup else {DFLASH, PLAIN}) <= seen
     st = Stats()
     for s in steps:
@@ -516,7 +544,7 @@ def test_overlapped_draft_timings(dense, monkeypatch):
 def test_pick_trims_the_block_to_what_the_drafter_is_sure_of():
     """After the drafter's pass: verify the prefix it is sure enough of, the anchor alone when it
     is sure of nothing (a probe too); a pinned block is never trimmed."""
-    halving = [0.6 * 0.5 ** k for k in range(7)]  # a first draft accepted 60 %, each next one half as often
+    halving = [0.6 * 0.5**k for k in range(7)]  # a first draft accepted 60 %, each next one half as often
     p = DraftPolicy(CPU, 8, halving, sources=(DFLASH,))
     d = Decision(DFLASH, 8)
     assert p.pick(Decision(DFLASH, 4), [1, 2, 3], [0.99] * 3, trim=True) == Decision(DFLASH, 4)
@@ -525,7 +553,7 @@ def test_pick_trims_the_block_to_what_the_drafter_is_sure_of():
     assert p.pick(d, list(range(7)), [0.0] * 7) == d  # (without trim: as chosen)
     pinned = DraftPolicy(CPU, 8, halving, sources=(DFLASH,), pinned=8)
     assert pinned.pick(d, list(range(7)), [0.0] * 7, trim=True) == d
-    weak = DraftPolicy(CPU, 8, [0.2 * 0.5 ** k for k in range(7)], sources=(DFLASH,))
+    weak = DraftPolicy(CPU, 8, [0.2 * 0.5**k for k in range(7)], sources=(DFLASH,))
     assert weak.pick(Decision(DFLASH, 4), [1, 2, 3], [0.0] * 3, trim=True) == Decision(DFLASH, 1)
     assert weak.pick(Decision(DFLASH, 3, probe=True), [1, 2], [0.0] * 2, trim=True) == Decision(DFLASH, 1, True)
     assert weak.pick(Decision(DFLASH, 3, probe=True), [1, 2], [0.95] * 2, trim=True).length > 1
@@ -535,16 +563,25 @@ def test_a_drafter_trimmed_to_the_anchor_rests():
     """A pass the drafter was too unsure of to verify (pick() kept the anchor alone) counts as a
     rejected first draft: after a few the policy takes plain steps instead of paying for passes
     it then throws away, and probes only now and then."""
-    p = DraftPolicy(CPU, 8, [0.6 * 0.5 ** k for k in range(7)], sources=(DFLASH,))
+    p = DraftPolicy(CPU, 8, [0.6 * 0.5**k for k in range(7)], sources=(DFLASH,))
     choices = []
     for _ in range(16):
         d = p.choose(Context())
         choices.append(d.source)
         trimmed = d.source == DFLASH
-        p.observe(Step((5,), drafted=0, accepted=0, block_size=1, source=d.source,
-                       draft_ms=10.0 if trimmed else 0.0, verify_ms=90.0 if trimmed else 62.5,
-                       elapsed_ms=100.0 if trimmed else 62.5,
-                       draft_block=d.length if trimmed else 0))
+        p.observe(
+            Step(
+                (5,),
+                drafted=0,
+                accepted=0,
+                block_size=1,
+                source=d.source,
+                draft_ms=10.0 if trimmed else 0.0,
+                verify_ms=90.0 if trimmed else 62.5,
+                elapsed_ms=100.0 if trimmed else 62.5,
+                draft_block=d.length if trimmed else 0,
+            )
+        )
     assert choices[0] == DFLASH and choices.count(DFLASH) <= 6 and choices[-3:] == [PLAIN] * 3, choices
     # a trimmed pass (90 ms, unpipelined) is no pipelined plain step (62.5 ms): it does not price them
     assert p.scale["plain"] == pytest.approx(1.0)
@@ -554,8 +591,9 @@ def test_a_plain_run_queues_the_next_step_before_reading_the_current_one(dense, 
     """A drafter that is always wrong: plain runs between failed probes. On the fake clock a run's
     first step pays its own pass and the next one's (queued before its token is read), the middle
     ones the next one's, the last one none (already paid); unpipelined steps would pay 100 each."""
-    policy = DraftPolicy(Costs(100.0, {2: 10.0, 4: 10.0}, {1: 100.0, 2: 105.0, 4: 115.0}, 0), 4, [0.0, 0.0, 0.0],
-                         sources=(DFLASH,))
+    policy = DraftPolicy(
+        Costs(100.0, {2: 10.0, 4: 10.0}, {1: 100.0, 2: 105.0, 4: 115.0}, 0), 4, [0.0, 0.0, 0.0], sources=(DFLASH,)
+    )
     steps = _clocked_run(dense, monkeypatch, policy, right=0, max_tokens=20)
     assert [t for s in steps for t in s.tokens] == dense[3]["repeat"][:20]
     runs, run = [], []
@@ -574,9 +612,13 @@ def test_server_reports_what_the_policy_did():
     from mlx_spec.server import app, schemas
 
     st = Stats()
-    for s in (Step((1,), prefill=True), Step((1, 2, 3), drafted=3, accepted=2, block_size=4, source=LOOKUP),
-              Step((4,), source=PLAIN), Step((5, 6), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_block=4),
-              Step((7,), source=DFLASH, draft_block=4)):  # (a block trimmed to the anchor)
+    for s in (
+        Step((1,), prefill=True),
+        Step((1, 2, 3), drafted=3, accepted=2, block_size=4, source=LOOKUP),
+        Step((4,), source=PLAIN),
+        Step((5, 6), drafted=3, accepted=1, block_size=4, source=DFLASH, draft_block=4),
+        Step((7,), source=DFLASH, draft_block=4),
+    ):  # (a block trimmed to the anchor)
         st.add(s)
     info = EngineInfo("dflash2", "t", "d", 4, "tuned", adaptive_max=16)
     spec = schemas.speculation(info, st.snapshot(trace=True))
@@ -588,13 +630,27 @@ def test_server_reports_what_the_policy_did():
 
     class Engine:
         def snapshot(self):
-            return {"requests": 1, "cancelled": 0, "errors": 0, "prompt_tokens": 3, "cached_tokens": 0,
-                    "prefix_cache_bytes": 0, "tokens": 6, "cycles": 2, "drafted": 6, "accepted": 3,
-                    "accepted_by_position": [2, 1], "drafted_by_position": [2, 2], "queue_depth": 0,
-                    "state": "ready",
-                    "plain_cycles": st.plain_cycles, "block_sizes": dict(st.block_sizes),
-                    "drafter_passes": st.drafter_passes, "trimmed": st.trimmed,
-                    "sources": {k: dict(v) for k, v in st.sources.items()}}
+            return {
+                "requests": 1,
+                "cancelled": 0,
+                "errors": 0,
+                "prompt_tokens": 3,
+                "cached_tokens": 0,
+                "prefix_cache_bytes": 0,
+                "tokens": 6,
+                "cycles": 2,
+                "drafted": 6,
+                "accepted": 3,
+                "accepted_by_position": [2, 1],
+                "drafted_by_position": [2, 2],
+                "queue_depth": 0,
+                "state": "ready",
+                "plain_cycles": st.plain_cycles,
+                "block_sizes": dict(st.block_sizes),
+                "drafter_passes": st.drafter_passes,
+                "trimmed": st.trimmed,
+                "sources": {k: dict(v) for k, v in st.sources.items()},
+            }
 
     text = app.prometheus(Engine(), {}, {"rejected": 0, "in_flight": 0})
     assert "mlx_spec:spec_decode_plain_cycles_total 2" in text
@@ -608,8 +664,17 @@ def test_verify_cost_slope_is_learned_from_the_replys_own_cycles():
     cycles of several lengths the policy prices long drafts by what it measured."""
     p = DraftPolicy(estimate_costs_stub(), 8, measured=False)
     for L in (1, 4, 1, 8, 2, 1, 6):
-        p.observe(Step(tuple(range(L)), drafted=L - 1, accepted=L - 1, block_size=L, source=LOOKUP if L > 1 else PLAIN,
-                       verify_ms=100.0 + 25.0 * (L - 1), elapsed_ms=100.0 + 25.0 * (L - 1)))
+        p.observe(
+            Step(
+                tuple(range(L)),
+                drafted=L - 1,
+                accepted=L - 1,
+                block_size=L,
+                source=LOOKUP if L > 1 else PLAIN,
+                verify_ms=100.0 + 25.0 * (L - 1),
+                elapsed_ms=100.0 + 25.0 * (L - 1),
+            )
+        )
     assert p.verify_ms(1) == pytest.approx(100.0, rel=0.05) and p.verify_ms(30) == pytest.approx(825.0, rel=0.05)
     assert p.choose(Context(lookup=tuple(range(40)), match=30)).length < 16  # long copies cost too much here
 
@@ -619,8 +684,17 @@ def test_an_implausible_fit_falls_back_to_the_curve():
     for L, ms in ((8, 10.0), (2, 100.0), (8, 10.0), (2, 100.0)):  # verify times falling with rows
         p.observe(Step((1,), drafted=L - 1, accepted=0, block_size=L, source=DFLASH, verify_ms=ms, elapsed_ms=ms))
     for L, ms in ((8, 300.0), (8, 300.0), (1, 0.5)):  # a slope through ~0 at one row
-        p.observe(Step((1,), drafted=L - 1, accepted=0, block_size=L, source=DFLASH if L > 1 else PLAIN,
-                       verify_ms=ms, elapsed_ms=ms))
+        p.observe(
+            Step(
+                (1,),
+                drafted=L - 1,
+                accepted=0,
+                block_size=L,
+                source=DFLASH if L > 1 else PLAIN,
+                verify_ms=ms,
+                elapsed_ms=ms,
+            )
+        )
     assert all(p.cycle_ms(s, L) > 0 for s in (PLAIN, DFLASH, LOOKUP) for L in (1, 2, 8))
     p.choose(Context(lookup=(1, 2, 3), match=5))  # no ZeroDivisionError
 
@@ -648,8 +722,9 @@ def _replay(prompt, reply, sources, costs=FLAT, drafter_right=0.0, seed=0):
         d = p.choose(ctx)
         drafts, td, Ld = [], 0.0, 0
         if d.source == DFLASH:
-            drafts = [reply[n + k] if n + k < len(reply) and rng.random() < drafter_right else -1
-                      for k in range(d.length - 1)]
+            drafts = [
+                reply[n + k] if n + k < len(reply) and rng.random() < drafter_right else -1 for k in range(d.length - 1)
+            ]
             td, Ld = costs.draft(d.length), d.length
             if look:
                 d = p.pick(d, drafts, [0.5] * len(drafts), ctx)
@@ -659,8 +734,17 @@ def _replay(prompt, reply, sources, costs=FLAT, drafter_right=0.0, seed=0):
         while a < len(drafts) and n + a < len(reply) and drafts[a] == reply[n + a]:
             a += 1
         L = len(drafts) + 1
-        step = Step(tuple(reply[n:n + a + 1]), drafted=L - 1, accepted=a, block_size=L, source=d.source,
-                    draft_ms=td, verify_ms=costs.verify(L), elapsed_ms=td + costs.verify(L), draft_block=Ld)
+        step = Step(
+            tuple(reply[n : n + a + 1]),
+            drafted=L - 1,
+            accepted=a,
+            block_size=L,
+            source=d.source,
+            draft_ms=td,
+            verify_ms=costs.verify(L),
+            elapsed_ms=td + costs.verify(L),
+            draft_block=Ld,
+        )
         p.observe(step)
         ms += step.elapsed_ms
         n += len(step.tokens)
@@ -680,13 +764,31 @@ def test_accepted_copies_draft_long_and_an_edit_point_drafts_short():
     d = p.choose(Context(lookup=copy, match=12))
     assert d.source == LOOKUP and d.length >= 8  # the prior alone: a 12-token match drafts past the drafter's block
     for _ in range(2):  # accepted whole: the next drafts are full length, not capped by a per-position prior
-        p.observe(Step(tuple(range(d.length)), drafted=d.length - 1, accepted=d.length - 1, block_size=d.length,
-                       source=LOOKUP, verify_ms=FLAT.verify(d.length), elapsed_ms=FLAT.verify(d.length)))
+        p.observe(
+            Step(
+                tuple(range(d.length)),
+                drafted=d.length - 1,
+                accepted=d.length - 1,
+                block_size=d.length,
+                source=LOOKUP,
+                verify_ms=FLAT.verify(d.length),
+                elapsed_ms=FLAT.verify(d.length),
+            )
+        )
         d = p.choose(Context(lookup=copy, match=40))
     assert d == Decision(LOOKUP, 33)
     # an edit point: the copy breaks after 20 tokens; the match after it is one token long
-    p.observe(Step(tuple(range(21)), drafted=32, accepted=20, block_size=33, source=LOOKUP,
-                   verify_ms=FLAT.verify(33), elapsed_ms=FLAT.verify(33)))
+    p.observe(
+        Step(
+            tuple(range(21)),
+            drafted=32,
+            accepted=20,
+            block_size=33,
+            source=LOOKUP,
+            verify_ms=FLAT.verify(33),
+            elapsed_ms=FLAT.verify(33),
+        )
+    )
     short = p.choose(Context(lookup=copy, match=1))
     assert short.source != LOOKUP or short.length <= 9
     assert p.copy.cond(40) > 0.9  # one break hardly moves a long copy's chance
@@ -719,8 +821,10 @@ def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_b
     reply = [7, 8] + file[:50] + _file(6, seed=2) + file[50:110] + [9] + file[111:150]
     prompt = [1, 2, 3] + file + [4, 5]
     tokens, oracle = copy_oracle(prompt, reply, FLAT)
-    share = {name: sum(oracle / _replay(prompt, reply, src, drafter_right=0.6, seed=seed)[0] for seed in range(4)) / 4
-             for name, src in (("lookup", (LOOKUP,)), ("dflash", (DFLASH,)), ("hybrid", (DFLASH, LOOKUP)))}
+    share = {
+        name: sum(oracle / _replay(prompt, reply, src, drafter_right=0.6, seed=seed)[0] for seed in range(4)) / 4
+        for name, src in (("lookup", (LOOKUP,)), ("dflash", (DFLASH,)), ("hybrid", (DFLASH, LOOKUP)))
+    }
     assert share["hybrid"] >= 0.6  # of the ceiling (mean over drafter seeds)
     assert share["hybrid"] > share["lookup"] and share["hybrid"] > 3 * share["dflash"]
     _, trace = _replay(prompt, reply, (DFLASH, LOOKUP), drafter_right=0.6)
@@ -749,8 +853,12 @@ def test_long_lookup_drafts_are_lossless(dense):
 
 # The tuner's curve and prior on a 2-core CPU (float32 SmolLM2-135M + the shipped drafter): a
 # verify of 2+ rows costs ~1.3x a plain step, so a draft pays only at tau well above 1.4.
-CPU = Costs(65.2, {2: 9.6, 3: 8.6, 4: 10.2, 5: 12.3, 6: 11.0, 8: 11.2, 10: 13.5, 12: 16.8, 16: 14.8},
-            {1: 62.5, 2: 79.1, 3: 80.5, 4: 89.1, 5: 100.5, 6: 101.7, 8: 101.9, 10: 117.8, 12: 140.8, 16: 136.0}, 70)
+CPU = Costs(
+    65.2,
+    {2: 9.6, 3: 8.6, 4: 10.2, 5: 12.3, 6: 11.0, 8: 11.2, 10: 13.5, 12: 16.8, 16: 14.8},
+    {1: 62.5, 2: 79.1, 3: 80.5, 4: 89.1, 5: 100.5, 6: 101.7, 8: 101.9, 10: 117.8, 12: 140.8, 16: 136.0},
+    70,
+)
 CPU_PRIOR = [0.32, 0.15, 0.094, 0.097, 0.10, 0.077, 0.044]
 
 
@@ -806,7 +914,9 @@ def test_probes_are_dflash_only_early_then_doubling_and_reset_by_one_that_pays()
             p.observe(_cycle(p, d, 0, tokens=[99], costs=CPU))  # every probe fails
     probes = [i for i, d in enumerate(seq) if d.probe]
     assert all(seq[i].source == DFLASH and seq[i].length <= 3 for i in probes)
-    assert {d.source for d in seq} == {PLAIN, DFLASH, LOOKUP} and not any(d.source == DFLASH and not d.probe for d in seq)
+    assert {d.source for d in seq} == {PLAIN, DFLASH, LOOKUP} and not any(
+        d.source == DFLASH and not d.probe for d in seq
+    )
     assert probes[0] == 2  # the first after 3 cycles without a DFlash draft
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] >= 6 and gaps[-1] >= 12  # 3, 6, 12: doubling while probes fail
@@ -825,8 +935,13 @@ def test_stays_plain_agrees_with_choose():
     rng = random.Random(4)
     p = DraftPolicy(CPU, 16, CPU_PRIOR)
     for i in range(300):
-        ctx = rng.choice([Context(), Context(lookup=tuple(range(20)), match=rng.randrange(40)),
-                          Context(lookup=(3,), match=1, room=rng.randrange(1, 9))])
+        ctx = rng.choice(
+            [
+                Context(),
+                Context(lookup=tuple(range(20)), match=rng.randrange(40)),
+                Context(lookup=(3,), match=1, room=rng.randrange(1, 9)),
+            ]
+        )
         plain = p.stays_plain(ctx)
         d = p.choose(ctx)
         assert plain == (d.source == PLAIN), (i, d)
@@ -877,8 +992,17 @@ def test_the_verify_line_learns_from_drafts_only():
     p = DraftPolicy(COSTS, 8, sources=(DFLASH,))
     for L in (1, 1, 4, 8, 1, 4, 8, 1):
         ms = 10.0 if L == 1 else 100.0 + 25.0 * (L - 1)
-        p.observe(Step(tuple(range(L)), drafted=L - 1, accepted=L - 1, block_size=L, source=PLAIN if L == 1 else DFLASH,
-                       verify_ms=ms, elapsed_ms=ms + 50.0))
+        p.observe(
+            Step(
+                tuple(range(L)),
+                drafted=L - 1,
+                accepted=L - 1,
+                block_size=L,
+                source=PLAIN if L == 1 else DFLASH,
+                verify_ms=ms,
+                elapsed_ms=ms + 50.0,
+            )
+        )
     assert p.verify_ms(6) == pytest.approx(225.0)
 
 
@@ -904,7 +1028,7 @@ def test_the_resting_drafters_evidence_fades_and_a_probe_that_pays_wakes_it():
         p.observe(_cycle(p, d, 0, costs=CPU))
         n += 1
         d = p.choose(Context())
-    assert p.dflash.reached[0] == pytest.approx(before[0] * p.rest_decay ** n)  # aged while it rested
+    assert p.dflash.reached[0] == pytest.approx(before[0] * p.rest_decay**n)  # aged while it rested
     p.observe(_cycle(p, d, d.length - 1, costs=CPU))  # the probe is accepted
     assert not p.resting
 

@@ -2,16 +2,15 @@
 and its output is exactly what a fresh run gives (speculative and plain, full and sliding-window
 drafters, hybrid targets), without ever mutating what the cache keeps."""
 
-import mlx.core as mx
-import pytest
-from helpers import VOCAB, tiny_drafter, tiny_engine_loader, tiny_model
-from test_hybrid import build
-
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.drafter import ContextCache
 from mlx_spec.engine import Done, Engine, Request
 from mlx_spec.prefix import Prefill, PrefixCache, take
-from mlx_spec.target import Target
+
+import mlx.core as mx
+import pytest
+from helpers import tiny_drafter, tiny_engine_loader, tiny_model
+from test_hybrid import build
 
 TURN1 = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3, 4, 50, 61, 7, 19, 23, 29, 31, 37, 41]
 N = 24

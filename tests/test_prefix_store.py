@@ -9,10 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-from helpers import tiny_drafter, tiny_model
-from test_hybrid import build
-
 from mlx_spec.decode import plain_steps, spec_steps
 from mlx_spec.prefix import PrefixCache
 from mlx_spec.prefix_store import (
@@ -22,6 +18,10 @@ from mlx_spec.prefix_store import (
     identity_of,
     list_entries,
 )
+
+import pytest
+from helpers import tiny_drafter, tiny_model
+from test_hybrid import build
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3, 4, 50, 61, 7, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
 N = 16
@@ -184,12 +184,20 @@ def test_an_extended_prefix_replaces_the_entry_it_extends(pair, tmp_path):
 
 def test_a_new_process_finds_the_entry(pair, tmp_path):
     path, prompt2 = _one_entry(tmp_path, pair)
-    code = ("import json, sys; from mlx_spec.prefix_store import DiskConfig, PrefixStore; "
-            f"s = PrefixStore(DiskConfig(sys.argv[1], 64 << 20, 8), {ID!r}); "
-            "found = s.best(json.loads(sys.argv[2]), True, 0); "
-            "print(json.dumps([len(s), found[1] if found else None]))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(prompt2)], capture_output=True,
-                         text=True, timeout=120, env=os.environ.copy(), check=True)
+    code = (
+        "import json, sys; from mlx_spec.prefix_store import DiskConfig, PrefixStore; "
+        f"s = PrefixStore(DiskConfig(sys.argv[1], 64 << 20, 8), {ID!r}); "
+        "found = s.best(json.loads(sys.argv[2]), True, 0); "
+        "print(json.dumps([len(s), found[1] if found else None]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), json.dumps(prompt2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+        check=True,
+    )
     n, keep = json.loads(out.stdout.strip().splitlines()[-1])
     assert n == 1 and keep == len(prompt2) - 3  # the entry: the prompt + the fed reply
 
@@ -217,10 +225,10 @@ def test_hybrid_target_entries_serve_whole_prefixes_only(tmp_path):
 
 
 def test_a_restarted_engine_loads_the_prefix_from_disk_and_counts_it(tmp_path):
-    from helpers import tiny_engine_loader
-
     from mlx_spec.engine import Done, Engine, Request
     from mlx_spec.server.app import prometheus
+
+    from helpers import tiny_engine_loader
 
     msgs = [{"role": "system", "content": "You are terse. " * 4}, {"role": "user", "content": "hello there"}]
     loader = tiny_engine_loader(tmp_path / "pair")
@@ -260,7 +268,9 @@ def test_the_serve_flags_make_the_disk_config_and_bad_values_are_named(tmp_path)
     cfg = prefix_disk_of(p.parse_args(["--prefix-disk-mb", "8", "--prefix-disk-min-tokens", "500"]))
     assert (cfg.budget, cfg.min_tokens) == (8 << 20, 500) and cfg.root.name == "prefix"
     assert prefix_disk_of(p.parse_args(["--prefix-disk-mb", "0"])) is None
-    for bad, name in ((["--prefix-disk-mb", "-1"], "--prefix-disk-mb"), (["--prefix-disk-min-tokens", "0"],
-                                                                          "--prefix-disk-min-tokens")):
+    for bad, name in (
+        (["--prefix-disk-mb", "-1"], "--prefix-disk-mb"),
+        (["--prefix-disk-min-tokens", "0"], "--prefix-disk-min-tokens"),
+    ):
         with pytest.raises(BadRequest, match=name):
             prefix_disk_of(p.parse_args(bad))

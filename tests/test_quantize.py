@@ -3,16 +3,16 @@
 import json
 
 import mlx_spec  # noqa: F401  (before mlx: loads the optimized BLAS when this file runs alone)
-import mlx.core as mx
-import mlx.nn as nn
-import pytest
-from mlx.utils import tree_flatten
-from helpers import TARGET_CONFIGS, greedy_reference, save_tiny_pair, save_tiny_tokenizer
-
 from mlx_spec import quantize
 from mlx_spec.decode import spec_steps
 from mlx_spec.errors import BadRequest
 from mlx_spec.loading import load_pair, load_target_model
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from helpers import TARGET_CONFIGS, greedy_reference, save_tiny_pair, save_tiny_tokenizer
+from mlx.utils import tree_flatten
 
 PROMPTS = ([1, 5, 9, 17, 33, 2, 8], [(7 * i + 3) % 120 + 4 for i in range(30)])
 
@@ -83,8 +83,15 @@ def _save_target(path, cfg, model):
 def test_lazy_quantized_load_peak_stays_near_quantized_size(tmp_path):
     from mlx_lm.models import qwen3
 
-    cfg = dict(TARGET_CONFIGS["qwen3"], hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    cfg = dict(
+        TARGET_CONFIGS["qwen3"],
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     model = qwen3.Model(qwen3.ModelArgs.from_dict(cfg))
     mx.eval(model.parameters())
     float_bytes = sum(t.numel * 4 for t in quantize.module_tensors(model))

@@ -9,11 +9,6 @@ the first two committed tokens is compared with plain sampling (chi-square, fixe
 import importlib
 import math
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from helpers import TARGET_CONFIGS, VOCAB, greedy_reference, save_tiny_pair, tiny_drafter, tiny_model
-
 from mlx_spec.decode import spec_steps
 from mlx_spec.drafter import ContextCache, DrafterArgs, Proposal
 from mlx_spec.sampling import (
@@ -27,6 +22,11 @@ from mlx_spec.sampling import (
     target_probs,
 )
 from mlx_spec.target import Target
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import TARGET_CONFIGS, VOCAB, greedy_reference, save_tiny_pair, tiny_drafter, tiny_model
 
 V = 16
 N = 40_000
@@ -101,8 +101,9 @@ def test_accept_greedy():
     assert accept_greedy([], [8]) == (0, 8)
 
 
-@pytest.mark.parametrize("temp,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5),
-                                               (0.8, 0.5, 7), (1.0, 0.05, 0)])
+@pytest.mark.parametrize(
+    "temp,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.8, 0.5, 7), (1.0, 0.05, 0)]
+)
 def test_target_rule_is_mlx_lm_sampler(temp, top_p, top_k):
     """Same kept set and probabilities as mlx-lm's make_sampler chain (top-p, then top-k, then T)."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -135,8 +136,9 @@ def test_speculative_sample_exact_toy():
     q = mx.array([[[0.0, 0.0, 1.0]]])
     drafts = mx.array([[2]])
     n = 200_000
-    a, tok = speculative_sample(mx.broadcast_to(p, (n, 2, 3)), mx.broadcast_to(q, (n, 1, 3)),
-                                mx.broadcast_to(drafts, (n, 1)), mx.random.key(1))
+    a, tok = speculative_sample(
+        mx.broadcast_to(p, (n, 2, 3)), mx.broadcast_to(q, (n, 1, 3)), mx.broadcast_to(drafts, (n, 1)), mx.random.key(1)
+    )
     a, tok = np.array(a), np.array(tok)
     assert abs(a.mean() - 0.2) < 0.005  # accept prob = p(2)/q(2)
     first = np.where(a == 1, 2, tok)  # the first committed token
@@ -209,8 +211,7 @@ def test_speculative_sampling_matches_plain(small_vocab, kind, n_drafts, cfg):
     tables, drafters = small_vocab
     seed = 11 * n_drafts + (kind == "dflash2") + 100 * CONFIGS.index(cfg)
     spec = _counts(*_two_tokens(tables, drafters, kind, cfg, n_drafts, mx.random.key(seed)))
-    plain = _counts(*_two_tokens(tables, drafters, kind, cfg, n_drafts, mx.random.key(seed + 7),
-                                 speculate=False))
+    plain = _counts(*_two_tokens(tables, drafters, kind, cfg, n_drafts, mx.random.key(seed + 7), speculate=False))
     exact = _exact(tables, cfg)
     assert spec.sum() == N
     assert (spec[exact == 0] == 0).all()  # nothing outside the target's top-p/top-k support
@@ -258,8 +259,7 @@ def test_accept_sampled_takes_a_point_mass_proposal():
     """q None at T > 0 is a deterministic proposal: accepted with probability p(d)."""
     logits = mx.log(mx.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
     cfg = SamplingConfig(1.0)
-    got = [accept_sampled(logits, Proposal(mx.array([2], mx.int32), None), cfg, mx.random.key(s))
-           for s in range(3000)]
+    got = [accept_sampled(logits, Proposal(mx.array([2], mx.int32), None), cfg, mx.random.key(s)) for s in range(3000)]
     acc = np.array([a for a, _ in got])
     assert abs(acc.mean() - 0.2) < 0.03
     rejected = np.array([t for a, t in got if a == 0])
@@ -312,8 +312,9 @@ def tiny():
 
 
 def _run(target, drafter, B, sampling, n=24):
-    return [t for s in spec_steps(target, drafter, SHORT, block_size=B, max_tokens=n, sampling=sampling)
-            for t in s.tokens]
+    return [
+        t for s in spec_steps(target, drafter, SHORT, block_size=B, max_tokens=n, sampling=sampling) for t in s.tokens
+    ]
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
@@ -341,9 +342,17 @@ class DistributionOracle:
 
     def __init__(self, model, prompt, cfg):
         self.model, self.history, self.cfg, self.last = model, list(prompt), cfg, []
-        self.args = DrafterArgs(hidden_size=1, num_hidden_layers=1, num_attention_heads=1,
-                                num_key_value_heads=1, intermediate_size=1, vocab_size=VOCAB,
-                                num_target_layers=1, target_layer_ids=[0], mask_token_id=0)
+        self.args = DrafterArgs(
+            hidden_size=1,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            intermediate_size=1,
+            vocab_size=VOCAB,
+            num_target_layers=1,
+            target_layer_ids=[0],
+            mask_token_id=0,
+        )
 
     def make_cache(self):
         return [ContextCache()]
@@ -393,8 +402,21 @@ def test_generate_cli_same_seed_same_text(tmp_path, capsys):
     texts = {}
     for name, extra in (("spec", ["--drafter", str(d), "--block-size", "4"]), ("plain", ["--no-draft"])):
         for seed in ("5", "5", "6"):
-            argv = ["generate", "--target", str(t), *extra, "--prompt", "hello", "--max-tokens", "24",
-                    "--temperature", "1.0", "--seed", seed, "--json"]
+            argv = [
+                "generate",
+                "--target",
+                str(t),
+                *extra,
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "24",
+                "--temperature",
+                "1.0",
+                "--seed",
+                seed,
+                "--json",
+            ]
             assert main(argv) == 0
             texts.setdefault(name, []).append(json.loads(capsys.readouterr().out)["text"])
     for name, (a, b, c) in texts.items():

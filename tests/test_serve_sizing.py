@@ -5,9 +5,6 @@ context capped by the memory plan, and a prefix cache sized from the plan's head
 import argparse
 from dataclasses import replace
 
-import pytest
-from helpers import save_tiny_pair
-
 from mlx_spec import memory
 from mlx_spec.commands import serve
 from mlx_spec.config import LoadConfig
@@ -15,16 +12,29 @@ from mlx_spec.errors import BadRequest
 from mlx_spec.server.schemas import ModelNames
 from mlx_spec.session import serve_sizing
 
+import pytest
+from helpers import save_tiny_pair
+
 MiB = 2**20
-DIMS = memory.ModelDims(layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=1000,
-                        kinds=("full",) * 4, max_position=8192)
+DIMS = memory.ModelDims(
+    layers=4,
+    hidden=256,
+    intermediate=512,
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    vocab=1000,
+    kinds=("full",) * 4,
+    max_position=8192,
+)
 INPUTS = memory.PlanInputs(target=DIMS, target_weights=100 * MiB)
 
 
 def plan_at(budget: int, inputs=INPUTS):
     def at(n: int, pc: int):
-        return memory.make_plan(replace(inputs, prefix_cache=pc), context=n, block_size=1, budget=budget,
-                                budget_source="test")
+        return memory.make_plan(
+            replace(inputs, prefix_cache=pc), context=n, block_size=1, budget=budget, budget_source="test"
+        )
 
     return at
 
@@ -59,8 +69,11 @@ def test_given_values_are_kept_and_a_config_without_a_trained_context_says_so():
     s = memory.serve_sizing(at, None)
     assert s.context == 4096 and "no trained context" in s.why
     # a small headroom: half of it, never less than one whole context
-    tight = plan_at(memory.make_plan(INPUTS, context=8192, block_size=1, budget=1, budget_source="t").total
-                    + memory.entry_bytes(at(8192, 0)) + MiB)
+    tight = plan_at(
+        memory.make_plan(INPUTS, context=8192, block_size=1, budget=1, budget_source="t").total
+        + memory.entry_bytes(at(8192, 0))
+        + MiB
+    )
     s = memory.serve_sizing(tight, 8192)
     assert s.context == 8192 and s.prefix_cache == memory.entry_bytes(at(8192, 0))
 
@@ -86,8 +99,17 @@ def _args(*argv):
 def test_serve_flags_leave_context_and_prefix_to_the_plan_and_name_the_models():
     a = _args()
     assert a.context is None and a.prefix_cache_mb is None and serve.model_names(a) == ModelNames()
-    a = _args("--context", "2048", "--prefix-cache-mb", "64", "--served-model-name", "coder,claude-sonnet-4-6",
-              "--served-model-name", "gpt-4o", "--strict-model-name")
+    a = _args(
+        "--context",
+        "2048",
+        "--prefix-cache-mb",
+        "64",
+        "--served-model-name",
+        "coder,claude-sonnet-4-6",
+        "--served-model-name",
+        "gpt-4o",
+        "--strict-model-name",
+    )
     assert (a.context, a.prefix_cache_mb) == (2048, 64)
     assert serve.model_names(a) == ModelNames(("coder", "claude-sonnet-4-6", "gpt-4o"), strict=True)
     with pytest.raises(BadRequest, match="non-empty"):

@@ -7,18 +7,18 @@ import socket
 import threading
 import time
 
+from mlx_spec.engine import Engine
+from mlx_spec.generation import GenConfig, engine_info, run
+from mlx_spec.loading import load_pair
+from mlx_spec.server.app import create_app
+from mlx_spec.session import Session
+from mlx_spec.text import encode_prompt
+
 import httpx
 import openai
 import pytest
 import uvicorn
 from helpers import save_tiny_pair
-
-from mlx_spec.engine import Engine
-from mlx_spec.generation import GenConfig, engine_info, run
-from mlx_spec.loading import load_pair
-from mlx_spec.session import Session
-from mlx_spec.server.app import create_app
-from mlx_spec.text import encode_prompt
 
 LONG_CHAT = [{"role": "user", "content": "hello"}]  # the tiny pair never emits EOS here (300+ tokens)
 
@@ -90,6 +90,7 @@ def model(engine):
 
 def reference(engine, max_tokens, *, messages=None, prompt=None, stop=()):
     """generation.run on the engine thread, for the same prompt (greedy)."""
+
     def fn(pair):
         ids = encode_prompt(pair.tokenizer, prompt, messages)
         return run(pair, engine.info, ids, GenConfig(max_tokens=max_tokens, stop=tuple(stop)))
@@ -100,8 +101,10 @@ def reference(engine, max_tokens, *, messages=None, prompt=None, stop=()):
 def test_a_conversation_reuses_its_prefix_and_output_is_unchanged(engine, client, model, url):
     turn1 = [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "name a colour"}]
     r1 = client.chat.completions.create(model=model, messages=turn1, max_tokens=16, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
-                     {"role": "user", "content": "and another"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "and another"},
+    ]
     r2 = client.chat.completions.create(model=model, messages=turn2, max_tokens=16, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= r1.usage.prompt_tokens  # at least turn 1's whole prompt was not prefilled again
@@ -120,8 +123,17 @@ def test_chat_non_stream_equals_generation_run(engine, client, model):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     extra = r.model_extra
     t = extra["timings"]
-    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second", "draft_n",
-            "draft_n_accepted", "draft_rounds", "block_size"} <= set(t)
+    assert {
+        "prompt_n",
+        "prompt_ms",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "draft_n",
+        "draft_n_accepted",
+        "draft_rounds",
+        "block_size",
+    } <= set(t)
     assert t["predicted_n"] == r.usage.completion_tokens
     assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
     assert t["cache_n"] == r.usage.prompt_tokens_details.cached_tokens
@@ -130,8 +142,9 @@ def test_chat_non_stream_equals_generation_run(engine, client, model):
     assert spec["enabled"] and spec["method"] == "dflash2" and spec["block_size_source"] == "flag"
     assert "draft_vocab" in spec and spec["draft_vocab"] is None  # the tiny drafter ships no vocabulary
     # the basename of a path-valued model id is accepted too; A/B plain decoding says so
-    plain = client.chat.completions.create(model="target", messages=messages, max_tokens=24,
-                                           temperature=0, extra_body={"speculate": False})
+    plain = client.chat.completions.create(
+        model="target", messages=messages, max_tokens=24, temperature=0, extra_body={"speculate": False}
+    )
     assert plain.choices[0].message.content == ref.text
     assert plain.model_extra["speculation"]["enabled"] is False and plain.model_extra["timings"]["draft_n"] == 0
 
@@ -139,8 +152,16 @@ def test_chat_non_stream_equals_generation_run(engine, client, model):
 def test_chat_stream_with_usage_chunk(engine, client, model, url):
     messages = [{"role": "user", "content": "abc"}]
     ref = reference(engine, 30, messages=messages)
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -152,8 +173,11 @@ def test_chat_stream_with_usage_chunk(engine, client, model, url):
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
     # raw framing: data lines, then [DONE]; without include_usage no usage chunk
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={
-            "messages": messages, "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 5, "temperature": 0, "stream": True},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -166,11 +190,13 @@ def test_stop_sequences(engine, client, model):
     full = reference(engine, 20, messages=messages).text
     stop = full[5:7]
     expect = full[: full.index(stop)]
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                       stop=[stop, "never-there"])
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=20, temperature=0, stop=[stop, "never-there"]
+    )
     assert r.choices[0].message.content == expect and r.choices[0].finish_reason == "stop"
-    s = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                       stop=stop, stream=True)
+    s = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=20, temperature=0, stop=stop, stream=True
+    )
     parts = list(s)
     assert "".join(c.choices[0].delta.content or "" for c in parts) == expect
     assert parts[-1].choices[0].finish_reason == "stop"
@@ -181,16 +207,21 @@ def test_completions_endpoint(engine, client, model):
     r = client.completions.create(model=model, prompt="x", max_tokens=16, temperature=0)
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 16 and r.model_extra["timings"]["predicted_n"] == 16
-    chunks = list(client.completions.create(model=model, prompt="x", max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="x", max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == 16
     # token ids as the prompt; sampling with a seed is reproducible
     ids = engine.call(lambda pair: encode_prompt(pair.tokenizer, "x")).result()
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0)
     assert by_ids.choices[0].text == ref.text
-    a, b = (client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0.9, top_p=0.9,
-                                      seed=7) for _ in range(2))
+    a, b = (
+        client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+        for _ in range(2)
+    )
     assert a.choices[0].text == b.choices[0].text
 
 
@@ -199,15 +230,28 @@ def test_models_health_and_tools(engine, client, model, url):
     card = models.data[0]
     assert card.id == model and card.model_extra["context_length"] == 4096
     spec = card.model_extra["speculation"]
-    assert spec == {"enabled": True, "method": "dflash2", "target": model, "drafter": engine.info.drafter,
-                    "block_size": 4, "block_size_source": "flag", "draft_vocab": None, "policy": "fixed",
-                    "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False}}
+    assert spec == {
+        "enabled": True,
+        "method": "dflash2",
+        "target": model,
+        "drafter": engine.info.drafter,
+        "block_size": 4,
+        "block_size_source": "flag",
+        "draft_vocab": None,
+        "policy": "fixed",
+        "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
+    }
     h = httpx.get(f"{url}/health")
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["speculation"] == spec
     assert h.json()["group"] == spec["group"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                                       tools=tools, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        tools=tools,
+        max_tokens=3,
+        temperature=0,
+    )
     assert r.usage.completion_tokens <= 3
 
 
@@ -222,8 +266,12 @@ def _metrics(url) -> dict:
 
 def test_disconnect_cancels_generation(engine, url):
     before = engine.snapshot()["cancelled"]
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={
-            "messages": LONG_CHAT, "max_tokens": 3000, "temperature": 0, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"messages": LONG_CHAT, "max_tokens": 3000, "temperature": 0, "stream": True},
+        timeout=30,
+    ) as r:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 break  # got some text: hang up mid-generation
@@ -234,8 +282,11 @@ def test_disconnect_cancels_generation(engine, url):
     # non-stream: a client that times out also cancels its generation
     before = engine.snapshot()["cancelled"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/chat/completions", json={"messages": LONG_CHAT, "max_tokens": 3000,
-                                                        "temperature": 0}, timeout=1.0)
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": LONG_CHAT, "max_tokens": 3000, "temperature": 0},
+            timeout=1.0,
+        )
     deadline = time.monotonic() + 15
     while engine.snapshot()["cancelled"] == before:
         assert time.monotonic() < deadline, "non-stream generation was not cancelled"
@@ -252,8 +303,13 @@ def test_load_many_clients(engine, url):
         with httpx.Client(base_url=url, timeout=60) as c:
             for i in range(25):
                 stream = (k + i) % 3 == 0
-                body = {"messages": [{"role": "user", "content": f"q{k}-{i}"}], "max_tokens": 4,
-                        "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}
+                body = {
+                    "messages": [{"role": "user", "content": f"q{k}-{i}"}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "stream": stream,
+                    "stream_options": {"include_usage": True},
+                }
                 if stream:
                     with c.stream("POST", "/v1/chat/completions", json=body) as r:
                         status, text = r.status_code, r.read().decode()

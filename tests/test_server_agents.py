@@ -13,14 +13,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import anthropic
-import httpx
-import openai
-import pytest
-from helpers import save_tiny_pair, save_tiny_tokenizer, tiny_engine_loader
-from test_server import running_engine, serve_in_thread
-from test_server_tools import ScriptedModel
-
 from mlx_spec.generation import engine_info
 from mlx_spec.loading import load_pair
 from mlx_spec.server import anthropic as api
@@ -33,6 +25,14 @@ from mlx_spec.server.schemas import (
 )
 from mlx_spec.session import Session
 from mlx_spec.text import encode_prompt
+
+import anthropic
+import httpx
+import openai
+import pytest
+from helpers import save_tiny_pair, save_tiny_tokenizer, tiny_engine_loader
+from test_server import running_engine, serve_in_thread
+from test_server_tools import ScriptedModel
 
 DATA = Path(__file__).parent / "data" / "agents"
 CONTEXT = 1024  # the engine's context: the recorded bodies' max_tokens (32000) is far above it
@@ -80,9 +80,11 @@ def url(engine):
 
 def script(engine, req, text: str) -> int:
     """After the prompt of engine request ``req`` the target says ``text``; returns the prompt's tokens."""
+
     def fn(pair):
-        ids = encode_prompt(pair.tokenizer, req.prompt, req.messages, tools=req.tools,
-                            template_kwargs=req.template_kwargs)
+        ids = encode_prompt(
+            pair.tokenizer, req.prompt, req.messages, tools=req.tools, template_kwargs=req.template_kwargs
+        )
         pair.model.prompt_len = len(ids)
         pair.model.tokens = list(pair.tokenizer.encode(text, add_special_tokens=False))
         return len(ids)
@@ -127,8 +129,12 @@ def test_claude_code_request_is_answered_and_parsed_by_the_sdk(engine, url, stre
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == n
     limits = msg.model_extra["limits"] if not stream else None
     if limits is not None:
-        assert limits == {"context_length": CONTEXT, "prompt_tokens": n, "max_tokens": 32000,
-                          "max_tokens_allowed": CONTEXT - n}
+        assert limits == {
+            "context_length": CONTEXT,
+            "prompt_tokens": n,
+            "max_tokens": 32000,
+            "max_tokens_allowed": CONTEXT - n,
+        }
 
 
 def test_claude_code_billing_block_and_system_entry_reach_the_template_as_meant():
@@ -141,10 +147,20 @@ def test_claude_code_billing_block_and_system_entry_reach_the_template_as_meant(
     assert req.messages[2]["content"] == "Synthetic agent list: general, explore."
     assert req.max_tokens == 32000 and req.template_kwargs is None  # adaptive: the template's own default
     # a system entry before the first turn joins the system prompt
-    lead = api.MessagesRequest.model_validate({"max_tokens": 5, "system": "A", "messages": [
-        {"role": "system", "content": [{"type": "text", "text": "B"}]}, {"role": "user", "content": "hi"}]})
-    assert lead.to_engine(CONTEXT, NO_DEFAULTS).messages[:2] == [{"role": "system", "content": "A\nB"},
-                                                                 {"role": "user", "content": "hi"}]
+    lead = api.MessagesRequest.model_validate(
+        {
+            "max_tokens": 5,
+            "system": "A",
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "B"}]},
+                {"role": "user", "content": "hi"},
+            ],
+        }
+    )
+    assert lead.to_engine(CONTEXT, NO_DEFAULTS).messages[:2] == [
+        {"role": "system", "content": "A\nB"},
+        {"role": "user", "content": "hi"},
+    ]
 
 
 # -- OpenCode: OpenAI chat completions through @ai-sdk/openai-compatible ---------------------------
@@ -167,8 +183,11 @@ def test_opencode_request_is_answered_and_parsed_by_the_sdk(engine, url, stream,
         call = r.choices[0].message.tool_calls[0]
         assert r.usage.prompt_tokens == n and r.model_extra["limits"]["max_tokens_allowed"] == CONTEXT - n
     else:
-        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options=b["stream_options"],
-                                                     parallel_tool_calls=True))
+        chunks = list(
+            client.chat.completions.create(
+                **kw, stream=True, stream_options=b["stream_options"], parallel_tool_calls=True
+            )
+        )
         assert {c.model for c in chunks} == {engine.info.target}
         calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
         assert len(calls) == 1
@@ -215,11 +234,15 @@ def test_any_model_name_reaches_the_pair_and_aliases_are_listed(engine):
 def test_strict_model_name_refuses_other_names_in_each_api_shape(engine):
     target = engine.info.target
     with serve_in_thread(create_app(engine, names=ModelNames(("coder",), strict=True))) as u:
-        r = httpx.post(f"{u}/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            f"{u}/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+        )
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "gpt-4o" in r.json()["error"]["message"] and "coder" in r.json()["error"]["message"]
-        r = httpx.post(f"{u}/v1/messages", json={"model": "claude-x", "max_tokens": 3,
-                                                  "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            f"{u}/v1/messages",
+            json={"model": "claude-x", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
         assert httpx.get(f"{u}/v1/models/gpt-4o").status_code == 404
         for name in ("coder", target, Path(target).name):
@@ -239,8 +262,12 @@ def test_max_tokens_stops_where_the_context_ends_in_both_apis(engine, url):
     j = r.json()
     assert r.status_code == 200 and j["choices"][0]["finish_reason"] == "length"
     assert j["usage"]["completion_tokens"] == CONTEXT - n == int(r.headers[MAX_TOKENS_HEADER])
-    assert j["limits"] == {"context_length": CONTEXT, "prompt_tokens": n, "max_tokens": 32000,
-                           "max_tokens_allowed": CONTEXT - n}
+    assert j["limits"] == {
+        "context_length": CONTEXT,
+        "prompt_tokens": n,
+        "max_tokens": 32000,
+        "max_tokens_allowed": CONTEXT - n,
+    }
     # below the room, max_tokens itself is what is allowed
     r = httpx.post(f"{url}/v1/chat/completions", json={**o, "max_tokens": 7}).json()
     assert r["usage"]["completion_tokens"] == 7 and r["limits"]["max_tokens_allowed"] == 7
@@ -257,14 +284,20 @@ def test_max_tokens_stops_where_the_context_ends_in_both_apis(engine, url):
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_over_the_context_is_refused_naming_prompt_and_context(engine, url, stream):
     big = "a" * (CONTEXT + 100)
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": big}],
-                                                       "max_tokens": 32000, "stream": stream}, timeout=60)
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": big}], "max_tokens": 32000, "stream": stream},
+        timeout=60,
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
     prompt = script(engine, openai_req({"messages": [{"role": "user", "content": big}]}), "")
     assert f"{prompt} tokens" in err["message"] and str(CONTEXT) in err["message"]
-    r = httpx.post(f"{url}/v1/messages", json={"messages": [{"role": "user", "content": big}], "max_tokens": 32000,
-                                               "stream": stream}, timeout=60)
+    r = httpx.post(
+        f"{url}/v1/messages",
+        json={"messages": [{"role": "user", "content": big}], "max_tokens": 32000, "stream": stream},
+        timeout=60,
+    )
     j = r.json()
     assert r.status_code == 400 and j["type"] == "error" and j["error"]["type"] == "invalid_request_error"
     assert "prompt is too long" in j["error"]["message"] and str(CONTEXT) in j["error"]["message"]
@@ -273,15 +306,32 @@ def test_prompt_over_the_context_is_refused_naming_prompt_and_context(engine, ur
 
 def test_fields_agents_send_are_accepted(engine, url):
     """Fields a local model cannot use are accepted and ignored, never a 400."""
-    o = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
-         "max_tokens": 4, "parallel_tool_calls": False, "store": False, "user": "u1", "metadata": {"k": "v"},
-         "reasoning_effort": "low", "service_tier": "auto", "some_future_field": {"x": 1}}
+    o = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}
+        ],
+        "max_tokens": 4,
+        "parallel_tool_calls": False,
+        "store": False,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "reasoning_effort": "low",
+        "service_tier": "auto",
+        "some_future_field": {"x": 1},
+    }
     script(engine, openai_req(o), "Hey")
     assert httpx.post(f"{url}/v1/chat/completions", json=o).status_code == 200
     for thinking in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
-        a = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "thinking": thinking,
-             "context_management": {"edits": []}, "output_config": {"effort": "low"}, "metadata": {"user_id": "u"},
-             "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}, "some_future_field": 1}
+        a = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "thinking": thinking,
+            "context_management": {"edits": []},
+            "output_config": {"effort": "low"},
+            "metadata": {"user_id": "u"},
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+            "some_future_field": 1,
+        }
         script(engine, anthropic_req(a), "Hey")
         r = httpx.post(f"{url}/v1/messages?beta=true", json=a, headers={"anthropic-beta": "context-1m-2025-08-07"})
         assert r.status_code == 200, (thinking, r.text)
@@ -292,8 +342,11 @@ def test_fields_agents_send_are_accepted(engine, url):
 
 def test_speculative_pair_stops_at_the_context_end(tmp_path):
     with running_engine(tiny_engine_loader(tmp_path, context=64)) as e, serve_in_thread(create_app(e)) as u:
-        r = httpx.post(f"{u}/v1/completions", json={"prompt": list(range(5, 45)), "max_tokens": 32000,
-                                                    "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"{u}/v1/completions",
+            json={"prompt": list(range(5, 45)), "max_tokens": 32000, "temperature": 0},
+            timeout=60,
+        )
         j = r.json()
         assert r.status_code == 200 and j["speculation"]["enabled"], r.text
         done, finish = j["usage"]["completion_tokens"], j["choices"][0]["finish_reason"]
@@ -301,4 +354,3 @@ def test_speculative_pair_stops_at_the_context_end(tmp_path):
         assert j["limits"]["max_tokens_allowed"] == 24 == int(r.headers[MAX_TOKENS_HEADER])
         r = httpx.post(f"{u}/v1/completions", json={"prompt": list(range(5, 69)), "max_tokens": 1})
         assert r.status_code == 400 and "64 tokens > 63 maximum" in r.json()["error"]["message"]
-

@@ -6,6 +6,12 @@ test_server_tools.ScriptedModel); its tokenizer has ``<think>`` markers and a to
 import json
 import random
 
+from mlx_spec.server import anthropic as api
+from mlx_spec.server.app import create_app
+from mlx_spec.server.schemas import NO_DEFAULTS, ChatCompletionRequest, RequestDefaults
+from mlx_spec.text import encode_prompt
+from mlx_spec.thinking import ThinkFormat, ThinkSplitter, prompt_opens_reasoning, split
+
 import anthropic
 import httpx
 import openai
@@ -13,12 +19,6 @@ import pytest
 from helpers import save_tiny_pair, save_tiny_tokenizer
 from test_server import serve_in_thread
 from test_server_tools import scripted_engine
-
-from mlx_spec.server import anthropic as api
-from mlx_spec.server.app import create_app
-from mlx_spec.server.schemas import NO_DEFAULTS, ChatCompletionRequest, RequestDefaults
-from mlx_spec.text import encode_prompt
-from mlx_spec.thinking import ThinkFormat, ThinkSplitter, prompt_opens_reasoning, split
 
 # Qwen3.5-style: the generation prompt opens the reasoning block unless thinking is switched off.
 TEMPLATE = (
@@ -32,8 +32,14 @@ TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}"
     "{% endif %}"
 )
-WEATHER = [{"name": "get_weather", "description": "Weather of a city", "cache_control": {"type": "ephemeral"},
-            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+WEATHER = [
+    {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "cache_control": {"type": "ephemeral"},
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 MSG = [{"role": "user", "content": "weather in Paris?"}]
 OFF = {"type": "disabled"}
@@ -77,55 +83,108 @@ def _engine_request(body: dict, defaults=NO_DEFAULTS):
 
 
 def test_blocks_map_to_template_messages():
-    req = _engine_request({
-        "system": [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}},
-                   {"type": "text", "text": "B"}],
-        "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "hmm", "signature": "x"},
-                {"type": "redacted_thinking", "data": "opaque"},
-                {"type": "text", "text": "calling"},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "rain"}]},
-                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
-                {"type": "text", "text": "and?"}]}],
-        "tools": WEATHER, "thinking": {"type": "enabled", "budget_tokens": 2048},
-        "metadata": {"user_id": "u"}, "service_tier": "auto", "top_k": 5})
+    req = _engine_request(
+        {
+            "system": [
+                {"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "B"},
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "rain"}],
+                        },
+                        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                        {"type": "text", "text": "and?"},
+                    ],
+                },
+            ],
+            "tools": WEATHER,
+            "thinking": {"type": "enabled", "budget_tokens": 2048},
+            "metadata": {"user_id": "u"},
+            "service_tier": "auto",
+            "top_k": 5,
+        }
+    )
     assert req.messages == [
         {"role": "system", "content": "A\nB"},
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "calling", "reasoning_content": "hmm", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "rain"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: boom"},
-        {"role": "user", "content": "and?"}]
-    assert req.tools == [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER[0]["input_schema"]}}]
+        {"role": "user", "content": "and?"},
+    ]
+    assert req.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather of a city",
+                "parameters": WEATHER[0]["input_schema"],
+            },
+        }
+    ]
     assert req.template_kwargs == {"enable_thinking": True} and req.top_k == 5
     assert (req.temperature, req.top_p, req.max_tokens) == (1.0, 1.0, 16)  # the API's defaults
     # the server's defaults apply where the body is silent; the body wins where it speaks
     d = RequestDefaults(temperature=0.0, top_p=0.9, top_k=20, template_kwargs={"enable_thinking": False})
     req = _engine_request({"messages": MSG}, d)
     assert (req.temperature, req.top_p, req.top_k, req.template_kwargs) == (0.0, 0.9, 20, {"enable_thinking": False})
-    req = _engine_request({"messages": MSG, "temperature": 0.5, "thinking": {"type": "enabled", "budget_tokens": 1024}}, d)
+    req = _engine_request(
+        {"messages": MSG, "temperature": 0.5, "thinking": {"type": "enabled", "budget_tokens": 1024}}, d
+    )
     assert req.temperature == 0.5 and req.template_kwargs == {"enable_thinking": True}
     assert _engine_request({"messages": MSG, "tools": WEATHER, "tool_choice": {"type": "none"}}).tools is None
 
 
-@pytest.mark.parametrize("body, where", [
-    ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "unknown content block type 'video'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image blocks are not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
-     "a user message cannot hold a tool_use block"),
-    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "needs a string 'type'"),
-    ({"messages": MSG, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "Anthropic-hosted"),
-    ({"messages": MSG, "tools": [{"name": "f"}]}, "input_schema"),
-    ({"messages": MSG, "tools": WEATHER, "tool_choice": {"type": "any"}}, "cannot be forced"),
-    ({"messages": MSG, "thinking": {"type": "sometimes"}}, "thinking.type"),
-    ({"messages": MSG, "system": [{"type": "image"}]}, "system[0]: expected a text block"),
-])
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+            "unknown content block type 'video'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "image blocks are not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
+            "a user message cannot hold a tool_use block",
+        ),
+        ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "needs a string 'type'"),
+        ({"messages": MSG, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "Anthropic-hosted"),
+        ({"messages": MSG, "tools": [{"name": "f"}]}, "input_schema"),
+        ({"messages": MSG, "tools": WEATHER, "tool_choice": {"type": "any"}}, "cannot be forced"),
+        ({"messages": MSG, "thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"messages": MSG, "system": [{"type": "image"}]}, "system[0]: expected a text block"),
+    ],
+)
 def test_bad_requests_are_refused_by_name(body, where):
     with pytest.raises(api.InvalidField) as e:
         _engine_request(body)
@@ -176,8 +235,15 @@ def test_engine_knows_the_markers(engine):
 def test_non_stream_thinking_text_and_usage(engine, client):
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     n = say(engine, {"messages": MSG, "system": system}, "Easy.</think>It is sunny.")
-    r = client.messages.create(model="target", max_tokens=64, system=system, messages=MSG,
-                               metadata={"user_id": "u1"}, service_tier="auto", extra_body={"temperature": 0})
+    r = client.messages.create(
+        model="target",
+        max_tokens=64,
+        system=system,
+        messages=MSG,
+        metadata={"user_id": "u1"},
+        service_tier="auto",
+        extra_body={"temperature": 0},
+    )
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == "Easy." and r.content[1].text == "It is sunny."
     assert r.stop_reason == "end_turn" and r.stop_sequence is None and r.role == "assistant"
@@ -193,7 +259,9 @@ def test_non_stream_thinking_text_and_usage(engine, client):
 
 def test_stop_sequences_and_max_tokens(engine, client):
     say(engine, {"messages": MSG, "thinking": OFF}, "One. STOP two.")
-    r = client.messages.create(model="target", max_tokens=64, messages=MSG, thinking=OFF, stop_sequences=["STOP", "xyz"])
+    r = client.messages.create(
+        model="target", max_tokens=64, messages=MSG, thinking=OFF, stop_sequences=["STOP", "xyz"]
+    )
     assert r.content[0].text == "One. " and r.stop_reason == "stop_sequence" and r.stop_sequence == "STOP"
     r = client.messages.create(model="target", max_tokens=3, messages=MSG, thinking=OFF)
     assert r.content[0].text == "One" and r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
@@ -202,14 +270,27 @@ def test_stop_sequences_and_max_tokens(engine, client):
 def test_tools_round_trip(engine, client):
     body = {"messages": MSG, "tools": WEATHER}
     say(engine, body, "Need data.</think>Let me check." + CALL)
-    r = client.messages.create(model="target", max_tokens=200, messages=MSG, tools=WEATHER,
-                               tool_choice={"type": "auto"})
+    r = client.messages.create(
+        model="target", max_tokens=200, messages=MSG, tools=WEATHER, tool_choice={"type": "auto"}
+    )
     assert [b.type for b in r.content] == ["thinking", "text", "tool_use"] and r.stop_reason == "tool_use"
     use = r.content[2]
     assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id.startswith("toolu_")
     # the agent's next turn: the reply goes back as it came, then the tool's result
-    turn2 = MSG + [r.to_param(), {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": use.id, "content": "sunny", "cache_control": {"type": "ephemeral"}}]}]
+    turn2 = MSG + [
+        r.to_param(),
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": "sunny",
+                    "cache_control": {"type": "ephemeral"},
+                }
+            ],
+        },
+    ]
     turn2 = json.loads(json.dumps(turn2, default=lambda o: o.model_dump()))
     say(engine, {**body, "messages": turn2}, "Done.</think>It is sunny.")
     r2 = client.messages.create(model="target", max_tokens=200, messages=turn2, tools=WEATHER)
@@ -230,10 +311,16 @@ def test_stream_events(engine, client, url):
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert starts == ["thinking", "text", "tool_use"]
-    assert kinds.count("content_block_stop") == 3 and [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
+    assert kinds.count("content_block_stop") == 3 and [e.index for e in events if e.type == "content_block_stop"] == [
+        0,
+        1,
+        2,
+    ]
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     assert text == "Let me check."  # the call's text never streamed as text
-    (js,) = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    (js,) = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert json.loads(js) == {"city": "Paris"}
     delta = events[-2]
     assert delta.delta.stop_reason == "tool_use" and delta.usage.output_tokens > 0
@@ -242,6 +329,7 @@ def test_stream_events(engine, client, url):
     with client.messages.stream(model="target", max_tokens=200, messages=MSG, tools=WEATHER) as s:
         final = s.get_final_message()
     r = client.messages.create(model="target", max_tokens=200, messages=MSG, tools=WEATHER)
+
     def same(blocks):  # tool_use ids are fresh per reply
         return [b.model_dump(exclude={"id"}) for b in blocks]
 
@@ -264,8 +352,9 @@ def test_errors_in_anthropic_shape_and_server_keeps_serving(engine, client, url)
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model="target", max_tokens=10,
-                               messages=[{"role": "user", "content": [{"type": "video", "src": "x"}]}])
+        client.messages.create(
+            model="target", max_tokens=10, messages=[{"role": "user", "content": [{"type": "video", "src": "x"}]}]
+        )
     assert e.value.body["error"]["type"] == "invalid_request_error" and "video" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:  # a prompt that fills the context alone
         client.messages.create(model="target", max_tokens=10, messages=[{"role": "user", "content": "a" * 5000}])
@@ -292,7 +381,8 @@ def test_x_api_key(engine):
         assert ok.messages.count_tokens(model="target", messages=MSG).input_tokens > 0
         with pytest.raises(anthropic.AuthenticationError) as e:
             anthropic.Anthropic(base_url=u, api_key="wrong", max_retries=0).messages.create(
-                model="target", max_tokens=9, messages=MSG)
+                model="target", max_tokens=9, messages=MSG
+            )
         assert e.value.body["error"]["type"] == "authentication_error"
         # x-api-key works on the OpenAI routes too; Bearer still works
         assert httpx.get(f"{u}/v1/models", headers={"x-api-key": "sekret"}).status_code == 200
@@ -328,9 +418,12 @@ def test_openai_reasoning_content(engine, url):
     assert not any("think>" in (d.content or "") for d in deltas)
     # chat_template_kwargs switch thinking off: no reasoning, no key
     say_openai(engine, MSG, "Plain.", {"enable_thinking": False})
-    r = oa.chat.completions.create(model="target", messages=MSG, temperature=0,
-                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert r.choices[0].message.content == "Plain." and "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    r = oa.chat.completions.create(
+        model="target", messages=MSG, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert r.choices[0].message.content == "Plain." and "reasoning_content" not in (
+        r.choices[0].message.model_extra or {}
+    )
     with pytest.raises(openai.BadRequestError):
         oa.chat.completions.create(model="target", messages=MSG, extra_body={"chat_template_kwargs": "x"})
 
@@ -353,7 +446,23 @@ def test_generate_think_flag_sets_the_template_switch(tmp_path, capsys):
     save_tiny_tokenizer(t, extra_specials=("<think>", "</think>"), template=TEMPLATE)
     counts = {}
     for flag in ("--think", "--no-think"):
-        assert main(["generate", "--target", str(t), "--no-draft", "--chat", "--prompt", "hi", "--max-tokens", "2",
-                     "--json", flag]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--target",
+                    str(t),
+                    "--no-draft",
+                    "--chat",
+                    "--prompt",
+                    "hi",
+                    "--max-tokens",
+                    "2",
+                    "--json",
+                    flag,
+                ]
+            )
+            == 0
+        )
         counts[flag] = json.loads(capsys.readouterr().out)["prompt_tokens"]
     assert counts["--no-think"] == counts["--think"] + 1  # "<think></think>" closes the block in the prompt

@@ -4,17 +4,17 @@ import asyncio
 import json
 import threading
 
+from mlx_spec.engine import Delta, Done, Engine, Handle, Started
+from mlx_spec.generation import EngineInfo
+from mlx_spec.server import guard
+from mlx_spec.server.app import create_app
+from mlx_spec.session import Session
+from mlx_spec.stats import StatsSnapshot
+
 import httpx
 import pytest
 from helpers import tiny_engine_loader
 from test_server import running_engine, serve_in_thread
-
-from mlx_spec.engine import Delta, Done, Engine, Handle, Started
-from mlx_spec.server import guard
-from mlx_spec.server.app import create_app
-from mlx_spec.generation import EngineInfo
-from mlx_spec.session import Session
-from mlx_spec.stats import StatsSnapshot
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +40,28 @@ CASES = [
     ("empty body", "POST", CHAT, b"", 400, None),
     ("array body", "POST", CHAT, b"[1, 2]", 400, None),
     ("deep nesting", "POST", CHAT, b"[" * 100_000, 400, None),
-    ("NaN temperature", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    (
+        "NaN temperature",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
     ("missing messages", "POST", CHAT, {"max_tokens": 3}, 400, "messages"),
     ("empty messages", "POST", CHAT, {"messages": []}, 400, "messages"),
     ("messages not a list", "POST", CHAT, {"messages": "hi"}, 400, "messages"),
     ("message not an object", "POST", CHAT, {"messages": ["hi"]}, 400, "messages[0]"),
     ("bad role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("content is a number", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
-    ("image content", "POST", CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    (
+        "image content",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+    ),
     ("max_tokens 0", "POST", CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", "POST", CHAT, {"messages": MSG, "max_tokens": -5}, 400, "max_tokens"),
     ("max_tokens string", "POST", CHAT, {"messages": MSG, "max_tokens": "10"}, 400, "max_tokens"),
@@ -67,8 +80,14 @@ CASES = [
     ("tools not a list", "POST", CHAT, {"messages": MSG, "tools": "f"}, 400, "tools"),
     ("model wrong type", "POST", CHAT, {"model": 7, "messages": MSG}, 400, "model"),
     ("prompt longer than context", "POST", TEXT, {"prompt": "a" * 600, "max_tokens": 1}, 400, None),
-    ("long chat, stream", "POST", CHAT, {"messages": [{"role": "user", "content": "a" * 600}],
-                                         "stream": True}, 400, None),
+    (
+        "long chat, stream",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a" * 600}], "stream": True},
+        400,
+        None,
+    ),
     ("missing prompt", "POST", TEXT, {"max_tokens": 3}, 400, "prompt"),
     ("empty prompt", "POST", TEXT, {"prompt": ""}, 400, "prompt"),
     ("two prompts", "POST", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -81,17 +100,47 @@ CASES = [
     # messages without content, by role
     ("user message without content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("user content null", "POST", CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
-    ("system content null", "POST", CHAT, {"messages": [{"role": "system", "content": None}, *MSG]}, 400,
-     "messages[0].content"),
-    ("tool message without content", "POST", CHAT, {"messages": [*MSG, {"role": "tool", "tool_call_id": "1"}]},
-     400, "messages[1].content"),
+    (
+        "system content null",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "system", "content": None}, *MSG]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "tool message without content",
+        "POST",
+        CHAT,
+        {"messages": [*MSG, {"role": "tool", "tool_call_id": "1"}]},
+        400,
+        "messages[1].content",
+    ),
     ("message without role", "POST", CHAT, {"messages": [*MSG, {"content": "x"}]}, 400, "messages[1].role"),
-    ("content is an object", "POST", CHAT, {"messages": [{"role": "user", "content": {"a": 1}}]}, 400,
-     "messages[0].content"),
-    ("text part not a string", "POST", CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": 5}]}]}, 400, "messages[0].content"),
-    ("text part without type", "POST", CHAT, {"messages": [{"role": "user", "content": [{"text": "a"}]}]}, 400,
-     "messages[0].content"),
+    (
+        "content is an object",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": {"a": 1}}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "text part not a string",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "text part without type",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
+        400,
+        "messages[0].content",
+    ),
     # bodies that are not JSON objects, or not JSON at all
     ("text/plain body", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}]}', 415, None),
     ("form body", "POST", CHAT, b"messages=hi", 415, None),
@@ -100,24 +149,54 @@ CASES = [
     ("trailing garbage", "POST", CHAT, b'{"messages": []} x', 400, None),
     ("lone high surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
     ("lone low surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', 400, None),
-    ("Infinity top_p", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400,
-     "top_p"),
-    ("-Infinity temperature", "POST", CHAT,
-     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}', 400, "temperature"),
+    (
+        "Infinity top_p",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        400,
+        "top_p",
+    ),
+    (
+        "-Infinity temperature",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+        400,
+        "temperature",
+    ),
     # out-of-range and mistyped sampling fields
     ("temperature above 2", "POST", CHAT, {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
     ("top_p above 1", "POST", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     ("top_k negative", "POST", CHAT, {"messages": MSG, "top_k": -1}, 400, "top_k"),
     ("top_k float", "POST", CHAT, {"messages": MSG, "top_k": 1.5}, 400, "top_k"),
     ("stop list with a number", "POST", CHAT, {"messages": MSG, "stop": ["a", 1]}, 400, "stop"),
-    ("stream_options not an object", "POST", CHAT, {"messages": MSG, "stream": True, "stream_options": 1}, 400,
-     "stream_options"),
+    (
+        "stream_options not an object",
+        "POST",
+        CHAT,
+        {"messages": MSG, "stream": True, "stream_options": 1},
+        400,
+        "stream_options",
+    ),
     ("frequency penalty", "POST", CHAT, {"messages": MSG, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ("logit_bias", "POST", CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    ("response_format json", "POST", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
-    ("tool_choice required", "POST", CHAT, {"messages": MSG, "tools": [], "tool_choice": "required"}, 400,
-     "tool_choice"),
+    (
+        "response_format json",
+        "POST",
+        CHAT,
+        {"messages": MSG, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
+        "tool_choice required",
+        "POST",
+        CHAT,
+        {"messages": MSG, "tools": [], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
     ("speculate not bool", "POST", CHAT, {"messages": MSG, "speculate": "no"}, 400, "speculate"),
     # /v1/completions
     ("prompt a number", "POST", TEXT, {"prompt": 5}, 400, "prompt"),
@@ -156,14 +235,21 @@ EXPECT = {
     "text/plain body": {"code": "unsupported_media_type", "says": "text/plain"},
     "form body": {"code": "unsupported_media_type"},
 }
-HEADERS = {"text/plain body": "text/plain", "form body": "application/x-www-form-urlencoded",
-           "text/plain completions": "text/plain; charset=utf-8", "cross-origin text/plain POST": "text/plain"}
+HEADERS = {
+    "text/plain body": "text/plain",
+    "form body": "application/x-www-form-urlencoded",
+    "text/plain completions": "text/plain; charset=utf-8",
+    "cross-origin text/plain POST": "text/plain",
+}
 EVIL = {"Origin": "http://evil.example"}
 EXTRA_HEADERS = {  # (the battery's other headers are Content-Type only)
-    "rebinding Host": {"Host": "evil.example"}, "rebinding Host, completions": {"Host": "evil.example:8080"},
-    "rebinding Host, models": {"Host": "127.0.0.1.evil.example"}, "rebinding Host, metrics": {"Host": "evil.example"},
+    "rebinding Host": {"Host": "evil.example"},
+    "rebinding Host, completions": {"Host": "evil.example:8080"},
+    "rebinding Host, models": {"Host": "127.0.0.1.evil.example"},
+    "rebinding Host, metrics": {"Host": "evil.example"},
     "cross-origin JSON POST": EVIL,
-    "cross-origin text/plain POST": EVIL, "null Origin": {"Origin": "null"},
+    "cross-origin text/plain POST": EVIL,
+    "null Origin": {"Origin": "null"},
     "cross-site fetch without Origin": {"Sec-Fetch-Site": "cross-site"},
     "preflight from an unlisted origin": {**EVIL, "Access-Control-Request-Method": "POST"},
 }
@@ -177,8 +263,12 @@ def test_bad_input_battery(engine, url):
     with httpx.Client(base_url=url, timeout=30) as c:
         for name, method, path, body, status, param in CASES:
             kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-            r = c.request(method, path, headers={"Content-Type": HEADERS.get(name, "application/json"),
-                                                 **EXTRA_HEADERS.get(name, {})}, **kw)
+            r = c.request(
+                method,
+                path,
+                headers={"Content-Type": HEADERS.get(name, "application/json"), **EXTRA_HEADERS.get(name, {})},
+                **kw,
+            )
             assert r.status_code == status, (name, r.status_code, r.text[:300])
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], name
@@ -239,8 +329,19 @@ class SlowEngine:
         return h
 
     def snapshot(self):
-        return {"requests": 0, "cancelled": 0, "errors": 0, "prompt_tokens": 0, "tokens": 0, "cycles": 0,
-                "drafted": 0, "accepted": 0, "accepted_by_position": [], "queue_depth": 0, "state": self.state}
+        return {
+            "requests": 0,
+            "cancelled": 0,
+            "errors": 0,
+            "prompt_tokens": 0,
+            "tokens": 0,
+            "cycles": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "accepted_by_position": [],
+            "queue_depth": 0,
+            "state": self.state,
+        }
 
 
 async def test_keepalive_during_long_prefill():
@@ -283,7 +384,7 @@ async def test_loading_then_ready_and_failed_engines():
         raise FileNotFoundError("drafter checkpoint missing")
 
     f = Engine(broken).start()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017
         f.wait_ready(10)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(f)), base_url="http://t") as c:
         h = await c.get("/health")
@@ -305,8 +406,10 @@ def test_openai_client_sees_the_same_errors(url):
         (lambda: client.chat.completions.create(messages=[{"role": "user"}], model=None), "messages[0].content"),
         (lambda: client.chat.completions.create(messages=MSG, model=None, temperature=5), "temperature"),
         (lambda: client.chat.completions.create(messages=MSG, model=None, extra_body={"top_k": -1}), "top_k"),
-        (lambda: client.chat.completions.create(messages=[{"role": "system", "content": None}, *MSG], model=None),
-         "messages[0].content"),
+        (
+            lambda: client.chat.completions.create(messages=[{"role": "system", "content": None}, *MSG], model=None),
+            "messages[0].content",
+        ),
         (lambda: client.completions.create(model=None, prompt=[1, 99999], max_tokens=2), "prompt"),
         (lambda: client.completions.create(model=None, prompt=[1, -2], max_tokens=2), "prompt"),
     ]

@@ -11,15 +11,15 @@ import sys
 import threading
 import time
 
+from mlx_spec.errors import BadRequest
+from mlx_spec.server import guard
+from mlx_spec.server.app import create_app
+
 import httpx
 import pytest
 import uvicorn
 from helpers import save_tiny_pair, tiny_engine_loader
 from test_server import running_engine
-
-from mlx_spec.errors import BadRequest
-from mlx_spec.server import guard
-from mlx_spec.server.app import create_app
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT, TEXT, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
@@ -63,11 +63,18 @@ def server(engine):
 
 def test_host_names_that_are_loopback_pass_and_others_are_refused():
     p = guard.Policy(bound="127.0.0.1", port=8080)
-    for ok in ("127.0.0.1:8080", "localhost:8080", "LOCALHOST", "localhost.", "[::1]:8080", "[::1]", "127.0.0.1",
-               None):
+    for ok in ("127.0.0.1:8080", "localhost:8080", "LOCALHOST", "localhost.", "[::1]:8080", "[::1]", "127.0.0.1", None):
         assert p.host_problem(ok) is None, ok
-    for bad in ("evil.example", "evil.example:8080", "localhost:9999", "127.0.0.1:80", "127.0.0.2.evil.example",
-                "localhost.evil.example:8080", "[::2]:8080", ""):
+    for bad in (
+        "evil.example",
+        "evil.example:8080",
+        "localhost:9999",
+        "127.0.0.1:80",
+        "127.0.0.2.evil.example",
+        "localhost.evil.example:8080",
+        "[::2]:8080",
+        "",
+    ):
         assert p.host_problem(bad) is not None, bad
     assert guard.Policy(bound="0.0.0.0", port=8080).host_problem("evil.example") is None  # (not loopback)
     assert guard.Policy(bound="::1").check_host and guard.Policy(bound="localhost").check_host
@@ -75,7 +82,9 @@ def test_host_names_that_are_loopback_pass_and_others_are_refused():
 
 def test_allowed_origins_are_normalized_and_a_bare_wildcard_needs_a_key():
     assert guard.parse_origins(" http://Localhost:3000/ ,https://app.example,http://localhost:3000") == (
-        "http://localhost:3000", "https://app.example")
+        "http://localhost:3000",
+        "https://app.example",
+    )
     for bad in ("localhost:3000", "ftp://x", "http://x/path", "http://x:99999", "http://user@x"):
         with pytest.raises(BadRequest, match="--allowed-origins"):
             guard.parse_origins(bad)
@@ -94,9 +103,12 @@ def test_a_rebinding_host_is_refused_on_every_route(engine, server):
     before = engine.snapshot()
     evil = {"Host": f"evil.example:{port}"}
     with httpx.Client(base_url=url, timeout=30) as c:
-        for method, path, body in (("POST", CHAT, {"messages": MSG, "max_tokens": 3}),
-                                   ("POST", TEXT, {"prompt": "a", "max_tokens": 3}),
-                                   ("GET", "/v1/models", None), ("GET", "/metrics", None)):
+        for method, path, body in (
+            ("POST", CHAT, {"messages": MSG, "max_tokens": 3}),
+            ("POST", TEXT, {"prompt": "a", "max_tokens": 3}),
+            ("GET", "/v1/models", None),
+            ("GET", "/metrics", None),
+        ):
             r = c.request(method, path, json=body, headers=evil)
             assert r.status_code == 403, (path, r.text)
             err = r.json()["error"]
@@ -178,9 +190,13 @@ def test_the_api_key_works_alone_and_with_the_origin_checks(engine):
 
 def _serve(args, env=None, timeout=90):
     """`mlx_spec serve` in the foreground on a free port; returns (process, url)."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_spec", "serve", "--port", "0", *args],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_spec", "serve", "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     deadline = time.monotonic() + timeout
     url, lines = None, []
     while url is None:
@@ -215,13 +231,26 @@ def test_a_browser_style_sequence_against_a_default_serve_generates_nothing(tmp_
         page = {"Origin": "http://attacker.example", "Sec-Fetch-Site": "cross-site"}
         with httpx.Client(base_url=url, timeout=30) as c:
             seen = [
-                c.post(CHAT, content=body, headers={"Host": f"attacker.example:{port}", "Content-Type": "application/json",
-                                                     "Origin": f"http://attacker.example:{port}",
-                                                     "Sec-Fetch-Site": "same-origin"}),
+                c.post(
+                    CHAT,
+                    content=body,
+                    headers={
+                        "Host": f"attacker.example:{port}",
+                        "Content-Type": "application/json",
+                        "Origin": f"http://attacker.example:{port}",
+                        "Sec-Fetch-Site": "same-origin",
+                    },
+                ),
                 c.post(CHAT, content=body, headers={**page, "Content-Type": "text/plain"}),
                 c.post(MESSAGES, content=body, headers={**page, "Content-Type": "text/plain"}),
-                c.options(CHAT, headers={**page, "Access-Control-Request-Method": "POST",
-                                         "Access-Control-Request-Headers": "content-type"}),
+                c.options(
+                    CHAT,
+                    headers={
+                        **page,
+                        "Access-Control-Request-Method": "POST",
+                        "Access-Control-Request-Headers": "content-type",
+                    },
+                ),
                 c.post(CHAT, content=body, headers={**page, "Content-Type": "application/json"}),
                 c.get("/metrics", headers=page),
                 c.get("/v1/models", headers={"Host": f"attacker.example:{port}"}),

@@ -9,12 +9,12 @@ import threading
 import time
 from pathlib import Path
 
+from mlx_spec.server import process
+
 import httpx
 import psutil
 import pytest
 from helpers import save_tiny_pair
-
-from mlx_spec.server import process
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,9 @@ def state_env(tmp_path, monkeypatch):
 
 def cli(*args, timeout=120):
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "mlx_spec", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_state_dir_resolution(monkeypatch, tmp_path):
@@ -46,8 +47,20 @@ def test_state_dir_resolution(monkeypatch, tmp_path):
 
 def test_detach_status_stop_cycle(pair_dirs, state_env):
     t, d = pair_dirs
-    r = cli("serve", "--detach", "--target", str(t), "--drafter", str(d), "--block-size", "4", "--port", "0",
-            "--api-key", "s3cret-key")
+    r = cli(
+        "serve",
+        "--detach",
+        "--target",
+        str(t),
+        "--drafter",
+        str(d),
+        "--block-size",
+        "4",
+        "--port",
+        "0",
+        "--api-key",
+        "s3cret-key",
+    )
     assert r.returncode == 0, r.stderr
     files = list(state_env.glob("server-*.json"))
     assert len(files) == 1
@@ -57,9 +70,13 @@ def test_detach_status_stop_cycle(pair_dirs, state_env):
     proc = psutil.Process(state["pid"])
     assert abs(proc.create_time() - state["create_time"]) < 0.01
     url = f"http://127.0.0.1:{state['port']}"
-    assert f"--api-key" not in " ".join(proc.cmdline())  # the key travels in the environment
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3},
-                   headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
+    assert "--api-key" not in " ".join(proc.cmdline())  # the key travels in the environment
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 3},
+        headers={"Authorization": "Bearer s3cret-key"},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["speculation"]["method"] == "dflash2"
 
     st = cli("status", "--json")
@@ -77,10 +94,15 @@ def test_detach_status_stop_cycle(pair_dirs, state_env):
     streamed, started = [], threading.Event()
 
     def long_stream():
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3000, "stream": True,
-                "temperature": 0}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30,
-                          headers={"Authorization": "Bearer s3cret-key"}) as s:
+        body = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 3000,
+            "stream": True,
+            "temperature": 0,
+        }
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, timeout=30, headers={"Authorization": "Bearer s3cret-key"}
+        ) as s:
             for ln in s.iter_lines():
                 if ln:
                     streamed.append(ln)
@@ -103,8 +125,9 @@ def test_detach_status_stop_cycle(pair_dirs, state_env):
 
 
 def _write(directory: Path, pid: int, create_time: float, port: int) -> Path:
-    return process.write_state(process.ServerState(pid, create_time, "127.0.0.1", port, "t", None, "log",
-                                                   time.time()), directory)
+    return process.write_state(
+        process.ServerState(pid, create_time, "127.0.0.1", port, "t", None, "log", time.time()), directory
+    )
 
 
 def test_stale_state_files_are_cleaned_and_never_killed(state_env):
@@ -128,12 +151,14 @@ def test_stale_state_files_are_cleaned_and_never_killed(state_env):
 
 
 def test_renamed_process_is_found_and_stopped(state_env, tmp_path):
-    code = ("import os, sys, time\n"
-            "if sys.argv[-1] != 'again':\n"
-            "    os.execv(sys.executable, ['zz-renamed-worker', '-c', CODE, 'again'])\n"
-            "open('/proc/self/comm', 'w').write('zz-renamed')\n"
-            "print('renamed', flush=True)\n"
-            "time.sleep(120)\n")
+    code = (
+        "import os, sys, time\n"
+        "if sys.argv[-1] != 'again':\n"
+        "    os.execv(sys.executable, ['zz-renamed-worker', '-c', CODE, 'again'])\n"
+        "open('/proc/self/comm', 'w').write('zz-renamed')\n"
+        "print('renamed', flush=True)\n"
+        "time.sleep(120)\n"
+    )
     full = f"CODE = {code!r}\n" + code
     child = subprocess.Popen([sys.executable, "-c", full], stdout=subprocess.PIPE, text=True)
     p = psutil.Process(child.pid)
@@ -152,11 +177,13 @@ def test_renamed_process_is_found_and_stopped(state_env, tmp_path):
 
 def test_stop_kills_children_and_escalates(state_env):
     """A server that ignores SIGTERM and has a child: stop escalates to SIGKILL, no orphan left."""
-    code = ("import signal, subprocess, sys, time\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-            "print(c.pid, flush=True)\n"
-            "time.sleep(120)\n")
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     grandchild = int(parent.stdout.readline())
     _write(state_env, parent.pid, psutil.Process(parent.pid).create_time(), 50020)
@@ -189,25 +216,41 @@ def test_ranks_of_a_dead_mlx_launch_are_kept_and_stopped(state_env, tmp_path):
     launcher.kill()
     launcher.wait()
     order = tmp_path / "order.txt"
-    code = ("import signal, sys, time\n"
-            "def bye(*_):\n"
-            "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
-            "    sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, bye)\n"
-            "print('up', flush=True)\n"
-            "while True:\n"
-            "    time.sleep(0.05)\n")
-    ranks = [subprocess.Popen([sys.executable, "-c", code, str(i), str(order)], stdout=subprocess.PIPE, text=True)
-             for i in (1, 0)]  # rank 1 first: stop must still signal rank 0 first
+    code = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('up', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n"
+    )
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", code, str(i), str(order)], stdout=subprocess.PIPE, text=True)
+        for i in (1, 0)
+    ]  # rank 1 first: stop must still signal rank 0 first
     try:
         for r in ranks:
             assert r.stdout.readline().strip() == "up"
-        recorded = [{"rank": i, "pid": r.pid, "create_time": psutil.Process(r.pid).create_time()}
-                    for i, r in zip((1, 0), ranks)]
-        group = {"ranks": recorded, "hosts": ["127.0.0.1"], "hostfile": None, "backend": "ring", "port": None,
-                 "size": 2, "launcher_pid": launcher.pid}
-        process.write_state(process.ServerState(launcher.pid, launcher_ct, "127.0.0.1", 50030, "t", None, "log",
-                                                time.time(), group=group), state_env)
+        recorded = [
+            {"rank": i, "pid": r.pid, "create_time": psutil.Process(r.pid).create_time()} for i, r in zip((1, 0), ranks)
+        ]
+        group = {
+            "ranks": recorded,
+            "hosts": ["127.0.0.1"],
+            "hostfile": None,
+            "backend": "ring",
+            "port": None,
+            "size": 2,
+            "launcher_pid": launcher.pid,
+        }
+        process.write_state(
+            process.ServerState(
+                launcher.pid, launcher_ct, "127.0.0.1", 50030, "t", None, "log", time.time(), group=group
+            ),
+            state_env,
+        )
         found = process.scan(state_env, clean=False)
         assert not found.stale and found.running[0][2].pid == ranks[1].pid  # rank 0 stands for the group
         r = cli("status")
@@ -231,26 +274,31 @@ def test_a_spawned_group_is_stopped_rank_0_first(tmp_path):
     limit (``process.stop_launched``), on a fake mlx.launch: its ranks are found by ``MLX_RANK``
     (the topmost process per rank: a rank's own subprocess inherits the variable), rank 0 gets
     SIGTERM first, then everything left, helpers included."""
-    rank = ("import signal, subprocess, sys, time\n"
-            "def bye(*_):\n"
-            "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
-            "    sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, bye)\n"
-            "if sys.argv[1] == '0':\n"
-            "    subprocess.Popen(['sleep', '60'])  # a helper: MLX_RANK=0 in its environment too\n"
-            "open(sys.argv[3] + '.' + sys.argv[1], 'w').close()\n"
-            "while True:\n"
-            "    time.sleep(0.05)\n")
-    launcher = ("import os, subprocess, sys, time\n"
-                f"RANK = {rank!r}\n"
-                "for i in (0, 1):\n"
-                "    subprocess.Popen([sys.executable, '-c', RANK, str(i), sys.argv[1], sys.argv[2]],\n"
-                "                     env={**os.environ, 'MLX_RANK': str(i)})\n"
-                "while True:\n"
-                "    time.sleep(0.05)\n")
+    rank = (
+        "import signal, subprocess, sys, time\n"
+        "def bye(*_):\n"
+        "    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "if sys.argv[1] == '0':\n"
+        "    subprocess.Popen(['sleep', '60'])  # a helper: MLX_RANK=0 in its environment too\n"
+        "open(sys.argv[3] + '.' + sys.argv[1], 'w').close()\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n"
+    )
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        f"RANK = {rank!r}\n"
+        "for i in (0, 1):\n"
+        "    subprocess.Popen([sys.executable, '-c', RANK, str(i), sys.argv[1], sys.argv[2]],\n"
+        "                     env={**os.environ, 'MLX_RANK': str(i)})\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n"
+    )
     order, ready = tmp_path / "order.txt", tmp_path / "ready"
-    child = process.spawn([sys.executable, "-c", launcher, str(order), str(ready)], None, quiet_stdin=True,
-                          stdout=subprocess.PIPE)
+    child = process.spawn(
+        [sys.executable, "-c", launcher, str(order), str(ready)], None, quiet_stdin=True, stdout=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 30
         while not all((tmp_path / f"ready.{i}").exists() for i in (0, 1)):

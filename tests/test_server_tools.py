@@ -7,6 +7,16 @@ import random
 from dataclasses import replace
 from types import SimpleNamespace
 
+from mlx_spec.engine import Delta, Done, Handle, Started
+from mlx_spec.generation import EngineInfo, engine_info
+from mlx_spec.loading import load_pair
+from mlx_spec.server import tools
+from mlx_spec.server.app import create_app
+from mlx_spec.server.tools import ToolCallStream, ToolFormat
+from mlx_spec.session import Session
+from mlx_spec.stats import StatsSnapshot
+from mlx_spec.text import encode_prompt
+
 import httpx
 import mlx.core as mx
 import openai
@@ -15,19 +25,16 @@ from helpers import save_tiny_pair
 from mlx_lm.tool_parsers import json_tools, mistral
 from test_server import running_engine, serve_in_thread
 
-from mlx_spec.engine import Delta, Done, Handle, Started
-from mlx_spec.generation import EngineInfo, engine_info
-from mlx_spec.stats import StatsSnapshot
-from mlx_spec.loading import load_pair
-from mlx_spec.session import Session
-from mlx_spec.server import tools
-from mlx_spec.server.app import create_app
-from mlx_spec.server.tools import ToolCallStream, ToolFormat
-from mlx_spec.text import encode_prompt
-
 JSON = ToolFormat("<tool_call>", "</tool_call>", json_tools.parse_tool_call)
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 BAD = '<tool_call>{"name": "get_weather", oops}</tool_call>'
 
@@ -76,10 +83,13 @@ def test_unterminated_call():
 def test_end_marker_empty_and_list_parsers():
     """Mistral's format has no end marker and one start may hold several calls."""
     fmt = ToolFormat("[TOOL_CALLS]", "", mistral.parse_tool_call)
-    content, calls = tools.split(fmt, 'ok[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
-                                      'get_weather[ARGS]{"city": "Bern"}', WEATHER)
-    assert content == "ok" and [_fn(c) for c in calls] == [("get_weather", {"city": "Rome"}),
-                                                              ("get_weather", {"city": "Bern"})]
+    content, calls = tools.split(
+        fmt, 'ok[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}get_weather[ARGS]{"city": "Bern"}', WEATHER
+    )
+    assert content == "ok" and [_fn(c) for c in calls] == [
+        ("get_weather", {"city": "Rome"}),
+        ("get_weather", {"city": "Bern"}),
+    ]
     # the model's own id is kept; otherwise call_<hex>
     content, calls = tools.split(fmt, '[TOOL_CALLS][{"name": "f", "arguments": {}, "id": "abc123XYZ"}]', None)
     assert content == "" and calls[0]["id"] == "abc123XYZ" and calls[0]["function"]["arguments"] == "{}"
@@ -114,8 +124,9 @@ def test_stream_holds_call_text_for_any_chunking():
 
 
 def test_stream_order_and_hold_back():
-    batches = _run_stream(JSON, ["Hi <to", "ol_call>", '{"name": "get_weather", "arguments": {}}</tool',
-                                 "_call>after <to", "ast>"])
+    batches = _run_stream(
+        JSON, ["Hi <to", "ol_call>", '{"name": "get_weather", "arguments": {}}</tool', "_call>after <to", "ast>"]
+    )
     assert batches[0] == ["Hi "]  # "<to" may start a marker: held
     assert batches[1] == [] and batches[2] == []  # inside the call: held
     assert batches[3][0]["function"]["name"] == "get_weather" and batches[3][1] == "after "
@@ -127,8 +138,9 @@ def test_tool_format_from_tokenizer():
     assert tools.tool_format(None) is None
     assert tools.tool_format(SimpleNamespace(has_tool_calling=False)) is None
     parse = json_tools.parse_tool_call
-    fmt = tools.tool_format(SimpleNamespace(has_tool_calling=True, tool_call_start="[TOOL_CALLS]",
-                                            tool_call_end=None, tool_parser=parse))
+    fmt = tools.tool_format(
+        SimpleNamespace(has_tool_calling=True, tool_call_start="[TOOL_CALLS]", tool_call_end=None, tool_parser=parse)
+    )
     assert fmt == ToolFormat("[TOOL_CALLS]", "", parse)
     assert tools.finish_reason("stop", True) == "tool_calls"
     assert tools.finish_reason("length", True) == "length" and tools.finish_reason("stop", False) == "stop"
@@ -168,6 +180,7 @@ class ScriptedModel:
 def scripted_engine(target_dir):
     """A running Engine over the target in ``target_dir`` alone (no drafter), its greedy choice
     scripted by ``ScriptedModel``."""
+
     def loader():
         pair = load_pair(str(target_dir), None, no_draft=True)
         pair = replace(pair, model=ScriptedModel(pair.model, pair.tokenizer.eos_token_id))
@@ -197,6 +210,7 @@ def client(engine):
 
 def say(engine, messages, text, tools_=None) -> int:
     """Script the target: after this conversation's prompt it says ``text``; returns its tokens."""
+
     def fn(pair):
         ids = encode_prompt(pair.tokenizer, None, messages, tools=tools_)
         pair.model.prompt_len = len(ids)
@@ -223,8 +237,10 @@ def test_non_stream_tool_call_over_http(engine, client):
     assert call.id.startswith("call_") and call.type == "function"
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     # the agent's next turn: the assistant message with its tool_calls goes back through the template
-    turn2 = MSG + [choice.message.model_dump(exclude_none=True),
-                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    turn2 = MSG + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     say(engine, turn2, "It is sunny.", WEATHER)
     r2 = client.chat.completions.create(model="target", messages=turn2, tools=WEATHER, temperature=0)
     assert r2.choices[0].message.content == "It is sunny." and r2.choices[0].finish_reason == "stop"
@@ -242,9 +258,17 @@ def test_non_stream_tool_call_over_http(engine, client):
 
 def test_stream_tool_call_over_http(engine, client):
     n = say(engine, MSG, "Let me check." + CALL + "\nSTOP here", WEATHER)
-    chunks = list(client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, temperature=0,
-                                                 stop=["STOP"], stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="target",
+            messages=MSG,
+            tools=WEATHER,
+            temperature=0,
+            stop=["STOP"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     content = "".join(d.content or "" for d in deltas)
@@ -300,19 +324,22 @@ async def test_no_tool_format_keeps_text():
 def test_tool_choice_none_auto_and_refused(engine, client):
     # "none": the model is shown no tools (the prompt has none) and nothing is parsed
     say(engine, MSG, "Let me check." + CALL)
-    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="none",
-                                       temperature=0)
+    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="none", temperature=0)
     assert r.choices[0].message.content == "Let me check." + CALL and r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
     say(engine, MSG, "Let me check." + CALL, WEATHER)
-    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="auto",
-                                       temperature=0)
+    r = client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice="auto", temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "sometimes"):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, tool_choice=choice,
-                                           temperature=0)
+            client.chat.completions.create(
+                model="target", messages=MSG, tools=WEATHER, tool_choice=choice, temperature=0
+            )
         assert e.value.body["param"] == "tool_choice"
     # the server keeps serving
-    assert client.chat.completions.create(model="target", messages=MSG, tools=WEATHER,
-                                          temperature=0).choices[0].finish_reason == "tool_calls"
+    assert (
+        client.chat.completions.create(model="target", messages=MSG, tools=WEATHER, temperature=0)
+        .choices[0]
+        .finish_reason
+        == "tool_calls"
+    )

@@ -3,22 +3,36 @@
 import json
 from dataclasses import replace
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from helpers import save_tiny_pair
-from mlx.utils import tree_flatten
-
 from mlx_spec.drafter import DFLASH1, Drafter, DrafterArgs
 from mlx_spec.loading import load_drafter, load_target_model
 from mlx_spec.target import Target
 from mlx_spec.train.data import DataConfig, Dataset, build_dataset, export_tokens, featurize_tokens
 from mlx_spec.train.prompts import builtin_prompts
 from mlx_spec.train.trainer import (
-    RECIPE_FIELDS, Recipe, TrainConfig, block_attention_mask, block_hidden, build_drafter, drafter_config, identity_init,
-    load_checkpoint, loss_fn, loss_weights, make_batch, make_optimizer, sample_anchors,
-    save_checkpoint, to_mx, train, train_step,
+    RECIPE_FIELDS,
+    Recipe,
+    TrainConfig,
+    block_attention_mask,
+    block_hidden,
+    build_drafter,
+    drafter_config,
+    load_checkpoint,
+    loss_fn,
+    loss_weights,
+    make_batch,
+    make_optimizer,
+    sample_anchors,
+    save_checkpoint,
+    to_mx,
+    train,
+    train_step,
 )
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import save_tiny_pair
+from mlx.utils import tree_flatten
 
 TAPS = [0, 2]
 MASK = 127
@@ -33,15 +47,29 @@ def env(tmp_path_factory):
     prompts = builtin_prompts(10, seed=0)
     build_dataset(target, tok, prompts[:8], root / "data", DataConfig(max_tokens=24, batch_size=4, top_k=4))
     (root / "data" / "eval_prompts.jsonl").write_text(
-        "\n".join(json.dumps({"prompt": p.text[:16]}) for p in prompts[8:]))
+        "\n".join(json.dumps({"prompt": p.text[:16]}) for p in prompts[8:])
+    )
     return root, tdir, model, tok, target
 
 
 def _cfg(root, tdir, **kw):
     """A TrainConfig; keyword arguments that name a Recipe field go to its recipe."""
-    base = dict(data=str(root / "data"), out=str(root / "run"), target=str(tdir), layers=1,
-                intermediate_size=64, selector_rank=16, selector_top_k=8, mask_token_id=MASK,
-                steps=4, seqs_per_step=2, anchors=6, checkpoint_every=2, eval_prompts=0, lr=3e-3)
+    base = dict(
+        data=str(root / "data"),
+        out=str(root / "run"),
+        target=str(tdir),
+        layers=1,
+        intermediate_size=64,
+        selector_rank=16,
+        selector_top_k=8,
+        mask_token_id=MASK,
+        steps=4,
+        seqs_per_step=2,
+        anchors=6,
+        checkpoint_every=2,
+        eval_prompts=0,
+        lr=3e-3,
+    )
     base.update(kw)
     recipe = Recipe(**{k: base.pop(k) for k in list(base) if k in RECIPE_FIELDS})
     return TrainConfig(**base, recipe=recipe)
@@ -64,7 +92,9 @@ def test_data_shards_resume_and_tokens_roundtrip(env, tmp_path):
         assert len(toks) > p
     # A rerun skips every done prompt; featurizing the exported ids gives the same features.
     before = sorted((root / "data" / "shards").iterdir())
-    build_dataset(target, tok, builtin_prompts(10, seed=0)[:8], root / "data", DataConfig(max_tokens=24, batch_size=4, top_k=4))
+    build_dataset(
+        target, tok, builtin_prompts(10, seed=0)[:8], root / "data", DataConfig(max_tokens=24, batch_size=4, top_k=4)
+    )
     assert sorted((root / "data" / "shards").iterdir()) == before
     export_tokens(root / "data", tmp_path / "tokens.npz")
     featurize_tokens(target, tmp_path / "tokens.npz", tmp_path / "re", top_k=4)
@@ -159,8 +189,7 @@ def test_identity_init_equals_dflash1_backbone(env):
     c1 = drafter_config(target.args, replace(cfg, no_conv=True, no_selector=True), TAPS, MASK)
     assert c1["architectures"] == [DFLASH1]
     d1 = Drafter(DrafterArgs.from_config(c1)).bind(target.embed, target.head)
-    backbone = [(k, v) for k, v in tree_flatten(d2.parameters())
-                if "conv" not in k and "candidate_selector" not in k]
+    backbone = [(k, v) for k, v in tree_flatten(d2.parameters()) if "conv" not in k and "candidate_selector" not in k]
     d1.load_weights(backbone, strict=True)
     block = mx.array([[5] + [MASK] * 7])
     feats = mx.random.normal((1, 9, 2 * 64))
@@ -211,16 +240,29 @@ def test_checkpoint_resume_is_exact(env, tmp_path):
 
 def test_train_end_to_end_loads_strictly(env, tmp_path):
     root, tdir, model, tok, target = env
-    cfg = _cfg(root, tdir, out=str(tmp_path / "run"), steps=4, eval_prompts=1,
-               eval_max_tokens=8, export=str(tmp_path / "export"))
+    cfg = _cfg(
+        root,
+        tdir,
+        out=str(tmp_path / "run"),
+        steps=4,
+        eval_prompts=1,
+        eval_max_tokens=8,
+        export=str(tmp_path / "export"),
+    )
     out = train(cfg)
     assert out["step"] == 4 and out["evals"][0]["tau"] >= 1.0
     assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     d, config = load_drafter(tmp_path / "export")
     assert config["architectures"] == ["DFlash2DraftModel"]
-    assert set(config["dflash_config"]) >= {"mask_token_id", "target_layer_ids", "block_size",
-                                             "conv_kernel_size", "conv_group_size",
-                                             "selector_rank", "selector_top_k"}
+    assert set(config["dflash_config"]) >= {
+        "mask_token_id",
+        "target_layer_ids",
+        "block_size",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+    }
     st = mx.load(str(tmp_path / "export" / "model.safetensors"))
     assert all(v.dtype == mx.float16 for v in st.values())
     assert "candidate_selector.successor_codebook" in st and not any("embed" in k or "lm_head" in k for k in st)
@@ -233,9 +275,29 @@ def test_train_end_to_end_loads_strictly(env, tmp_path):
 
     pf = tmp_path / "held.jsonl"
     pf.write_text('{"id": "code-1", "prompt": "def f"}\n{"id": "prose-1", "prompt": "the sea"}\n')
-    r = subprocess.run([sys.executable, "-m", "mlx_spec", "train", "eval", "--target", str(tdir), "--drafter",
-                        str(tmp_path / "export"), "--prompts", str(pf), "--blocks", "2,4", "--max-tokens", "6",
-                        "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec",
+            "train",
+            "eval",
+            "--target",
+            str(tdir),
+            "--drafter",
+            str(tmp_path / "export"),
+            "--prompts",
+            str(pf),
+            "--blocks",
+            "2,4",
+            "--max-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     ev = json.loads(r.stdout)
     assert [row["block"] for row in ev["rows"]] == [2, 4] and ev["prompts"] == 2
@@ -295,19 +357,38 @@ def test_several_data_dirs_train_together(env, tmp_path):
     from mlx_spec.train.data import load_datasets
 
     root, tdir, model, tok, target = env
-    build_dataset(target, tok, builtin_prompts(12, seed=3)[:4], tmp_path / "more",
-                  DataConfig(max_tokens=16, batch_size=4, top_k=4))
+    build_dataset(
+        target,
+        tok,
+        builtin_prompts(12, seed=3)[:4],
+        tmp_path / "more",
+        DataConfig(max_tokens=16, batch_size=4, top_k=4),
+    )
     both, taps = load_datasets(f"{root / 'data'},{tmp_path / 'more'}")
     assert len(both) == 12 and taps == TAPS and sum(x.startswith("1:") for x in both.ids) == 4
     # a run resumes with a grown data set
     cfg = _cfg(root, tdir, out=str(tmp_path / "run"), steps=2, checkpoint_every=2)
     train(cfg)
-    train(_cfg(root, tdir, out=str(tmp_path / "run"), steps=4, checkpoint_every=2, resume=True,
-               data=f"{root / 'data'},{tmp_path / 'more'}"))
+    train(
+        _cfg(
+            root,
+            tdir,
+            out=str(tmp_path / "run"),
+            steps=4,
+            checkpoint_every=2,
+            resume=True,
+            data=f"{root / 'data'},{tmp_path / 'more'}",
+        )
+    )
     assert json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["step"] == 4
     other = Target(model, [1, 3])
-    build_dataset(other, tok, builtin_prompts(12, seed=3)[:4], tmp_path / "taps13",
-                  DataConfig(max_tokens=8, batch_size=4, top_k=4))
+    build_dataset(
+        other,
+        tok,
+        builtin_prompts(12, seed=3)[:4],
+        tmp_path / "taps13",
+        DataConfig(max_tokens=8, batch_size=4, top_k=4),
+    )
     from mlx_spec.errors import BadRequest
 
     with pytest.raises(BadRequest, match="cannot be mixed"):
@@ -320,8 +401,12 @@ def test_eval_prompts_that_were_trained_on_are_dropped(env, tmp_path):
     root, tdir, model, tok, target = env
     trained = builtin_prompts(10, seed=0)[:8]
     f = tmp_path / "held.jsonl"
-    f.write_text(json.dumps({"id": "code-a", "prompt": trained[3].text}) + "\n"
-                 + json.dumps({"id": "prose-b", "prompt": "a prompt nobody trained on"}) + "\n")
+    f.write_text(
+        json.dumps({"id": "code-a", "prompt": trained[3].text})
+        + "\n"
+        + json.dumps({"id": "prose-b", "prompt": "a prompt nobody trained on"})
+        + "\n"
+    )
     prompts = eval_prompts(f, 10)
     assert [p.id for p in prompts] == ["code-a", "prose-b"]
     keep, dropped = drop_trained(prompts, Dataset.load(root / "data"), tok)
@@ -334,8 +419,7 @@ def test_draft_vocab_training_ships_its_vocabulary(env, tmp_path):
     from mlx_spec.train.trainer import base_vocab, export_checkpoint
 
     root, tdir, model, tok, target = env
-    train(_cfg(root, tdir, out=str(tmp_path / "run"), steps=2, checkpoint_every=2, draft_vocab=16,
-               vocab_negatives=4))
+    train(_cfg(root, tdir, out=str(tmp_path / "run"), steps=2, checkpoint_every=2, draft_vocab=16, vocab_negatives=4))
     want = base_vocab(Dataset.load(root / "data"), 16).tolist()
     assert json.loads((tmp_path / "run" / "ckpt" / "draft_vocab.json").read_text())["ids"] == want
     export_checkpoint(tmp_path / "run", tmp_path / "export")
@@ -356,13 +440,43 @@ def test_train_resumes_from_a_literal_older_train_config(env, tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(root, tdir, out=str(out), steps=2, checkpoint_every=2)
     train(cfg)
-    old = {"data": cfg.data, "out": str(out), "target": str(tdir), "resume": False, "init": None,
-           "init_target_layers": False, "layers": 1, "intermediate_size": 64, "block_size": 8, "no_conv": False,
-           "no_selector": False, "selector_rank": 16, "selector_top_k": 8, "mask_token_id": MASK, "loss": "ce",
-           "attention": "bidirectional", "corruption": "full", "gamma": None, "selector_weight": 1.0,
-           "draft_vocab": 0, "vocab_negatives": 1024, "steps": 2, "seqs_per_step": 2, "anchors": 6, "lr": 3e-3,
-           "warmup": 0.04, "weight_decay": 0.01, "clip": 1.0, "seed": 0, "checkpoint_every": 2,
-           "checkpoint_minutes": None, "eval_prompts": 4, "eval_max_tokens": 96, "eval_file": None, "export": None}
+    old = {
+        "data": cfg.data,
+        "out": str(out),
+        "target": str(tdir),
+        "resume": False,
+        "init": None,
+        "init_target_layers": False,
+        "layers": 1,
+        "intermediate_size": 64,
+        "block_size": 8,
+        "no_conv": False,
+        "no_selector": False,
+        "selector_rank": 16,
+        "selector_top_k": 8,
+        "mask_token_id": MASK,
+        "loss": "ce",
+        "attention": "bidirectional",
+        "corruption": "full",
+        "gamma": None,
+        "selector_weight": 1.0,
+        "draft_vocab": 0,
+        "vocab_negatives": 1024,
+        "steps": 2,
+        "seqs_per_step": 2,
+        "anchors": 6,
+        "lr": 3e-3,
+        "warmup": 0.04,
+        "weight_decay": 0.01,
+        "clip": 1.0,
+        "seed": 0,
+        "checkpoint_every": 2,
+        "checkpoint_minutes": None,
+        "eval_prompts": 4,
+        "eval_max_tokens": 96,
+        "eval_file": None,
+        "export": None,
+    }
     (out / "train_config.json").write_text(json.dumps(old))
     with pytest.raises(BadRequest, match=r"recipe\.lr"):
         train(replace(cfg, resume=True, steps=4, recipe=replace(cfg.recipe, lr=1e-3)))

@@ -1,12 +1,6 @@
 """`train mtp` / `train eagle`: the trainer's forward is the inference forward, and a short run on
 a tiny target lowers the loss and writes a head its loader reads back."""
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from helpers import VOCAB, tiny_model
-from test_chain import reference
-
 from mlx_spec.eagle import load_eagle
 from mlx_spec.mtp import load_mtp
 from mlx_spec.sampling import SamplingConfig
@@ -18,6 +12,12 @@ from mlx_spec.train.chain import (
     target_features,
     train_chain,
 )
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import VOCAB, tiny_model
+from test_chain import reference
 
 
 def _setup(kind, draft_ids=None):
@@ -53,8 +53,7 @@ def test_the_trainers_forward_equals_the_inference_forward(kind, reduced):
         np.testing.assert_allclose(np.array(prop.q[0]), np.array(want), atol=1e-5)
         for j in (1, 2):
             a = t - j  # the chain's anchor row
-            _, logits = reference(head, feats[:, : a + 1], seq[: a + 1], seq[a + 1], j + 1,
-                                  feed=seq[a + 2 : a + 3 + j])
+            _, logits = reference(head, feats[:, : a + 1], seq[: a + 1], seq[a + 1], j + 1, feed=seq[a + 2 : a + 3 + j])
             np.testing.assert_allclose(np.array(steps[j][0, t]), np.array(logits[j]), atol=1e-4)
 
 
@@ -66,14 +65,31 @@ def test_a_short_run_lowers_the_loss_and_writes_a_loadable_head(tmp_path, kind, 
     for _ in range(12):  # a learnable pattern: the sequence counts up by 3
         s = int(rng.integers(VOCAB))
         seqs.append((s + 3 * np.arange(40)) % VOCAB)
-    np.savez(tmp_path / "tokens.npz", tokens=np.concatenate(seqs).astype(np.int32),
-             offsets=np.arange(13) * 40, prompt_lens=np.full(12, 4, np.int32), ids=np.arange(12))
-    c = ChainTrainConfig(kind=kind, tokens=str(tmp_path / "tokens.npz"), out=str(tmp_path / "run"), steps=30,
-                         batch_size=4, seq_len=32, lr=3e-3, ttt=2, held_out=2, checkpoint_every=30, eval_every=30,
-                         draft_vocab=draft_vocab)
+    np.savez(
+        tmp_path / "tokens.npz",
+        tokens=np.concatenate(seqs).astype(np.int32),
+        offsets=np.arange(13) * 40,
+        prompt_lens=np.full(12, 4, np.int32),
+        ids=np.arange(12),
+    )
+    c = ChainTrainConfig(
+        kind=kind,
+        tokens=str(tmp_path / "tokens.npz"),
+        out=str(tmp_path / "run"),
+        steps=30,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        ttt=2,
+        held_out=2,
+        checkpoint_every=30,
+        eval_every=30,
+        draft_vocab=draft_vocab,
+    )
     target = Target(model, (), final_hidden=kind == "mtp")
     summary = train_chain(c, target, cfg, log=lambda _: None)
     import json
+
     log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
     assert log[-1]["loss"] < 0.5 * log[0]["loss"]
     assert log[-1]["held_out_acc"][0] > 0.5
@@ -105,10 +121,25 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
 
     model, cfg = tiny_model("llama")
     seqs = [(s + 3 * np.arange(40)) % VOCAB for s in range(8)]
-    np.savez(tmp_path / "tokens.npz", tokens=np.concatenate(seqs).astype(np.int32),
-             offsets=np.arange(9) * 40, prompt_lens=np.full(8, 4, np.int32), ids=np.arange(8))
-    base = {"kind": "eagle", "tokens": str(tmp_path / "tokens.npz"), "out": str(tmp_path / "run"), "batch_size": 2,
-            "seq_len": 24, "ttt": 2, "held_out": 2, "checkpoint_every": 4, "eval_every": 100, "draft_vocab": 32}
+    np.savez(
+        tmp_path / "tokens.npz",
+        tokens=np.concatenate(seqs).astype(np.int32),
+        offsets=np.arange(9) * 40,
+        prompt_lens=np.full(8, 4, np.int32),
+        ids=np.arange(8),
+    )
+    base = {
+        "kind": "eagle",
+        "tokens": str(tmp_path / "tokens.npz"),
+        "out": str(tmp_path / "run"),
+        "batch_size": 2,
+        "seq_len": 24,
+        "ttt": 2,
+        "held_out": 2,
+        "checkpoint_every": 4,
+        "eval_every": 100,
+        "draft_vocab": 32,
+    }
     train_chain(ChainTrainConfig(steps=4, **base), Target(model, ()), cfg, log=lambda _: None)
     first = (tmp_path / "run" / "head" / "model.safetensors").read_bytes()
     first_log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
@@ -120,5 +151,9 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     from mlx_spec.errors import BadRequest
 
     with pytest.raises(BadRequest, match="no checkpoint"):
-        train_chain(ChainTrainConfig(steps=8, resume=True, **dict(base, out=str(tmp_path / "none"))),
-                    Target(model, ()), cfg, log=lambda _: None)
+        train_chain(
+            ChainTrainConfig(steps=8, resume=True, **dict(base, out=str(tmp_path / "none"))),
+            Target(model, ()),
+            cfg,
+            log=lambda _: None,
+        )

@@ -34,16 +34,37 @@ def test_summary_renders_costs_run_and_evals(tmp_path):
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir()
     run.mkdir()
-    costs = {"t1_ms": 2.0, "context": 187, "td_ms": {"2": 1.0}, "tt_ms": {"1": 2.1, "2": 2.4}, "sizes": [1, 2],
-             "reps": 5, "draft_vocab": 8192, "backend": {"device": "Device(gpu, 0)", "mlx": "0.32.4"}}
+    costs = {
+        "t1_ms": 2.0,
+        "context": 187,
+        "td_ms": {"2": 1.0},
+        "tt_ms": {"1": 2.1, "2": 2.4},
+        "sizes": [1, 2],
+        "reps": 5,
+        "draft_vocab": 8192,
+        "backend": {"device": "Device(gpu, 0)", "mlx": "0.32.4"},
+    }
     (out / "costs.md").write_text(device_tasks.costs_markdown(costs))
-    (run / "summary.json").write_text(json.dumps({"tokens": 1000, "seconds": 60.0, "batches": 2, "step": 48,
-                                                  "gen_tok_s": 500.0, "steps_s": 3.0, "stopped": False,
-                                                  "replay_bytes": 2**20, "replay_evicted": 0}))
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "tokens": 1000,
+                "seconds": 60.0,
+                "batches": 2,
+                "step": 48,
+                "gen_tok_s": 500.0,
+                "steps_s": 3.0,
+                "stopped": False,
+                "replay_bytes": 2**20,
+                "replay_evicted": 0,
+            }
+        )
+    )
     (run / "run_config.json").write_text(json.dumps({"seed": 0, "recipe": {"layers": 2}}))
     row = {"block": 8, "tau": 2.5, "tau_by_kind": {"code": 3.0, "prose": 2.0}}
-    (out / "eval_new.json").write_text(json.dumps({"drafter": "d", "prompts": 20, "max_tokens": 64,
-                                                   "draft_vocab": 8192, "rows": [row]}))
+    (out / "eval_new.json").write_text(
+        json.dumps({"drafter": "d", "prompts": 20, "max_tokens": 64, "draft_vocab": 8192, "rows": [row]})
+    )
     device_tasks.main(["summary", "--out", str(out), "--run", str(run)])
     text = (out / "summary.md").read_text()
     assert "500.0 tok/s" in text and "| 8 | 2.50 | 3.00 | 2.00 |" in text and "| 2 | 2.400 | 1.20 | 1.000 |" in text
@@ -54,8 +75,14 @@ def test_device_run_dry_on_this_cpu(tmp_path):
     """The whole script with --dry (no install, tiny settings, the default pair): every step runs
     and the bundle unpacks to the exported drafter, the cost curve and both evals (~2-3 min)."""
     env = {**os.environ, "OUT": str(tmp_path / "out")}
-    r = subprocess.run(["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "400"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        ["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "400"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
@@ -65,8 +92,13 @@ def test_device_run_dry_on_this_cpu(tmp_path):
     bundle.write_bytes(b"".join((out / f).read_bytes() for f in files if f.startswith("bundle.tgz.")))
     with tarfile.open(bundle) as t:
         names = set(t.getnames())
-    assert {"bundle/drafter/model.safetensors", "bundle/eval_new.json", "bundle/eval_shipped.json",
-            "bundle/costs.md", "bundle/summary.json"} <= names
+    assert {
+        "bundle/drafter/model.safetensors",
+        "bundle/eval_new.json",
+        "bundle/eval_shipped.json",
+        "bundle/costs.md",
+        "bundle/summary.json",
+    } <= names
     assert "rc 0" in (out / "log.txt").read_text()
 
 
@@ -77,8 +109,14 @@ def test_device_run_caps_every_step_by_the_time_left(tmp_path):
 
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     t = time.monotonic()
-    r = subprocess.run(["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "45"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", "benchmarks/device/device_run.sh", "--dry", "--budget-s", "45"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     log = (tmp_path / "out" / "log.txt").read_text()
     assert r.returncode == 1 and "probe: skipped (no time left)" in log, log
     assert time.monotonic() - t < 30

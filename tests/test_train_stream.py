@@ -10,15 +10,15 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from helpers import save_tiny_pair
-
 from mlx_spec.errors import BadRequest
 from mlx_spec.train.replay import ReplayBuffer
 from mlx_spec.train.stream import StreamConfig, held_out_by_kind, lr_at, run_stream, stream_prompts
 from mlx_spec.train.trainer import Recipe
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import save_tiny_pair
 
 MASK = 127
 KINDS = ("code", "prose", "math")
@@ -35,11 +35,34 @@ def pair(tmp_path_factory):
 
 
 def _cfg(root, tdir, out, **kw):
-    recipe = Recipe(layers=1, intermediate_size=64, selector_rank=16, selector_top_k=8,
-                    mask_token_id=MASK, seqs_per_step=2, anchors=4, lr=3e-3, block_size=4)
-    base = dict(out=str(out), target=str(tdir), prompts=str(root / "prompts.jsonl"), tokens=120,
-                batch_size=3, max_tokens=10, top_k=4, replay_mb=0.06, steps_per_batch=2, checkpoint_batches=2,
-                eval_per_kind=1, eval_prompts=0, eval_max_tokens=6, seed=0, recipe=recipe)
+    recipe = Recipe(
+        layers=1,
+        intermediate_size=64,
+        selector_rank=16,
+        selector_top_k=8,
+        mask_token_id=MASK,
+        seqs_per_step=2,
+        anchors=4,
+        lr=3e-3,
+        block_size=4,
+    )
+    base = dict(
+        out=str(out),
+        target=str(tdir),
+        prompts=str(root / "prompts.jsonl"),
+        tokens=120,
+        batch_size=3,
+        max_tokens=10,
+        top_k=4,
+        replay_mb=0.06,
+        steps_per_batch=2,
+        checkpoint_batches=2,
+        eval_per_kind=1,
+        eval_prompts=0,
+        eval_max_tokens=6,
+        seed=0,
+        recipe=recipe,
+    )
     base.update(kw)
     return StreamConfig(**base)
 
@@ -73,8 +96,9 @@ def test_train_run_bounded_checkpointed_and_resume_is_exact(pair, tmp_path):
 
     root, tdir, _ = pair
     peak = []
-    full = run_stream(_cfg(root, tdir, tmp_path / "full", eval_prompts=2),
-                      progress=lambda p: peak.append(p.replay_bytes))
+    full = run_stream(
+        _cfg(root, tdir, tmp_path / "full", eval_prompts=2), progress=lambda p: peak.append(p.replay_bytes)
+    )
     assert not full["stopped"] and full["tokens"] >= 120 and full["step"] == 2 * full["batches"]
     cap = int(0.06 * 2**20)
     assert max(peak) <= cap and full["replay_evicted"] > 0  # the data outgrew the buffer
@@ -223,12 +247,16 @@ def _unguarded_backend_calls(path: Path) -> list[str]:
 
     def visit(node, guarded):
         if isinstance(node, (ast.If, ast.IfExp)) and any(
-                s in ast.unparse(node.test) for s in ("is_available", "default_device")):
+            s in ast.unparse(node.test) for s in ("is_available", "default_device")
+        ):
             guarded = True
         if isinstance(node, ast.Attribute):
             name = dotted(node)
-            if (name.startswith("mx.metal.") and name != "mx.metal.is_available"
-                    or name in ("mx.cpu", "mx.set_default_device", "mx.set_default_stream")) and not guarded:
+            if (
+                name.startswith("mx.metal.")
+                and name != "mx.metal.is_available"
+                or name in ("mx.cpu", "mx.set_default_device", "mx.set_default_stream")
+            ) and not guarded:
                 bad.append(f"{path}:{node.lineno}: {name}")
         for child in ast.iter_child_nodes(node):
             visit(child, guarded)
@@ -245,8 +273,10 @@ def test_training_path_has_no_cpu_or_metal_only_calls():
     # the scan does catch one
     probe = root / "tests" / "_probe_backend.py"
     try:
-        probe.write_text("import mlx.core as mx\nmx.metal.clear_cache()\nif mx.metal.is_available():\n"
-                         "    mx.metal.set_cache_limit(0)\n")
+        probe.write_text(
+            "import mlx.core as mx\nmx.metal.clear_cache()\nif mx.metal.is_available():\n"
+            "    mx.metal.set_cache_limit(0)\n"
+        )
         assert [b.split(": ")[1] for b in _unguarded_backend_calls(probe)] == ["mx.metal.clear_cache"]
     finally:
         probe.unlink()
@@ -254,11 +284,47 @@ def test_training_path_has_no_cpu_or_metal_only_calls():
 
 def test_train_run_command_end_to_end(pair, tmp_path):
     root, tdir, _ = pair
-    base = [sys.executable, "-m", "mlx_spec", "train", "run", "--target", str(tdir), "--out", str(tmp_path / "r"),
-            "--prompts", str(root / "prompts.jsonl"), "--batch-size", "3", "--max-tokens", "8", "--top-k", "4",
-            "--replay-mb", "0.1", "--steps-per-batch", "1", "--layers", "1", "--intermediate-size", "64",
-            "--selector-rank", "16", "--anchors", "4", "--block-size", "4", "--mask-token-id", str(MASK),
-            "--eval-per-kind", "1", "--eval-prompts", "1", "--eval-max-tokens", "4"]
+    base = [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "train",
+        "run",
+        "--target",
+        str(tdir),
+        "--out",
+        str(tmp_path / "r"),
+        "--prompts",
+        str(root / "prompts.jsonl"),
+        "--batch-size",
+        "3",
+        "--max-tokens",
+        "8",
+        "--top-k",
+        "4",
+        "--replay-mb",
+        "0.1",
+        "--steps-per-batch",
+        "1",
+        "--layers",
+        "1",
+        "--intermediate-size",
+        "64",
+        "--selector-rank",
+        "16",
+        "--anchors",
+        "4",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        str(MASK),
+        "--eval-per-kind",
+        "1",
+        "--eval-prompts",
+        "1",
+        "--eval-max-tokens",
+        "4",
+    ]
     r = subprocess.run(base + ["--tokens", "20"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -287,6 +353,7 @@ def test_trainer_holds_no_copy_of_the_drafter():
         assert "._embed" not in src and "._kv" not in src and "._head" not in src, f
         assert "tanh" not in src and "output_multiplier" not in src and "predecessor_codebook(" not in src, f
     from mlx_spec.drafter import DecoderLayer, DFlash2DecoderLayer, Drafter, DrafterArgs
+
     from helpers import drafter_config, tiny_model
 
     _, tcfg = tiny_model()
@@ -330,11 +397,11 @@ def test_batched_generation_on_a_hybrid_target_equals_single_sequences(kind):
     """Left-padded batched generation through GDN layers (padding masked out of the conv window
     and the recurrent state; finished rows dropped from both cache kinds) gives each prompt the
     plain greedy reply and the features of an unpadded forward; `--from-tokens` features agree."""
-    from helpers import greedy_reference
-    from test_hybrid import build
-
     from mlx_spec.target import Target
     from mlx_spec.train.data import DataConfig, featurize_batch, generate_batch
+
+    from helpers import greedy_reference
+    from test_hybrid import build
 
     model, _ = build(kind, num_hidden_layers=6)
     target = Target(model, [0, 3, 4])
@@ -343,7 +410,7 @@ def test_batched_generation_on_a_hybrid_target_equals_single_sequences(kind):
     refs = [greedy_reference(model, p, 12) for p in prompts]
     eos = [refs[1][3]]  # the second prompt stops early: its row leaves the batch
     res = generate_batch(target, prompts, DataConfig(max_tokens=12, top_k=4), eos, pad_id=0)
-    for p, ref, (resp, feats, ti, tl) in zip(prompts, refs, res):
+    for p, ref, (resp, feats, ti, tl) in zip(prompts, refs, res):  # noqa: B007
         want = ref[: ref.index(eos[0]) + 1] if eos[0] in ref else ref
         assert resp == want
         seq = p + resp
@@ -370,8 +437,9 @@ def test_train_run_on_a_hybrid_target_end_to_end_and_resume_is_exact(hybrid_pair
     p = load_pair(str(tdir), str(tmp_path / "full" / "ckpt"))
     assert p.target.gdn and set(p.drafter.args.target_layer_ids) & p.target.gdn
     stop = threading.Event()
-    part = run_stream(_cfg(root, tdir, tmp_path / "part", **kw), stop=stop,
-                      progress=lambda pr: pr.steps == 3 and stop.set())
+    part = run_stream(
+        _cfg(root, tdir, tmp_path / "part", **kw), stop=stop, progress=lambda pr: pr.steps == 3 and stop.set()
+    )
     assert part["stopped"] and part["step"] == 3
     rest = run_stream(_cfg(root, tdir, tmp_path / "part", resume=True, **kw))
     assert rest["step"] == full["step"]
@@ -402,8 +470,16 @@ def test_one_meaning_per_setting_and_resume_of_an_older_run_config(pair, tmp_pat
     new = json.loads((tmp_path / "r" / "run_config.json").read_text())
     old = {k: v for k, v in new.items() if k not in ("recipe", "checkpoint_batches")}
     old["checkpoint_every"] = new["checkpoint_batches"]
-    old["train"] = {**new["recipe"], "data": "", "out": "", "steps": 1000, "seed": 7, "checkpoint_every": 100,
-                    "eval_prompts": 4, "eval_max_tokens": 96}
+    old["train"] = {
+        **new["recipe"],
+        "data": "",
+        "out": "",
+        "steps": 1000,
+        "seed": 7,
+        "checkpoint_every": 100,
+        "eval_prompts": 4,
+        "eval_max_tokens": 96,
+    }
     (tmp_path / "r" / "run_config.json").write_text(json.dumps(old))
     with pytest.raises(BadRequest, match=r"recipe\.lr"):
         run_stream(replace(cfg, resume=True, tokens=30, recipe=replace(cfg.recipe, lr=1e-3)))
@@ -413,7 +489,8 @@ def test_one_meaning_per_setting_and_resume_of_an_older_run_config(pair, tmp_pat
     out = run_stream(replace(cfg, resume=True, tokens=30))
     assert out["tokens"] >= 30
     assert json.loads((tmp_path / "r" / "run_config.json").read_text()) == json.loads(
-        json.dumps(asdict(replace(cfg, resume=True, tokens=30))))  # rewritten in the current layout
+        json.dumps(asdict(replace(cfg, resume=True, tokens=30)))
+    )  # rewritten in the current layout
     (tmp_path / "r" / "run_config.json").write_text(json.dumps({**new, "replay_policy": "fifo"}))
     with pytest.raises(CheckpointError, match="replay_policy"):
         run_stream(replace(cfg, resume=True, tokens=40))
@@ -428,4 +505,5 @@ def test_train_drafter_reads_an_older_flat_train_config():
     flat = {k: v for k, v in asdict(cfg).items() if k != "recipe"} | asdict(cfg.recipe)
     assert settings(flat) == settings(asdict(cfg))
     assert settings_diff(settings(flat), settings(asdict(replace(cfg, recipe=Recipe(layers=2)))), set()) == [
-        "recipe.layers"]
+        "recipe.layers"
+    ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from mlx_spec.engine import Failed, Started
+
 from tui_helpers import palette, reply, screen_text, send, wait_for
 
-from mlx_spec.engine import Failed, Started
 from tui.app import SpecChatApp
 from tui.backend import LocalBackend, Settings
 from tui.fake_backend import FakeBackend, sample_tune
@@ -58,15 +59,30 @@ async def test_main_screen_snapshot(tmp_path):
         await reply(pilot, "hi")
         lines = screen_text(app).splitlines()
     assert len(lines) == SIZE[1]
-    assert lines[0].startswith(" SPECULATION ON   mlx_spec chat  dflash2 · target fake-target · "
-                               "drafter fake-drafter · block 8 (checkpoint)")
+    assert lines[0].startswith(
+        " SPECULATION ON   mlx_spec chat  dflash2 · target fake-target · drafter fake-drafter · block 8 (checkpoint)"
+    )
     text = "\n".join(lines)
-    for expected in ("▏ Speculation", "▏ τ          3.75  tokens/cycle", "▏ accept     39.3%  of drafts",
-                     "▏ tok/s      40.0  this reply", "▏ speedup    4.00×",
-                     "vs plain 10.0 tok/s", "(tuner 2026-01-01)", "▏  1 ████████████ 100%",
-                     "▏ Working set", "4.00 / 16.0 GiB 25%", " you", " hi", " assistant",
-                     "dflash2 · 15 tok · 40.0 tok/s (4.00×) · τ 3.75 · accept 39% · block 8 · stop",
-                     "f2 Spec on/off", "f3 Lossless check", "f4 Export", "f5 Re-tune"):
+    for expected in (
+        "▏ Speculation",
+        "▏ τ          3.75  tokens/cycle",
+        "▏ accept     39.3%  of drafts",
+        "▏ tok/s      40.0  this reply",
+        "▏ speedup    4.00×",
+        "vs plain 10.0 tok/s",
+        "(tuner 2026-01-01)",
+        "▏  1 ████████████ 100%",
+        "▏ Working set",
+        "4.00 / 16.0 GiB 25%",
+        " you",
+        " hi",
+        " assistant",
+        "dflash2 · 15 tok · 40.0 tok/s (4.00×) · τ 3.75 · accept 39% · block 8 · stop",
+        "f2 Spec on/off",
+        "f3 Lossless check",
+        "f4 Export",
+        "f5 Re-tune",
+    ):
         assert expected in text, expected
 
 
@@ -184,8 +200,7 @@ async def test_first_launch_tuning_retune_and_unavailable_state(tmp_path):
         await pilot.press("f5")
         await wait_for(pilot, lambda: isinstance(app.screen, TunerScreen))
         await pilot.pause()
-        assert "Tuner not available: this scripted backend has no tuner" in \
-            screen_text(app).replace("\n", " ")
+        assert "Tuner not available: this scripted backend has no tuner" in screen_text(app).replace("\n", " ")
 
 
 async def test_help_memory_warning_and_growing_prompt(tmp_path):
@@ -231,11 +246,11 @@ async def test_load_failure_exits_non_zero(tmp_path):
 
 
 def test_engine_line_names_a_reduced_draft_vocabulary():
-    from tui.widgets.engine_header import describe
-
     from dataclasses import replace
 
     from mlx_spec.generation import EngineInfo
+
+    from tui.widgets.engine_header import describe
 
     info = EngineInfo("dflash2", "t", "d", 4, "flag", draft_vocab=8192)
     assert describe(info, True)[0].endswith("block 4 (flag) · draft vocab 8192")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
+from mlx_spec.generation import engine_info
+from mlx_spec.loading import load_pair
+from mlx_spec.session import Session
+
 import pytest
 from helpers import save_tiny_pair
 from tui_helpers import reply, screen_text, wait_for
 
-from mlx_spec.generation import engine_info
-from mlx_spec.loading import load_pair
-from mlx_spec.session import Session
 from tui.app import SpecChatApp
 from tui.backend import LocalBackend, Settings
 from tui.widgets.memory_panel import MemoryPanel

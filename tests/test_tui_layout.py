@@ -19,8 +19,13 @@ from tui.widgets.spec_panel import SpecPanel
 
 WIDTHS = (120, 160)
 # what a real session shows: a bundled drafter's full path, a tuned block, a reduced vocabulary
-REAL = replace(SPEC_INFO, target="smollm2-135m-instruct", drafter="/home/me/mlx_spec/models/smollm2-135m-dflash2",
-               block_size_source="tuned 2026-12-01", draft_vocab=8192)
+REAL = replace(
+    SPEC_INFO,
+    target="smollm2-135m-instruct",
+    drafter="/home/me/mlx_spec/models/smollm2-135m-dflash2",
+    block_size_source="tuned 2026-12-01",
+    draft_vocab=8192,
+)
 
 
 def make_app(tmp_path, **kw) -> SpecChatApp:
@@ -118,7 +123,7 @@ async def test_memory_panel_rows_do_not_wrap(tmp_path, width):
         await pilot.pause(0.2)
         rows = sidebar(app).splitlines()
         i = next(k for k, r in enumerate(rows) if r.startswith(" prefix"))
-        assert rows[i].rstrip().endswith("kept across turns") and rows[i + 1].startswith(" other"), rows[i:i + 2]
+        assert rows[i].rstrip().endswith("kept across turns") and rows[i + 1].startswith(" other"), rows[i : i + 2]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -139,8 +144,16 @@ async def test_notifications_leave_the_prompt_box_clear(tmp_path, width):
 def test_spec_panel_shows_trimmed_drafter_blocks():
     from tui.widgets.spec_panel import SpecView, render_numbers
 
-    v = SpecView(mode="spec", method="dflash2", block_size=4, tokens=10, drafted_cycles=2, plain_cycles=5,
-                 sources=(("dflash", 2, 6, 3),), trimmed=3)
+    v = SpecView(
+        mode="spec",
+        method="dflash2",
+        block_size=4,
+        tokens=10,
+        drafted_cycles=2,
+        plain_cycles=5,
+        sources=(("dflash", 2, 6, 3),),
+        trimmed=3,
+    )
     text = render_numbers(v).plain
     assert "5 plain steps" in text and "trimmed" in text and "3×" in text
     assert "trimmed" not in render_numbers(SpecView(mode="spec", method="dflash2", tokens=10)).plain

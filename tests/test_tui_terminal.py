@@ -66,9 +66,11 @@ def test_keystroke_latency_while_generating(flags):
         _tmux("send-keys", "-t", SESSION, "Enter")
         time.sleep(4)
         busy = _latencies()
-        print(f"\n{' '.join(flags)}: keystroke-to-screen idle median {statistics.median(idle) * 1e3:.0f} ms "
-              f"max {max(idle) * 1e3:.0f} ms; generating median {statistics.median(busy) * 1e3:.0f} ms "
-              f"max {max(busy) * 1e3:.0f} ms")
+        print(
+            f"\n{' '.join(flags)}: keystroke-to-screen idle median {statistics.median(idle) * 1e3:.0f} ms "
+            f"max {max(idle) * 1e3:.0f} ms; generating median {statistics.median(busy) * 1e3:.0f} ms "
+            f"max {max(busy) * 1e3:.0f} ms"
+        )
         assert statistics.median(busy) < 0.5
         _tmux("send-keys", "-t", SESSION, "Escape")
         time.sleep(1)

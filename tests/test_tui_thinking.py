@@ -4,10 +4,11 @@ turn (the chat template's switch goes with the request)."""
 
 from __future__ import annotations
 
+from mlx_spec.thinking import ThinkFormat
+
 from textual.widgets import Collapsible
 from tui_helpers import reply, screen_text
 
-from mlx_spec.thinking import ThinkFormat
 from tui.app import SpecChatApp
 from tui.backend import Settings, request_for
 from tui.fake_backend import FakeBackend
@@ -31,8 +32,11 @@ async def test_reasoning_folds_under_its_token_count_and_f8_toggles(tmp_path):
         text = screen_text(app)
         assert f"reasoning ({view.reasoning_tokens} tok)" in text and "keep it brief" not in text  # folded
         assert "<think>" not in text and "Blocks are drafted" in text
-        assert app.chat.history[-1] == {"role": "assistant", "content": "Blocks are drafted then verified.",
-                                        "reasoning_content": "The user wants a short answer, so keep it brief."}
+        assert app.chat.history[-1] == {
+            "role": "assistant",
+            "content": "Blocks are drafted then verified.",
+            "reasoning_content": "The user wants a short answer, so keep it brief.",
+        }
         box.collapsed = False  # a click on the title opens it
         await pilot.pause(0.1)
         assert "keep it brief" in screen_text(app)

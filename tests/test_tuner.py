@@ -5,17 +5,37 @@ import math
 import random
 import statistics
 
-import pytest
-from helpers import save_tiny_pair
-
-from mlx_spec.policy import DFLASH, Context, DraftPolicy, expected_tokens
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
+from mlx_spec.policy import DFLASH, Context, DraftPolicy, expected_tokens
 from mlx_spec.stats import Stats
-from mlx_spec.tuning import (FORMAT, Candidate, Lap, RaceResult, TuneResult, TuneSkipped, apply_threads, check,
-                            cycle_overhead, decide,
-                            default_candidates, ensure_tuned, key_hash, load_result, median_se, predict, race,
-                            race_check, result_path, save_result, tune, tune_key)
+from mlx_spec.tuning import (
+    FORMAT,
+    Candidate,
+    Lap,
+    RaceResult,
+    TuneResult,
+    TuneSkipped,
+    apply_threads,
+    check,
+    cycle_overhead,
+    decide,
+    default_candidates,
+    ensure_tuned,
+    key_hash,
+    load_result,
+    median_se,
+    predict,
+    race,
+    race_check,
+    result_path,
+    save_result,
+    tune,
+    tune_key,
+)
+
+import pytest
+from helpers import save_tiny_pair
 
 
 def C(block, predicted, tau=None, noise=0.0, threads=None, **kw):
@@ -73,16 +93,20 @@ def test_decide_never_chooses_a_block_below_plain():
 
 def test_decide_threads_default_within_noise():
     # 1 thread 2 % ahead: within noise, the default (all cores) is kept and the output says so
-    d = decide([C(1, 1.0, threads=2), C(4, 1.50, threads=2), C(1, 1.02, threads=1), C(4, 1.53, threads=1)],
-               default_threads=2)
+    d = decide(
+        [C(1, 1.0, threads=2), C(4, 1.50, threads=2), C(1, 1.02, threads=1), C(4, 1.53, threads=1)], default_threads=2
+    )
     assert (d.block, d.threads) == (4, 2) and "1 and 2 threads within noise" in d.why
-    d = decide([C(1, 1.0, threads=2), C(4, 1.5, threads=2), C(1, 1.1, threads=1), C(4, 1.7, threads=1)],
-               default_threads=2)
+    d = decide(
+        [C(1, 1.0, threads=2), C(4, 1.5, threads=2), C(1, 1.1, threads=1), C(4, 1.7, threads=1)], default_threads=2
+    )
     assert (d.block, d.threads) == (4, 1) and d.why.endswith("1 threads (x1.70) over 2 (x1.50)")
     # plain at another thread count beats every block: off, at that count
-    assert (lambda d: (d.block, d.threads))(decide([C(1, 1.0, threads=2), C(1, 1.2, threads=1),
-                                                     C(4, 1.21, threads=2), C(4, 1.0, threads=1)],
-                                                    default_threads=2)) == (1, 1)
+    assert (lambda d: (d.block, d.threads))(
+        decide(
+            [C(1, 1.0, threads=2), C(1, 1.2, threads=1), C(4, 1.21, threads=2), C(4, 1.0, threads=1)], default_threads=2
+        )
+    ) == (1, 1)
     assert decide([C(1, 1.0), C(4, 1.5)]).threads is None  # no thread knob here
 
 
@@ -113,8 +137,12 @@ def test_race_check_overrules_on_a_clear_margin_and_not_on_a_noisy_or_split_race
     assert race_check(split, (8, None)) is None
     # the prompts' different acceptance is not noise: tok/s that differs by prompt kind from
     # cycles that cost the same (the noise is measured on seconds per cycle)
-    kinds = race(keys, _fake_runs(truth, clock, prompts={(4, None): (1.6, 1.2, 1.05), (8, None): (1.4, 1.0, 0.9)}),
-                 clock=clock, **kw)
+    kinds = race(
+        keys,
+        _fake_runs(truth, clock, prompts={(4, None): (1.6, 1.2, 1.05), (8, None): (1.4, 1.0, 0.9)}),
+        clock=clock,
+        **kw,
+    )
     assert kinds.noise == 0.0 and race_check(kinds, (8, None)).key == (4, None)
 
 
@@ -138,13 +166,23 @@ def test_race_check_pairs_the_rounds_both_ran():
     ran (same prompt, same machine), not over their first rounds each."""
     tps = {(1, None): [10.0] * 6, (8, None): [12.0] * 6, (5, None): [9.0, 15.0, 15.0, 15.0], (6, None): [11.0] * 3}
     joined = {(5, None): 2}  # 5 ran rounds 2-5, the others from round 0
-    res = RaceResult(laps={k: {joined.get(k, 0) + r: Lap(x, 0.1) for r, x in enumerate(xs)} for k, xs in tps.items()},
-                     final=((1, None), (8, None), (5, None)), dropped={(6, None): "dropped after 3 rounds"},
-                     rounds=6, order=(), stop="max rounds")
+    res = RaceResult(
+        laps={k: {joined.get(k, 0) + r: Lap(x, 0.1) for r, x in enumerate(xs)} for k, xs in tps.items()},
+        final=((1, None), (8, None), (5, None)),
+        dropped={(6, None): "dropped after 3 rounds"},
+        rounds=6,
+        order=(),
+        stop="max rounds",
+    )
     assert res.tps == tps and res.ratio[(5, None)] == [0.9, 1.5, 1.5, 1.5]  # each against plain's same round
-    late = RaceResult(laps={(1, None): {0: Lap(10.0), 1: Lap(20.0), 2: Lap(10.0)},
-                            (4, None): {1: Lap(20.0), 2: Lap(15.0)}},
-                      final=(), dropped={}, rounds=3, order=(), stop="max rounds")
+    late = RaceResult(
+        laps={(1, None): {0: Lap(10.0), 1: Lap(20.0), 2: Lap(10.0)}, (4, None): {1: Lap(20.0), 2: Lap(15.0)}},
+        final=(),
+        dropped={},
+        rounds=3,
+        order=(),
+        stop="max rounds",
+    )
     assert late.ratio[(4, None)] == [1.0, 1.5]  # plain's rounds 1 and 2, not its first two
     assert res.paired((5, None), (8, None)) == [(9.0, 12.0), (15.0, 12.0), (15.0, 12.0), (15.0, 12.0)]
     assert res.paired((5, None), (6, None)) == [(9.0, 11.0)]  # round 2 only
@@ -196,6 +234,7 @@ def test_race_check_error_rates_by_simulation():
 def _noisy_costs(truth_td, truth_tt, t1, rng, rounds=12, noise=0.08):
     """Pass timings as a busy machine gives them: a log-normal spread and a heavy tail (one in
     eight runs 1.5-3x slower); returns (Costs of the medians, times by pass)."""
+
     def sample(ms):
         x = ms * math.exp(rng.gauss(0, noise))
         return x * rng.uniform(1.5, 3.0) if rng.random() < 0.125 else x
@@ -205,7 +244,9 @@ def _noisy_costs(truth_td, truth_tt, t1, rng, rounds=12, noise=0.08):
         times[("td", B)] = [sample(truth_td[B]) for _ in range(rounds)]
         times[("tt", B)] = [sample(truth_tt[B]) for _ in range(rounds)]
     med = {k: statistics.median(v) for k, v in times.items()}
-    return Costs(med[("t1", 1)], {B: med[("td", B)] for B in truth_td}, {B: med[("tt", B)] for B in truth_tt}, 64), times
+    return Costs(
+        med[("t1", 1)], {B: med[("td", B)] for B in truth_td}, {B: med[("tt", B)] for B in truth_tt}, 64
+    ), times
 
 
 def test_the_choice_is_stable_under_noisy_timings():
@@ -254,9 +295,15 @@ def _decide_noisy(td, tt, acc, t1=80.0, over=4.0, noise=0.08, seeds=range(30)):
         costs, times = _noisy_costs(td, tt, t1, rng, noise=noise)
         smooth = costs.smoothed()
         cands = [C(1, 1.0)] + [
-            C(B, predict(smooth, acc, B, over), tau=expected_tokens(acc, B),
-              noise=math.hypot(median_se(times[("td", B)]), median_se(times[("tt", B)])) /
-              (smooth.draft(B) + smooth.verify(B) + over)) for B in td]
+            C(
+                B,
+                predict(smooth, acc, B, over),
+                tau=expected_tokens(acc, B),
+                noise=math.hypot(median_se(times[("td", B)]), median_se(times[("tt", B)]))
+                / (smooth.draft(B) + smooth.verify(B) + over),
+            )
+            for B in td
+        ]
         out.append(decide(cands))
     return out
 
@@ -274,11 +321,23 @@ def test_predict_and_candidates():
 
 
 def _result(key, best=4):
-    cands = (Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
-             Candidate(4, True, 15.0, 0.04, 1.5, 2.9, 1.6, 3, final=True),
-             Candidate(8, False, predicted=1.2, tau=3.1, note="ranked out by the cost model"))
-    return TuneResult(key, best, "2026-11-29T12:00:00+00:00", cands, Costs(100.0, {4: 20.0}, {1: 100.0, 4: 130.0}, 50),
-                      (0.8, 0.6, 0.4), ("code", "math", "prose"), 24, 90.0, 42.0)
+    cands = (
+        Candidate(1, True, 10.0, 0.05, 1.0, None, 1.0, 3, final=True),
+        Candidate(4, True, 15.0, 0.04, 1.5, 2.9, 1.6, 3, final=True),
+        Candidate(8, False, predicted=1.2, tau=3.1, note="ranked out by the cost model"),
+    )
+    return TuneResult(
+        key,
+        best,
+        "2026-11-29T12:00:00+00:00",
+        cands,
+        Costs(100.0, {4: 20.0}, {1: 100.0, 4: 130.0}, 50),
+        (0.8, 0.6, 0.4),
+        ("code", "math", "prose"),
+        24,
+        90.0,
+        42.0,
+    )
 
 
 def test_tune_view_shows_the_race_where_it_ran_and_marks_model_figures():
@@ -294,7 +353,10 @@ def test_tune_view_shows_the_race_where_it_ran_and_marks_model_figures():
     r = replace(r, threads=2, candidates=(plain1,) + tuple(replace(c, threads=2) for c in r.candidates) + (other,))
     view = tune_view(r)
     assert [(x.block_size, x.speedup, x.note) for x in view.rows] == [
-        (1, 1.0, "model x1.00"), (4, 1.5, "model x1.60"), (8, 1.2, "ranked out by the cost model; model")]
+        (1, 1.0, "model x1.00"),
+        (4, 1.5, "model x1.60"),
+        (8, 1.2, "ranked out by the cost model; model"),
+    ]
     assert view.baseline_tps == 10.0  # plain at the chosen thread count
 
 
@@ -336,13 +398,20 @@ def test_timing_line_by_phase():
     has the elapsed time alone."""
     from dataclasses import replace
 
-    phases = {"probe_s": 16.2, "costs_s": 28.1, "cost_rounds": 11, "race_s": 36.0, "race_rounds": 3,
-              "race_stop": "budget"}
+    phases = {
+        "probe_s": 16.2,
+        "costs_s": 28.1,
+        "cost_rounds": 11,
+        "race_s": 36.0,
+        "race_rounds": 3,
+        "race_stop": "budget",
+    }
     r = replace(_result({}), elapsed_s=80.3, budget_s=90.0, phases=phases)
     assert r.timing == "80 s of 90 s (probe 16 s, pass costs 28 s (11 rounds), race 36 s (3 rounds, stopped on budget))"
     assert replace(r, elapsed_s=95.4).timing.endswith("stopped on budget)); over budget by 5 s")
     assert replace(r, elapsed_s=50.0, budget_s=40.0).timing.endswith(
-        "; over budget by 10 s: the probe and the minimum pass-cost rounds alone took 44 s")
+        "; over budget by 10 s: the probe and the minimum pass-cost rounds alone took 44 s"
+    )
     assert replace(r, phases={}).timing == "80 s of 90 s"
 
 
@@ -371,8 +440,9 @@ def _lap(tps: float) -> Lap:
     return Lap(tps, 1 / tps)
 
 
-def _fake_runs(truth: dict, clock: FakeClock, noise: float = 0.0, seconds: float = 1.0, seed: int = 0,
-               prompts: dict | None = None):
+def _fake_runs(
+    truth: dict, clock: FakeClock, noise: float = 0.0, seconds: float = 1.0, seed: int = 0, prompts: dict | None = None
+):
     """run(key, prompt) -> a scripted ``Lap`` around ``truth[key]`` tok/s, advancing the clock.
     ``noise`` is the timing's (a run's cycles all a little slower or faster); ``prompts[key]``
     scales, per prompt (round), the tokens a cycle commits (the acceptance: set by the prompt at
@@ -384,14 +454,22 @@ def _fake_runs(truth: dict, clock: FakeClock, noise: float = 0.0, seconds: float
         slow = 1 + rng.uniform(-noise, noise)
         per = (prompts or {}).get(key, (1.0,))
         return Lap(truth[key] * per[i % len(per)] / slow, slow / truth[key])
+
     return run
 
 
 def test_race_interleaves_rounds_abab():
     clock = FakeClock()
     keys = [(1, None), (2, None), (4, None)]
-    res = race(keys, _fake_runs({k: 10.0 for k in keys}, clock), n_prompts=3, clock=clock, min_rounds=3,
-               max_rounds=4, clear_margin=0.15)
+    res = race(
+        keys,
+        _fake_runs({k: 10.0 for k in keys}, clock),
+        n_prompts=3,
+        clock=clock,
+        min_rounds=3,
+        max_rounds=4,
+        clear_margin=0.15,
+    )
     # every round runs every candidate once, the order rotated: never one candidate after another
     assert res.order[:6] == ((1, None), (2, None), (4, None), (2, None), (4, None), (1, None))
     assert all(res.order[i] != res.order[i + 1] for i in range(len(res.order) - 1))
@@ -403,12 +481,29 @@ def test_race_stops_on_a_clear_margin_and_not_on_a_close_one():
     clock = FakeClock()
     keys = [(1, None), (4, None), (8, None)]
     truth = {(1, None): 10.0, (4, None): 20.0, (8, None): 12.0}
-    res = race(keys, _fake_runs(truth, clock, 0.02), n_prompts=3, judge_every=3, clock=clock, min_rounds=3,
-               max_rounds=12, clear_margin=0.15)
+    res = race(
+        keys,
+        _fake_runs(truth, clock, 0.02),
+        n_prompts=3,
+        judge_every=3,
+        clock=clock,
+        min_rounds=3,
+        max_rounds=12,
+        clear_margin=0.15,
+    )
     assert res.stop == "clear margin" and res.rounds == 3  # the first judgement
     close = {(1, None): 10.0, (4, None): 14.0, (8, None): 13.8}
-    res = race(keys, _fake_runs(close, clock, 0.02), n_prompts=3, judge_every=3, clock=clock, min_rounds=3,
-               max_rounds=9, clear_margin=0.15, drop_margin=0.5)
+    res = race(
+        keys,
+        _fake_runs(close, clock, 0.02),
+        n_prompts=3,
+        judge_every=3,
+        clock=clock,
+        min_rounds=3,
+        max_rounds=9,
+        clear_margin=0.15,
+        drop_margin=0.5,
+    )
     assert res.stop == "max rounds" and res.rounds == 9
 
 
@@ -429,38 +524,69 @@ def test_race_deadline_bounds_every_round_the_minimum_ones_too():
     res = race(keys, _fake_runs(close, clock, 0.02), clock=clock, deadline=20.0, **kw)
     assert res.stop == "budget" and res.rounds == 6 and clock.t <= 20.0  # 3 s a round: a 7th would end at 21 s
     clock.t = 0.0  # a machine twice as slow as estimated: the second round is predicted at 6 s, not 3
-    res = race(keys, _fake_runs(close, clock, 0.02, seconds=2.0), clock=clock, deadline=10.0, cost=lambda k: 1.0,
-               **kw)
+    res = race(keys, _fake_runs(close, clock, 0.02, seconds=2.0), clock=clock, deadline=10.0, cost=lambda k: 1.0, **kw)
     assert res.stop == "budget" and res.rounds == 1 and clock.t == 6.0
     # the leader's neighbours join only while their own min_rounds fit with everyone else's
     truth = {(1, None): 10.0, (4, None): 14.0, (5, None): 16.0, (8, None): 11.0}
     clock.t = 0.0
-    res = race([(1, None), (4, None), (8, None)], _fake_runs(truth, clock, 0.01), clock=clock, deadline=13.0,
-               neighbours=lambda k: [(5, None)] if k == (4, None) else [], cost=lambda k: 1.0,
-               **{**kw, "judge_every": 1, "clear_margin": 0.9})
+    res = race(
+        [(1, None), (4, None), (8, None)],
+        _fake_runs(truth, clock, 0.01),
+        clock=clock,
+        deadline=13.0,
+        neighbours=lambda k: [(5, None)] if k == (4, None) else [],
+        cost=lambda k: 1.0,
+        **{**kw, "judge_every": 1, "clear_margin": 0.9},
+    )
     assert (5, None) not in res.tps and clock.t <= 13.0  # 3 more rounds of 4 runs would end at 21 s
 
 
 def test_race_times_the_leaders_neighbours_and_drops_clear_losers():
     clock = FakeClock()
     cands = [2, 3, 4, 5, 6, 8]
-    truth = {(1, None): 10.0, (2, None): 12.0, (3, None): 13.0, (4, None): 14.0, (5, None): 16.0,
-             (6, None): 15.5, (8, None): 11.0}
+    truth = {
+        (1, None): 10.0,
+        (2, None): 12.0,
+        (3, None): 13.0,
+        (4, None): 14.0,
+        (5, None): 16.0,
+        (6, None): 15.5,
+        (8, None): 11.0,
+    }
 
     def neighbours(key):
         j = cands.index(key[0]) if key[0] in cands else None
-        return [] if j is None else [(b, None) for b in cands[max(0, j - 1):j + 2] if b != key[0]]
+        return [] if j is None else [(b, None) for b in cands[max(0, j - 1) : j + 2] if b != key[0]]
 
     keys = [(1, None), (4, None), (8, None)]  # the model mispredicted: 5 and 6 are better
-    res = race(keys, _fake_runs(truth, clock, 0.01), n_prompts=3, judge_every=1, neighbours=neighbours,
-               clock=clock, min_rounds=3, max_rounds=20, clear_margin=0.5)
+    res = race(
+        keys,
+        _fake_runs(truth, clock, 0.01),
+        n_prompts=3,
+        judge_every=1,
+        neighbours=neighbours,
+        clock=clock,
+        min_rounds=3,
+        max_rounds=20,
+        clear_margin=0.5,
+    )
     assert (3, None) in res.tps and (5, None) in res.tps  # 4 led first: its neighbours were timed
     assert (6, None) in res.tps  # then 5 led: its neighbours too
     assert (8, None) in res.dropped and (1, None) in res.final  # plain (the baseline) never dropped
     assert max(res.final, key=lambda k: statistics.median(res.ratio[k])) == (5, None)
     # the model's choice (``keep``) is never dropped: the race is there to check it
-    res = race(keys, _fake_runs(truth, clock, 0.01), n_prompts=3, judge_every=1, neighbours=neighbours,
-               clock=clock, min_rounds=3, max_rounds=20, clear_margin=0.5, keep=[(8, None)])
+    res = race(
+        keys,
+        _fake_runs(truth, clock, 0.01),
+        n_prompts=3,
+        judge_every=1,
+        neighbours=neighbours,
+        clock=clock,
+        min_rounds=3,
+        max_rounds=20,
+        clear_margin=0.5,
+        keep=[(8, None)],
+    )
     assert (8, None) not in res.dropped and (8, None) in res.final and len(res.ratio[(8, None)]) >= 5
 
 
@@ -469,16 +595,18 @@ def test_cpu_name_is_the_first_cpus_model_name_from_the_blas_read(tmp_path, monk
     without a model name (no /proc/cpuinfo: macOS without Metal, others) it is platform's."""
     import platform
 
-    import mlx.core as mx
-
     from mlx_spec import blas
     from mlx_spec.tuning import store as tuner
+
+    import mlx.core as mx
 
     if mx.metal.is_available():
         pytest.skip("on Metal the key names the GPU")
     fake = tmp_path / "cpuinfo"
-    fake.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Fake(R) CPU 9000 @ 1.00GHz\n"
-                    "flags\t\t: fpu avx2\n\nprocessor\t: 1\nmodel name\t: another\n")
+    fake.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Fake(R) CPU 9000 @ 1.00GHz\n"
+        "flags\t\t: fpu avx2\n\nprocessor\t: 1\nmodel name\t: another\n"
+    )
     assert blas.cpuinfo(str(fake))["model name"] == "Fake(R) CPU 9000 @ 1.00GHz"
     monkeypatch.setattr(tuner, "cpuinfo", lambda: blas.cpuinfo(str(fake)))
     assert tuner.cpu_name() == "Fake(R) CPU 9000 @ 1.00GHz"
@@ -503,12 +631,12 @@ def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, 
     from dataclasses import replace
     from pathlib import Path
 
-    import huggingface_hub.constants
-
     from mlx_spec.config import LoadConfig
     from mlx_spec.default_target import CACHE_ENV, DEFAULT_TARGET_ID
     from mlx_spec.session import _stored_result
     from mlx_spec.tuning import weights_id
+
+    import huggingface_hub.constants
 
     t = Path(pair.target_id)
     cache = tmp_path / "cache"
@@ -521,8 +649,15 @@ def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     (tmp_path / "link").symlink_to(t)
     monkeypatch.chdir(t.parent)
-    spellings = [str(t), t.name, str(tmp_path / "link"), DEFAULT_TARGET_ID,
-                 str(cache / "models" / f"{DEFAULT_TARGET_ID}-f32"), "org/tiny", str(snap)]
+    spellings = [
+        str(t),
+        t.name,
+        str(tmp_path / "link"),
+        DEFAULT_TARGET_ID,
+        str(cache / "models" / f"{DEFAULT_TARGET_ID}-f32"),
+        "org/tiny",
+        str(snap),
+    ]
     assert len({weights_id(x) for x in spellings}) == 1 and weights_id(str(t)) is not None
     keys = [tune_key(replace(pair, target_id=x)) for x in spellings]
     assert len({key_hash(k) for k in keys}) == 1 and keys[3]["target"]["id"] == DEFAULT_TARGET_ID  # (shown)
@@ -537,7 +672,7 @@ def test_the_tuning_key_is_the_weights_not_how_they_are_spelled(pair, tmp_path, 
     w = other / "model.safetensors"
     data = bytearray(w.read_bytes())
     n = 8 + int.from_bytes(data[:8], "little")
-    data[n:n + 16] = bytes(16)
+    data[n : n + 16] = bytes(16)
     w.write_bytes(bytes(data))
     assert weights_id(str(other)) != weights_id(str(t))
     cfg = json.loads((other / "config.json").read_text())
@@ -632,8 +767,11 @@ def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
 
     def fake_race(keys, run, **kw):
         timed.append(list(keys))
-        return race(keys, lambda k, i: _lap({1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]] / (1 + 0.1 * (k[1] == 1))),
-                    **{**kw, "clock": clock})
+        return race(
+            keys,
+            lambda k, i: _lap({1: 10.0, 2: 12.0, 3: 13.0, 4: 14.0}[k[0]] / (1 + 0.1 * (k[1] == 1))),
+            **{**kw, "clock": clock},
+        )
 
     monkeypatch.setattr(T, "race", fake_race)
     seen = []
@@ -670,8 +808,11 @@ def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, mo
 
     def fake_race(keys, run, **kw):
         clock = FakeClock()
-        return race(keys, _fake_runs(script.get("truth", truth), clock,
-                                     **{k: v for k, v in script.items() if k != "truth"}), **{**kw, "clock": clock})
+        return race(
+            keys,
+            _fake_runs(script.get("truth", truth), clock, **{k: v for k, v in script.items() if k != "truth"}),
+            **{**kw, "clock": clock},
+        )
 
     monkeypatch.setattr(T, "race", fake_race)
     kw = dict(budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[None], clear_margin=0.9, clock=FakeClock())
@@ -682,8 +823,12 @@ def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, mo
     assert "standard errors of a paired round, sqrt(2/3) x the race's run-to-run noise" in r.why
     script.update(prompts={(b, None): (1.3, 1.3, 0.7) for b in (2, 3, 4)})  # rounds that disagree
     r = tune(pair, max_rounds=3, **kw)
-    assert r.best == 1 and r.why.startswith("off: ") and "checked by the race (3 rounds): no candidate clearly " \
-        "faster (closest B=4: " in r.why and "faster in 2; a clear margin needs every round and +3.0%" in r.why
+    assert (
+        r.best == 1
+        and r.why.startswith("off: ")
+        and "checked by the race (3 rounds): no candidate clearly faster (closest B=4: " in r.why
+        and "faster in 2; a clear margin needs every round and +3.0%" in r.why
+    )
     for seed in range(3):  # a noisy machine, blocks a little faster
         script.clear()
         script.update(noise=0.4, seed=seed, truth={(1, None): 10.0, (2, None): 10.4, (3, None): 10.7, (4, None): 11.0})
@@ -732,8 +877,10 @@ class _Machine:
 
         m = CostMeter.__new__(CostMeter)
         m.context, m.rounds = len(context), 0
-        m.tasks = {("t1", 1): None, **{(n, B): None for B in sorted({1, *sizes}) for n in ("td", "tt")
-                                         if not (n == "td" and B == 1)}}
+        m.tasks = {
+            ("t1", 1): None,
+            **{(n, B): None for B in sorted({1, *sizes}) for n in ("td", "tt") if not (n == "td" and B == 1)},
+        }
         m.times = {k: [] for k in m.tasks}
 
         def round_(progress=None, note=""):
@@ -743,6 +890,7 @@ class _Machine:
                 if m.rounds:
                     m.times[k].append(x)
             m.rounds += 1
+
         m.round = round_
         return m
 
@@ -772,6 +920,7 @@ class _Machine:
                     t += (machine.ms("td", B) + machine.ms("tt", B) + 4.0 if B > 1 else machine.ms("t1", 1) + 2.0) / 1e3
                 machine.clock.t += t
                 return Run(toks, t, first, 1, st, blocks)
+
         return R()
 
 
@@ -788,8 +937,15 @@ def test_tune_chooses_the_same_block_across_seeds_of_noise(pair, monkeypatch):
         monkeypatch.setattr(T, "CostMeter", m.meter)
         monkeypatch.setattr(T, "Runner", m.runner)
         monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
-        r = tune(pair, budget_s=60.0, tokens=24, candidates=[2, 3, 4, 5, 6, 8, 10], threads=[1, 2], blas=fake_blas,
-                 clock=clock)
+        r = tune(
+            pair,
+            budget_s=60.0,
+            tokens=24,
+            candidates=[2, 3, 4, 5, 6, 8, 10],
+            threads=[1, 2],
+            blas=fake_blas,
+            clock=clock,
+        )
         got.add((r.best, r.threads))
         assert "within noise" in r.why and f"chose {r.best}" in r.why, r.why
         # calibrated from the race: the scripted 4 ms plus the slow tail's mean (~16 % of a cycle),
@@ -814,8 +970,15 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
         monkeypatch.setattr(T, "CostMeter", m.meter)
         monkeypatch.setattr(T, "Runner", m.runner)
         monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
-        r = tune(pair, budget_s=budget, tokens=24, candidates=[2, 3, 4, 5, 6, 8, 10], threads=[1, 2],
-                 blas=fake_blas, clock=clock)
+        r = tune(
+            pair,
+            budget_s=budget,
+            tokens=24,
+            candidates=[2, 3, 4, 5, 6, 8, 10],
+            threads=[1, 2],
+            blas=fake_blas,
+            clock=clock,
+        )
         assert r.elapsed_s <= budget and clock.t <= budget, (budget, r.timing)
         assert r.timing.startswith(f"{r.elapsed_s:.0f} s of {budget:.0f} s (probe ") and "over budget" not in r.timing
         if slow > 1:  # 5x slower (the probe alone ~40 s): 3 or 4 pass-cost rounds, not an overrun
@@ -829,8 +992,9 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):
-    import mlx_spec.tuning.run as T
     from dataclasses import replace
+
+    import mlx_spec.tuning.run as T
 
     applied = []
     monkeypatch.setattr(T, "apply_threads", lambda result, blas=None: applied.append(result and result.threads))
@@ -848,6 +1012,7 @@ def test_apply_threads_honours_a_pinned_count_and_no_knob():
         settable, pinned, path = True, None, None
 
     import mlx_spec.tuning.run as T
+
     orig = T.set_threads
     T.set_threads = lambda b, n: calls.append(n) or n
     try:
@@ -923,7 +1088,7 @@ def test_the_policy_reaches_most_of_the_best_fixed_rate():
         return costs.draft(L) + costs.verify(L) if L > 1 else costs.verify(1)
 
     for cond in (0.3, 0.6, 0.85):
-        best = max(sum(cond ** i for i in range(L)) / cycle_ms(L) for L in range(1, 17))
+        best = max(sum(cond**i for i in range(L)) / cycle_ms(L) for L in range(1, 17))
         rates = []
         for seed in range(8):
             rng, c = random.Random(seed), _DFlashOnly(costs, 16)

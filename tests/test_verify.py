@@ -4,16 +4,16 @@ near tie that only the batched verify form breaks the other way is numeric."""
 import dataclasses
 import json
 
-import mlx.core as mx
-import pytest
-from helpers import VOCAB, ScriptedDrafter, save_tiny_pair
-
 from mlx_spec import decode, verify
 from mlx_spec.cli import main
 from mlx_spec.decode import plain_steps
 from mlx_spec.loading import load_pair
 from mlx_spec.prompts import Prompt
 from mlx_spec.sampling import accept_greedy
+
+import mlx.core as mx
+import pytest
+from helpers import VOCAB, ScriptedDrafter, save_tiny_pair
 
 PROMPTS = [Prompt("p1", "user", "hello there"), Prompt("p2", "user", "2+2=")]
 N = 20
@@ -30,8 +30,9 @@ def pair(dirs):
 
 
 def _plain(pair, ids, n=N):
-    return [t for s in plain_steps(pair.model, ids, max_tokens=n, eos_ids=pair.tokenizer.eos_token_ids)
-            for t in s.tokens]
+    return [
+        t for s in plain_steps(pair.model, ids, max_tokens=n, eos_ids=pair.tokenizer.eos_token_ids) for t in s.tokens
+    ]
 
 
 def test_identical_on_a_correct_pair(pair):
@@ -178,8 +179,19 @@ def test_cli(dirs, tmp_path, capsys, monkeypatch):
     t, d = dirs
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"id": "a", "prompt": "hello"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    argv = ["verify", "--target", str(t), "--drafter", str(d), "--prompts", str(f), "--block-sizes", "2,4",
-            "--max-tokens", "12"]
+    argv = [
+        "verify",
+        "--target",
+        str(t),
+        "--drafter",
+        str(d),
+        "--prompts",
+        str(f),
+        "--block-sizes",
+        "2,4",
+        "--max-tokens",
+        "12",
+    ]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["summary"] == {"identical": 4, "numeric": 0, "mismatch": 0}

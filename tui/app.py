@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+
+from mlx_spec.errors import MlxSpecError
 
 from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
-
-from mlx_spec.errors import MlxSpecError
 
 from .backend import Backend, Settings, TuneView
 from .messages import EngineFailed, EngineReady, TuneProgress
@@ -25,8 +25,14 @@ class SpecChatApp(App):
     TITLE = "mlx_spec chat"
     BINDINGS = [Binding("f1", "help", "Help")]
 
-    def __init__(self, backend: Backend, settings: Settings = Settings(), *, system: str | None = None,
-                 export_dir: str | Path = "."):
+    def __init__(
+        self,
+        backend: Backend,
+        settings: Settings = Settings(),
+        *,
+        system: str | None = None,
+        export_dir: str | Path = ".",
+    ):
         super().__init__()
         self.backend = backend
         self.settings = settings
@@ -98,14 +104,18 @@ class SpecChatApp(App):
         yield from super().get_system_commands(screen)
         chat = self.chat
         spec = "off (A/B: plain decoding)" if self.settings.speculate else "back on"
-        yield SystemCommand(f"Speculation {spec}", "Toggle the drafter for the next replies (F2)",
-                            chat.action_toggle_spec)
-        yield SystemCommand("Re-tune block size", "Measure block sizes on this machine (F5)",
-                            chat.action_retune)
+        yield SystemCommand(
+            f"Speculation {spec}", "Toggle the drafter for the next replies (F2)", chat.action_toggle_spec
+        )
+        yield SystemCommand("Re-tune block size", "Measure block sizes on this machine (F5)", chat.action_retune)
         reason = self.backend.check_unavailable() if self.backend.info else "engine still loading"
-        yield SystemCommand("Losslessness check", reason or "Replay the last prompt greedily, "
-                            "speculative vs plain, and compare tokens (F3)", chat.action_check)
-        yield SystemCommand("Export chat as markdown", f"Write the conversation to {self.export_dir}/ (F4)",
-                            chat.action_export)
+        yield SystemCommand(
+            "Losslessness check",
+            reason or "Replay the last prompt greedily, speculative vs plain, and compare tokens (F3)",
+            chat.action_check,
+        )
+        yield SystemCommand(
+            "Export chat as markdown", f"Write the conversation to {self.export_dir}/ (F4)", chat.action_export
+        )
         yield SystemCommand("New conversation", "Clear the history (Ctrl+N)", chat.action_new_chat)
         yield SystemCommand("Help", "What each number means (F1)", self.action_help)

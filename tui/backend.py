@@ -10,8 +10,9 @@ events without MLX, for the UI tests. The events are the engine's own ``Started`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
 from mlx_spec.errors import MlxSpecError
@@ -95,7 +96,9 @@ class CheckResult:
 
 class Backend(Protocol):
     def start(self, progress: Progress | None = None) -> EngineInfo: ...
+
     """Block until loaded (``progress`` hears first-launch tuning); raise on failure."""
+
     @property
     def info(self) -> EngineInfo | None: ...  # None while loading
     def stream(self, messages: list[dict], settings: Settings) -> Iterator[Event]: ...
@@ -111,9 +114,16 @@ class Backend(Protocol):
 
 def request_for(messages: list[dict], settings: Settings) -> Request:
     think = None if settings.think is None else {"enable_thinking": settings.think}
-    return Request(messages=[dict(m) for m in messages], max_tokens=settings.max_tokens,
-                   temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                   seed=settings.seed, speculate=settings.speculate, template_kwargs=think)
+    return Request(
+        messages=[dict(m) for m in messages],
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        seed=settings.seed,
+        speculate=settings.speculate,
+        template_kwargs=think,
+    )
 
 
 # -- MLX-side probes: each runs on the engine thread via Engine.call ---------------------------
@@ -136,11 +146,20 @@ def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0
 
     m = engine.call(_live_memory).result(timeout)
     kv = (sizes.target_kv_per_token + sizes.drafter_kv_per_token) * context_tokens
-    return Memory(used=m["used"], peak=m["peak"], budget=m["budget"], budget_source=m["budget_source"],
-                  target=sizes.target, drafter=sizes.drafter, kv=kv,
-                  prefix=engine.snapshot()["prefix_cache_bytes"],
-                  context_tokens=context_tokens, swap_used=m["swap_used"], swap_total=m["swap_total"],
-                  rss=psutil.Process().memory_info().rss)
+    return Memory(
+        used=m["used"],
+        peak=m["peak"],
+        budget=m["budget"],
+        budget_source=m["budget_source"],
+        target=sizes.target,
+        drafter=sizes.drafter,
+        kv=kv,
+        prefix=engine.snapshot()["prefix_cache_bytes"],
+        context_tokens=context_tokens,
+        swap_used=m["swap_used"],
+        swap_total=m["swap_total"],
+        rss=psutil.Process().memory_info().rss,
+    )
 
 
 # -- the tuner (mlx_spec/tuning/) and the losslessness check (mlx_spec/verify.py) -------------
@@ -153,8 +172,15 @@ def tune_view(result) -> TuneView:
     for c in shown:
         raced = c.measured and c.speedup is not None
         model = "" if c.predicted is None else f"model x{c.predicted:.2f}" if raced else "model"
-        rows.append(TuneRow(c.block, c.median_tps, c.speedup if raced else c.predicted, c.tau,
-                            "; ".join(x for x in (c.note, model) if x)))
+        rows.append(
+            TuneRow(
+                c.block,
+                c.median_tps,
+                c.speedup if raced else c.predicted,
+                c.tau,
+                "; ".join(x for x in (c.note, model) if x),
+            )
+        )
     rows = tuple(rows)
     plain = next((c.median_tps for c in shown if c.block == 1 and c.measured), None)  # at the chosen threads
     return TuneView(result.best, plain, rows, result.date[:10], result.source)
@@ -177,8 +203,9 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
         result = tuning.tune(pair, budget_s=budget_s, progress=lambda d, t, m: progress(d / t if t else 0.0, m))
         tuning.save_result(result)
         # Between requests, on the engine thread: the next turn runs the tuned engine.
-        engine.use_info(session.info_for(pair, session.from_tuning(result),
-                                         adaptive=bool(engine.info and engine.info.adaptive_max)))
+        engine.use_info(
+            session.info_for(pair, session.from_tuning(result), adaptive=bool(engine.info and engine.info.adaptive_max))
+        )
         progress(1.0, "done")
         return tune_view(result)
 
@@ -197,12 +224,16 @@ def _verify_last(engine: Engine, messages: list[dict], max_tokens: int):
         ids = encode_prompt(pair.tokenizer, messages=messages)
         r = check(pair, [ids], (block,), max_tokens).results[0]
         if r.verdict == IDENTICAL:
-            detail = (f"{r.plain_tokens} tokens at block size {block}, same token ids and text "
-                      f"(sha256 {r.plain_sha256[:12]}), τ {r.tau:.2f}")
+            detail = (
+                f"{r.plain_tokens} tokens at block size {block}, same token ids and text "
+                f"(sha256 {r.plain_sha256[:12]}), τ {r.tau:.2f}"
+            )
         else:
             d = r.divergence
-            detail = (f"first divergence at token {d.index}: plain {d.plain_text!r} vs speculative "
-                      f"{d.spec_text!r}; {d.reason}" + (f"; block size 2: {r.block2}" if r.block2 else ""))
+            detail = (
+                f"first divergence at token {d.index}: plain {d.plain_text!r} vs speculative "
+                f"{d.spec_text!r}; {d.reason}" + (f"; block size 2: {r.block2}" if r.block2 else "")
+            )
         return CheckResult(r.verdict != "mismatch", r.verdict, r.plain_tokens, detail)
 
     return job
@@ -214,8 +245,7 @@ class LocalBackend:
 
     CHECK_TOKENS = 64  # the losslessness check replays at most this many tokens (both ways)
 
-    def __init__(self, loader: Callable[[Progress], Any], *, tune_budget_s: float | None = None,
-                 prefix_cache: int = 0):
+    def __init__(self, loader: Callable[[Progress], Any], *, tune_budget_s: float | None = None, prefix_cache: int = 0):
         self._loader = loader
         self._progress: Progress = lambda f, m: None
         self.engine = Engine(lambda: self._loader(lambda f, m: self._progress(f, m)), prefix_cache=prefix_cache)
@@ -225,7 +255,7 @@ class LocalBackend:
         self._context = 0  # tokens of the last turn (prompt + reply), for the KV estimate
 
     @classmethod
-    def from_config(cls, cfg) -> "LocalBackend":
+    def from_config(cls, cfg) -> LocalBackend:
         """Load what a ``config.LoadConfig`` names, as generate and serve do (``session.open_session``)."""
 
         def loader(progress: Progress):

@@ -18,8 +18,7 @@ def to_markdown(turns: list[Turn], info, when: str) -> str:
     if info is not None:
         lines += [f"- engine: {info.method}", f"- target: {info.target}"]
         if info.drafter:
-            lines += [f"- drafter: {info.drafter}",
-                      f"- block size: {info.block_size} ({info.block_size_source})"]
+            lines += [f"- drafter: {info.drafter}", f"- block size: {info.block_size} ({info.block_size_source})"]
         lines.append("")
     titles = {"user": "You", "assistant": "Assistant", "note": "Note"}
     for t in turns:

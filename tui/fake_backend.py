@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 from mlx_spec.engine import Delta, Done, Started
 from mlx_spec.errors import MlxSpecError
@@ -27,11 +27,16 @@ def _stats(accepts: list[int], tokens: int, block: int, elapsed_s: float, cached
     hits = [sum(1 for a in accepts if a > k) for k in range(block - 1)]
     tps = (tokens - 1) / elapsed_s if elapsed_s > 0 and tokens > 1 else 0.0
     return StatsSnapshot(
-        cycles=cycles, drafted=drafted, accepted=sum(accepts),
+        cycles=cycles,
+        drafted=drafted,
+        accepted=sum(accepts),
         mean_acceptance_length=round((sum(accepts) + cycles) / cycles, 4) if cycles else 0.0,
         acceptance_rate=round(sum(accepts) / drafted, 4) if drafted else 0.0,
         acceptance_by_position=tuple(round(h / r, 4) for h, r in zip(hits, reached)) if cycles else (),
-        decode_tps=round(tps, 2), end_to_end_tps=round(tps, 2), cached_tokens=cached)
+        decode_tps=round(tps, 2),
+        end_to_end_tps=round(tps, 2),
+        cached_tokens=cached,
+    )
 
 
 @dataclass
@@ -87,9 +92,18 @@ class FakeBackend:
         text = self.replies[min(self._turn, len(self.replies) - 1)]
         self._turn += 1
         spec = settings.speculate and self.engine.speculative
-        info = self.engine if spec or not self.engine.speculative else replace(
-            self.engine, method="plain", drafter=None, block_size=1, block_size_source="plain (--no-draft)",
-            mode=PLAIN)  # an A/B request, as generation.for_request makes it
+        info = (
+            self.engine
+            if spec or not self.engine.speculative
+            else replace(
+                self.engine,
+                method="plain",
+                drafter=None,
+                block_size=1,
+                block_size_source="plain (--no-draft)",
+                mode=PLAIN,
+            )
+        )  # an A/B request, as generation.for_request makes it
         block = info.block_size
         rid = f"fake-{self._turn}"
         yield Started(rid, sum(len(m["content"].split()) for m in messages), info)
@@ -131,9 +145,20 @@ class FakeBackend:
     def memory(self) -> Memory | None:
         budget = 16 * GiB
         used = int(self.memory_fraction * budget)
-        return Memory(used=used, peak=used, budget=budget, budget_source="fake", target=used // 2,
-                      drafter=used // 8, kv=used // 8, context_tokens=100, prefix=used // 16, swap_used=0,
-                      swap_total=2 * GiB, rss=used)
+        return Memory(
+            used=used,
+            peak=used,
+            budget=budget,
+            budget_source="fake",
+            target=used // 2,
+            drafter=used // 8,
+            kv=used // 8,
+            context_tokens=100,
+            prefix=used // 16,
+            swap_used=0,
+            swap_total=2 * GiB,
+            rss=used,
+        )
 
     def tuner_unavailable(self) -> str | None:
         if not self.engine.drafter:
@@ -153,11 +178,17 @@ class FakeBackend:
         progress(1.0, "done")
         self.stored = self.tuner
         if self.tuner.best > 1:
-            self.engine = replace(self.engine, method="dflash2", block_size=self.tuner.best,
-                                  block_size_source=self.tuner.source, mode=SPECULATIVE)
+            self.engine = replace(
+                self.engine,
+                method="dflash2",
+                block_size=self.tuner.best,
+                block_size_source=self.tuner.source,
+                mode=SPECULATIVE,
+            )
         else:
-            self.engine = replace(self.engine, method="plain", block_size=1,
-                                  block_size_source=self.tuner.source, mode=TUNED_OFF)
+            self.engine = replace(
+                self.engine, method="plain", block_size=1, block_size_source=self.tuner.source, mode=TUNED_OFF
+            )
         return self.tuner
 
     def check_unavailable(self) -> str | None:
@@ -172,7 +203,11 @@ class FakeBackend:
 
 
 def sample_tune(best: int = 8) -> TuneView:
-    rows = (TuneRow(1, 10.0, 1.0), TuneRow(4, 16.0, 1.6, 2.8), TuneRow(8, 19.5, 1.95, 3.9),
-            TuneRow(16, None, 1.4, 4.2, "not raced; model"))
+    rows = (
+        TuneRow(1, 10.0, 1.0),
+        TuneRow(4, 16.0, 1.6, 2.8),
+        TuneRow(8, 19.5, 1.95, 3.9),
+        TuneRow(16, None, 1.4, 4.2, "not raced; model"),
+    )
     source = "tuned 2026-01-01" if best > 1 else "tuned 2026-01-01: off — plain decoding faster on this machine"
     return TuneView(best=best, baseline_tps=10.0, rows=rows, date="2026-01-01", source=source)

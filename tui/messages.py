@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from textual.message import Message
-
 from mlx_spec.generation import EngineInfo
+
+from textual.message import Message
 
 from .backend import CheckResult, Event, Memory, TuneView
 

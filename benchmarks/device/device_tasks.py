@@ -28,8 +28,12 @@ SHIPPED = ROOT / "models" / "smollm2-135m-dflash2"
 def backend() -> dict:
     import mlx.core as mx
 
-    info = {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
-            "metal": bool(mx.metal.is_available()) if hasattr(mx, "metal") else False}
+    info = {
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "python": platform.python_version(),
+        "metal": bool(mx.metal.is_available()) if hasattr(mx, "metal") else False,
+    }
     cuda = getattr(mx, "cuda", None)
     info["cuda"] = bool(cuda.is_available()) if cuda is not None and hasattr(cuda, "is_available") else False
     try:
@@ -83,18 +87,31 @@ def costs(args) -> None:
         t1s.append(c["t1_ms"])
         td.update(c["td_ms"])
         tt.update(c["tt_ms"])
-        d = {**c, "t1_ms": round(statistics.median(t1s), 3), "td_ms": td, "tt_ms": tt, "sizes": [1, *sizes[: i + 1]],
-             "reps": args.reps, "drafter": str(args.drafter), "draft_vocab": pair.drafter.vocab_size_drafted or "full",
-             "backend": where, "seconds": round(time.perf_counter() - t, 1)}
+        d = {
+            **c,
+            "t1_ms": round(statistics.median(t1s), 3),
+            "td_ms": td,
+            "tt_ms": tt,
+            "sizes": [1, *sizes[: i + 1]],
+            "reps": args.reps,
+            "drafter": str(args.drafter),
+            "draft_vocab": pair.drafter.vocab_size_drafted or "full",
+            "backend": where,
+            "seconds": round(time.perf_counter() - t, 1),
+        }
         (out / "costs.json").write_text(json.dumps(d, indent=2))
         (out / "costs.md").write_text(costs_markdown(d))
     print(costs_markdown(d))
 
 
 def costs_markdown(d: dict) -> str:
-    lines = [f"Pass costs ({d['backend']['device']}, MLX {d['backend']['mlx']}; context {d['context']} tokens; "
-             f"median of {d['reps']} rounds; draft vocabulary {d['draft_vocab']}): T1 = {d['t1_ms']:.3f} ms",
-             "", "| B | Tt(B) ms | Tt(B)/T1 | Td(B) ms |", "|---|---|---|---|"]
+    lines = [
+        f"Pass costs ({d['backend']['device']}, MLX {d['backend']['mlx']}; context {d['context']} tokens; "
+        f"median of {d['reps']} rounds; draft vocabulary {d['draft_vocab']}): T1 = {d['t1_ms']:.3f} ms",
+        "",
+        "| B | Tt(B) ms | Tt(B)/T1 | Td(B) ms |",
+        "|---|---|---|---|",
+    ]
     for B in d["sizes"]:
         tt, td = d["tt_ms"].get(str(B)), d["td_ms"].get(str(B))
         lines.append(f"| {B} | {tt:.3f} | {tt / d['t1_ms']:.2f} | " + ("-" if td is None else f"{td:.3f}") + " |")
@@ -109,12 +126,17 @@ def summary(args) -> None:
     if (run / "summary.json").exists():
         s = json.loads((run / "summary.json").read_text())
         cfg = json.loads((run / "run_config.json").read_text())
-        parts += [f"`train run`: {s['tokens']} generated tokens in {s['seconds']} s, {s['batches']} batches, "
-                  f"{s['step']} optimizer steps; generation {s['gen_tok_s']} tok/s, training {s['steps_s']} "
-                  f"steps/s (each alone); stopped early: {s['stopped']}; replay {s['replay_bytes'] / 2**20:.0f} MiB, "
-                  f"{s['replay_evicted']} sequences evicted.", "",
-                  "Settings: `" + json.dumps({k: v for k, v in cfg.items() if k != "recipe"}) + "`", "",
-                  "Recipe: `" + json.dumps(cfg.get("recipe")) + "`", ""]
+        parts += [
+            f"`train run`: {s['tokens']} generated tokens in {s['seconds']} s, {s['batches']} batches, "
+            f"{s['step']} optimizer steps; generation {s['gen_tok_s']} tok/s, training {s['steps_s']} "
+            f"steps/s (each alone); stopped early: {s['stopped']}; replay {s['replay_bytes'] / 2**20:.0f} MiB, "
+            f"{s['replay_evicted']} sequences evicted.",
+            "",
+            "Settings: `" + json.dumps({k: v for k, v in cfg.items() if k != "recipe"}) + "`",
+            "",
+            "Recipe: `" + json.dumps(cfg.get("recipe")) + "`",
+            "",
+        ]
     else:
         parts += ["`train run`: no summary.json (the run did not finish a checkpoint)", ""]
     for name in ("eval_new", "eval_shipped"):
@@ -124,12 +146,19 @@ def summary(args) -> None:
         except (OSError, ValueError):  # the step did not run, failed or timed out
             parts += [f"{name}: no result (see log.txt)", ""]
             continue
-        parts += [f"Held-out tau, {name.split('_')[1]} drafter ({e['drafter']}; {e['prompts']} prompts x "
-                  f"{e['max_tokens']} tokens, draft vocabulary {e['draft_vocab']}):", ""]
+        parts += [
+            f"Held-out tau, {name.split('_')[1]} drafter ({e['drafter']}; {e['prompts']} prompts x "
+            f"{e['max_tokens']} tokens, draft vocabulary {e['draft_vocab']}):",
+            "",
+        ]
         kinds = sorted({k for r in e["rows"] for k in r["tau_by_kind"]})
         parts += ["| block | tau | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
-        parts += [f"| {r['block']} | {r['tau']:.2f} | " + " | ".join(f"{r['tau_by_kind'].get(k, 0):.2f}" for k in kinds)
-                  + " |" for r in e["rows"]]
+        parts += [
+            f"| {r['block']} | {r['tau']:.2f} | "
+            + " | ".join(f"{r['tau_by_kind'].get(k, 0):.2f}" for k in kinds)
+            + " |"
+            for r in e["rows"]
+        ]
         parts.append("")
     if (out / "costs.md").exists():
         parts += [(out / "costs.md").read_text()]

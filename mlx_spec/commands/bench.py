@@ -11,10 +11,10 @@ single prompt; for agent prompts also how much of the reply repeats the prompt. 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import math
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from ..cli import LAUNCH_DESTS, add_model_args
 
@@ -35,52 +35,80 @@ def add_arguments(p) -> None:
     add_model_args(p, context=False)  # bench's own --context (below): the memory plan is sized from it
     p.add_argument("--block-sizes", default="2,4,8", help="DFlash block sizes to bench (default 2,4,8)")
     p.add_argument("--prompts", default=None, help="JSONL file of prompts (default: the built-in set)")
-    p.add_argument("--workload", choices=("all", "chat", "agent"), default="all",
-                   help="built-in set: chat (code, math, prose), agent (multi-turn file edits) or all (default)")
+    p.add_argument(
+        "--workload",
+        choices=("all", "chat", "agent"),
+        default="all",
+        help="built-in set: chat (code, math, prose), agent (multi-turn file edits) or all (default)",
+    )
     p.add_argument("--kinds", default=None, help="built-in kinds to use, e.g. code,agent (default: the workload's)")
     p.add_argument("--per-kind", type=int, default=None, help="built-in prompts per kind (default: all)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens generated per prompt and method")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median; >= 3 recommended)")
-    p.add_argument("--ar-draft", default=None,
-                   help="small AR draft model for mlx-lm speculative decoding: a path, or skip:N for the "
-                        "target's own first N layers (self-speculation)")
+    p.add_argument(
+        "--ar-draft",
+        default=None,
+        help="small AR draft model for mlx-lm speculative decoding: a path, or skip:N for the "
+        "target's own first N layers (self-speculation)",
+    )
     p.add_argument("--ar-draft-tokens", type=int, default=3, help="draft tokens per round for --ar-draft")
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
     # --no-adaptive comes from add_model_args: here it also skips the per-cycle rows (dflash
     # per-cycle, lookup per-cycle, hybrid default engine)
-    p.add_argument("--no-mlx-lm", action="store_true",
-                   help="skip the mlx-lm plain row (the baseline a user would run instead of us)")
+    p.add_argument(
+        "--no-mlx-lm",
+        action="store_true",
+        help="skip the mlx-lm plain row (the baseline a user would run instead of us)",
+    )
     p.add_argument("--peer", action="store_true", help="also run the official dflash==0.1.0 MLX loop")
-    p.add_argument("--vocab-compare", action="store_true",
-                   help="also run every block size with the full draft head (the drafter must ship a "
-                        "reduced draft vocabulary)")
+    p.add_argument(
+        "--vocab-compare",
+        action="store_true",
+        help="also run every block size with the full draft head (the drafter must ship a reduced draft vocabulary)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
-    p.add_argument("--costs-only", action="store_true",
-                   help="only the pass costs T1, Td(B), Tt(B) (at the longest prompt's context, median of "
-                        "--repeats rounds), no generation rows; what bench measures on a group (a group "
-                        "started with --ranks must finish within --time-budget)")
+    p.add_argument(
+        "--costs-only",
+        action="store_true",
+        help="only the pass costs T1, Td(B), Tt(B) (at the longest prompt's context, median of "
+        "--repeats rounds), no generation rows; what bench measures on a group (a group "
+        "started with --ranks must finish within --time-budget)",
+    )
     from ..cli import add_launch_args
 
-    add_launch_args(p, "the group's pass costs beside one process's; under mlx.launch bench measures "
-                       "the group's alone")
+    add_launch_args(p, "the group's pass costs beside one process's; under mlx.launch bench measures the group's alone")
     p.set_defaults(bench_parser=p)  # --ranks rebuilds the ranks' flags from it
-    p.add_argument("--context", default=None, metavar="SIZES",
-                   help="e.g. 1k,4k,8k: pad each prompt to these context lengths (a long file for agent "
-                        "prompts, a long conversation for chat ones) and report prefill, time to first token "
-                        "cold / warm / from disk after a restart, decode speed and tau per context (default "
-                        "kinds agent,prose; docs/context.md); with --concurrency, the padded prompts go to "
-                        "both servers; the memory plan is sized for the longest")
+    p.add_argument(
+        "--context",
+        default=None,
+        metavar="SIZES",
+        help="e.g. 1k,4k,8k: pad each prompt to these context lengths (a long file for agent "
+        "prompts, a long conversation for chat ones) and report prefill, time to first token "
+        "cold / warm / from disk after a restart, decode speed and tau per context (default "
+        "kinds agent,prose; docs/context.md); with --concurrency, the padded prompts go to "
+        "both servers; the memory plan is sized for the longest",
+    )
     g = p.add_argument_group("many clients at once (mlx_spec serve vs mlx_lm.server; mlx_spec/loadtest.py)")
-    g.add_argument("--concurrency", default=None, metavar="LEVELS",
-                   help="e.g. 1,2,4,8: start both servers on 127.0.0.1 and report aggregate tok/s and p50/p95 "
-                        "latency at each number of concurrent clients (instead of the single-stream rows)")
+    g.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LEVELS",
+        help="e.g. 1,2,4,8: start both servers on 127.0.0.1 and report aggregate tok/s and p50/p95 "
+        "latency at each number of concurrent clients (instead of the single-stream rows)",
+    )
     g.add_argument("--requests", type=int, default=4, help="requests per client at each level (default 4)")
-    g.add_argument("--max-batch", type=int, default=None, help="mlx_spec serve --max-batch (default: the "
-                   "largest level)")
-    g.add_argument("--time-budget", type=float, default=1800.0, metavar="S",
-                   help="stop sending requests after S seconds in all (default 1800)")
+    g.add_argument(
+        "--max-batch", type=int, default=None, help="mlx_spec serve --max-batch (default: the largest level)"
+    )
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="stop sending requests after S seconds in all (default 1800)",
+    )
 
 
 def _fmt(x, spec=".2f", none="-"):
@@ -92,8 +120,9 @@ def _grid(head: list[str], lines: list[list[str]]) -> list[str]:
     widths = [max([len(head[i])] + [len(ln[i]) for ln in lines if len(ln) > 2]) for i in range(len(head))]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for ln in lines:
-        out.append(ln[0].ljust(widths[0]) + "  " + ln[1] if len(ln) == 2 else
-                   "  ".join(c.ljust(w) for c, w in zip(ln, widths)))
+        out.append(
+            ln[0].ljust(widths[0]) + "  " + ln[1] if len(ln) == 2 else "  ".join(c.ljust(w) for c, w in zip(ln, widths))
+        )
     return out
 
 
@@ -104,16 +133,41 @@ def _worst(w) -> str:
 def table(rows, kinds) -> str:
     from ..bench import POLICY_SOURCES
 
-    head = ["method", "dec tok/s", "e2e tok/s", "spread", "tau", "accept", "mean L", "T1 ms", "Td ms",
-            "Tt ms", "ceiling", "eff"]
+    head = [
+        "method",
+        "dec tok/s",
+        "e2e tok/s",
+        "spread",
+        "tau",
+        "accept",
+        "mean L",
+        "T1 ms",
+        "Td ms",
+        "Tt ms",
+        "ceiling",
+        "eff",
+    ]
     lines = []
     for r in rows:
         if r.status != "ok":
             lines.append([r.label, "FAILED — " + r.status.removeprefix("failed: ")])
             continue
-        lines.append([r.label, _fmt(r.decode_tps), _fmt(r.e2e_tps), _fmt(r.spread, ".0%"), _fmt(r.tau),
-                      _fmt(r.acceptance, ".0%"), _fmt(r.mean_block), _fmt(r.t1_ms, ".1f"), _fmt(r.td_ms, ".1f"),
-                      _fmt(r.tt_ms, ".1f"), _fmt(r.ceiling), _fmt(r.efficiency, ".0%")])
+        lines.append(
+            [
+                r.label,
+                _fmt(r.decode_tps),
+                _fmt(r.e2e_tps),
+                _fmt(r.spread, ".0%"),
+                _fmt(r.tau),
+                _fmt(r.acceptance, ".0%"),
+                _fmt(r.mean_block),
+                _fmt(r.t1_ms, ".1f"),
+                _fmt(r.td_ms, ".1f"),
+                _fmt(r.tt_ms, ".1f"),
+                _fmt(r.ceiling),
+                _fmt(r.efficiency, ".0%"),
+            ]
+        )
     out = _grid(head, lines)
     ok = [r for r in rows if r.status == "ok"]
     for suffix, title in (("", "plain (ours)"), ("_mlx", "mlx-lm plain")):
@@ -121,9 +175,19 @@ def table(rows, kinds) -> str:
             continue
         out.append(f"\nspeedup vs {title} (decode tok/s; median over repeats; worst = lowest single prompt):")
         head = ["method", "all", "e2e", *kinds, "worst prompt"]
-        out += _grid(head, [[r.label, _fmt(getattr(r, "speedup" + suffix)), _fmt(getattr(r, "e2e_speedup" + suffix)),
-                             *[_fmt(getattr(r, "speedup_by_kind" + suffix).get(k)) for k in kinds],
-                             _worst(getattr(r, "worst" + suffix))] for r in ok])
+        out += _grid(
+            head,
+            [
+                [
+                    r.label,
+                    _fmt(getattr(r, "speedup" + suffix)),
+                    _fmt(getattr(r, "e2e_speedup" + suffix)),
+                    *[_fmt(getattr(r, "speedup_by_kind" + suffix).get(k)) for k in kinds],
+                    _worst(getattr(r, "worst" + suffix)),
+                ]
+                for r in ok
+            ],
+        )
     spec = [r for r in ok if r.acceptance_by_position]
     if spec:
         out.append("\nacceptance by draft position (share of cycles reaching it):")
@@ -131,14 +195,21 @@ def table(rows, kinds) -> str:
     src = [r for r in ok if r.sources and r.kind in POLICY_SOURCES]  # fixed rows have one source
     if src:
         out.append("\ndraft sources (drafted cycles, accepted/drafted tokens, tau):")
-        out += [f"  {r.label:18s} " + ", ".join(
-            f"{k} {v.get('cycles', 0)} ({v.get('accepted', 0)}/{v.get('drafted', 0)}, "
-            f"tau {_fmt(v.get('mean_acceptance_length'))})" for k, v in r.sources.items())
-            for r in src]
+        out += [
+            f"  {r.label:18s} "
+            + ", ".join(
+                f"{k} {v.get('cycles', 0)} ({v.get('accepted', 0)}/{v.get('drafted', 0)}, "
+                f"tau {_fmt(v.get('mean_acceptance_length'))})"
+                for k, v in r.sources.items()
+            )
+            for r in src
+        ]
     div = [r for r in rows if r.diverged]
     if div:
-        out.append("\nnot token-identical to plain (greedy near-ties in the target): "
-                   + ", ".join(f"{r.label} {r.diverged}/{r.runs} runs" for r in div))
+        out.append(
+            "\nnot token-identical to plain (greedy near-ties in the target): "
+            + ", ".join(f"{r.label} {r.diverged}/{r.runs} runs" for r in div)
+        )
     return "\n".join(out)
 
 
@@ -151,25 +222,41 @@ def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
 
     ceilings = ceilings or {}
     labels = [r.label for r in rows if r.status == "ok" and r.tau is not None]
-    head = ["prompt", "prompt tok", "reply tok", "copy share", "ceiling",
-            *[f"{m} tau x/x-mlx %ceil" for m in labels]]
-    lines = [[p.prompt_id, str(p.prompt_tokens), str(p.reply_tokens), _fmt(p.copy_share, ".0%"), _fmt(p.ceiling),
-              *[f"{_fmt(p.tau.get(m))} {_fmt(p.speedup.get(m))}/{_fmt(p.speedup_mlx.get(m))} "
-                f"{_fmt(p.of_ceiling.get(m), '.0%')}" for m in labels]]
-             for p in prompt_rows]
-    out = ["agent prompts: copy share = reply tokens covered by spans of >= 4 tokens that occur in the prompt; "
-           "ceiling = the speedup an oracle reaches that drafts every such token right (blocks up to 32 at the "
-           "measured Tt(L), plain steps elsewhere); per method: tau, speedup vs our plain / vs mlx-lm plain, "
-           "share of the ceiling"]
+    head = ["prompt", "prompt tok", "reply tok", "copy share", "ceiling", *[f"{m} tau x/x-mlx %ceil" for m in labels]]
+    lines = [
+        [
+            p.prompt_id,
+            str(p.prompt_tokens),
+            str(p.reply_tokens),
+            _fmt(p.copy_share, ".0%"),
+            _fmt(p.ceiling),
+            *[
+                f"{_fmt(p.tau.get(m))} {_fmt(p.speedup.get(m))}/{_fmt(p.speedup_mlx.get(m))} "
+                f"{_fmt(p.of_ceiling.get(m), '.0%')}"
+                for m in labels
+            ],
+        ]
+        for p in prompt_rows
+    ]
+    out = [
+        "agent prompts: copy share = reply tokens covered by spans of >= 4 tokens that occur in the prompt; "
+        "ceiling = the speedup an oracle reaches that drafts every such token right (blocks up to 32 at the "
+        "measured Tt(L), plain steps elsewhere); per method: tau, speedup vs our plain / vs mlx-lm plain, "
+        "share of the ceiling"
+    ]
     out += _grid(head, lines)
     ids = [p.prompt_id for p in prompt_rows if p.copy_share >= COPY_SUBSET]
     if subset:
         c = ceilings.get("copying")
-        out.append(f"\nreplies that repeat their prompt (copy share >= {COPY_SUBSET:.0%}: {', '.join(ids)}; "
-                   f"ceiling x{_fmt(c)}): "
-                   + "; ".join(f"{m} x{_fmt(a)} / x{_fmt(b)} mlx-lm"
-                               + (f" ({_fmt(a / c, '.0%')} of the ceiling)" if a and c else "")
-                               for m, (a, b) in subset.items() if m in labels))
+        out.append(
+            f"\nreplies that repeat their prompt (copy share >= {COPY_SUBSET:.0%}: {', '.join(ids)}; "
+            f"ceiling x{_fmt(c)}): "
+            + "; ".join(
+                f"{m} x{_fmt(a)} / x{_fmt(b)} mlx-lm" + (f" ({_fmt(a / c, '.0%')} of the ceiling)" if a and c else "")
+                for m, (a, b) in subset.items()
+                if m in labels
+            )
+        )
     else:
         out.append(f"\nno reply repeats its prompt (copy share >= {COPY_SUBSET:.0%})")
     if ceilings.get("agent"):
@@ -187,20 +274,35 @@ def reach_lines(reach, rows, kinds) -> str:
     def cells(r) -> list[str]:
         return ["-", "-"] if r is None else [_fmt(r.break_even), "x" + _fmt(r.perfect)]
 
-    lines = [[str(B), *cells(by.get((B, "dflash"))), *cells(by.get((B, "lookup")))]
-             for B in sorted({r.block for r in reach})]
-    out = ["what drafting can reach here (this run's pass costs, one sequence, no host overhead; tau = tokens a "
-           "cycle commits; a cycle committing tau runs tau / break-even times as fast as plain steps; perfect = "
-           "every draft accepted):"]
+    lines = [
+        [str(B), *cells(by.get((B, "dflash"))), *cells(by.get((B, "lookup")))] for B in sorted({r.block for r in reach})
+    ]
+    out = [
+        "what drafting can reach here (this run's pass costs, one sequence, no host overhead; tau = tokens a "
+        "cycle commits; a cycle committing tau runs tau / break-even times as fast as plain steps; perfect = "
+        "every draft accepted):"
+    ]
     out += _grid(["block", "dflash break-even tau", "dflash perfect", "lookup break-even tau", "lookup perfect"], lines)
     # (a full-vocab row's draft pass is not the curve's: its td_ms is None)
-    fixed = [r for r in rows if r.status == "ok" and r.kind == "dflash" and r.tau_by_kind
-             and r.td_ms is not None and (r.block_size, "dflash") in by]
+    fixed = [
+        r
+        for r in rows
+        if r.status == "ok"
+        and r.kind == "dflash"
+        and r.tau_by_kind
+        and r.td_ms is not None
+        and (r.block_size, "dflash") in by
+    ]
     for r in fixed:
         R = by[(r.block_size, "dflash")]
-        out.append(f"  {r.label}: measured tau " + ", ".join(
-            f"{k} {_fmt(r.tau_by_kind[k])} (x{_fmt(R.speedup(r.tau_by_kind[k]))})"
-            for k in kinds if k in r.tau_by_kind))
+        out.append(
+            f"  {r.label}: measured tau "
+            + ", ".join(
+                f"{k} {_fmt(r.tau_by_kind[k])} (x{_fmt(R.speedup(r.tau_by_kind[k]))})"
+                for k in kinds
+                if k in r.tau_by_kind
+            )
+        )
     return "\n".join(out)
 
 
@@ -217,8 +319,9 @@ def concurrency(args) -> int:
     except ValueError:
         levels = []
     if not levels or min(levels) < 1 or args.requests < 1:
-        raise BadRequest(f"--concurrency wants client counts >= 1 separated by commas (got '{args.concurrency}'), "
-                         "--requests >= 1")
+        raise BadRequest(
+            f"--concurrency wants client counts >= 1 separated by commas (got '{args.concurrency}'), --requests >= 1"
+        )
     if args.prompts:
         prompts = load_prompts(args.prompts)
     else:
@@ -237,11 +340,24 @@ def concurrency(args) -> int:
 
     if not args.no_mlx_lm:
         servers.append(loadtest.mlx_lm_server(target, mlx_spec.BLAS.path))
-    rows = loadtest.run(servers, levels, messages, max_tokens=args.max_tokens, requests=args.requests,
-                        budget_s=args.time_budget, log=lambda m: print(m, file=sys.stderr))
-    report = {"target": args.target, "blas": mlx_spec.BLAS.describe(), "levels": levels,
-              "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompts": [p.id for p in prompts],
-              "rows": [r.as_dict() for r in rows]}
+    rows = loadtest.run(
+        servers,
+        levels,
+        messages,
+        max_tokens=args.max_tokens,
+        requests=args.requests,
+        budget_s=args.time_budget,
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    report = {
+        "target": args.target,
+        "blas": mlx_spec.BLAS.describe(),
+        "levels": levels,
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
+        "prompts": [p.id for p in prompts],
+        "rows": [r.as_dict() for r in rows],
+    }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report) if args.json else loadtest.table(rows))
@@ -269,11 +385,11 @@ def run(args) -> int:
     from ..analysis import COPY_SUBSET, reach_table
     from ..bench import CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report, subset_speedups, summarize
     from ..blas import default_threads
-    from ..errors import BadRequest
     from ..cli import load_config
+    from ..errors import BadRequest
     from ..progress import Bar as ProgressBar
-    from ..session import open_session
     from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
+    from ..session import open_session
     from ..tuning import apply_threads, load_result, machine_info, tune_key
 
     if args.repeats < 1 or args.max_tokens < 1:
@@ -312,24 +428,36 @@ def run(args) -> int:
         methods += [Method(kind, B) for B in sizes]
         if args.vocab_compare:
             if pair.drafter.vocab is None:
-                raise BadRequest("--vocab-compare: the drafter drafts over the full head already "
-                                 "(no draft_vocab.json, or --draft-vocab full)")
+                raise BadRequest(
+                    "--vocab-compare: the drafter drafts over the full head already "
+                    "(no draft_vocab.json, or --draft-vocab full)"
+                )
             methods += [Method(kind, B, full_vocab=True) for B in sizes]
         tuned = load_result(tune_key(pair))
         adaptive_max = max(sizes + [pair.drafter.args.block_size])
         if not args.no_adaptive:
-            methods += [Method("adaptive", adaptive_max), Method("lookup-policy", adaptive_max),
-                        Method("hybrid", adaptive_max)]
+            methods += [
+                Method("adaptive", adaptive_max),
+                Method("lookup-policy", adaptive_max),
+                Method("hybrid", adaptive_max),
+            ]
         if args.peer:
             methods += [Method("peer", B) for B in sizes]
-    cost_sizes = sorted({*sizes, args.lookup_block if args.lookup_block >= 2 else 2,
-                         args.ar_draft_tokens + 1, *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else []),
-                         # the copy ceiling's blocks (agent prompts): Tt(L) up to a full lookup draft
-                         *([16, 24, policy.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else [])})
+    cost_sizes = sorted(
+        {
+            *sizes,
+            args.lookup_block if args.lookup_block >= 2 else 2,
+            args.ar_draft_tokens + 1,
+            *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else []),
+            # the copy ceiling's blocks (agent prompts): Tt(L) up to a full lookup draft
+            *([16, 24, policy.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else []),
+        }
+    )
     context = max((ids for _, _, ids in encoded), key=len)
     bar = ProgressBar(err, "bench")
-    meter = CostMeter(pair.model, pair.target, pair.drafter, [s for s in cost_sizes if s <= 64], context,
-                      ar_model=ar_model)
+    meter = CostMeter(
+        pair.model, pair.target, pair.drafter, [s for s in cost_sizes if s <= 64], context, ar_model=ar_model
+    )
     for r in range(3):  # a warm-up round and two more; then one before every repeat
         meter.round(bar, f"measuring pass costs ({r + 1}/3)")
     costs = meter.costs()
@@ -337,11 +465,19 @@ def run(args) -> int:
     # Our rows at the engine's thread count (the tuner's stored choice, else all cores); the
     # mlx-lm row at the BLAS's own default. Either way a user's pinned count wins.
     ours = apply_threads(tuned)
-    runner = Runner(pair, ar_model=ar_model, costs=costs,
-                    stop_at_eos=not args.ignore_eos, tuned=tuned, threads=ours, blas=mlx_spec.BLAS)
+    runner = Runner(
+        pair,
+        ar_model=ar_model,
+        costs=costs,
+        stop_at_eos=not args.ignore_eos,
+        tuned=tuned,
+        threads=ours,
+        blas=mlx_spec.BLAS,
+    )
     threads = {"ours": ours, "mlx-lm": mlx_spec.BLAS.pinned or (default_threads() if ours else None)}
-    samples, failed = bench(runner, methods, encoded, repeats=args.repeats, max_tokens=args.max_tokens,
-                            progress=bar, meter=meter)
+    samples, failed = bench(
+        runner, methods, encoded, repeats=args.repeats, max_tokens=args.max_tokens, progress=bar, meter=meter
+    )
     bar.close()
     costs = meter.costs()  # medians over all rounds, interleaved with the runs
     rows = summarize(samples, costs, failed, methods)
@@ -351,38 +487,55 @@ def run(args) -> int:
     agent = [p for p in per_prompt if p.kind == "agent"]
     copying = {p.prompt_id for p in agent if p.copy_share >= COPY_SUBSET}
     subset = subset_speedups(samples, copying) if copying else {}
-    ceilings = {"agent": pooled_ceiling(agent, costs.t1_ms),
-                "copying": pooled_ceiling([p for p in agent if p.prompt_id in copying], costs.t1_ms)}
+    ceilings = {
+        "agent": pooled_ceiling(agent, costs.t1_ms),
+        "copying": pooled_ceiling([p for p in agent if p.prompt_id in copying], costs.t1_ms),
+    }
     reach = reach_table(costs, adaptive_max if pair.drafter is not None else 0)
     fixed = [r for r in rows if r.kind == "dflash" and r.status == "ok" and r.decode_tps]
     best_fixed = max(fixed, key=lambda r: r.e2e_speedup or 0).label if fixed else None
     report = {
-        "blas": mlx_spec.BLAS.describe(), "machine": machine_info(), "target": pair.target_id,
-        "drafter": pair.drafter_id, "ar_draft": args.ar_draft,
-        "prompts": [pid for pid, _, _ in encoded], "kinds": kinds,
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "stop_at_eos": not args.ignore_eos,
-        "costs": costs.as_dict(), "rows": [asdict(r) for r in rows], "best_fixed": best_fixed,
-        "tuned": None if tuned is None else {"best": "off" if tuned.best == 1 else tuned.best,
-                                             "threads": tuned.threads, "source": tuned.source},
-        "failed": [r.label for r in rows if r.status != "ok"], "blas_threads": threads,
-        "per_prompt": [asdict(p) for p in per_prompt], "copy_subset": {
-            "min_share": COPY_SUBSET, "prompts": sorted(copying), "ceiling": ceilings["copying"],
-            "speedup": {m: {"plain": a, "mlx-lm": b} for m, (a, b) in subset.items()}},
+        "blas": mlx_spec.BLAS.describe(),
+        "machine": machine_info(),
+        "target": pair.target_id,
+        "drafter": pair.drafter_id,
+        "ar_draft": args.ar_draft,
+        "prompts": [pid for pid, _, _ in encoded],
+        "kinds": kinds,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "stop_at_eos": not args.ignore_eos,
+        "costs": costs.as_dict(),
+        "rows": [asdict(r) for r in rows],
+        "best_fixed": best_fixed,
+        "tuned": None
+        if tuned is None
+        else {"best": "off" if tuned.best == 1 else tuned.best, "threads": tuned.threads, "source": tuned.source},
+        "failed": [r.label for r in rows if r.status != "ok"],
+        "blas_threads": threads,
+        "per_prompt": [asdict(p) for p in per_prompt],
+        "copy_subset": {
+            "min_share": COPY_SUBSET,
+            "prompts": sorted(copying),
+            "ceiling": ceilings["copying"],
+            "speedup": {m: {"plain": a, "mlx-lm": b} for m, (a, b) in subset.items()},
+        },
         "agent_ceiling": ceilings["agent"],
-        "reach": [{**asdict(r), "break_even": round(r.break_even, 3), "perfect": round(r.perfect, 3)}
-                  for r in reach],
+        "reach": [{**asdict(r), "break_even": round(r.break_even, 3), "perfect": round(r.perfect, 3)} for r in reach],
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"target {pair.target_id} | drafter {pair.drafter_id}"
-              + (f" | AR draft {args.ar_draft}" if args.ar_draft else "")
-              + f" | {len(encoded)} prompts ({', '.join(kinds)}) "
-              f"x {args.repeats} repeats, {args.max_tokens} max tokens, greedy | context for pass costs "
-              f"{costs.context} tokens | BLAS threads: ours {threads['ours'] or '-'}, "
-              f"mlx-lm {threads['mlx-lm'] or '-'}")
+        print(
+            f"target {pair.target_id} | drafter {pair.drafter_id}"
+            + (f" | AR draft {args.ar_draft}" if args.ar_draft else "")
+            + f" | {len(encoded)} prompts ({', '.join(kinds)}) "
+            f"x {args.repeats} repeats, {args.max_tokens} max tokens, greedy | context for pass costs "
+            f"{costs.context} tokens | BLAS threads: ours {threads['ours'] or '-'}, "
+            f"mlx-lm {threads['mlx-lm'] or '-'}"
+        )
         print(table(rows, kinds))
         if agent:
             print()
@@ -394,8 +547,9 @@ def run(args) -> int:
             by = {r.label: r for r in rows}
             line = f"\nbest fixed block: {best_fixed} (e2e x{_fmt(by[best_fixed].e2e_speedup)})"
             for ad in (r for r in rows if r.kind in ("hybrid", "adaptive")):
-                line += f" | {ad.label}: " + (f"e2e x{_fmt(ad.e2e_speedup)}, mean L {_fmt(ad.mean_block)}"
-                                              if ad.status == "ok" else ad.status)
+                line += f" | {ad.label}: " + (
+                    f"e2e x{_fmt(ad.e2e_speedup)}, mean L {_fmt(ad.mean_block)}" if ad.status == "ok" else ad.status
+                )
             if tuned:
                 line += f" | tuner's choice: B={report['tuned']['best']} ({report['tuned']['source']})"
             print(line)
@@ -448,10 +602,10 @@ def context_run(args) -> int:
     import mlx_spec
 
     from .. import contextbench
-    from ..policy import PolicyFactory
     from ..blas import set_threads
     from ..cli import launch_of, load_config
     from ..errors import BadRequest
+    from ..policy import PolicyFactory
     from ..session import open_session
     from ..tuning import apply_threads, load_result, tune_key
 
@@ -475,25 +629,46 @@ def context_run(args) -> int:
             set_threads(blas, blas.pinned if who == "mlx-lm" else ours)
 
     prompts = _context_prompts(args)
-    rows = contextbench.run(pair, prompts, sizes, max_tokens=args.max_tokens, repeats=args.repeats,
-                            policies=policies, threads=threads, log=lambda m: print(m, file=err))
+    rows = contextbench.run(
+        pair,
+        prompts,
+        sizes,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        policies=policies,
+        threads=threads,
+        log=lambda m: print(m, file=err),
+    )
     term = contextbench.context_term(rows)
-    report = {"target": pair.target_id, "drafter": pair.drafter_id, "blas": blas.describe(), "contexts": sizes,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": contextbench.as_dicts(rows),
-              "context_term": None if term is None else term.as_dict()}
+    report = {
+        "target": pair.target_id,
+        "drafter": pair.drafter_id,
+        "blas": blas.describe(),
+        "contexts": sizes,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "rows": contextbench.as_dicts(rows),
+        "context_term": None if term is None else term.as_dict(),
+    }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
-              f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()}")
+        print(
+            f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
+            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()}"
+        )
         print(contextbench.table(rows))
-        print("disk/(warm+load): time to first token after a restart over a warm in-memory hit plus the "
-              "disk load (<= 1.10: within 10 %)")
+        print(
+            "disk/(warm+load): time to first token after a restart over a warm in-memory hit plus the "
+            "disk load (<= 1.10: within 10 %)"
+        )
         if term is not None:
-            print("context term (ms a pass gains per 1000 tokens of context; costs.Costs.ctx_ms): "
-                  + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items())))
+            print(
+                "context term (ms a pass gains per 1000 tokens of context; costs.Costs.ctx_ms): "
+                + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items()))
+            )
     return 0 if all(r.identical for r in rows) else 1
 
 
@@ -523,8 +698,14 @@ def _pass_costs(pair, sizes: list[int], context: list[int], reps: int, group=Non
     from ..distributed import group_info, link_costs
 
     costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=reps)
-    out = {"group": group_info(group).as_dict(), "target": pair.target_id, "drafter": pair.drafter_id,
-           "context": len(context), "reps": reps, "costs": costs.as_dict()}
+    out = {
+        "group": group_info(group).as_dict(),
+        "target": pair.target_id,
+        "drafter": pair.drafter_id,
+        "context": len(context),
+        "reps": reps,
+        "costs": costs.as_dict(),
+    }
     if group is not None:
         out.update(link_costs(group, pair.target.num_layers, pair.target.hidden_size, sizes, reps))
     return out
@@ -626,6 +807,7 @@ def _report(args, report: dict) -> None:
 def costs_table(cols: list[tuple[str, dict]]) -> str:
     """Pass costs side by side: one column per report (one process, a group), and the ratio of
     the last to the first when both ran."""
+
     def name(rep):
         g = rep.get("group") or {}
         return "1 process" if g.get("size", 1) == 1 else f"{g['size']} ranks ({g.get('backend')})"
@@ -654,19 +836,26 @@ def costs_table(cols: list[tuple[str, dict]]) -> str:
     link = [r for _, r in cols if "allreduce_ms" in r]
     if link:
         for B in sorted(int(k) for k in link[0]["allreduce_ms"]):
-            rows.append((f"all-reduces of one Tt({B})", [(r.get("allreduce_ms") or {}).get(str(B), (r.get(
-                "allreduce_ms") or {}).get(B)) for _, r in cols]))
+            rows.append(
+                (
+                    f"all-reduces of one Tt({B})",
+                    [(r.get("allreduce_ms") or {}).get(str(B), (r.get("allreduce_ms") or {}).get(B)) for _, r in cols],
+                )
+            )
         rows.append(("one-int message", [r.get("message_ms") for _, r in cols]))
     lines = []
     for label, vals in rows:
         cells = [label] + [_fmt(v, ".1f") if isinstance(v, (int, float)) else "-" for v in vals]
         if ratio:
             a, b = vals[0], vals[1]
-            cells.append(f"x{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0
-                         else "-")
+            cells.append(
+                f"x{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 else "-"
+            )
         lines.append(cells)
-    out = [f"target {first.get('target')} | drafter {first.get('drafter')} | context {first.get('context')} "
-           f"tokens | median of {first.get('reps')} rounds"]
+    out = [
+        f"target {first.get('target')} | drafter {first.get('drafter')} | context {first.get('context')} "
+        f"tokens | median of {first.get('reps')} rounds"
+    ]
     out += _grid(head, lines)
     for k, r in cols:
         if "error" in r:

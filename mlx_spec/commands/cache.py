@@ -13,8 +13,12 @@ from pathlib import Path
 
 def add_arguments(p) -> None:
     p.add_argument("action", choices=("list", "clear"), help="list the stored prefixes, or delete them all")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="the store's folder (default: the prefix folder of mlx_spec's user cache)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="the store's folder (default: the prefix folder of mlx_spec's user cache)",
+    )
 
 
 def _size(n: int) -> str:
@@ -33,15 +37,21 @@ def run(args) -> int:
     if not good and not bad:
         print(f"no stored prefixes in {root}")
         return 0
-    print(f"{len(good)} stored prefix{'es' if len(good) != 1 else ''} in {root} "
-          f"({_size(sum(g.nbytes for g in good))}), most recently used first:")
+    print(
+        f"{len(good)} stored prefix{'es' if len(good) != 1 else ''} in {root} "
+        f"({_size(sum(g.nbytes for g in good))}), most recently used first:"
+    )
     for g in good:
         models = " + ".join(str(g.models[k]) for k in ("target", "drafter") if g.models.get(k)) or "?"
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(g.last_used))
         what = "target + drafter" if g.drafter else "target only"
-        print(f"  {g.path.parent.name}/{g.path.name[:12]}  {len(g.tokens):>7} tokens  {_size(g.nbytes):>10}  "
-              f"{used}  {models} ({what})")
+        print(
+            f"  {g.path.parent.name}/{g.path.name[:12]}  {len(g.tokens):>7} tokens  {_size(g.nbytes):>10}  "
+            f"{used}  {models} ({what})"
+        )
     for path, why in bad:
-        print(f"  not an entry: {path} ({why}; a server deletes it when it meets it, `mlx_spec cache clear` "
-              "deletes everything now)")
+        print(
+            f"  not an entry: {path} ({why}; a server deletes it when it meets it, `mlx_spec cache clear` "
+            "deletes everything now)"
+        )
     return 0

@@ -35,8 +35,14 @@ def run(args) -> int:
     from tui.app import SpecChatApp
     from tui.backend import LocalBackend, Settings
 
-    settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, think=args.think)
+    settings = Settings(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        think=args.think,
+    )
     backend = LocalBackend.from_config(cfg)
     app = SpecChatApp(backend, settings, system=args.system, export_dir=args.export_dir)
     try:

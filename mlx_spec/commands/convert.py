@@ -10,8 +10,12 @@ from pathlib import Path
 def add_arguments(p) -> None:
     p.add_argument("gguf", type=Path, help="the .gguf file (Q4_0/Q4_1/Q8_0/F16/BF16/F32 llama)")
     p.add_argument("out", type=Path, help="output folder (loadable with mlx_lm.load and --target)")
-    p.add_argument("--dtype", choices=("float32", "keep"), default="float32",
-                   help="float32: dequantize everything (best on the CPU backend); keep: keep 4/8-bit weights")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "keep"),
+        default="float32",
+        help="float32: dequantize everything (best on the CPU backend); keep: keep 4/8-bit weights",
+    )
 
 
 def run(args) -> int:

@@ -50,39 +50,72 @@ def report(args) -> dict:
     quant = planned.quant
     pair = load(planned)
     loaded_s = time.perf_counter() - t0
-    out = {"mlx_spec_doctor": 1, "backend": b.as_dict(),
-           "machine": {"os": f"{platform.system()} {platform.release()}", "arch": platform.machine(),
-                       "python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
-           "target": cfg.target, "drafter": planned.drafter,
-           "precision": {"chosen": quant.describe(), "why": quant.reason, **quant.as_dict()},
-           "plan": None if planned.plan is None else {"total": planned.plan.total, "budget": planned.plan.budget,
-                                                       "budget_source": planned.plan.budget_source,
-                                                       "fits": planned.plan.fits},
-           "load_s": round(loaded_s, 1)}
+    out = {
+        "mlx_spec_doctor": 1,
+        "backend": b.as_dict(),
+        "machine": {
+            "os": f"{platform.system()} {platform.release()}",
+            "arch": platform.machine(),
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+        },
+        "target": cfg.target,
+        "drafter": planned.drafter,
+        "precision": {"chosen": quant.describe(), "why": quant.reason, **quant.as_dict()},
+        "plan": None
+        if planned.plan is None
+        else {
+            "total": planned.plan.total,
+            "budget": planned.plan.budget,
+            "budget_source": planned.plan.budget_source,
+            "fits": planned.plan.fits,
+        },
+        "load_s": round(loaded_s, 1),
+    }
     stored = stored_block(cfg, planned.drafter) if planned.drafter else None
-    out["tuning"] = None if stored is None else {"block_size": None if stored.off else stored.block_size,
-                                                 "source": stored.source}
+    out["tuning"] = (
+        None if stored is None else {"block_size": None if stored.off else stored.block_size, "source": stored.source}
+    )
     if pair.drafter is None:
         out["elapsed_s"] = round(time.perf_counter() - t0, 1)
         return out
     ctx = prompts.builtin_prompts()[0].encode(pair.tokenizer)
     t = time.perf_counter()
     c = costs.measure_costs(pair.model, pair.target, pair.drafter, SIZES, ctx, reps=max(1, args.reps))
-    out["costs"] = {"context": c.context, "t1_ms": c.t1_ms, "td_ms": {str(k): v for k, v in sorted(c.td_ms.items())},
-                    "tt_ms": {str(k): v for k, v in sorted(c.tt_ms.items())}, "seconds": round(time.perf_counter() - t, 1)}
+    out["costs"] = {
+        "context": c.context,
+        "t1_ms": c.t1_ms,
+        "td_ms": {str(k): v for k, v in sorted(c.td_ms.items())},
+        "tt_ms": {str(k): v for k, v in sorted(c.tt_ms.items())},
+        "seconds": round(time.perf_counter() - t, 1),
+    }
     block = stored.block_size if stored is not None and not stored.off else pair.drafter.args.block_size
     eos = tuple(pair.tokenizer.eos_token_ids)
     taus, steps_all = {}, []
     t = time.perf_counter()
     for p in (q for q in prompts.BUILTIN if q.id in PROMPT_IDS):
-        steps = list(decode.spec_steps(pair.target, pair.drafter, p.encode(pair.tokenizer), block_size=block,
-                                       max_tokens=args.max_tokens, eos_ids=eos))
+        steps = list(
+            decode.spec_steps(
+                pair.target,
+                pair.drafter,
+                p.encode(pair.tokenizer),
+                block_size=block,
+                max_tokens=args.max_tokens,
+                eos_ids=eos,
+            )
+        )
         cyc = [s for s in steps if not s.prefill and s.drafted]
         taus[p.id] = round(sum(s.accepted + 1 for s in cyc) / len(cyc), 2) if cyc else None
         steps_all += steps
     pair.drafter.settle()
-    out["acceptance"] = {"block_size": block, "max_tokens": args.max_tokens, "tau": taus,
-                         "drafter": pair.drafter.health().as_dict(), "seconds": round(time.perf_counter() - t, 1)}
+    out["acceptance"] = {
+        "block_size": block,
+        "max_tokens": args.max_tokens,
+        "tau": taus,
+        "drafter": pair.drafter.health().as_dict(),
+        "seconds": round(time.perf_counter() - t, 1),
+    }
     out["host_syncs_per_cycle"] = _host_syncs(steps_all)
     out["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return out
@@ -90,20 +123,34 @@ def report(args) -> dict:
 
 def text(r: dict) -> str:
     b = r["backend"]
-    lines = [f"backend      {b['kind']} on {b['device']}" + (" (faked: MLX_SPEC_BACKEND_AS)" if b["faked"] else ""),
-             (f"budget       {b['budget'] / 2**30:.1f} GiB ({b['budget_source']}); wired limit "
-              + (f"{b['wired_limit'] / 2**30:.1f} GiB" if b["wired_limit"] else "none")),
-             (f"machine      {r['machine']['os']} {r['machine']['arch']}, Python {r['machine']['python']}, "
-              f"mlx {r['machine']['mlx']}, mlx-lm {r['machine']['mlx_lm']}"),
-             f"pair         {r['target']} + {r['drafter']}",
-             f"precision    {r['precision']['chosen']}" + (f" ({r['precision']['why']})" if r["precision"]["why"] else "")]
+    lines = [
+        f"backend      {b['kind']} on {b['device']}" + (" (faked: MLX_SPEC_BACKEND_AS)" if b["faked"] else ""),
+        (
+            f"budget       {b['budget'] / 2**30:.1f} GiB ({b['budget_source']}); wired limit "
+            + (f"{b['wired_limit'] / 2**30:.1f} GiB" if b["wired_limit"] else "none")
+        ),
+        (
+            f"machine      {r['machine']['os']} {r['machine']['arch']}, Python {r['machine']['python']}, "
+            f"mlx {r['machine']['mlx']}, mlx-lm {r['machine']['mlx_lm']}"
+        ),
+        f"pair         {r['target']} + {r['drafter']}",
+        f"precision    {r['precision']['chosen']}" + (f" ({r['precision']['why']})" if r["precision"]["why"] else ""),
+    ]
     if r.get("plan"):
         p = r["plan"]
-        lines.append(f"memory plan  {p['total'] / 2**30:.2f} of {p['budget'] / 2**30:.1f} GiB"
-                     + ("" if p["fits"] else " (does not fit)"))
+        lines.append(
+            f"memory plan  {p['total'] / 2**30:.2f} of {p['budget'] / 2**30:.1f} GiB"
+            + ("" if p["fits"] else " (does not fit)")
+        )
     t = r.get("tuning")
-    lines.append("tuning       " + ("nothing stored for this pair and machine" if t is None else
-                                    f"block {t['block_size'] or 'off'} ({t['source']})"))
+    lines.append(
+        "tuning       "
+        + (
+            "nothing stored for this pair and machine"
+            if t is None
+            else f"block {t['block_size'] or 'off'} ({t['source']})"
+        )
+    )
     if "costs" in r:
         c = r["costs"]
         lines.append(f"costs        at {c['context']} tokens of context: T1 {c['t1_ms']:.1f} ms")
@@ -113,12 +160,18 @@ def text(r: dict) -> str:
     if "acceptance" in r:
         a = r["acceptance"]
         d = a["drafter"]
-        lines.append(f"tau          block {a['block_size']}, {a['max_tokens']} tokens: "
-                     + ", ".join(f"{k} {v}" for k, v in a["tau"].items()))
-        lines.append(f"drafter      {d['passes']} passes, {d['nonfinite']} non-finite, activations {d['activations']}"
-                     + (f"; {d['fallback']}" if d["fallback"] else ""))
+        lines.append(
+            f"tau          block {a['block_size']}, {a['max_tokens']} tokens: "
+            + ", ".join(f"{k} {v}" for k, v in a["tau"].items())
+        )
+        lines.append(
+            f"drafter      {d['passes']} passes, {d['nonfinite']} non-finite, activations {d['activations']}"
+            + (f"; {d['fallback']}" if d["fallback"] else "")
+        )
         hs = r.get("host_syncs_per_cycle")
-        lines.append("host syncs   " + ("not counted by this version's decode loop" if hs is None else f"{hs} per cycle"))
+        lines.append(
+            "host syncs   " + ("not counted by this version's decode loop" if hs is None else f"{hs} per cycle")
+        )
     lines.append(f"elapsed      {r['elapsed_s']} s (loading {r['load_s']} s)")
     return "\n".join(lines)
 

@@ -12,11 +12,16 @@ GiB = 2**30
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target-bits", choices=("4", "8", "none"), default="4",
-                   help="target precision the fit is judged at (4-bit is the usual choice on a Mac)")
+    p.add_argument(
+        "--target-bits",
+        choices=("4", "8", "none"),
+        default="4",
+        help="target precision the fit is judged at (4-bit is the usual choice on a Mac)",
+    )
     p.add_argument("--context", type=int, default=4096, help="context the memory plan must fit")
-    p.add_argument("--budget-gb", type=float, default=None,
-                   help="judge against this budget (GiB) instead of this machine's")
+    p.add_argument(
+        "--budget-gb", type=float, default=None, help="judge against this budget (GiB) instead of this machine's"
+    )
     p.add_argument("--json", action="store_true", help="print the list as JSON")
 
 
@@ -32,20 +37,41 @@ def run(args) -> int:
     rows = [row(e, args, budget) for e in catalog.load().values()]
     chain = [chain_row(e, args, budget) for e in catalog.load_chain().values()]
     if args.json:
-        print(json.dumps({"budget": budget[0], "budget_source": budget[1], "context": args.context,
-                          "target_bits": args.target_bits, "models": rows, "chain": chain}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "budget": budget[0],
+                    "budget_source": budget[1],
+                    "context": args.context,
+                    "target_bits": args.target_bits,
+                    "models": rows,
+                    "chain": chain,
+                },
+                indent=2,
+            )
+        )
         return 0
-    cols = [("name", "NAME"), ("architecture", "ARCH"), ("dflash", "DFLASH"), ("block_size", "BLOCK"),
-            ("thinks", "THINKS"), ("size", "SIZE"), ("fits", "FITS"), ("downloaded", "DOWNLOADED"),
-            ("license", "LICENSE")]
+    cols = [
+        ("name", "NAME"),
+        ("architecture", "ARCH"),
+        ("dflash", "DFLASH"),
+        ("block_size", "BLOCK"),
+        ("thinks", "THINKS"),
+        ("size", "SIZE"),
+        ("fits", "FITS"),
+        ("downloaded", "DOWNLOADED"),
+        ("license", "LICENSE"),
+    ]
     table = [[h for _, h in cols]] + [[cell(r, k) for k, _ in cols] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     for line in table:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-    print(f"\nfits: at --target-bits {args.target_bits}, context {args.context}, against "
-          f"{budget[0] / GiB:.1f} GiB ({budget[1]}); '~' = estimated from the parameter count (not downloaded: "
-          "`mlx_spec plan --model NAME` plans from the hub's metadata, no weights fetched). "
-          "Use a pair with `--model NAME` on any command.")
+    print(
+        f"\nfits: at --target-bits {args.target_bits}, context {args.context}, against "
+        f"{budget[0] / GiB:.1f} GiB ({budget[1]}); '~' = estimated from the parameter count (not downloaded: "
+        "`mlx_spec plan --model NAME` plans from the hub's metadata, no weights fetched). "
+        "Use a pair with `--model NAME` on any command."
+    )
     if chain:
         print_chain(chain)
     return 0
@@ -53,16 +79,27 @@ def run(args) -> int:
 
 def print_chain(chain: list[dict]) -> None:
     """The chain drafters' table (MTP heads inside their targets, published EAGLE-3 drafters)."""
-    cols = [("name", "CHAIN DRAFTER"), ("kind", "KIND"), ("architecture", "ARCH"), ("target", "TARGET"),
-            ("drafter", "DRAFTER"), ("layout", "LAYOUT"), ("size", "SIZE"), ("fits", "FITS"), ("license", "LICENSE")]
+    cols = [
+        ("name", "CHAIN DRAFTER"),
+        ("kind", "KIND"),
+        ("architecture", "ARCH"),
+        ("target", "TARGET"),
+        ("drafter", "DRAFTER"),
+        ("layout", "LAYOUT"),
+        ("size", "SIZE"),
+        ("fits", "FITS"),
+        ("license", "LICENSE"),
+    ]
     table = [[h for _, h in cols]] + [[chain_cell(r, k) for k, _ in cols] for r in chain]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     print()
     for line in table:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-    print("\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
-          "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
-          "K/V are counted in the plan from its config. See docs/chain-drafters.md.")
+    print(
+        "\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
+        "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
+        "K/V are counted in the plan from its config. See docs/chain-drafters.md."
+    )
 
 
 def chain_cell(r: dict, key: str) -> str:
@@ -81,9 +118,22 @@ def chain_row(e, args, budget) -> dict:
     bits = None if args.target_bits == "none" else int(args.target_bits)
     need = int(e.params_b * 1e9 * (16 if not bits else bits + 0.5) / 8 * 1.1)
     fits = ("~yes" if need <= budget[0] else "~no") if e.supported else f"unsupported ({e.architecture})"
-    return {"name": e.name, "kind": e.kind, "target": e.target, "drafter": e.drafter, "architecture": e.architecture,
-            "layout": e.layout, "license": e.license, "params_b": e.params_b, "approximate": list(e.approximate),
-            "size": need, "size_approximate": True, "fits": fits, "source": e.source, "notes": e.notes}
+    return {
+        "name": e.name,
+        "kind": e.kind,
+        "target": e.target,
+        "drafter": e.drafter,
+        "architecture": e.architecture,
+        "layout": e.layout,
+        "license": e.license,
+        "params_b": e.params_b,
+        "approximate": list(e.approximate),
+        "size": need,
+        "size_approximate": True,
+        "fits": fits,
+        "source": e.source,
+        "notes": e.notes,
+    }
 
 
 def cell(r: dict, key: str) -> str:
@@ -100,17 +150,29 @@ def cell(r: dict, key: str) -> str:
 def row(e, args, budget) -> dict:
     """One entry as plain values: what the catalog says, where it is, whether it fits."""
     where = downloaded(e)
-    out = {"name": e.name, "target": e.target, "drafter": e.drafter, "architecture": e.architecture,
-           "dflash": e.dflash, "block_size": e.block_size, "thinks": e.thinks, "think_switch": e.think_switch,
-           "license": e.license, "params_b": e.params_b, "approximate": list(e.approximate),
-           "downloaded": where["status"], "notes": e.notes}
+    out = {
+        "name": e.name,
+        "target": e.target,
+        "drafter": e.drafter,
+        "architecture": e.architecture,
+        "dflash": e.dflash,
+        "block_size": e.block_size,
+        "thinks": e.thinks,
+        "think_switch": e.think_switch,
+        "license": e.license,
+        "params_b": e.params_b,
+        "approximate": list(e.approximate),
+        "downloaded": where["status"],
+        "notes": e.notes,
+    }
     bits = None if args.target_bits == "none" else int(args.target_bits)
     plan = None
     if e.supported and where["target"] and where["drafter"]:
         plan = planned(where["target"], where["drafter"], args)
     if plan is not None:
-        out.update(size=plan.total, size_approximate=False, fits="yes" if plan.fits else "no",
-                   max_context=plan.max_context)
+        out.update(
+            size=plan.total, size_approximate=False, fits="yes" if plan.fits else "no", max_context=plan.max_context
+        )
     else:
         need = int(e.weight_bytes(bits) * 1.1)  # weights + ~10% for caches and scratch at short context
         out.update(size=need, size_approximate=True, fits="~yes" if need <= budget[0] else "~no", max_context=None)
@@ -131,11 +193,15 @@ def downloaded(e) -> dict:
         targets = sorted((cache_dir() / "models").glob(f"{e.target}-*/config.json"))
         drafter = MODELS_DIR / e.drafter
         t = targets[0].parent if targets else None
-        return {"status": "bundled" + ("" if t else " (target converted on first use)"), "target": t,
-                "drafter": drafter if drafter.exists() else None}
+        return {
+            "status": "bundled" + ("" if t else " (target converted on first use)"),
+            "target": t,
+            "drafter": drafter if drafter.exists() else None,
+        }
     t, d = hub.local_snapshot(e.target), hub.local_snapshot(e.drafter)
-    status = {(True, True): "yes", (True, False): "target only", (False, True): "drafter only",
-              (False, False): "no"}[(t is not None, d is not None)]
+    status = {(True, True): "yes", (True, False): "target only", (False, True): "drafter only", (False, False): "no"}[
+        (t is not None, d is not None)
+    ]
     return {"status": status, "target": t, "drafter": d}
 
 
@@ -146,8 +212,13 @@ def planned(target, drafter, args):
     from ..config import LoadConfig
     from ..errors import MlxSpecError
 
-    cfg = LoadConfig(target=str(target), drafter=str(drafter), target_bits=args.target_bits, context=args.context,
-                     budget=int(args.budget_gb * GiB) if args.budget_gb else None)
+    cfg = LoadConfig(
+        target=str(target),
+        drafter=str(drafter),
+        target_bits=args.target_bits,
+        context=args.context,
+        budget=int(args.budget_gb * GiB) if args.budget_gb else None,
+    )
     try:
         return memory.plan_for_config(cfg, str(drafter))[1]
     except (OSError, ValueError, KeyError, TypeError, MlxSpecError):

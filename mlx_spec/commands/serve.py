@@ -35,10 +35,10 @@ DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 
 SIZED_HELP = {  # serve sizes these from the memory plan when they are not given (session.serve_sizing)
     "context": "max prompt + completion tokens per request (default: the target's trained context, "
-               "capped by the memory plan so that one whole context of K/V still fits in the prefix cache)",
+    "capped by the memory plan so that one whole context of K/V still fits in the prefix cache)",
     "prefix_cache_mb": "K/V kept between requests so a shared prefix (an agent's system prompt and "
-                       "tools) is not prefilled again, counted in the memory plan, in MiB; 0 = off (default: "
-                       "two whole contexts of K/V when half the plan's headroom holds them, else less)",
+    "tools) is not prefilled again, counted in the memory plan, in MiB; 0 = off (default: "
+    "two whole contexts of K/V when half the plan's headroom holds them, else less)",
 }
 
 
@@ -48,51 +48,115 @@ def add_arguments(p) -> None:
     for action in p._actions:
         if action.dest in SIZED_HELP:
             action.default, action.help = None, SIZED_HELP[action.dest]
-    p.add_argument("--served-model-name", dest="served_model_names", action="append", default=None, metavar="NAME",
-                   help="another name the pair answers to, listed by /v1/models (repeatable, or a comma list); "
-                        "any name reaches the pair anyway unless --strict-model-name")
-    p.add_argument("--strict-model-name", action="store_true",
-                   help="refuse (404) a request naming a model other than the target's id, its folder name "
-                        "and the --served-model-name aliases (default: any name reaches the loaded pair)")
+    p.add_argument(
+        "--served-model-name",
+        dest="served_model_names",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="another name the pair answers to, listed by /v1/models (repeatable, or a comma list); "
+        "any name reaches the pair anyway unless --strict-model-name",
+    )
+    p.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="refuse (404) a request naming a model other than the target's id, its folder name "
+        "and the --served-model-name aliases (default: any name reaches the loaded pair)",
+    )
     add_prefix_disk_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $MLX_SPEC_API_KEY if set)")
-    p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait behind the running ones; more get 503 + Retry-After")
-    p.add_argument("--max-batch", type=int, default=None, metavar="N",
-                   help="requests decoded together (continuous batching with batched speculation); "
-                        "1 = one at a time (default: as many as the memory plan's K/V per sequence "
-                        "allows, at most 8)")
-    p.add_argument("--context-length", dest="context", type=int, default=argparse.SUPPRESS,
-                   help="alias of --context: max prompt + completion tokens per request, which the "
-                        "memory plan must fit (capped at the target's trained context)")
-    p.add_argument("--detach", action="store_true",
-                   help="run in the background (see `mlx_spec status`, `mlx_spec stop`); with --ranks/--hosts/"
-                        "--hostfile, the whole group (`mlx_spec stop` stops every rank)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $MLX_SPEC_API_KEY if set)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait behind the running ones; more get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests decoded together (continuous batching with batched speculation); "
+        "1 = one at a time (default: as many as the memory plan's K/V per sequence "
+        "allows, at most 8)",
+    )
+    p.add_argument(
+        "--context-length",
+        dest="context",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="alias of --context: max prompt + completion tokens per request, which the "
+        "memory plan must fit (capped at the target's trained context)",
+    )
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="run in the background (see `mlx_spec status`, `mlx_spec stop`); with --ranks/--hosts/"
+        "--hostfile, the whole group (`mlx_spec stop` stops every rank)",
+    )
     add_launch_args(p, "rank 0 serves, the others follow it")
     b = p.add_argument_group("who may call the server, and bounds on each client (docs/security.md)")
-    b.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                   help="comma-separated web origins (scheme://host[:port]) whose pages may call the server, "
-                        "with CORS headers for those only; any other browser Origin gets 403 (default: "
-                        "$MLX_SPEC_ALLOWED_ORIGINS, else none; '*' only with --api-key)")
-    b.add_argument("--max-streams-per-client", type=int, default=16, metavar="N",
-                   help="generation requests one client address may have open at once; more get 429 (0: no limit)")
-    b.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds a stream may wait for a client that stopped reading before it is cut off and "
-                        "its generation cancelled (0: never)")
-    b.add_argument("--prefill-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds one request's prefill may take before it fails and frees its slot (0: no limit)")
+    b.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="comma-separated web origins (scheme://host[:port]) whose pages may call the server, "
+        "with CORS headers for those only; any other browser Origin gets 403 (default: "
+        "$MLX_SPEC_ALLOWED_ORIGINS, else none; '*' only with --api-key)",
+    )
+    b.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=16,
+        metavar="N",
+        help="generation requests one client address may have open at once; more get 429 (0: no limit)",
+    )
+    b.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a stream may wait for a client that stopped reading before it is cut off and "
+        "its generation cancelled (0: never)",
+    )
+    b.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds one request's prefill may take before it fails and frees its slot (0: no limit)",
+    )
     g = p.add_argument_group("defaults for requests that omit a field (as mlx_lm.server and llama-server)")
-    g.add_argument("--temp", "--temperature", dest="default_temperature", type=float, default=None, metavar="T",
-                   help="sampling temperature (default: 1, the APIs' own default)")
-    g.add_argument("--top-p", dest="default_top_p", type=float, default=None, metavar="P", help="nucleus sampling (default: 1)")
-    g.add_argument("--top-k", dest="default_top_k", type=int, default=None, metavar="K", help="top-k sampling (default: 0 = off)")
-    g.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=None, metavar="N",
-                   help="completion tokens for an OpenAI request without max_tokens (default: up to the "
-                        "context); Anthropic requests always carry their own")
+    g.add_argument(
+        "--temp",
+        "--temperature",
+        dest="default_temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sampling temperature (default: 1, the APIs' own default)",
+    )
+    g.add_argument(
+        "--top-p", dest="default_top_p", type=float, default=None, metavar="P", help="nucleus sampling (default: 1)"
+    )
+    g.add_argument(
+        "--top-k", dest="default_top_k", type=int, default=None, metavar="K", help="top-k sampling (default: 0 = off)"
+    )
+    g.add_argument(
+        "--max-tokens",
+        dest="default_max_tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="completion tokens for an OpenAI request without max_tokens (default: up to the "
+        "context); Anthropic requests always carry their own",
+    )
     p.set_defaults(serve_parser=p)  # --detach rebuilds the child's flags from it
 
 
@@ -120,9 +184,11 @@ def run(args) -> int:
 
     if distributed.launched():  # under mlx.launch: rank 0 serves, the others follow it
         if args.detach:
-            raise BadRequest("--detach cannot run under mlx.launch (it would detach one rank from its group): "
-                             "run `mlx_spec serve --detach` with --ranks N, --hosts or --hostfile instead; it "
-                             "starts mlx.launch in the background, and `mlx_spec stop` stops every rank")
+            raise BadRequest(
+                "--detach cannot run under mlx.launch (it would detach one rank from its group): "
+                "run `mlx_spec serve --detach` with --ranks N, --hosts or --hostfile instead; it "
+                "starts mlx.launch in the background, and `mlx_spec stop` stops every rank"
+            )
         if distributed.follower_process():
             return run_follower(sized(args, cfg), lambda m: print(m, file=sys.stderr, flush=True))
     if args.detach:
@@ -137,8 +203,9 @@ def sized(args, cfg):
     (--context, --prefix-cache-mb); says what it chose and why."""
     from ..session import serve_sizing
 
-    cfg, why = serve_sizing(cfg, context=getattr(args, "context", None) is None,
-                            prefix_cache=getattr(args, "prefix_cache_mb", None) is None)
+    cfg, why = serve_sizing(
+        cfg, context=getattr(args, "context", None) is None, prefix_cache=getattr(args, "prefix_cache_mb", None) is None
+    )
     if why:
         print(f"serving at {why}", file=sys.stderr, flush=True)
     return cfg
@@ -173,8 +240,11 @@ def request_defaults(args):
 
 def check_bounds(args) -> None:
     """Bad --max-streams-per-client/--stall-timeout/--prefill-timeout are refused before loading."""
-    for flag, v in (("--max-streams-per-client", args.max_streams_per_client), ("--stall-timeout", args.stall_timeout),
-                    ("--prefill-timeout", args.prefill_timeout)):
+    for flag, v in (
+        ("--max-streams-per-client", args.max_streams_per_client),
+        ("--stall-timeout", args.stall_timeout),
+        ("--prefill-timeout", args.prefill_timeout),
+    ):
         if not v >= 0 or v == float("inf"):
             raise BadRequest(f"{flag} must be a finite number >= 0 (got {v})")
 
@@ -186,19 +256,27 @@ def guard_policy(args, host: str, port: int, api_key: str | None):
     if args.allowed_origins is not None:
         origins = guard.parse_origins(args.allowed_origins, api_key=api_key is not None)
     else:
-        origins = guard.parse_origins(os.environ.get(guard.ORIGINS_ENV), api_key=api_key is not None,
-                                      source=f"${guard.ORIGINS_ENV}")
-    return guard.Policy(bound=host, port=port, allowed_origins=origins, max_streams=args.max_streams_per_client,
-                        stall_s=args.stall_timeout)
+        origins = guard.parse_origins(
+            os.environ.get(guard.ORIGINS_ENV), api_key=api_key is not None, source=f"${guard.ORIGINS_ENV}"
+        )
+    return guard.Policy(
+        bound=host,
+        port=port,
+        allowed_origins=origins,
+        max_streams=args.max_streams_per_client,
+        stall_s=args.stall_timeout,
+    )
 
 
 def open_warning(host: str, policy, api_key: str | None) -> str | None:
     """What `serve` says when it listens beyond loopback without an API key."""
     if api_key is not None or policy.check_host:
         return None
-    return (f"warning: listening on {host} without --api-key: anyone who can reach this address can run "
-            "generations, read /v1/models and /metrics, and fill the prefix cache (browsers are still held "
-            "to --allowed-origins); set --api-key or put it behind a proxy (docs/security.md)")
+    return (
+        f"warning: listening on {host} without --api-key: anyone who can reach this address can run "
+        "generations, read /v1/models and /metrics, and fill the prefix cache (browsers are still held "
+        "to --allowed-origins); set --api-key or put it behind a proxy (docs/security.md)"
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -232,13 +310,20 @@ def _serve(args, cfg, api_key: str | None) -> int:
     policy = guard_policy(args, host, port, api_key)
     if (warning := open_warning(args.host, policy, api_key)) is not None:
         say(warning)
-    engine = Engine(loader, max_queue=args.max_queue, prefix_cache=cfg.prefix_cache, max_batch=args.max_batch,
-                    prefix_disk=prefix_disk_of(args), prefill_timeout=args.prefill_timeout)
+    engine = Engine(
+        loader,
+        max_queue=args.max_queue,
+        prefix_cache=cfg.prefix_cache,
+        max_batch=args.max_batch,
+        prefix_disk=prefix_disk_of(args),
+        prefill_timeout=args.prefill_timeout,
+    )
     engine.start()
     names = model_names(args)
     app = create_app(engine, api_key=api_key, defaults=request_defaults(args), names=names, policy=policy)
-    config = uvicorn.Config(app, log_config=None, access_log=bool(args.verbose), lifespan="off",
-                            timeout_graceful_shutdown=3)
+    config = uvicorn.Config(
+        app, log_config=None, access_log=bool(args.verbose), lifespan="off", timeout_graceful_shutdown=3
+    )
     server = _server_class()(config, on_exit=app.state.cancel_all)
     failure: list[str] = []
 
@@ -250,11 +335,15 @@ def _serve(args, cfg, api_key: str | None) -> int:
             server.should_exit = True
             return
         say(engine.info.describe())
-        say(f"ready: {url}/v1 (context {engine.context_length} tokens, batch {engine.max_batch}, queue {args.max_queue}"
-            f"{', API key required' if api_key else ''})")
+        say(
+            f"ready: {url}/v1 (context {engine.context_length} tokens, batch {engine.max_batch}, queue {args.max_queue}"
+            f"{', API key required' if api_key else ''})"
+        )
         shown = ", ".join(names.listed(engine.info.target))
-        say(f"model names: {shown}" + (" only (--strict-model-name)" if names.strict else
-                                       "; requests naming any other model reach it too"))
+        say(
+            f"model names: {shown}"
+            + (" only (--strict-model-name)" if names.strict else "; requests naming any other model reach it too")
+        )
 
     say(f"listening on {url} (loading; /health answers 503 until ready)")
     threading.Thread(target=watch, name="serve-watch", daemon=True).start()
@@ -353,8 +442,9 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
     directory = process.state_dir()
     for _, state, _ in process.scan(directory).running:
         if state.port == port:
-            raise MlxSpecError(f"a server is already running on port {port} (pid {state.pid}); "
-                               f"`mlx_spec stop --port {port}` first")
+            raise MlxSpecError(
+                f"a server is already running on port {port} (pid {state.pid}); `mlx_spec stop --port {port}` first"
+            )
     cmd, env = _child(args, port, api_key, launch)
     log_path = directory / f"server-{port}.log"
     child = process.spawn(cmd, log_path, env, quiet_stdin=launch is not None)
@@ -367,8 +457,18 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
     if launch is not None:
         group = {**launch.as_dict(), "size": launch.ranks, "launcher_pid": child.pid, "ranks": []}
         local = launch.local_ranks
-    state = process.ServerState(child.pid, create_time, args.host, port, args.target, drafter, str(log_path), time.time(),
-                                auth=api_key is not None, group=group)
+    state = process.ServerState(
+        child.pid,
+        create_time,
+        args.host,
+        port,
+        args.target,
+        drafter,
+        str(log_path),
+        time.time(),
+        auth=api_key is not None,
+        group=group,
+    )
     path = process.write_state(state, directory)
     what = f"group of {launch.describe()} under mlx.launch pid" if launch else "server pid"
     print(f"started {what} {child.pid} on {state.url}; loading (log: {log_path})", file=sys.stderr)
@@ -377,8 +477,10 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
         code = child.poll()
         if code is not None:
             path.unlink(missing_ok=True)
-            raise MlxSpecError(f"the server exited (code {code}) before it was ready; last lines of "
-                               f"{log_path}:\n{process.tail(log_path)}")
+            raise MlxSpecError(
+                f"the server exited (code {code}) before it was ready; last lines of "
+                f"{log_path}:\n{process.tail(log_path)}"
+            )
         if group is not None and me is not None and len(group["ranks"]) < local:
             ranks = process.group_ranks(me)  # the ranks appear as mlx.launch starts them
             if len(ranks) > len(group["ranks"]):
@@ -388,15 +490,17 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
         status, body = process.health(state.url, timeout=1.0)
         if status == 200:
             spec = body.get("speculation") or {}
-            what = (f"{spec.get('method')} block {spec.get('block_size')}" if spec.get("enabled")
-                    else "plain decoding (--no-draft)")
+            what = (
+                f"{spec.get('method')} block {spec.get('block_size')}"
+                if spec.get("enabled")
+                else "plain decoding (--no-draft)"
+            )
             if launch is not None:
                 pids = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in group["ranks"])
                 what += f"; {launch.describe()}: {pids or 'no rank on this machine'}"
             print(f"ready: {state.url}/v1 (pid {child.pid}, {what}); stop with `mlx_spec stop`")
             return 0
         if time.monotonic() > deadline:
-            print(f"server pid {child.pid} is still loading after {DETACH_WAIT_S:.0f} s; "
-                  "`mlx_spec status` shows it")
+            print(f"server pid {child.pid} is still loading after {DETACH_WAIT_S:.0f} s; `mlx_spec status` shows it")
             return 0
         time.sleep(0.2)

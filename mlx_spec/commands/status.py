@@ -26,13 +26,30 @@ def run(args) -> int:
         spec = body.get("speculation")
         # what the server says it runs, once it answers; else what it was started with
         target, drafter = (spec["target"], spec["drafter"]) if spec else (state.target, state.drafter)
-        servers.append({"pid": state.pid, "url": state.url, "health": health, "target": target,
-                        "drafter": drafter, "speculation": spec,
-                        "uptime_s": round(time.time() - state.started_at, 1), "log": state.log,
-                        "auth": state.auth, "group": _group(state, body, proc)})
+        servers.append(
+            {
+                "pid": state.pid,
+                "url": state.url,
+                "health": health,
+                "target": target,
+                "drafter": drafter,
+                "speculation": spec,
+                "uptime_s": round(time.time() - state.started_at, 1),
+                "log": state.log,
+                "auth": state.auth,
+                "group": _group(state, body, proc),
+            }
+        )
     if args.json:
-        print(json.dumps({"state_dir": str(directory), "servers": servers,
-                          "stale_removed": [{"file": str(p), "reason": r} for p, r in found.stale]}))
+        print(
+            json.dumps(
+                {
+                    "state_dir": str(directory),
+                    "servers": servers,
+                    "stale_removed": [{"file": str(p), "reason": r} for p, r in found.stale],
+                }
+            )
+        )
         return 0
     for path, reason in found.stale:
         print(f"removed stale state file {path.name}: {reason}")
@@ -41,20 +58,29 @@ def run(args) -> int:
         return 0
     for s in servers:
         spec = s["speculation"] or {}
-        engine = (f"{spec['method']} block {spec['block_size']} ({spec['block_size_source']})"
-                  if spec.get("enabled") else f"plain decoding ({spec['block_size_source']})" if spec
-                  else "engine unknown")
-        print(f"pid {s['pid']}  {s['url']}  {s['health']}  up {_ago(s['uptime_s'])}  "
-              f"target {s['target']}  {engine}  log {s['log']}")
+        engine = (
+            f"{spec['method']} block {spec['block_size']} ({spec['block_size_source']})"
+            if spec.get("enabled")
+            else f"plain decoding ({spec['block_size_source']})"
+            if spec
+            else "engine unknown"
+        )
+        print(
+            f"pid {s['pid']}  {s['url']}  {s['health']}  up {_ago(s['uptime_s'])}  "
+            f"target {s['target']}  {engine}  log {s['log']}"
+        )
         g = s["group"]
         if g["size"] > 1:
-            ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}{'' if r['alive'] else ' (gone)'}"
-                              for r in g.get("ranks", []))
-            print(f"  group of {g['size']} ({g['backend']}), "
-                  f"{'healthy' if g.get('healthy') else 'unhealthy' if g.get('healthy') is False else 'health unknown'}"
-                  f"; mlx.launch pid {g.get('launcher_pid', '-')}"
-                  f"{'' if g.get('launcher_alive', True) else ' (gone: `mlx_spec stop` ends the ranks left)'}"
-                  f"; {ranks or 'no rank on this machine'}")
+            ranks = ", ".join(
+                f"rank {r['rank']} pid {r['pid']}{'' if r['alive'] else ' (gone)'}" for r in g.get("ranks", [])
+            )
+            print(
+                f"  group of {g['size']} ({g['backend']}), "
+                f"{'healthy' if g.get('healthy') else 'unhealthy' if g.get('healthy') is False else 'health unknown'}"
+                f"; mlx.launch pid {g.get('launcher_pid', '-')}"
+                f"{'' if g.get('launcher_alive', True) else ' (gone: `mlx_spec stop` ends the ranks left)'}"
+                f"; {ranks or 'no rank on this machine'}"
+            )
     return 0
 
 

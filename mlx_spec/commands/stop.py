@@ -14,8 +14,9 @@ import sys
 
 def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=None, help="only the server on this port")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait after SIGTERM before SIGKILL (default 10)")
+    p.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait after SIGTERM before SIGKILL (default 10)"
+    )
 
 
 def run(args) -> int:
@@ -51,8 +52,10 @@ def run(args) -> int:
         if state.group is not None:
             ranks = ", ".join(f"rank {r['rank']} pid {r['pid']}" for r in state.group.get("ranks", []))
             gone = "" if launcher else " (already gone)"
-            print(f"stopped group server: mlx.launch pid {state.pid}{gone} and {ranks or 'no rank on this machine'} "
-                  f"({state.url})")
+            print(
+                f"stopped group server: mlx.launch pid {state.pid}{gone} and {ranks or 'no rank on this machine'} "
+                f"({state.url})"
+            )
         else:
             print(f"stopped server pid {state.pid} ({state.url})")
     return 1 if failed else 0

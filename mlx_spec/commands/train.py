@@ -19,13 +19,29 @@ def _add_recipe(t) -> None:
     t.add_argument("--selector-rank", type=int, default=64, help="rank of the candidate selector")
     t.add_argument("--selector-top-k", type=int, default=8, help="candidates the selector reranks")
     t.add_argument("--mask-token-id", type=int, default=None, help="default: a never-used special token")
-    t.add_argument("--loss", choices=["ce", "kl"], default="ce", help="ce: the target's tokens; kl: its top-K distribution")
-    t.add_argument("--attention", choices=["bidirectional", "causal"], default="bidirectional", help="attention inside a draft block")
-    t.add_argument("--corruption", choices=["full", "uniform"], default="full", help="full: every position after the anchor masked; uniform: a random share masked, the rest kept")
+    t.add_argument(
+        "--loss", choices=["ce", "kl"], default="ce", help="ce: the target's tokens; kl: its top-K distribution"
+    )
+    t.add_argument(
+        "--attention",
+        choices=["bidirectional", "causal"],
+        default="bidirectional",
+        help="attention inside a draft block",
+    )
+    t.add_argument(
+        "--corruption",
+        choices=["full", "uniform"],
+        default="full",
+        help="full: every position after the anchor masked; uniform: a random share masked, the rest kept",
+    )
     t.add_argument("--gamma", type=float, default=None, help="loss decay (default 4 for block 8, 7 for 16)")
     t.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector loss")
-    t.add_argument("--draft-vocab", type=int, default=0,
-                   help="train the softmax over the K most frequent data ids (+labels, +negatives); 0 = full vocab")
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="train the softmax over the K most frequent data ids (+labels, +negatives); 0 = full vocab",
+    )
     t.add_argument("--vocab-negatives", type=int, default=1024, help="random other ids per step with --draft-vocab")
     t.add_argument("--seqs-per-step", type=int, default=4, help="sequences per optimizer step")
     t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
@@ -55,74 +71,114 @@ def add_arguments(p) -> None:
     from ..default_target import DEFAULT_TARGET_ID
 
     sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,mtp,eagle,export,eval}")
-    r = sub.add_parser("run", formatter_class=p.formatter_class,
-                       help="generate the target's responses and train a drafter on them in one process "
-                            "(no stored features; bounded replay buffer; resumable)")
-    r.add_argument("--target", default=DEFAULT_TARGET_ID,
-                   help="target model: path, repo id, default id, or a catalog name (`mlx_spec models`)")
+    r = sub.add_parser(
+        "run",
+        formatter_class=p.formatter_class,
+        help="generate the target's responses and train a drafter on them in one process "
+        "(no stored features; bounded replay buffer; resumable)",
+    )
+    r.add_argument(
+        "--target",
+        default=DEFAULT_TARGET_ID,
+        help="target model: path, repo id, default id, or a catalog name (`mlx_spec models`)",
+    )
     r.add_argument("--out", required=True, help="run directory (checkpoint, token ids, curves)")
-    r.add_argument("--prompts", default="broad",
-                   help="broad | wide | narrow (built-in mixes), a JSONL of prompts, or a directory of chat-data "
-                        "*.jsonl files ({\"messages\": [...]} per line; trailing assistant turns are dropped)")
+    r.add_argument(
+        "--prompts",
+        default="broad",
+        help="broad | wide | narrow (built-in mixes), a JSONL of prompts, or a directory of chat-data "
+        '*.jsonl files ({"messages": [...]} per line; trailing assistant turns are dropped)',
+    )
     r.add_argument("--tokens", type=int, default=None, help="budget: generated response tokens (whole run)")
     r.add_argument("--minutes", type=float, default=None, help="budget: wall minutes (whole run, resumes included)")
     r.add_argument("--init", default=None, help="warm start from a drafter directory (its architecture and weights)")
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     _add_generation(r, batch_size=16)
-    r.add_argument("--replay-mb", type=float, default=256.0,
-                   help="replay buffer of features (MiB, in memory and in the checkpoint); counted in the memory plan")
+    r.add_argument(
+        "--replay-mb",
+        type=float,
+        default=256.0,
+        help="replay buffer of features (MiB, in memory and in the checkpoint); counted in the memory plan",
+    )
     r.add_argument("--steps-per-batch", type=int, default=8, help="optimizer steps after each generated batch")
-    r.add_argument("--checkpoint-batches", type=int, default=8,
-                   help="generated batches between checkpoints (each with a tau eval)")
+    r.add_argument(
+        "--checkpoint-batches", type=int, default=8, help="generated batches between checkpoints (each with a tau eval)"
+    )
     r.add_argument("--num-prompts", type=int, default=20000, help="size of a built-in mix")
     r.add_argument("--eval-per-kind", type=int, default=4, help="prompts of each kind held out of training")
     _add_eval(r)
     r.add_argument("--seed", type=int, default=0, help="random seed (prompts, init, anchors, generation)")
     _add_recipe(r)
     r.set_defaults(anchors=16)
-    d = sub.add_parser("data", formatter_class=p.formatter_class, help="generate training data (target responses + features)")
+    d = sub.add_parser(
+        "data", formatter_class=p.formatter_class, help="generate training data (target responses + features)"
+    )
     d.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model (path, repo id, default id)")
     d.add_argument("--out", required=True, help="data directory (resumable; reruns skip done prompts)")
     d.add_argument("--prompts", default=None, help="JSONL of prompts (default: built-in offline mix)")
     d.add_argument("--num-prompts", type=int, default=2000, help="built-in mix size (training part)")
-    d.add_argument("--mix", choices=("wide", "narrow"), default="wide",
-                   help="built-in mix: wide = distinct prompts from large pools (default); narrow = the "
-                        "first shipped drafter's mix (repeats itself)")
+    d.add_argument(
+        "--mix",
+        choices=("wide", "narrow"),
+        default="wide",
+        help="built-in mix: wide = distinct prompts from large pools (default); narrow = the "
+        "first shipped drafter's mix (repeats itself)",
+    )
     d.add_argument("--num-eval", type=int, default=16, help="built-in prompts held out for evaluation")
-    d.add_argument("--taps", default=None,
-                   help="comma-separated target layers to store (default: build_target_layer_ids(L, 5))")
+    d.add_argument(
+        "--taps", default=None, help="comma-separated target layers to store (default: build_target_layer_ids(L, 5))"
+    )
     _add_generation(d, batch_size=32)
     d.add_argument("--seed", type=int, default=0, help="random seed (prompt mix, sampling)")
-    d.add_argument("--from-tokens", default=None,
-                   help="rebuild features from a token-id .npz (from `train export --tokens`) instead of generating")
+    d.add_argument(
+        "--from-tokens",
+        default=None,
+        help="rebuild features from a token-id .npz (from `train export --tokens`) instead of generating",
+    )
     d.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
 
-    t = sub.add_parser("drafter", formatter_class=p.formatter_class, help="train a DFlash 2 drafter on a data directory")
+    t = sub.add_parser(
+        "drafter", formatter_class=p.formatter_class, help="train a DFlash 2 drafter on a data directory"
+    )
     t.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the data came from")
-    t.add_argument("--data", required=True,
-                   help="data directory from `train data`; several as a,b (same taps; may grow on --resume)")
+    t.add_argument(
+        "--data",
+        required=True,
+        help="data directory from `train data`; several as a,b (same taps; may grow on --resume)",
+    )
     t.add_argument("--out", required=True, help="run directory (checkpoints, log, curve)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     t.add_argument("--init", default=None, help="initialise weights from a drafter directory")
-    t.add_argument("--init-target-layers", action="store_true",
-                   help="warm start: copy the target's last layers and final norm where shapes match")
+    t.add_argument(
+        "--init-target-layers",
+        action="store_true",
+        help="warm start: copy the target's last layers and final norm where shapes match",
+    )
     _add_recipe(t)
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--seed", type=int, default=0, help="random seed (init, anchors, batches)")
     t.add_argument("--checkpoint-every", type=int, default=100, help="optimizer steps between checkpoints")
     t.add_argument("--checkpoint-minutes", type=float, default=None, help="also checkpoint after this many minutes")
     _add_eval(t)
-    t.add_argument("--eval-file", default=None,
-                   help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
-                        "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name")
+    t.add_argument(
+        "--eval-file",
+        default=None,
+        help="JSONL of held-out prompts for the tau eval (default: the first --data dir's "
+        "eval_prompts.jsonl); prompts that are also training prompts are dropped, by name",
+    )
     t.add_argument("--export", default=None, help="after each checkpoint, write a float16 copy here")
 
-    for kind, what in (("mtp", "an MTP-style head (fc + one decoder layer + norm, sharing the target's embedding and head)"),
-                       ("eagle", "an EAGLE-3 layer (three fused target layers, training-time test)")):
+    for kind, what in (
+        ("mtp", "an MTP-style head (fc + one decoder layer + norm, sharing the target's embedding and head)"),
+        ("eagle", "an EAGLE-3 layer (three fused target layers, training-time test)"),
+    ):
         c = sub.add_parser(kind, formatter_class=p.formatter_class, help=f"train {what} on a token file")
         c.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the tokens came from")
-        c.add_argument("--tokens", required=True,
-                       help="token-id .npz (`train export --tokens`; e.g. models/smollm2-135m-dflash2/data/tokens.npz)")
+        c.add_argument(
+            "--tokens",
+            required=True,
+            help="token-id .npz (`train export --tokens`; e.g. models/smollm2-135m-dflash2/data/tokens.npz)",
+        )
         c.add_argument("--out", required=True, help="run directory (checkpoint, log; the head in OUT/head)")
         c.add_argument("--steps", type=int, default=6000, help="optimizer steps")
         c.add_argument("--batch-size", type=int, default=8, help="sequences per step")
@@ -136,27 +192,46 @@ def add_arguments(p) -> None:
         c.add_argument("--seed", type=int, default=0, help="random seed (init, batches)")
         c.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
         if kind == "eagle":
-            c.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
-                           help="output layout: the EAGLE authors' (midlayer.*) or speculators' (layers.0.*)")
-            c.add_argument("--draft-vocab", type=int, default=0,
-                           help="draft over the N most frequent response tokens (written as d2t/t2d); 0: the full vocabulary")
+            c.add_argument(
+                "--layout",
+                choices=("eagle", "speculators"),
+                default="eagle",
+                help="output layout: the EAGLE authors' (midlayer.*) or speculators' (layers.0.*)",
+            )
+            c.add_argument(
+                "--draft-vocab",
+                type=int,
+                default=0,
+                help="draft over the N most frequent response tokens (written as d2t/t2d); 0: the full vocabulary",
+            )
 
-    e = sub.add_parser("export", formatter_class=p.formatter_class, help="float16 copy of a run's checkpoint, and/or the data's token ids")
+    e = sub.add_parser(
+        "export",
+        formatter_class=p.formatter_class,
+        help="float16 copy of a run's checkpoint, and/or the data's token ids",
+    )
     e.add_argument("--run", default=None, help="run directory (its latest checkpoint)")
     e.add_argument("--out", default=None, help="drafter output directory")
     e.add_argument("--data", default=None, help="data directory, for --tokens")
     e.add_argument("--tokens", default=None, help="write the data's token ids to this .npz")
 
-
-    v = sub.add_parser("eval", formatter_class=p.formatter_class, help="held-out tau of a drafter by block size and prompt kind (real decoding)")
+    v = sub.add_parser(
+        "eval",
+        formatter_class=p.formatter_class,
+        help="held-out tau of a drafter by block size and prompt kind (real decoding)",
+    )
     v.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model (path, repo id, default id)")
     v.add_argument("--drafter", required=True, help="drafter directory (or a run's ckpt/)")
     v.add_argument("--prompts", required=True, help="JSONL of held-out prompts (e.g. a data dir's eval_prompts.jsonl)")
     v.add_argument("--blocks", default="2,4,8,16", help="block sizes, e.g. 2,4,8,16")
     v.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
     v.add_argument("--limit", type=int, default=None, help="only the first N prompts (interleaved by kind)")
-    v.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
-                   help="auto: the drafter's reduced draft vocabulary when it ships one; full: the whole head")
+    v.add_argument(
+        "--draft-vocab",
+        choices=("auto", "full"),
+        default="auto",
+        help="auto: the drafter's reduced draft vocabulary when it ships one; full: the whole head",
+    )
     v.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -168,14 +243,14 @@ def _data(args) -> int:
     from ..drafter import build_target_layer_ids
     from ..errors import BadRequest
     from ..loading import load_target_model
+    from ..prompts import load_prompts
     from ..target import Target
     from ..train.data import DataConfig, build_dataset, featurize_tokens
-    from ..prompts import load_prompts
     from ..train.prompts import builtin_prompts, split_held_out, wide_prompts
 
     model, tokenizer = load_target_model(args.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
-    taps = ([int(x) for x in args.taps.split(",")] if args.taps else build_target_layer_ids(n_layers, 5))
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else build_target_layer_ids(n_layers, 5)
     target = Target(model, taps)
     if args.from_tokens:
         pad = tokenizer.pad_token_id or 0
@@ -200,10 +275,17 @@ def _data(args) -> int:
     with open(out / "eval_prompts.jsonl", "w") as f:
         for p in evals:
             f.write(json.dumps({"id": p.id, "prompt": p.text}) + "\n")
-    cfg = DataConfig(max_tokens=args.max_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, seed=args.seed, top_k=args.top_k)
-    _log(f"data: {len(prompts)} prompts -> {out} (taps {taps}, batch {cfg.batch_size}, "
-         f"max {cfg.max_tokens} tokens, {'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'})")
+    cfg = DataConfig(
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        seed=args.seed,
+        top_k=args.top_k,
+    )
+    _log(
+        f"data: {len(prompts)} prompts -> {out} (taps {taps}, batch {cfg.batch_size}, "
+        f"max {cfg.max_tokens} tokens, {'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'})"
+    )
     summary = build_dataset(target, tokenizer, prompts, out, cfg, progress=_log)
     print(json.dumps(summary))
     return 0
@@ -253,16 +335,31 @@ def _eval(args) -> int:
         rows.append({"block": B, **ev})
         _log(f"block {B}: tau {ev['tau']:.2f} by kind {ev['tau_by_kind']} ({ev['seconds']} s)")
     if args.json:
-        print(json.dumps({"drafter": args.drafter, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                          "draft_vocab": vocab or "full", "rows": rows}))
+        print(
+            json.dumps(
+                {
+                    "drafter": args.drafter,
+                    "prompts": len(prompts),
+                    "max_tokens": args.max_tokens,
+                    "draft_vocab": vocab or "full",
+                    "rows": rows,
+                }
+            )
+        )
         return 0
     kinds = sorted({k for r in rows for k in r["tau_by_kind"]})
-    print(f"held-out tau, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, real speculative decoding, "
-          f"draft vocabulary {vocab or 'full'}")
+    print(
+        f"held-out tau, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, real speculative decoding, "
+        f"draft vocabulary {vocab or 'full'}"
+    )
     print("block  tau   " + "  ".join(f"{k:>6}" for k in kinds) + "  acceptance by position")
     for r in rows:
-        print(f"{r['block']:>5}  {r['tau']:.2f}  " + "  ".join(f"{r['tau_by_kind'].get(k, 0):6.2f}" for k in kinds)
-              + "  " + " ".join(f"{x:.2f}" for x in r["by_position"]))
+        print(
+            f"{r['block']:>5}  {r['tau']:.2f}  "
+            + "  ".join(f"{r['tau_by_kind'].get(k, 0):6.2f}" for k in kinds)
+            + "  "
+            + " ".join(f"{x:.2f}" for x in r["by_position"])
+        )
     return 0
 
 
@@ -275,9 +372,11 @@ def _bar(p) -> str:
     eta_s = "?" if p.eta_s is None else clock(p.eta_s)
     loss = "-" if p.loss is None else f"{p.loss:.3f}"
     tau = "-" if p.tau is None else f"{p.tau:.2f}"
-    return (f"[{'#' * fill}{'.' * (width - fill)}] {100 * p.fraction:5.1f}% {p.phase:<10} {p.tokens} tok "
-            f"{p.gen_tok_s:6.1f} tok/s  step {p.steps} {p.steps_s:5.2f}/s  loss {loss}  tau {tau}  "
-            f"replay {p.replay_bytes / 2**20:.0f} MiB  ETA {eta_s}" + (f"  ({p.message})" if p.message else ""))
+    return (
+        f"[{'#' * fill}{'.' * (width - fill)}] {100 * p.fraction:5.1f}% {p.phase:<10} {p.tokens} tok "
+        f"{p.gen_tok_s:6.1f} tok/s  step {p.steps} {p.steps_s:5.2f}/s  loss {loss}  tau {tau}  "
+        f"replay {p.replay_bytes / 2**20:.0f} MiB  ETA {eta_s}" + (f"  ({p.message})" if p.message else "")
+    )
 
 
 def _run(args) -> int:
@@ -371,8 +470,17 @@ def train_config(cls, args, **changes):
 def run(args) -> int:
     from ..errors import BadRequest
 
-    commands = {"run": _run, "data": _data, "drafter": _drafter, "mtp": _chain, "eagle": _chain,
-                "export": _export, "eval": _eval}
+    commands = {
+        "run": _run,
+        "data": _data,
+        "drafter": _drafter,
+        "mtp": _chain,
+        "eagle": _chain,
+        "export": _export,
+        "eval": _eval,
+    }
     if getattr(args, "train_command", None) not in commands:
-        raise BadRequest("choose a train command: run, data, drafter, mtp, eagle, export or eval (see `mlx_spec train -h`)")
+        raise BadRequest(
+            "choose a train command: run, data, drafter, mtp, eagle, export or eval (see `mlx_spec train -h`)"
+        )
     return commands[args.train_command](args)

@@ -23,22 +23,26 @@ def _f(x, spec):
 def table(result) -> str:
     """One row per candidate: the model's speedup (what decides) and its noise first, then what
     the race measured (what calibrates and checks it)."""
-    lines = [f"{'block':>5}  {'threads':>7}  {'tau':>5}  {'model':>6}  {'noise':>5}  {'raced':>5}  "
-             f"{'tok/s':>6}  {'speedup':>7}  {'spread':>6}  {'rounds':>6}  note"]
+    lines = [
+        f"{'block':>5}  {'threads':>7}  {'tau':>5}  {'model':>6}  {'noise':>5}  {'raced':>5}  "
+        f"{'tok/s':>6}  {'speedup':>7}  {'spread':>6}  {'rounds':>6}  note"
+    ]
     for c in result.candidates:
         mark = "*" if (c.block, c.threads) == (result.best, result.threads) else " "
-        lines.append(f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {_f(c.tau, '.2f'):>5}  "
-                     f"{_f(c.predicted, '.3f'):>6}  {_f(c.noise, '.1%'):>5}  {'yes' if c.measured else 'no':>5}  "
-                     f"{_f(c.median_tps, '.2f'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.spread, '.0%'):>6}  "
-                     f"{c.rounds:>6}  {c.note}")
+        lines.append(
+            f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {_f(c.tau, '.2f'):>5}  "
+            f"{_f(c.predicted, '.3f'):>6}  {_f(c.noise, '.1%'):>5}  {'yes' if c.measured else 'no':>5}  "
+            f"{_f(c.median_tps, '.2f'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.spread, '.0%'):>6}  "
+            f"{c.rounds:>6}  {c.note}"
+        )
     return "\n".join(lines)
 
 
 def run(args) -> int:
     import mlx_spec
 
-    from ..errors import BadRequest
     from ..cli import load_config
+    from ..errors import BadRequest
     from ..progress import Bar
     from ..session import open_session
     from ..tuning import DEFAULT_BUDGET_S, save_result, tune
@@ -67,11 +71,16 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result.as_dict() | {"path": str(path)}))
         return 0
-    print(f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
-          f"{result.tokens_per_run} tokens per run | {result.timing}")
+    print(
+        f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
+        f"{result.tokens_per_run} tokens per run | {result.timing}"
+    )
     print(table(result))
-    best = ("off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
-            "starts DFlash resting and keeps its lookup drafts)" if result.best == 1 else f"block size {result.best}") \
-        + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
+    best = (
+        "off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
+        "starts DFlash resting and keeps its lookup drafts)"
+        if result.best == 1
+        else f"block size {result.best}"
+    ) + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
     print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}\nstored: {path}")
     return 0

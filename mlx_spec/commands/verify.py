@@ -13,14 +13,26 @@ from ..cli import add_model_args
 
 def add_arguments(p) -> None:
     add_model_args(p)
-    p.add_argument("--prompts", default=None, metavar="FILE",
-                   help="JSONL prompts, one object per line with 'prompt' or 'messages' (default: built-in set)")
-    p.add_argument("--block-sizes", default=None, metavar="B,B,...",
-                   help="block sizes to check, e.g. 2,4,8 (default: the block size the engine would run: "
-                        "--block-size, else the stored tuning result, else the checkpoint's; never tunes)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="JSONL prompts, one object per line with 'prompt' or 'messages' (default: built-in set)",
+    )
+    p.add_argument(
+        "--block-sizes",
+        default=None,
+        metavar="B,B,...",
+        help="block sizes to check, e.g. 2,4,8 (default: the block size the engine would run: "
+        "--block-size, else the stored tuning result, else the checkpoint's; never tunes)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="near-tie tolerance in logits (default: derived from the logits' dtype and size)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="near-tie tolerance in logits (default: derived from the logits' dtype and size)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON report at the end")
 
 
@@ -62,8 +74,14 @@ def run(args) -> int:
         print(f"verify: block size {sizes[0]}: {why}", file=sys.stderr)
     n = len(prompts) * len(sizes)
     print(f"verify: {n} runs, greedy, up to {args.max_tokens} tokens each", file=sys.stderr)
-    report = check(pair, prompts, sizes, args.max_tokens, tol=args.tolerance,
-                   progress=None if args.json else (lambda r: print(r.describe(), flush=True)))
+    report = check(
+        pair,
+        prompts,
+        sizes,
+        args.max_tokens,
+        tol=args.tolerance,
+        progress=None if args.json else (lambda r: print(r.describe(), flush=True)),
+    )
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

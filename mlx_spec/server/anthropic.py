@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Literal
 
-from pydantic import Field
 from fastapi import Request as HTTPRequest
+from pydantic import Field
 from starlette.responses import JSONResponse
 
 from ..engine import Done, Failed, Request, Started
@@ -32,9 +33,17 @@ from .errors import InvalidField
 
 PREFIX = "/v1/messages"
 ROUTES = (PREFIX, PREFIX + "/count_tokens")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 THINKING = {"enabled": True, "disabled": False, "adaptive": None, "between_tools": None}
 
@@ -84,7 +93,7 @@ class _Conversation(schemas.RequestBody):
     def prompt(self, defaults: schemas.RequestDefaults) -> dict:
         """The engine Request's prompt fields: template messages, tools, template variables."""
         tools = self.active_tools()
-        messages = ([{"role": "system", "content": system_text(self.system)}] if self.system else [])
+        messages = [{"role": "system", "content": system_text(self.system)}] if self.system else []
         for i, m in enumerate(self.messages):
             if m.role == "system":
                 text = system_text(m.content, f"messages[{i}].content")
@@ -101,9 +110,11 @@ class _Conversation(schemas.RequestBody):
         if choice not in ("auto", "none", "any", "tool"):
             raise InvalidField(f"tool_choice.type must be auto, any, tool or none (got {choice!r})", "tool_choice")
         if choice in ("any", "tool"):
-            raise InvalidField(f"tool_choice '{choice}' is not supported: the reply is the target's own "
-                               "unconstrained text, so a tool call cannot be forced; send 'auto' or 'none'",
-                               "tool_choice")
+            raise InvalidField(
+                f"tool_choice '{choice}' is not supported: the reply is the target's own "
+                "unconstrained text, so a tool call cannot be forced; send 'auto' or 'none'",
+                "tool_choice",
+            )
         if choice == "none" or not self.tools:
             return None
         return [openai_tool(t, i) for i, t in enumerate(self.tools)]
@@ -113,8 +124,9 @@ class _Conversation(schemas.RequestBody):
         if self.thinking is not None:
             kind = self.thinking.get("type")
             if kind not in THINKING:
-                raise InvalidField(f"thinking.type must be one of {', '.join(THINKING)} (got {kind!r})",
-                                   "thinking.type")
+                raise InvalidField(
+                    f"thinking.type must be one of {', '.join(THINKING)} (got {kind!r})", "thinking.type"
+                )
             if THINKING[kind] is not None:
                 kw.setdefault("enable_thinking", THINKING[kind])
         return kw or None
@@ -135,9 +147,14 @@ class MessagesRequest(_Conversation):
         stops = [s for s in self.stop_sequences or [] if s]
         if len(stops) > 16:
             raise InvalidField(f"at most 16 stop sequences (got {len(stops)})", "stop_sequences")
-        return Request(max_tokens=self.max_tokens, stop=tuple(stops), speculate=self.speculate is not False,
-                       id=f"req-{uuid.uuid4().hex[:12]}",
-                       **defaults.sampling(self.temperature, self.top_p, self.top_k), **self.prompt(defaults))
+        return Request(
+            max_tokens=self.max_tokens,
+            stop=tuple(stops),
+            speculate=self.speculate is not False,
+            id=f"req-{uuid.uuid4().hex[:12]}",
+            **defaults.sampling(self.temperature, self.top_p, self.top_k),
+            **self.prompt(defaults),
+        )
 
 
 class CountTokensRequest(_Conversation):
@@ -182,13 +199,20 @@ def template_messages(m: AnthropicMessage, i: int) -> list[dict]:
         if not isinstance(kind, str):
             raise InvalidField(f"{where}: a content block needs a string 'type'", f"{where}.type")
         if kind in UNSUPPORTED_BLOCKS:
-            raise InvalidField(f"{where}: {kind} blocks are not supported (this server runs a text-only "
-                               "model)", f"{where}.type")
+            raise InvalidField(
+                f"{where}: {kind} blocks are not supported (this server runs a text-only model)", f"{where}.type"
+            )
         if kind not in allowed[m.role]:
             known = kind in allowed["user"] + allowed["assistant"]
-            raise InvalidField(f"{where}: " + (f"a {m.role} message cannot hold a {kind} block" if known else
-                               f"unknown content block type {kind!r} (expected one of "
-                               f"{', '.join(allowed[m.role])})"), f"{where}.type")
+            raise InvalidField(
+                f"{where}: "
+                + (
+                    f"a {m.role} message cannot hold a {kind} block"
+                    if known
+                    else f"unknown content block type {kind!r} (expected one of {', '.join(allowed[m.role])})"
+                ),
+                f"{where}.type",
+            )
         if kind == "text":
             text.append(_text_block(b, where))
         elif kind == "thinking":
@@ -241,8 +265,11 @@ def openai_tool(t: dict, i: int) -> dict:
     """An Anthropic custom tool -> the template's (OpenAI-shaped) function tool."""
     kind = t.get("type", "custom")
     if kind != "custom":
-        raise InvalidField(f"tools[{i}]: type {kind!r} is an Anthropic-hosted or Anthropic-defined tool; "
-                           "only custom tools (name, description, input_schema) run here", f"tools[{i}].type")
+        raise InvalidField(
+            f"tools[{i}]: type {kind!r} is an Anthropic-hosted or Anthropic-defined tool; "
+            "only custom tools (name, description, input_schema) run here",
+            f"tools[{i}].type",
+        )
     if not isinstance(t.get("name"), str) or not t["name"]:
         raise InvalidField(f"tools[{i}]: a tool needs a string 'name'", f"tools[{i}].name")
     schema = t.get("input_schema")
@@ -264,8 +291,12 @@ def tool_use(call: dict) -> dict | None:
     if not isinstance(args, dict):
         return None
     cid = call["id"]
-    return {"type": "tool_use", "id": "toolu_" + cid[5:] if cid.startswith("call_") else cid,
-            "name": call["function"]["name"], "input": args}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + cid[5:] if cid.startswith("call_") else cid,
+        "name": call["function"]["name"],
+        "input": args,
+    }
 
 
 def stop_reason(done: Done, called: bool) -> tuple[str, str | None]:
@@ -280,8 +311,12 @@ def usage(done: Done) -> dict:
     """Anthropic's split: ``input_tokens`` are the prompt tokens that were prefilled,
     ``cache_read_input_tokens`` those reused from the prefix cache (their sum is the prompt)."""
     cached = schemas.usage(done)["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": done.prompt_tokens - cached, "output_tokens": done.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": done.prompt_tokens - cached,
+        "output_tokens": done.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def blocks(items: list) -> tuple[list[dict], bool]:
@@ -315,9 +350,19 @@ def _raw_call(call: dict) -> str:
 
 def message(mid: str, model: str, done: Done, content: list[dict], called: bool, limits: dict | None = None) -> dict:
     reason, seq = stop_reason(done, called)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": seq, "usage": usage(done),
-            "timings": done.timings, "speculation": schemas.speculation(done.engine), "limits": limits}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": usage(done),
+        "timings": done.timings,
+        "speculation": schemas.speculation(done.engine),
+        "limits": limits,
+    }
 
 
 class _Blocks:
@@ -339,20 +384,37 @@ class _Blocks:
                     self._close(out)
                     self.called = True
                     self._start(out, {**block, "input": {}})
-                    out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                "delta": {"type": "input_json_delta",
-                                          "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
+                    out.append(
+                        (
+                            "content_block_delta",
+                            {
+                                "type": "content_block_delta",
+                                "index": self.index,
+                                "delta": {
+                                    "type": "input_json_delta",
+                                    "partial_json": json.dumps(block["input"], ensure_ascii=False),
+                                },
+                            },
+                        )
+                    )
                     self._close(out)
                     continue
             kind, text = item
             want = "thinking" if kind == REASONING else "text"
             if self.open != want:
                 self._close(out)
-                self._start(out, {"type": "thinking", "thinking": "", "signature": ""} if want == "thinking"
-                            else {"type": "text", "text": ""})
+                self._start(
+                    out,
+                    {"type": "thinking", "thinking": "", "signature": ""}
+                    if want == "thinking"
+                    else {"type": "text", "text": ""},
+                )
                 self.open = want
-            delta = ({"type": "thinking_delta", "thinking": text} if want == "thinking"
-                     else {"type": "text_delta", "text": text})
+            delta = (
+                {"type": "thinking_delta", "thinking": text}
+                if want == "thinking"
+                else {"type": "text_delta", "text": text}
+            )
             out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
         return out
 
@@ -364,8 +426,9 @@ class _Blocks:
     def _start(self, out: list, block: dict) -> None:
         self.index += 1
         self.open = block["type"]
-        out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
-                                            "content_block": block}))
+        out.append(
+            ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        )
 
     def _close(self, out: list) -> None:
         if self.open is not None:
@@ -385,8 +448,9 @@ def sse_event(name: str, data: dict) -> str:
 
 def _reply_stream(engine, started: Started | None, tools: list | None) -> output.OutputStream:
     tool_fmt = getattr(engine, "tool_format", None) if tools else None
-    return output.OutputStream(getattr(engine, "think_format", None), bool(started and started.reasoning),
-                               tool_fmt, tools)
+    return output.OutputStream(
+        getattr(engine, "think_format", None), bool(started and started.reasoning), tool_fmt, tools
+    )
 
 
 async def messages(request: HTTPRequest):
@@ -402,8 +466,13 @@ async def messages(request: HTTPRequest):
         content, called = blocks(out.feed(done.text) + out.finish())
         return message(mid, served, done, content, called, s.limits(req, done.prompt_tokens))
 
-    return await s.respond(request, req, body.stream, reply,
-                           lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req))
+    return await s.respond(
+        request,
+        req,
+        body.stream,
+        reply,
+        lambda handle, first, watcher: stream(s, handle, first, watcher, mid, served, req),
+    )
 
 
 async def stream(s, handle, first, watcher, mid: str, model: str, req) -> AsyncIterator[str]:
@@ -415,10 +484,22 @@ async def stream(s, handle, first, watcher, mid: str, model: str, req) -> AsyncI
                 yield sse_event("ping", {"type": "ping"}) if out is not None else ": keep-alive\n\n"
             elif isinstance(ev, Started):
                 out = _reply_stream(s.engine, ev, tools)
-                yield sse_event("message_start", {"type": "message_start", "message": {
-                    "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                    "stop_reason": None, "stop_sequence": None,
-                    "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0}}})
+                yield sse_event(
+                    "message_start",
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": mid,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": model,
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": 0},
+                        },
+                    },
+                )
                 yield sse_event("ping", {"type": "ping"})
             elif isinstance(ev, Failed):
                 status, content = errors.to_body(errors.from_failed(ev))
@@ -431,10 +512,17 @@ async def stream(s, handle, first, watcher, mid: str, model: str, req) -> AsyncI
                 for name, data in built.items(out.finish()) + built.close():
                     yield sse_event(name, data)
                 reason, seq = stop_reason(ev, built.called)
-                yield sse_event("message_delta", {
-                    "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": usage(ev), "timings": ev.timings, "speculation": schemas.speculation(ev.engine),
-                    "limits": s.limits(req, ev.prompt_tokens)})
+                yield sse_event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": usage(ev),
+                        "timings": ev.timings,
+                        "speculation": schemas.speculation(ev.engine),
+                        "limits": s.limits(req, ev.prompt_tokens),
+                    },
+                )
                 yield sse_event("message_stop", {"type": "message_stop"})
                 break
             elif ev.text and out is not None:
@@ -458,8 +546,15 @@ async def count_tokens(request: HTTPRequest):
         from ..text import encode_prompt
 
         try:
-            return len(encode_prompt(pair.tokenizer, None, prompt["messages"], tools=prompt["tools"],
-                                     template_kwargs=prompt["template_kwargs"]))
+            return len(
+                encode_prompt(
+                    pair.tokenizer,
+                    None,
+                    prompt["messages"],
+                    tools=prompt["tools"],
+                    template_kwargs=prompt["template_kwargs"],
+                )
+            )
         except Exception as e:  # e.g. the chat template rejects these messages
             raise BadRequest(f"could not build the prompt: {type(e).__name__}: {e}") from None
 

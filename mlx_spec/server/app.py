@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -70,8 +71,9 @@ class Served:
         served = self.ready_info().target
         if name is not None and not self.names.accepts(name, served):
             also = f" (also as {', '.join(repr(a) for a in self.names.aliases)})" if self.names.aliases else ""
-            raise ModelNotFound(f"model '{name}' is not served here; this server serves '{served}'{also} "
-                                "(--strict-model-name is on)")
+            raise ModelNotFound(
+                f"model '{name}' is not served here; this server serves '{served}'{also} (--strict-model-name is on)"
+            )
         return served
 
     def max_tokens_header(self, req, prompt_tokens: int) -> dict:
@@ -130,9 +132,16 @@ def served(request: HTTPRequest) -> Served:
     return request.app.state.served
 
 
-def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               keepalive_s: float = KEEPALIVE_S, defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
-               names: schemas.ModelNames = schemas.ANY_NAME, policy: guard.Policy | None = None) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    keepalive_s: float = KEEPALIVE_S,
+    defaults: schemas.RequestDefaults = schemas.NO_DEFAULTS,
+    names: schemas.ModelNames = schemas.ANY_NAME,
+    policy: guard.Policy | None = None,
+) -> FastAPI:
     """An OpenAI-compatible app (and Anthropic's Messages API, server/anthropic.py) over a started
     ``Engine`` (or anything with its interface). ``defaults`` fill fields a request omits;
     ``names``: which model names requests may give (default: any). ``policy``: Host/Origin checks
@@ -203,14 +212,19 @@ async def health(request: HTTPRequest):
         return JSONResponse(content, status_code=503)
     if engine.state == READY:
         info = engine.info
-        return {"status": "ok", "model": engine.info.target, "context_length": engine.context_length,
-                "speculation": schemas.speculation(info), "queue_depth": engine.queue_depth,
-                "group": group or info.group.as_dict(),
-                # continuous batching's attention path ("shared K/V over N layers" | "per sequence
-                # (<reason>)"); None when requests run one at a time
-                "batch_attention": getattr(engine, "batch_attention", None),
-                # drafter passes with a NaN/inf hidden state or logit, and the float32 fallback they caused
-                "drafter": {k: v for k, v in engine.snapshot().items() if k.startswith("drafter_")}}
+        return {
+            "status": "ok",
+            "model": engine.info.target,
+            "context_length": engine.context_length,
+            "speculation": schemas.speculation(info),
+            "queue_depth": engine.queue_depth,
+            "group": group or info.group.as_dict(),
+            # continuous batching's attention path ("shared K/V over N layers" | "per sequence
+            # (<reason>)"); None when requests run one at a time
+            "batch_attention": getattr(engine, "batch_attention", None),
+            # drafter passes with a NaN/inf hidden state or logit, and the float32 fallback they caused
+            "drafter": {k: v for k, v in engine.snapshot().items() if k.startswith("drafter_")},
+        }
     _, content = errors.to_body(s.not_ready())  # the 503 a completion request gets now
     content["status"] = "failed" if engine.state == FAILED else "loading"
     content["speculation"] = None
@@ -220,8 +234,10 @@ async def health(request: HTTPRequest):
 async def models(request: HTTPRequest):
     s = served(request)
     info = s.ready_info()
-    return {"object": "list", "data": [schemas.model_card(n, s.created, s.engine.context_length, info)
-                                       for n in s.names.listed(info.target)]}
+    return {
+        "object": "list",
+        "data": [schemas.model_card(n, s.created, s.engine.context_length, info) for n in s.names.listed(info.target)],
+    }
 
 
 async def model(request: HTTPRequest, name: str):
@@ -270,18 +286,35 @@ async def complete(request: HTTPRequest, model_cls, kind: str):
         limits = s.limits(req, done.prompt_tokens)
         if fmt is None and think is None:
             return schemas.completion(kind, rid, created_at, model_name, done, limits=limits)
-        reasoning, content, calls = output.split(done.text, think, bool(started and started.reasoning),
-                                                 fmt, body.active_tools)
-        return schemas.completion(kind, rid, created_at, model_name, done, content=content,
-                                  tool_calls=calls, reasoning=reasoning, limits=limits)
+        reasoning, content, calls = output.split(
+            done.text, think, bool(started and started.reasoning), fmt, body.active_tools
+        )
+        return schemas.completion(
+            kind,
+            rid,
+            created_at,
+            model_name,
+            done,
+            content=content,
+            tool_calls=calls,
+            reasoning=reasoning,
+            limits=limits,
+        )
 
-    return await s.respond(request, req, body.stream, reply,
-                           lambda handle, first, watcher: sse(s, handle, first, watcher, kind, rid, created_at,
-                                                              model_name, body.include_usage, reply_stream, req))
+    return await s.respond(
+        request,
+        req,
+        body.stream,
+        reply,
+        lambda handle, first, watcher: sse(
+            s, handle, first, watcher, kind, rid, created_at, model_name, body.include_usage, reply_stream, req
+        ),
+    )
 
 
-async def sse(s: Served, handle, first, watcher, kind, rid, created_at, model, include_usage,
-              reply_stream, req) -> AsyncIterator[str]:
+async def sse(
+    s: Served, handle, first, watcher, kind, rid, created_at, model, include_usage, reply_stream, req
+) -> AsyncIterator[str]:
     def data(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -312,11 +345,17 @@ async def sse(s: Served, handle, first, watcher, kind, rid, created_at, model, i
                 break
             elif isinstance(ev, Done):
                 if ev.finish_reason == "cancelled":
-                    yield data(errors.body("generation cancelled: the server is shutting down",
-                                           "server_error", None, "cancelled"))
+                    yield data(
+                        errors.body(
+                            "generation cancelled: the server is shutting down", "server_error", None, "cancelled"
+                        )
+                    )
                     break
-                extra = {"timings": ev.timings, "speculation": schemas.speculation(ev.engine, ev.stats),
-                         "limits": s.limits(req, ev.prompt_tokens)}
+                extra = {
+                    "timings": ev.timings,
+                    "speculation": schemas.speculation(ev.engine, ev.stats),
+                    "limits": s.limits(req, ev.prompt_tokens),
+                }
                 finish = schemas.finish_reason(ev)
                 if out is not None:
                     for piece in pieces(out.finish()):
@@ -375,8 +414,9 @@ def check_json_content_type(request: HTTPRequest) -> None:
         return
     media = declared.split(";")[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise UnsupportedMediaType(f"Content-Type '{declared}' is not supported: send the body as JSON "
-                                   "with 'Content-Type: application/json'")
+        raise UnsupportedMediaType(
+            f"Content-Type '{declared}' is not supported: send the body as JSON with 'Content-Type: application/json'"
+        )
 
 
 async def read_body(request: HTTPRequest, limit: int) -> bytes:
@@ -413,73 +453,151 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
             lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
             out.append(f"mlx_spec:{name}{{{lab}}} {value}" if lab else f"mlx_spec:{name} {value}")
 
-    metric("requests_total", "counter", "Generation requests the engine took from its queue.",
-           [({}, snap["requests"])])
-    metric("requests_cancelled_total", "counter", "Generations cancelled (client disconnected).",
-           [({}, snap["cancelled"])])
-    metric("request_errors_total", "counter", "Generation requests that failed in the engine (bad prompt, too long, bug).",
-           [({}, snap["errors"])])
-    metric("requests_rejected_total", "counter", "Completion requests answered 503 (queue full or not ready).",
-           [({}, live["rejected"])])
-    metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
-           [({}, snap["prompt_tokens"])])
-    metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from the prefix cache (not prefilled).",
-           [({}, snap["cached_tokens"])])
-    metric("prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds for reuse.",
-           [({}, snap["prefix_cache_bytes"])])
+    metric("requests_total", "counter", "Generation requests the engine took from its queue.", [({}, snap["requests"])])
+    metric(
+        "requests_cancelled_total", "counter", "Generations cancelled (client disconnected).", [({}, snap["cancelled"])]
+    )
+    metric(
+        "request_errors_total",
+        "counter",
+        "Generation requests that failed in the engine (bad prompt, too long, bug).",
+        [({}, snap["errors"])],
+    )
+    metric(
+        "requests_rejected_total",
+        "counter",
+        "Completion requests answered 503 (queue full or not ready).",
+        [({}, live["rejected"])],
+    )
+    metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [({}, snap["prompt_tokens"])])
+    metric(
+        "prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens reused from the prefix cache (not prefilled).",
+        [({}, snap["cached_tokens"])],
+    )
+    metric(
+        "prefix_cache_bytes",
+        "gauge",
+        "Bytes of K/V the prefix cache holds for reuse.",
+        [({}, snap["prefix_cache_bytes"])],
+    )
     pc = snap.get("prefix_cache") or {}  # prefix.PrefixCache.stats(): memory and disk tiers
-    metric("prefix_cache_hits_total", "counter", "Requests that started from a cached prefix, by where it was found.",
-           [({"tier": "memory"}, pc.get("hits", 0) - pc.get("disk", {}).get("hits", 0)),
-            ({"tier": "disk"}, pc.get("disk", {}).get("hits", 0))])
-    metric("prefix_cache_disk_bytes_read_total", "counter", "Bytes of cached prefixes loaded from disk.",
-           [({}, pc.get("disk", {}).get("bytes_read", 0))])
-    metric("prefix_cache_disk_bytes", "gauge", "Bytes of this model's prefixes stored on disk.",
-           [({}, pc.get("disk", {}).get("bytes", 0))])
-    metric("prefix_cache_saved_seconds_total", "counter", "Prefill time the reused prefixes saved (estimated at "
-           "the measured prefill rate, less the disk loads).", [({}, round(pc.get("saved_ms", 0.0) / 1e3, 3))])
-    metric("tokens_predicted_total", "counter", "Tokens generated (committed), all requests.",
-           [({}, snap["tokens"])])
-    metric("spec_decode_num_drafts_total", "counter", "Draft blocks proposed (verify cycles that drafted).",
-           [({}, snap["cycles"])])
-    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
-           [({}, snap["drafted"])])
-    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted by the target.",
-           [({}, snap["accepted"])])
-    metric("spec_decode_num_draft_tokens_per_pos_total", "counter",
-           "Draft tokens proposed at block position N (1 = first token after the anchor).",
-           [({"position": str(k + 1)}, v) for k, v in enumerate(snap.get("drafted_by_position", []))])
-    metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-           "Draft tokens accepted at block position N (1 = first token after the anchor).",
-           [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])])
-    metric("drafter_nonfinite_passes_total", "counter",
-           "Drafter passes with a non-finite hidden state or logit (their drafts are rejected; the first "
-           "switches the drafter to float32 activations).", [({}, snap.get("drafter_nonfinite", 0))])
-    metric("drafter_float32_fallback", "gauge", "1 once non-finite passes switched the drafter to float32.",
-           [({}, int(bool(snap.get("drafter_fallback"))))])
-    metric("spec_decode_plain_cycles_total", "counter",
-           "Plain target steps the drafting policy took instead of a draft (cycles without drafts).",
-           [({}, snap.get("plain_cycles", 0))])
-    metric("spec_decode_drafter_passes_total", "counter",
-           "Cycles the DFlash drafter ran in (its block then verified whole, in part, or not at all).",
-           [({}, snap.get("drafter_passes", 0))])
-    metric("spec_decode_trimmed_total", "counter",
-           "Drafter passes whose block the policy verified only in part (or not at all: a plain cycle).",
-           [({}, snap.get("trimmed", 0))])
-    metric("spec_decode_cycles_by_block_total", "counter",
-           "Verify cycles by block size (rows verified, anchor included; 1 = a plain step).",
-           [({"block": str(L)}, n) for L, n in sorted(snap.get("block_sizes", {}).items())])
-    for name, key, help_ in (("spec_decode_source_drafts_total", "cycles", "Drafted cycles by draft source."),
-                             ("spec_decode_source_draft_tokens_total", "drafted", "Draft tokens by draft source."),
-                             ("spec_decode_source_accepted_tokens_total", "accepted",
-                              "Accepted draft tokens by draft source.")):
-        metric(name, "counter", help_ + " (dflash: the drafter; lookup: copies of earlier text)",
-               [({"source": src}, c[key]) for src, c in sorted(snap.get("sources", {}).items())])
-    metric("http_requests_total", "counter", "HTTP responses by route and status.",
-           [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http_counts.items())])
+    metric(
+        "prefix_cache_hits_total",
+        "counter",
+        "Requests that started from a cached prefix, by where it was found.",
+        [
+            ({"tier": "memory"}, pc.get("hits", 0) - pc.get("disk", {}).get("hits", 0)),
+            ({"tier": "disk"}, pc.get("disk", {}).get("hits", 0)),
+        ],
+    )
+    metric(
+        "prefix_cache_disk_bytes_read_total",
+        "counter",
+        "Bytes of cached prefixes loaded from disk.",
+        [({}, pc.get("disk", {}).get("bytes_read", 0))],
+    )
+    metric(
+        "prefix_cache_disk_bytes",
+        "gauge",
+        "Bytes of this model's prefixes stored on disk.",
+        [({}, pc.get("disk", {}).get("bytes", 0))],
+    )
+    metric(
+        "prefix_cache_saved_seconds_total",
+        "counter",
+        "Prefill time the reused prefixes saved (estimated at the measured prefill rate, less the disk loads).",
+        [({}, round(pc.get("saved_ms", 0.0) / 1e3, 3))],
+    )
+    metric("tokens_predicted_total", "counter", "Tokens generated (committed), all requests.", [({}, snap["tokens"])])
+    metric(
+        "spec_decode_num_drafts_total",
+        "counter",
+        "Draft blocks proposed (verify cycles that drafted).",
+        [({}, snap["cycles"])],
+    )
+    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [({}, snap["drafted"])])
+    metric(
+        "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted by the target.",
+        [({}, snap["accepted"])],
+    )
+    metric(
+        "spec_decode_num_draft_tokens_per_pos_total",
+        "counter",
+        "Draft tokens proposed at block position N (1 = first token after the anchor).",
+        [({"position": str(k + 1)}, v) for k, v in enumerate(snap.get("drafted_by_position", []))],
+    )
+    metric(
+        "spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Draft tokens accepted at block position N (1 = first token after the anchor).",
+        [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])],
+    )
+    metric(
+        "drafter_nonfinite_passes_total",
+        "counter",
+        "Drafter passes with a non-finite hidden state or logit (their drafts are rejected; the first "
+        "switches the drafter to float32 activations).",
+        [({}, snap.get("drafter_nonfinite", 0))],
+    )
+    metric(
+        "drafter_float32_fallback",
+        "gauge",
+        "1 once non-finite passes switched the drafter to float32.",
+        [({}, int(bool(snap.get("drafter_fallback"))))],
+    )
+    metric(
+        "spec_decode_plain_cycles_total",
+        "counter",
+        "Plain target steps the drafting policy took instead of a draft (cycles without drafts).",
+        [({}, snap.get("plain_cycles", 0))],
+    )
+    metric(
+        "spec_decode_drafter_passes_total",
+        "counter",
+        "Cycles the DFlash drafter ran in (its block then verified whole, in part, or not at all).",
+        [({}, snap.get("drafter_passes", 0))],
+    )
+    metric(
+        "spec_decode_trimmed_total",
+        "counter",
+        "Drafter passes whose block the policy verified only in part (or not at all: a plain cycle).",
+        [({}, snap.get("trimmed", 0))],
+    )
+    metric(
+        "spec_decode_cycles_by_block_total",
+        "counter",
+        "Verify cycles by block size (rows verified, anchor included; 1 = a plain step).",
+        [({"block": str(L)}, n) for L, n in sorted(snap.get("block_sizes", {}).items())],
+    )
+    for name, key, help_ in (
+        ("spec_decode_source_drafts_total", "cycles", "Drafted cycles by draft source."),
+        ("spec_decode_source_draft_tokens_total", "drafted", "Draft tokens by draft source."),
+        ("spec_decode_source_accepted_tokens_total", "accepted", "Accepted draft tokens by draft source."),
+    ):
+        metric(
+            name,
+            "counter",
+            help_ + " (dflash: the drafter; lookup: copies of earlier text)",
+            [({"source": src}, c[key]) for src, c in sorted(snap.get("sources", {}).items())],
+        )
+    metric(
+        "http_requests_total",
+        "counter",
+        "HTTP responses by route and status.",
+        [({"route": r, "status": str(s)}, n) for (r, s), n in sorted(http_counts.items())],
+    )
     metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, snap["queue_depth"])])
     if "batch_sizes" in snap:  # continuous batching (batch.py)
-        metric("batch_max", "gauge", "Requests the engine decodes together at most (--max-batch).",
-               [({}, snap["max_batch"])])
+        metric(
+            "batch_max",
+            "gauge",
+            "Requests the engine decodes together at most (--max-batch).",
+            [({}, snap["max_batch"])],
+        )
         metric("batch_active", "gauge", "Requests in the running batch now.", [({}, snap["batch_active"])])
         sizes = snap["batch_sizes"]
         hist, run = [], 0
@@ -492,22 +610,27 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
         out += [f'mlx_spec:batch_size_bucket{{le="{lab["le"]}"}} {v}' for lab, v in hist]
         out.append(f"mlx_spec:batch_size_sum {sum(k * v for k, v in sizes.items())}")
         out.append(f"mlx_spec:batch_size_count {sum(sizes.values())}")
-        metric("batch_steps_total", "counter", "Batched steps by kind: plain (no sequence drafted) or "
-               "drafted (at least one sequence verified a draft).",
-               [({"kind": k}, v) for k, v in sorted(snap["batch_steps"].items())])
-        metric("batch_pipelined_steps_total", "counter", "Plain batched steps queued before the step ahead "
-               "of them was read (pipelined; counted among the plain steps).", [({}, snap.get("batch_pipelined", 0))])
+        metric(
+            "batch_steps_total",
+            "counter",
+            "Batched steps by kind: plain (no sequence drafted) or drafted (at least one sequence verified a draft).",
+            [({"kind": k}, v) for k, v in sorted(snap["batch_steps"].items())],
+        )
+        metric(
+            "batch_pipelined_steps_total",
+            "counter",
+            "Plain batched steps queued before the step ahead "
+            "of them was read (pipelined; counted among the plain steps).",
+            [({}, snap.get("batch_pipelined", 0))],
+        )
     metric("http_requests_in_flight", "gauge", "HTTP requests being handled now.", [({}, live["in_flight"])])
-    metric("engine_ready", "gauge", "1 when the engine is loaded and serving.",
-           [({}, int(snap["state"] == READY))])
+    metric("engine_ready", "gauge", "1 when the engine is loaded and serving.", [({}, int(snap["state"] == READY))])
     info = getattr(engine, "info", None)
     if info is not None:
         labels = {k: str(v) for k, v in info.as_dict().items() if v is not None}
-        metric("engine_info", "gauge", "The engine that runs (method, target, drafter, block size).",
-               [(labels, 1)])
+        metric("engine_info", "gauge", "The engine that runs (method, target, drafter, block size).", [(labels, 1)])
     return "\n".join(out) + "\n"
 
 
 def _escape(v) -> str:
     return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-

@@ -63,8 +63,7 @@ TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     MlxSpecError: (500, "server_error", None),
 }
 _BY_NAME = {cls.__name__: cls for cls in TABLE} | {"EngineFailed": NotReady}
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-              415: "unsupported_media_type"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
 
 
 def body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -64,15 +64,23 @@ def parse_origins(text: str | None, *, api_key: bool = False, source: str = "--a
             continue
         if item == "*":
             if not api_key:
-                raise BadRequest(f"{source} '*' lets every web page the user opens call this server; it needs "
-                                 "--api-key (or list the origins by name)")
+                raise BadRequest(
+                    f"{source} '*' lets every web page the user opens call this server; it needs "
+                    "--api-key (or list the origins by name)"
+                )
             out.append("*")
             continue
         parts = urlsplit(item)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-                or parts.query or parts.fragment or parts.username or parts.password:
-            raise BadRequest(f"{source}: {item!r} is not an origin (scheme://host[:port], e.g. "
-                             "http://localhost:3000)")
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+            or parts.username
+            or parts.password
+        ):
+            raise BadRequest(f"{source}: {item!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)")
         try:
             port = parts.port
         except ValueError:
@@ -105,16 +113,19 @@ class Policy:
         name, port = value, None
         if value.startswith("["):
             end = value.find("]")
-            name, rest = value[1:end] if end > 0 else value, value[end + 1:] if end > 0 else ""
+            name, rest = value[1:end] if end > 0 else value, value[end + 1 :] if end > 0 else ""
             if rest.startswith(":"):
                 port = rest[1:]
         elif value.count(":") == 1:
             name, port = value.split(":")
-        if name.rstrip(".") not in LOOPBACK_NAMES or (port is not None and self.port is not None
-                                                       and port != str(self.port)):
-            return (f"Host '{host}' is refused: this server listens on loopback and answers only "
-                    f"Host localhost, 127.0.0.1 or [::1]{f' (port {self.port})' if self.port else ''} "
-                    "(a page that re-resolved its own name to this machine sends its own name: DNS rebinding)")
+        if name.rstrip(".") not in LOOPBACK_NAMES or (
+            port is not None and self.port is not None and port != str(self.port)
+        ):
+            return (
+                f"Host '{host}' is refused: this server listens on loopback and answers only "
+                f"Host localhost, 127.0.0.1 or [::1]{f' (port {self.port})' if self.port else ''} "
+                "(a page that re-resolved its own name to this machine sends its own name: DNS rebinding)"
+            )
         return None
 
     def origin_allowed(self, origin: str) -> bool:
@@ -124,11 +135,15 @@ class Policy:
         if origin is not None:
             if self.origin_allowed(origin):
                 return None
-            return (f"Origin '{origin}' is not allowed to call this server (list the origins that may, with "
-                    f"--allowed-origins or ${ORIGINS_ENV})")
+            return (
+                f"Origin '{origin}' is not allowed to call this server (list the origins that may, with "
+                f"--allowed-origins or ${ORIGINS_ENV})"
+            )
         if fetch_site in ("cross-site", "same-site"):
-            return (f"a {fetch_site} browser request without an allowed Origin is refused (list the origins "
-                    f"that may call this server with --allowed-origins or ${ORIGINS_ENV})")
+            return (
+                f"a {fetch_site} browser request without an allowed Origin is refused (list the origins "
+                f"that may call this server with --allowed-origins or ${ORIGINS_ENV})"
+            )
         return None
 
 
@@ -178,14 +193,18 @@ class Guard:
 
     async def _preflight(self, send, origin: str, headers: dict) -> None:
         asked = headers.get("access-control-request-headers", "")
-        allow = [("access-control-allow-origin", self._allow_origin(origin)), ("vary", "Origin"),
-                 ("access-control-allow-methods", PREFLIGHT_METHODS),
-                 ("access-control-max-age", str(PREFLIGHT_MAX_AGE_S))]
+        allow = [
+            ("access-control-allow-origin", self._allow_origin(origin)),
+            ("vary", "Origin"),
+            ("access-control-allow-methods", PREFLIGHT_METHODS),
+            ("access-control-max-age", str(PREFLIGHT_MAX_AGE_S)),
+        ]
         names = [h.strip() for h in asked.split(",") if h.strip()]
         if names and all(_token(h) for h in names):
             allow.append(("access-control-allow-headers", ", ".join(names)))
-        await send({"type": "http.response.start", "status": 204,
-                    "headers": [(k.encode(), v.encode()) for k, v in allow]})
+        await send(
+            {"type": "http.response.start", "status": 204, "headers": [(k.encode(), v.encode()) for k, v in allow]}
+        )
         await send({"type": "http.response.body", "body": b""})
 
     async def _generation(self, scope, receive, send, path: str) -> None:
@@ -193,10 +212,16 @@ class Guard:
         c, limit = self.counters, self.policy.max_streams
         if limit and c.open_streams.get(client, 0) >= limit:
             c.streams_refused += 1
-            msg = (f"client {client} already has {limit} generation requests open (the server's "
-                   "--max-streams-per-client); wait for one to finish")
-            return await _json(send, 429, _error(path, 429, msg, "rate_limit_error", "too_many_streams"),
-                               [("retry-after", str(errors.RETRY_AFTER_S))])
+            msg = (
+                f"client {client} already has {limit} generation requests open (the server's "
+                "--max-streams-per-client); wait for one to finish"
+            )
+            return await _json(
+                send,
+                429,
+                _error(path, 429, msg, "rate_limit_error", "too_many_streams"),
+                [("retry-after", str(errors.RETRY_AFTER_S))],
+            )
         c.open_streams[client] = c.open_streams.get(client, 0) + 1
         stalled = asyncio.Event()
         stall_s = self.policy.stall_s
@@ -293,9 +318,13 @@ def _minimal_health(send):
             except (ValueError, AttributeError):
                 status = "ok"
             body = json.dumps({"status": status}).encode()
-            await send({"type": "http.response.start", "status": start.get("status", 200),
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": start.get("status", 200),
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         await send(message)
@@ -306,9 +335,14 @@ def _minimal_health(send):
 def _with_cors(send, allow_origin: str):
     async def cors(message):
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []),
-                                              (b"access-control-allow-origin", allow_origin.encode()),
-                                              (b"vary", b"Origin")]}
+            message = {
+                **message,
+                "headers": [
+                    *message.get("headers", []),
+                    (b"access-control-allow-origin", allow_origin.encode()),
+                    (b"vary", b"Origin"),
+                ],
+            }
         await send(message)
 
     return cors
@@ -324,24 +358,43 @@ def metrics_text(counters: Counters, snap: dict) -> str:
         out.append(f"# TYPE mlx_spec:{name} {kind}")
         out.extend(f"mlx_spec:{name}{labels} {value}" for labels, value in samples)
 
-    metric("requests_refused_total", "counter", "Requests refused by the Host/Origin checks (403), by reason.",
-           [(f'{{reason="{k}"}}', v) for k, v in sorted(counters.refused.items())])
-    metric("streams_refused_total", "counter",
-           "Generation requests refused (429): the client had --max-streams-per-client open.",
-           [("", counters.streams_refused)])
-    metric("streams_stalled_total", "counter",
-           "Streams cut off because the client stopped reading (their generation cancelled).",
-           [("", counters.streams_stalled)])
-    metric("streams_open", "gauge", "Generation requests in flight, all clients.",
-           [("", sum(counters.open_streams.values()))])
-    metric("prefill_timeouts_total", "counter",
-           "Requests failed because their prefill ran past --prefill-timeout (their slot freed).",
-           [("", snap.get("prefill_timeouts", 0))])
+    metric(
+        "requests_refused_total",
+        "counter",
+        "Requests refused by the Host/Origin checks (403), by reason.",
+        [(f'{{reason="{k}"}}', v) for k, v in sorted(counters.refused.items())],
+    )
+    metric(
+        "streams_refused_total",
+        "counter",
+        "Generation requests refused (429): the client had --max-streams-per-client open.",
+        [("", counters.streams_refused)],
+    )
+    metric(
+        "streams_stalled_total",
+        "counter",
+        "Streams cut off because the client stopped reading (their generation cancelled).",
+        [("", counters.streams_stalled)],
+    )
+    metric(
+        "streams_open",
+        "gauge",
+        "Generation requests in flight, all clients.",
+        [("", sum(counters.open_streams.values()))],
+    )
+    metric(
+        "prefill_timeouts_total",
+        "counter",
+        "Requests failed because their prefill ran past --prefill-timeout (their slot freed).",
+        [("", snap.get("prefill_timeouts", 0))],
+    )
     mem = snap.get("memory") or {}
-    for key, help_ in (("active", "Bytes MLX's allocator holds in live arrays."),
-                       ("cache", "Bytes MLX's allocator keeps in its buffer cache for reuse."),
-                       ("peak", "Most bytes MLX's allocator held at once since the engine started."),
-                       ("cache_limit", "The buffer cache's bound (mx.set_cache_limit, from the memory plan).")):
+    for key, help_ in (
+        ("active", "Bytes MLX's allocator holds in live arrays."),
+        ("cache", "Bytes MLX's allocator keeps in its buffer cache for reuse."),
+        ("peak", "Most bytes MLX's allocator held at once since the engine started."),
+        ("cache_limit", "The buffer cache's bound (mx.set_cache_limit, from the memory plan)."),
+    ):
         if key in mem:
             metric(f"mlx_memory_{key}_bytes", "gauge", help_, [("", mem[key])])
     return "\n".join(out) + "\n"

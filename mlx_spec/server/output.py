@@ -15,8 +15,13 @@ from . import tools
 class OutputStream:
     """Feed text pieces, get items; ``finish()`` flushes what is held at the end of the output."""
 
-    def __init__(self, think: ThinkFormat | None = None, in_reasoning: bool = False,
-                 tool_format: tools.ToolFormat | None = None, tool_list: list | None = None):
+    def __init__(
+        self,
+        think: ThinkFormat | None = None,
+        in_reasoning: bool = False,
+        tool_format: tools.ToolFormat | None = None,
+        tool_list: list | None = None,
+    ):
         self.think = ThinkSplitter(think, in_reasoning) if think is not None else None
         self.calls = tools.ToolCallStream(tool_format, tool_list) if tool_format is not None else None
 
@@ -44,8 +49,13 @@ class OutputStream:
         return out
 
 
-def split(text: str, think: ThinkFormat | None = None, in_reasoning: bool = False,
-          tool_format: tools.ToolFormat | None = None, tool_list: list | None = None):
+def split(
+    text: str,
+    think: ThinkFormat | None = None,
+    in_reasoning: bool = False,
+    tool_format: tools.ToolFormat | None = None,
+    tool_list: list | None = None,
+):
     """A whole output -> (reasoning or None, content, tool calls without ``index``)."""
     s = OutputStream(think, in_reasoning, tool_format, tool_list)
     items = s.feed(text) + s.finish()

@@ -184,8 +184,7 @@ def _end(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     return _wait(alive, 5.0)
 
 
-def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, quiet_stdin: bool = False,
-          stdout=None):
+def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, quiet_stdin: bool = False, stdout=None):
     """Start ``cmd`` in its own session (it survives the terminal), output to ``log_path``
     (None: to ``stdout``, e.g. ``subprocess.PIPE``, else this process's stdout; stderr to this
     process's).
@@ -205,10 +204,16 @@ def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, qui
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = stack.enter_context(open(log_path, "ab"))
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL if r is None else r,
-                                    stdout=stdout if log is None else log,
-                                    stderr=None if log is None else subprocess.STDOUT, start_new_session=True,
-                                    env=env, close_fds=True, pass_fds=() if w is None else (w,))
+            return subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL if r is None else r,
+                stdout=stdout if log is None else log,
+                stderr=None if log is None else subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                close_fds=True,
+                pass_fds=() if w is None else (w,),
+            )
     finally:
         for fd in (r, w):
             if fd is not None:
@@ -246,8 +251,7 @@ def rank_processes(ranks: list[dict]) -> dict[int, psutil.Process]:
     return out
 
 
-def terminate_group(ranks: list[dict], launcher: psutil.Process | None,
-                    timeout: float = 10.0) -> list[psutil.Process]:
+def terminate_group(ranks: list[dict], launcher: psutil.Process | None, timeout: float = 10.0) -> list[psutil.Process]:
     """Stop a group mlx.launch runs: SIGTERM rank 0 first (it tells the other ranks to exit,
     and mlx.launch ends with them), wait up to ``timeout``; then SIGTERM what is left
     (mlx.launch, its children, every rank in ``ranks``, as ``group_ranks`` recorded them), wait,

@@ -25,7 +25,6 @@ from ..generation import EngineInfo
 from . import tools
 from .errors import InvalidField
 
-
 MIN_TEMPERATURE = 1e-5  # below this sampling is the argmax anyway; greedy avoids inf in logits / T
 
 
@@ -44,9 +43,11 @@ class RequestDefaults:
     def sampling(self, temperature, top_p, top_k) -> dict:
         """The engine Request's sampling fields: the request's values, else these defaults."""
         t = temperature if temperature is not None else (1.0 if self.temperature is None else self.temperature)
-        return {"temperature": 0.0 if t < MIN_TEMPERATURE else t,
-                "top_p": top_p if top_p is not None else (self.top_p or 1.0),
-                "top_k": top_k if top_k is not None else (self.top_k or 0)}
+        return {
+            "temperature": 0.0 if t < MIN_TEMPERATURE else t,
+            "top_p": top_p if top_p is not None else (self.top_p or 1.0),
+            "top_k": top_k if top_k is not None else (self.top_k or 0),
+        }
 
     def template(self, request_kwargs: dict | None) -> dict | None:
         """Chat-template variables: the server's, overridden by the request's."""
@@ -120,16 +121,18 @@ class _Generation(RequestBody):
             raise InvalidField("n > 1 is not supported (one choice per request)", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise InvalidField(f"{name} is not supported (it would change the target's "
-                                   "distribution); send 0 or omit it", name)
+                raise InvalidField(
+                    f"{name} is not supported (it would change the target's distribution); send 0 or omit it", name
+                )
         if self.logit_bias:
             raise InvalidField("logit_bias is not supported", "logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 16:
             raise InvalidField(f"at most 16 stop sequences (got {len(stops)})", "stop")
 
-    def engine_request(self, max_tokens: int | None, context_length: int | None,
-                       defaults: RequestDefaults = NO_DEFAULTS, **prompt) -> Request:
+    def engine_request(
+        self, max_tokens: int | None, context_length: int | None, defaults: RequestDefaults = NO_DEFAULTS, **prompt
+    ) -> Request:
         # An upper bound, as agents send it (32000 on any model): the engine stops the reply where
         # the context ends; only a prompt that fills the context alone is refused (ContextTooLong).
         max_tokens = max_tokens if max_tokens is not None else defaults.max_tokens
@@ -168,9 +171,12 @@ class ChatCompletionRequest(_Generation):
         if c is None or c in ("auto", "none"):
             return
         if c == "required" or isinstance(c, dict):
-            raise InvalidField("tool_choice 'required' or a named function is not supported: the reply is "
-                               "the target's own unconstrained text, so a call cannot be forced; send "
-                               "'auto' (the model decides) or 'none'", "tool_choice")
+            raise InvalidField(
+                "tool_choice 'required' or a named function is not supported: the reply is "
+                "the target's own unconstrained text, so a call cannot be forced; send "
+                "'auto' (the model decides) or 'none'",
+                "tool_choice",
+            )
         raise InvalidField(f"tool_choice must be 'auto' or 'none' (got {c!r})", "tool_choice")
 
     def to_engine(self, context_length: int | None, defaults: RequestDefaults = NO_DEFAULTS) -> Request:
@@ -182,9 +188,14 @@ class ChatCompletionRequest(_Generation):
             raise InvalidField("only response_format {'type': 'text'} is supported", "response_format")
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = [_template_message(m, i) for i, m in enumerate(self.messages)]
-        return self.engine_request(max_tokens, context_length, defaults, messages=messages,
-                                   tools=self.active_tools,
-                                   template_kwargs=defaults.template(self.chat_template_kwargs))
+        return self.engine_request(
+            max_tokens,
+            context_length,
+            defaults,
+            messages=messages,
+            tools=self.active_tools,
+            template_kwargs=defaults.template(self.chat_template_kwargs),
+        )
 
 
 class CompletionRequest(_Generation):
@@ -224,14 +235,17 @@ def _template_message(m: ChatMessage, i: int) -> dict:
     if isinstance(m.content, list):
         kinds = {part.type for part in m.content} - {"text"}
         if kinds:
-            raise InvalidField(f"messages[{i}]: only text content is supported (got {sorted(kinds)})",
-                               f"messages[{i}].content")
+            raise InvalidField(
+                f"messages[{i}]: only text content is supported (got {sorted(kinds)})", f"messages[{i}].content"
+            )
         d["content"] = "".join(part.text or "" for part in m.content)
     elif m.content is None:
         if m.role in NEEDS_CONTENT:  # only an assistant turn (e.g. one that called tools) may omit it
             missing = "content is null" if "content" in m.model_fields_set else "no content"
-            raise InvalidField(f"messages[{i}]: a {m.role} message needs content ({missing}); send a "
-                               "string or a list of text parts", f"messages[{i}].content")
+            raise InvalidField(
+                f"messages[{i}]: a {m.role} message needs content ({missing}); send a string or a list of text parts",
+                f"messages[{i}].content",
+            )
         d["content"] = ""
     return d
 
@@ -276,7 +290,8 @@ def _path(loc) -> str:
 
 _LONE_SURROGATE = re.compile(
     rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"  # high, no low after
-    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")  # low, no high before
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)  # low, no high before
 
 
 def _json_problem(body: bytes, msg: str) -> str:
@@ -284,9 +299,11 @@ def _json_problem(body: bytes, msg: str) -> str:
     parser reports it as the end of a hex escape)."""
     if "escape" in msg or "surrogate" in msg:
         if found := _LONE_SURROGATE.search(body):
-            return (f"a string holds the lone UTF-16 surrogate {found.group().decode()} (a high "
-                    "surrogate \\ud800-\\udbff must be followed by a low one \\udc00-\\udfff): "
-                    "not valid Unicode")
+            return (
+                f"a string holds the lone UTF-16 surrogate {found.group().decode()} (a high "
+                "surrogate \\ud800-\\udbff must be followed by a low one \\udc00-\\udfff): "
+                "not valid Unicode"
+            )
     return msg
 
 
@@ -302,16 +319,24 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
     response's ``StatsSnapshot``) adds what the drafting policy did for that response."""
     if engine is None:
         return None
-    out = {"enabled": engine.speculative, "method": engine.method, "target": engine.target,
-           "drafter": engine.drafter, "block_size": engine.block_size,
-           "block_size_source": engine.block_size_source, "draft_vocab": engine.draft_vocab or None,
-           "policy": "per-cycle" if engine.adaptive_max and engine.speculative else "fixed",
-           "group": engine.group.as_dict()}
+    out = {
+        "enabled": engine.speculative,
+        "method": engine.method,
+        "target": engine.target,
+        "drafter": engine.drafter,
+        "block_size": engine.block_size,
+        "block_size_source": engine.block_size_source,
+        "draft_vocab": engine.draft_vocab or None,
+        "policy": "per-cycle" if engine.adaptive_max and engine.speculative else "fixed",
+        "group": engine.group.as_dict(),
+    }
     if stats is not None and engine.speculative:
         d = stats.as_dict()
-        out["cycles"] = {k: d[k] for k in ("cycles", "plain_cycles", "drafted_cycles", "drafter_passes", "trimmed",
-                                        "block_sizes", "sources")
-                         if k in d}
+        out["cycles"] = {
+            k: d[k]
+            for k in ("cycles", "plain_cycles", "drafted_cycles", "drafter_passes", "trimmed", "block_sizes", "sources")
+            if k in d
+        }
         if d.get("cycle_trace") is not None:
             out["cycles"]["trace"] = d["cycle_trace"]
     return out
@@ -332,23 +357,39 @@ def max_tokens_allowed(context_length: int | None, max_tokens: int | None, promp
 def limits(context_length: int | None, max_tokens: int | None, prompt_tokens: int) -> dict:
     """The ``limits`` extension block of every response (both APIs; clients ignore unknown
     fields): the context length, the prompt, the max_tokens asked and what the context allowed."""
-    return {"context_length": context_length, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-            "max_tokens_allowed": max_tokens_allowed(context_length, max_tokens, prompt_tokens)}
+    return {
+        "context_length": context_length,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "max_tokens_allowed": max_tokens_allowed(context_length, max_tokens, prompt_tokens),
+    }
 
 
 def usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": int(done.stats.cached_tokens)}}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": int(done.stats.cached_tokens)},
+    }
 
 
 def finish_reason(done: Done) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
-               content: str | None = None, tool_calls: list[dict] | None = None,
-               reasoning: str | None = None, limits: dict | None = None) -> dict:
+def completion(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    done: Done,
+    *,
+    content: str | None = None,
+    tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
+    limits: dict | None = None,
+) -> dict:
     """A whole (non-stream) response. ``kind`` is "chat" or "text". With ``tool_calls`` (parsed
     by server.tools), ``content`` is the text outside them (null when empty); ``content`` given
     alone replaces the text (reasoning split off into ``reasoning_content``)."""
@@ -365,14 +406,33 @@ def completion(kind: str, rid: str, created: int, model: str, done: Done, *,
     else:
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish_reason(done)}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(done), "timings": done.timings, "speculation": speculation(done.engine, done.stats),
-            "limits": limits}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(done),
+        "timings": done.timings,
+        "speculation": speculation(done.engine, done.stats),
+        "limits": limits,
+    }
 
 
-def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
-          role: bool = False, finish: str | None = None, include_usage: bool = False,
-          tool_calls: list[dict] | None = None, reasoning: str | None = None, **extra) -> dict:
+def chunk(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    include_usage: bool = False,
+    tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
+    **extra,
+) -> dict:
     """One streamed chunk with one choice; ``extra`` keys (timings, ...) are added at the top."""
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if role else {}
@@ -396,8 +456,15 @@ def chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = N
 
 def model_card(model_id: str, created: int, context_length: int | None, engine: EngineInfo) -> dict:
     """``root``: the model that answers under this id (the target; an alias's card names it)."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx_spec",
-            "root": engine.target, "context_length": context_length, "speculation": speculation(engine)}
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx_spec",
+        "root": engine.target,
+        "context_length": context_length,
+        "speculation": speculation(engine),
+    }
 
 
 def now() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+
 from ..text import ToolFormat, tool_format  # noqa: F401  (the format is read in the text layer)
 from ..thinking import partial_suffix  # held-back text that may start a marker: one rule for both
 
@@ -31,8 +32,13 @@ def parse_call(fmt: ToolFormat, text: str, tools: list | None) -> list[dict] | N
                 raise ValueError(f"tool name is {name!r}")
             arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             cid = item.get("id")
-            calls.append({"id": cid if isinstance(cid, str) and cid else new_call_id(), "type": "function",
-                          "function": {"name": name, "arguments": arguments}})
+            calls.append(
+                {
+                    "id": cid if isinstance(cid, str) and cid else new_call_id(),
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
     except Exception as e:  # any parser failure: the model's text is returned as content
         log.warning("tool call not parsed (%s: %s); returned as text", type(e).__name__, e)
         return None
@@ -67,15 +73,15 @@ class ToolCallStream:
                 if i < 0:
                     keep = partial_suffix(self.buf, start)
                     _add_text(out, self.buf[: len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    self.buf = self.buf[len(self.buf) - keep :]
                     return out
                 _add_text(out, self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(start):], True
+                self.buf, self.in_call = self.buf[i + len(start) :], True
             j = self.buf.find(end) if end else -1
             if j < 0:
                 return out  # inside a call: hold everything until its end marker
             self._close(self.buf[:j], start + self.buf[: j + len(end)], out)
-            self.buf, self.in_call = self.buf[j + len(end):], False
+            self.buf, self.in_call = self.buf[j + len(end) :], False
 
     def finish(self) -> list[str | dict]:
         """Flush at the end of the output: held text, or a call the end marker never closed."""
@@ -107,7 +113,7 @@ def split(fmt: ToolFormat, text: str, tools: list | None) -> tuple[str, list[dic
 
 
 def finish_reason(base: str, called: bool) -> str:
-    """"tool_calls" when the model made a call and stopped by itself; "length" stays "length"."""
+    """ "tool_calls" when the model made a call and stopped by itself; "length" stays "length"."""
     return "tool_calls" if called and base == "stop" else base
 
 

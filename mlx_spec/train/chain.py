@@ -88,7 +88,7 @@ class Tokens:
             toks, offs, plens = z["tokens"], z["offsets"], z["prompt_lens"]
         except (OSError, ValueError, KeyError) as e:
             raise BadRequest(f"{path}: not a token file from `train export --tokens` ({e})") from None
-        seqs = [toks[offs[i]:offs[i + 1]].astype(np.int32) for i in range(len(offs) - 1)]
+        seqs = [toks[offs[i] : offs[i + 1]].astype(np.int32) for i in range(len(offs) - 1)]
         if len(seqs) <= held_out:
             raise BadRequest(f"{path}: {len(seqs)} sequences, fewer than --held-out {held_out} + 1")
         self.train = list(zip(seqs[:-held_out], plens[:-held_out].tolist()))
@@ -103,10 +103,10 @@ def make_batch(pool, rng: np.random.Generator, n: int, seq_len: int):
         seq, P = pool[rng.integers(len(pool))]
         hi = max(0, len(seq) - seq_len)
         s = int(rng.integers(0, hi + 1)) if hi else 0
-        w = seq[s:s + seq_len]
-        ids[r, :len(w)] = w
+        w = seq[s : s + seq_len]
+        ids[r, : len(w)] = w
         pos = np.arange(s + 2, s + len(w))  # absolute positions of the targets
-        mask[r, :len(w) - 2] = pos >= P
+        mask[r, : len(w) - 2] = pos >= P
     return mx.array(ids), mx.array(mask)
 
 
@@ -142,8 +142,9 @@ def ttt_mask(T: int, j: int) -> mx.array:
     return mx.concatenate(parts, axis=1)
 
 
-def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt: int, decay: float,
-            capture: list | None = None):
+def loss_fn(
+    head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt: int, decay: float, capture: list | None = None
+):
     """Weighted cross-entropy over ``ttt`` steps; returns (loss, per-step accuracies).
     ``capture`` (a list) receives each step's logits (for tests)."""
     h = head.fuse(feats)[:, :-1]
@@ -151,8 +152,11 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
     labels = ids[:, 2:]
     valid = mask
     if head.draft_ids is not None:  # targets in draft ids; a target outside the draft vocabulary is a miss
-        index = mx.full((head.vocab_size,), -1, mx.int32).at[head.draft_ids].add(
-            mx.arange(head.draft_ids.shape[0], dtype=mx.int32) + 1)
+        index = (
+            mx.full((head.vocab_size,), -1, mx.int32)
+            .at[head.draft_ids]
+            .add(mx.arange(head.draft_ids.shape[0], dtype=mx.int32) + 1)
+        )
         labels = index[labels]
         valid = mask * (labels >= 0)
         labels = mx.maximum(labels, 0)
@@ -167,7 +171,7 @@ def loss_fn(head: ChainHead, feats: mx.array, ids: mx.array, mask: mx.array, ttt
         rows = mx.arange(mask.shape[1]) >= j
         m, v = mask * rows, valid * rows
         ce = nn.losses.cross_entropy(lg, labels, reduction="none")
-        w = decay ** j
+        w = decay**j
         total = total + w * (ce * v).sum() / mx.maximum(v.sum(), 1)
         weight += w
         accs.append(((mx.argmax(lg, axis=-1) == labels) * v).sum() / mx.maximum(m.sum(), 1))
@@ -194,8 +198,9 @@ def head_rows(target: Target, ids: np.ndarray) -> mx.array:
     return w[mx.array(ids)].astype(mx.float32)
 
 
-def build_head(kind: str, target: Target, tcfg: dict, seed: int, draft_ids: np.ndarray | None = None
-               ) -> tuple[ChainHead, dict]:
+def build_head(
+    kind: str, target: Target, tcfg: dict, seed: int, draft_ids: np.ndarray | None = None
+) -> tuple[ChainHead, dict]:
     mx.random.seed(seed)
     mt = target.model_type
     if kind == "mtp":
@@ -243,8 +248,7 @@ def held_out_accuracy(head: ChainHead, target: Target, data: Tokens, cfg: ChainT
     return [round(float(a), 4) for a in accs]
 
 
-def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict,
-                log: Callable[[str], None] = print) -> dict:
+def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable[[str], None] = print) -> dict:
     """Train, checkpoint (resumable) and write the head to ``cfg.out``/head. Returns a summary."""
     out = Path(cfg.out)
     data = Tokens(cfg.tokens, cfg.held_out)
@@ -256,8 +260,13 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict,
     ckpt = out / "ckpt"
     state = {"step": 0, "log": []}
     warm = max(1, int(cfg.warmup * cfg.steps))
-    sched = optim.join_schedules([optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
-                                  optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * 0.1)], [warm])
+    sched = optim.join_schedules(
+        [
+            optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
+            optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * 0.1),
+        ],
+        [warm],
+    )
     opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
     if cfg.resume:
         if not (ckpt / "state.json").exists():
@@ -266,6 +275,7 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict,
         head.load_weights(str(ckpt / "weights.safetensors"))
         opt_state = mx.load(str(ckpt / "optimizer.safetensors"))
         from mlx.utils import tree_unflatten
+
         opt.state = tree_unflatten(list(opt_state.items()))
     else:
         init_from_target(head, target)
@@ -297,8 +307,12 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict,
             mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
             (ckpt / "state.json").write_text(json.dumps(state))
             save_head(head, hcfg, out / "head", cfg.layout)
-    return {"steps": state["step"], "sec_per_step": round(t_steps / max(n_timed, 1), 3),
-            "last": state["log"][-1] if state["log"] else None, "head": str(out / "head")}
+    return {
+        "steps": state["step"],
+        "sec_per_step": round(t_steps / max(n_timed, 1), 3),
+        "last": state["log"][-1] if state["log"] else None,
+        "head": str(out / "head"),
+    }
 
 
 __all__ = [

@@ -19,16 +19,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import BadRequest
-from ..target import Target
 from ..prompts import Prompt
+from ..target import Target
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def generate_batch(
     tk_ids: list[list[np.ndarray]] = [[] for _ in range(B)]
     tk_lp: list[list[np.ndarray]] = [[] for _ in range(B)]
     rows = list(range(B))  # live rows -> prompt index
-    for step in range(cfg.max_tokens):
+    for step in range(cfg.max_tokens):  # noqa: B007
         if stop is not None and stop():
             return None
         key, sub = mx.random.split(key)
@@ -151,8 +151,7 @@ def generate_batch(
             rows = [rows[j] for j in keep]
             tok = tok[sel]
         valid = np.concatenate([valid, np.ones((len(rows), 1), bool)], axis=1)
-        h, hidden = _run_layers(target, tok.reshape(-1, 1).astype(mx.int32), cache,
-                                mx.array(valid[:, None, None, :]))
+        h, hidden = _run_layers(target, tok.reshape(-1, 1).astype(mx.int32), cache, mx.array(valid[:, None, None, :]))
         logits = target.head(target.inner.norm(h[:, -1]))
         hid = np.array(hidden[:, 0].astype(mx.float16))
         for j, b in enumerate(rows):
@@ -165,8 +164,7 @@ def generate_batch(
     return out
 
 
-def featurize_batch(target: Target, seqs: Sequence[list[int]], prompt_lens: Sequence[int],
-                    top_k: int, pad_id: int):
+def featurize_batch(target: Target, seqs: Sequence[list[int]], prompt_lens: Sequence[int], top_k: int, pad_id: int):
     """Teacher-forced target pass over finished sequences (e.g. committed token ids).
 
     Returns per sequence (features (T, F) float16 with a zero last row, topk ids, topk logp),
@@ -197,7 +195,9 @@ def _write_shard(shard_dir: Path, index: int, samples: list[Sample]) -> None:
     np.save(shard_dir / f"{index:05d}.feat.npy", np.concatenate([s.features for s in samples]))
     tmp = shard_dir / f"{index:05d}.tmp.npz"
     np.savez(
-        tmp, tokens=tokens, offsets=offsets,
+        tmp,
+        tokens=tokens,
+        offsets=offsets,
         prompt_lens=np.array([s.prompt_len for s in samples], np.int32),
         ids=np.array([s.id for s in samples]),
         topk_ids=np.concatenate([s.topk_ids for s in samples]),
@@ -243,8 +243,10 @@ def build_dataset(
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old.get("taps") != meta["taps"] or old.get("config", {}).get("top_k") != cfg.top_k:
-            raise BadRequest(f"{out} holds data made with taps={old.get('taps')} "
-                             f"top_k={old.get('config', {}).get('top_k')}; use another --out")
+            raise BadRequest(
+                f"{out} holds data made with taps={old.get('taps')} "
+                f"top_k={old.get('config', {}).get('top_k')}; use another --out"
+            )
     meta_path.write_text(json.dumps(meta, indent=2))
     done = done_ids(out)
     todo = [p for p in prompts if p.id not in done]
@@ -254,8 +256,9 @@ def build_dataset(
     # Similar prompt lengths share a batch (less padding), sorted only within windows of 8
     # batches so a partial run is still a fair sample of the mix. Deterministic.
     w = cfg.batch_size * 8
-    encoded = [e for s in range(0, len(encoded), w)
-               for e in sorted(encoded[s : s + w], key=lambda e: (len(e[1]), e[0].id))]
+    encoded = [
+        e for s in range(0, len(encoded), w) for e in sorted(encoded[s : s + w], key=lambda e: (len(e[1]), e[0].id))
+    ]
     t0 = time.perf_counter()
     n_tok = 0
     index = _next_index(shard_dir)
@@ -275,24 +278,36 @@ def build_dataset(
         _write_shard(shard_dir, index, samples)
         index += 1
         el = time.perf_counter() - t0
-        msg = (f"data: {i + len(batch)}/{len(encoded)} prompts ({len(done)} done before), "
-               f"{n_tok} response tokens, {n_tok / el:.1f} tok/s, ETA {_eta(i + len(batch), len(encoded), el)}")
+        msg = (
+            f"data: {i + len(batch)}/{len(encoded)} prompts ({len(done)} done before), "
+            f"{n_tok} response tokens, {n_tok / el:.1f} tok/s, ETA {_eta(i + len(batch), len(encoded), el)}"
+        )
         log.info(msg)
         if progress:
             progress(msg)
     return summarize(out)
 
 
-def featurize_tokens(target: Target, tokens_npz: str | Path, out: str | Path, top_k: int = 8,
-                     batch_size: int = 8, pad_id: int = 0, progress: Progress | None = None) -> dict:
+def featurize_tokens(
+    target: Target,
+    tokens_npz: str | Path,
+    out: str | Path,
+    top_k: int = 8,
+    batch_size: int = 8,
+    pad_id: int = 0,
+    progress: Progress | None = None,
+) -> dict:
     """Rebuild shards from committed token ids (``export_tokens`` output) with a target pass."""
     out = Path(out)
     shard_dir = out / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     z = np.load(tokens_npz)
     toks, offs, plens, ids = z["tokens"], z["offsets"], z["prompt_lens"], z["ids"].tolist()
-    meta = {"config": {"top_k": top_k, "from_tokens": str(tokens_npz)}, "taps": list(target.taps),
-            "n_prompts": len(ids)}
+    meta = {
+        "config": {"top_k": top_k, "from_tokens": str(tokens_npz)},
+        "taps": list(target.taps),
+        "n_prompts": len(ids),
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     done = done_ids(out)
     order = [i for i in np.argsort(offs[1:] - offs[:-1], kind="stable") if ids[i] not in done]
@@ -313,8 +328,10 @@ def featurize_tokens(target: Target, tokens_npz: str | Path, out: str | Path, to
         index += 1
         el = time.perf_counter() - t0
         if progress:
-            progress(f"featurize: {s + len(sel)}/{len(order)} sequences, {n_tok / el:.1f} tok/s, "
-                     f"ETA {_eta(s + len(sel), len(order), el)}")
+            progress(
+                f"featurize: {s + len(sel)}/{len(order)} sequences, {n_tok / el:.1f} tok/s, "
+                f"ETA {_eta(s + len(sel), len(order), el)}"
+            )
     return summarize(out)
 
 
@@ -343,9 +360,13 @@ def export_tokens(data_dir: str | Path, path: str | Path) -> dict:
             plens.extend(z["prompt_lens"].tolist())
             ids.extend(z["ids"].tolist())
     dtype = np.uint16 if toks and max(int(t.max()) for t in toks) < 65536 else np.int32
-    np.savez_compressed(path, tokens=np.concatenate(toks).astype(dtype),
-                        offsets=np.cumsum([0] + lens).astype(np.int64),
-                        prompt_lens=np.array(plens, np.int32), ids=np.array(ids))
+    np.savez_compressed(
+        path,
+        tokens=np.concatenate(toks).astype(dtype),
+        offsets=np.cumsum([0] + lens).astype(np.int64),
+        prompt_lens=np.array(plens, np.int32),
+        ids=np.array(ids),
+    )
     return {"sequences": len(ids), "tokens": int(sum(lens)), "bytes": Path(path).stat().st_size}
 
 
@@ -364,7 +385,7 @@ class Dataset:
         return len(self.tokens)
 
     @classmethod
-    def load(cls, data_dir: str | Path, exclude: set[str] = frozenset()) -> "Dataset":
+    def load(cls, data_dir: str | Path, exclude: set[str] = frozenset()) -> Dataset:
         shard_dir = Path(data_dir) / "shards"
         files = sorted(shard_dir.glob("[0-9]*[0-9].npz"))
         if not files:
@@ -389,7 +410,7 @@ class Dataset:
         return d
 
 
-def load_datasets(data_dirs: str | Path | list) -> tuple["Dataset", list[int]]:
+def load_datasets(data_dirs: str | Path | list) -> tuple[Dataset, list[int]]:
     """Several data dirs (a list, or "a,b") made with the same taps and top-K, as one Dataset.
     Returns it and the taps. Sequence ids are prefixed with the dir's index past the first."""
     dirs = [Path(d) for d in (str(data_dirs).split(",") if not isinstance(data_dirs, list) else data_dirs) if str(d)]
@@ -404,8 +425,10 @@ def load_datasets(data_dirs: str | Path | list) -> tuple["Dataset", list[int]]:
     taps, top_k = metas[0]["taps"], metas[0].get("config", {}).get("top_k")
     for d, m in zip(dirs[1:], metas[1:]):
         if m["taps"] != taps or m.get("config", {}).get("top_k") != top_k:
-            raise BadRequest(f"{d} was made with taps={m['taps']} top_k={m.get('config', {}).get('top_k')}, "
-                             f"{dirs[0]} with taps={taps} top_k={top_k}: they cannot be mixed")
+            raise BadRequest(
+                f"{d} was made with taps={m['taps']} top_k={m.get('config', {}).get('top_k')}, "
+                f"{dirs[0]} with taps={taps} top_k={top_k}: they cannot be mixed"
+            )
     out = Dataset.load(dirs[0])
     for i, d in enumerate(dirs[1:], 1):
         more = Dataset.load(d)
@@ -419,5 +442,13 @@ def iter_shards(data_dir: str | Path) -> Iterator[Path]:
     yield from sorted((Path(data_dir) / "shards").glob("[0-9]*[0-9].npz"))
 
 
-__all__ = ["DataConfig", "Dataset", "build_dataset", "generate_batch", "featurize_batch",
-           "featurize_tokens", "export_tokens", "summarize"]
+__all__ = [
+    "DataConfig",
+    "Dataset",
+    "build_dataset",
+    "generate_batch",
+    "featurize_batch",
+    "featurize_tokens",
+    "export_tokens",
+    "summarize",
+]

@@ -15,9 +15,18 @@ import numpy as np
 COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40))
 # 3x5 glyphs, rows top to bottom, 3 bits each.
 GLYPHS = {
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7),
-    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1),
-    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), ".": (0, 0, 0, 0, 2), "-": (0, 0, 7, 0, 0),
+    "0": (7, 5, 5, 5, 7),
+    "1": (2, 6, 2, 2, 7),
+    "2": (7, 1, 7, 4, 7),
+    "3": (7, 1, 7, 1, 7),
+    "4": (5, 5, 7, 1, 1),
+    "5": (7, 4, 7, 1, 7),
+    "6": (7, 4, 7, 5, 7),
+    "7": (7, 1, 1, 1, 1),
+    "8": (7, 5, 7, 5, 7),
+    "9": (7, 5, 7, 1, 7),
+    ".": (0, 0, 0, 0, 2),
+    "-": (0, 0, 7, 0, 0),
 }
 
 
@@ -44,8 +53,13 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
 
 
-def line_chart_png(path: str | Path, series: list[tuple[str, list[tuple[float, float]]]],
-                   width: int = 640, height: int = 360, title: str = "") -> None:
+def line_chart_png(
+    path: str | Path,
+    series: list[tuple[str, list[tuple[float, float]]]],
+    width: int = 640,
+    height: int = 360,
+    title: str = "",
+) -> None:
     """Write ``series`` [(name, [(x, y), ...]), ...] as a line chart PNG."""
     img = np.full((height, width, 3), 255, np.uint8)
     left, right, top, bottom = 60, 20, 20, 40
@@ -80,6 +94,10 @@ def line_chart_png(path: str | Path, series: list[tuple[str, list[tuple[float, f
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
     Path(path).write_bytes(png)

@@ -24,36 +24,110 @@ import re
 from ..prompts import Prompt
 
 STDLIB_MODULES = (
-    "abc", "argparse", "base64", "bisect", "calendar", "collections", "colorsys", "copy", "csv",
-    "dataclasses", "datetime", "difflib", "enum", "filecmp", "fnmatch", "fractions", "functools",
-    "glob", "gzip", "hashlib", "heapq", "html", "http.client", "inspect", "io", "itertools", "json",
-    "logging", "math", "operator", "os", "os.path", "pathlib", "pickle", "pprint", "queue", "random",
-    "re", "sched", "secrets", "shlex", "shutil", "socket", "sqlite3", "statistics", "string",
-    "struct", "subprocess", "tempfile", "textwrap", "threading", "time", "timeit", "tokenize",
-    "typing", "unicodedata", "urllib.parse", "uuid", "weakref", "zipfile", "zlib",
+    "abc",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html",
+    "http.client",
+    "inspect",
+    "io",
+    "itertools",
+    "json",
+    "logging",
+    "math",
+    "operator",
+    "os",
+    "os.path",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "timeit",
+    "tokenize",
+    "typing",
+    "unicodedata",
+    "urllib.parse",
+    "uuid",
+    "weakref",
+    "zipfile",
+    "zlib",
 )
 
 CODE_TASKS = (
-    "reverses the words in a sentence", "checks whether a string is a palindrome",
-    "counts the vowels in a string", "returns the n-th Fibonacci number",
-    "removes duplicates from a list while keeping the order", "flattens a nested list",
-    "merges two sorted lists into one sorted list", "computes the factorial of a number",
-    "checks whether a number is prime", "finds the second largest number in a list",
-    "groups a list of words by their first letter", "converts a Roman numeral to an integer",
-    "returns the most common element of a list", "splits a list into chunks of size n",
-    "computes the greatest common divisor of two numbers", "transposes a matrix given as a list of lists",
-    "counts the words in a text file", "validates an email address with a regular expression",
-    "converts Celsius to Fahrenheit", "computes the running average of a list of numbers",
-    "finds all anagrams of a word in a list", "rotates a list by k positions",
-    "implements binary search on a sorted list", "returns the prime factors of an integer",
-    "parses a CSV line into a list of fields", "capitalizes the first letter of every word",
-    "computes the dot product of two vectors", "checks whether brackets in a string are balanced",
-    "sorts a list of dictionaries by a given key", "computes the median of a list",
-    "returns the longest common prefix of a list of strings", "converts a decimal number to binary",
-    "implements a simple stack class with push and pop", "implements a queue using two stacks",
-    "reads a JSON file and returns the parsed object", "counts character frequencies in a string",
-    "checks whether two strings are anagrams", "generates all permutations of a list",
-    "computes the sum of digits of a number", "finds the missing number in a list from 1 to n",
+    "reverses the words in a sentence",
+    "checks whether a string is a palindrome",
+    "counts the vowels in a string",
+    "returns the n-th Fibonacci number",
+    "removes duplicates from a list while keeping the order",
+    "flattens a nested list",
+    "merges two sorted lists into one sorted list",
+    "computes the factorial of a number",
+    "checks whether a number is prime",
+    "finds the second largest number in a list",
+    "groups a list of words by their first letter",
+    "converts a Roman numeral to an integer",
+    "returns the most common element of a list",
+    "splits a list into chunks of size n",
+    "computes the greatest common divisor of two numbers",
+    "transposes a matrix given as a list of lists",
+    "counts the words in a text file",
+    "validates an email address with a regular expression",
+    "converts Celsius to Fahrenheit",
+    "computes the running average of a list of numbers",
+    "finds all anagrams of a word in a list",
+    "rotates a list by k positions",
+    "implements binary search on a sorted list",
+    "returns the prime factors of an integer",
+    "parses a CSV line into a list of fields",
+    "capitalizes the first letter of every word",
+    "computes the dot product of two vectors",
+    "checks whether brackets in a string are balanced",
+    "sorts a list of dictionaries by a given key",
+    "computes the median of a list",
+    "returns the longest common prefix of a list of strings",
+    "converts a decimal number to binary",
+    "implements a simple stack class with push and pop",
+    "implements a queue using two stacks",
+    "reads a JSON file and returns the parsed object",
+    "counts character frequencies in a string",
+    "checks whether two strings are anagrams",
+    "generates all permutations of a list",
+    "computes the sum of digits of a number",
+    "finds the missing number in a list from 1 to n",
 )
 
 CODE_TEMPLATES = (
@@ -65,15 +139,56 @@ CODE_TEMPLATES = (
 )
 
 TOPICS = (
-    "photosynthesis", "the water cycle", "gravity", "a rainbow", "the seasons", "volcanoes",
-    "earthquakes", "the immune system", "vaccines", "electricity", "magnets", "the internet",
-    "a computer processor", "a hash table", "recursion", "compound interest", "inflation",
-    "supply and demand", "democracy", "the printing press", "the Roman Empire", "the moon's phases",
-    "black holes", "DNA", "evolution", "climate change", "renewable energy", "batteries",
-    "airplanes flying", "sound waves", "light", "the human heart", "sleep", "exercise",
-    "a healthy diet", "bees", "coral reefs", "rain forests", "deserts", "the ocean tides",
-    "version control with git", "unit testing", "encryption", "a database index", "machine learning",
-    "neural networks", "the stock market", "taxes", "time zones", "the metric system",
+    "photosynthesis",
+    "the water cycle",
+    "gravity",
+    "a rainbow",
+    "the seasons",
+    "volcanoes",
+    "earthquakes",
+    "the immune system",
+    "vaccines",
+    "electricity",
+    "magnets",
+    "the internet",
+    "a computer processor",
+    "a hash table",
+    "recursion",
+    "compound interest",
+    "inflation",
+    "supply and demand",
+    "democracy",
+    "the printing press",
+    "the Roman Empire",
+    "the moon's phases",
+    "black holes",
+    "DNA",
+    "evolution",
+    "climate change",
+    "renewable energy",
+    "batteries",
+    "airplanes flying",
+    "sound waves",
+    "light",
+    "the human heart",
+    "sleep",
+    "exercise",
+    "a healthy diet",
+    "bees",
+    "coral reefs",
+    "rain forests",
+    "deserts",
+    "the ocean tides",
+    "version control with git",
+    "unit testing",
+    "encryption",
+    "a database index",
+    "machine learning",
+    "neural networks",
+    "the stock market",
+    "taxes",
+    "time zones",
+    "the metric system",
 )
 
 PROSE_TEMPLATES = (
@@ -88,27 +203,69 @@ PROSE_TEMPLATES = (
 MODULE_TEMPLATES = (
     "Explain what the Python module `{mod}` is for.",
     "What is the Python `{mod}` module used for? Give an example.",
-    "Describe the Python standard library module `{mod}`. Its documentation starts: \"{doc}\"",
+    'Describe the Python standard library module `{mod}`. Its documentation starts: "{doc}"',
 )
 
 EXTRA_MODULES = (
-    "array", "ast", "binascii", "cmath", "codecs", "configparser", "contextlib", "decimal", "email.utils",
-    "getopt", "gettext", "graphlib", "hmac", "ipaddress", "keyword", "linecache", "locale",
-    "mimetypes", "numbers", "optparse", "platform", "plistlib", "poplib", "quopri", "reprlib", "selectors",
-    "smtplib", "stat", "string", "symtable", "tarfile", "token", "traceback", "types", "urllib.request",
-    "wave", "xml.dom.minidom", "xml.etree.ElementTree", "zipapp", "zoneinfo",
+    "array",
+    "ast",
+    "binascii",
+    "cmath",
+    "codecs",
+    "configparser",
+    "contextlib",
+    "decimal",
+    "email.utils",
+    "getopt",
+    "gettext",
+    "graphlib",
+    "hmac",
+    "ipaddress",
+    "keyword",
+    "linecache",
+    "locale",
+    "mimetypes",
+    "numbers",
+    "optparse",
+    "platform",
+    "plistlib",
+    "poplib",
+    "quopri",
+    "reprlib",
+    "selectors",
+    "smtplib",
+    "stat",
+    "string",
+    "symtable",
+    "tarfile",
+    "token",
+    "traceback",
+    "types",
+    "urllib.request",
+    "wave",
+    "xml.dom.minidom",
+    "xml.etree.ElementTree",
+    "zipapp",
+    "zoneinfo",
 )
 
 CODE_CONSTRAINTS = (
-    "", " Use type hints.", " Do not use any imports.", " Add a few doctest examples.",
-    " Handle invalid input by raising ValueError.", " Keep it under ten lines.",
+    "",
+    " Use type hints.",
+    " Do not use any imports.",
+    " Add a few doctest examples.",
+    " Handle invalid input by raising ValueError.",
+    " Keep it under ten lines.",
     " Explain the time complexity afterwards.",
 )
 
 MORE_PROSE_TEMPLATES = (
-    "Write a short story that involves {topic}.", "Summarize the history of {topic}.",
-    "List the pros and cons of {topic}.", "Write a haiku about {topic}, then explain it.",
-    "What are common misconceptions about {topic}?", "How would you teach {topic} to a classmate?",
+    "Write a short story that involves {topic}.",
+    "Summarize the history of {topic}.",
+    "List the pros and cons of {topic}.",
+    "Write a haiku about {topic}, then explain it.",
+    "What are common misconceptions about {topic}?",
+    "How would you teach {topic} to a classmate?",
 )
 
 LANGUAGE_TEMPLATES = (
@@ -117,20 +274,35 @@ LANGUAGE_TEMPLATES = (
 )
 
 MORE_CODE_TASKS = (
-    "counts how many times each word appears in a text", "returns the intersection of two lists",
-    "checks whether a year is a leap year", "converts a string to title case without using str.title",
-    "finds the longest word in a sentence", "computes the area of a circle given its radius",
-    "returns the n largest items of a list", "removes all whitespace from a string",
-    "checks whether a list is sorted", "computes the power set of a set",
-    "converts a dictionary into a list of key-value tuples sorted by value", "reverses a linked list",
-    "implements insertion sort", "implements quicksort", "implements merge sort",
-    "computes the Levenshtein distance between two strings", "checks whether a number is a perfect square",
-    "returns the common keys of two dictionaries", "converts a snake_case string to camelCase",
-    "parses a date string like 2024-01-31 into a datetime", "computes the standard deviation of a list",
-    "generates the first n prime numbers", "counts the lines, words and characters in a string",
-    "finds the first non-repeating character in a string", "checks whether a string contains only digits",
-    "merges two dictionaries, summing values of shared keys", "returns the cumulative sum of a list",
-    "finds the pair of numbers in a list that adds up to a target", "compresses a string with run-length encoding",
+    "counts how many times each word appears in a text",
+    "returns the intersection of two lists",
+    "checks whether a year is a leap year",
+    "converts a string to title case without using str.title",
+    "finds the longest word in a sentence",
+    "computes the area of a circle given its radius",
+    "returns the n largest items of a list",
+    "removes all whitespace from a string",
+    "checks whether a list is sorted",
+    "computes the power set of a set",
+    "converts a dictionary into a list of key-value tuples sorted by value",
+    "reverses a linked list",
+    "implements insertion sort",
+    "implements quicksort",
+    "implements merge sort",
+    "computes the Levenshtein distance between two strings",
+    "checks whether a number is a perfect square",
+    "returns the common keys of two dictionaries",
+    "converts a snake_case string to camelCase",
+    "parses a date string like 2024-01-31 into a datetime",
+    "computes the standard deviation of a list",
+    "generates the first n prime numbers",
+    "counts the lines, words and characters in a string",
+    "finds the first non-repeating character in a string",
+    "checks whether a string contains only digits",
+    "merges two dictionaries, summing values of shared keys",
+    "returns the cumulative sum of a list",
+    "finds the pair of numbers in a list that adds up to a target",
+    "compresses a string with run-length encoding",
     "implements a least-recently-used cache class",
 )
 
@@ -140,11 +312,36 @@ USAGE_TEMPLATES = (
 )
 
 MORE_TOPICS = (
-    "glaciers", "the solar system", "comets", "tornadoes", "hurricanes", "clouds", "snowflakes",
-    "the human brain", "bones", "muscles", "blood", "bacteria", "viruses", "antibiotics", "nutrition",
-    "the French Revolution", "the Industrial Revolution", "ancient Egypt", "the Silk Road",
-    "the Renaissance", "money", "banks", "interest rates", "trade", "cryptocurrency", "operating systems",
-    "compilers", "web browsers", "open source software", "cloud computing",
+    "glaciers",
+    "the solar system",
+    "comets",
+    "tornadoes",
+    "hurricanes",
+    "clouds",
+    "snowflakes",
+    "the human brain",
+    "bones",
+    "muscles",
+    "blood",
+    "bacteria",
+    "viruses",
+    "antibiotics",
+    "nutrition",
+    "the French Revolution",
+    "the Industrial Revolution",
+    "ancient Egypt",
+    "the Silk Road",
+    "the Renaissance",
+    "money",
+    "banks",
+    "interest rates",
+    "trade",
+    "cryptocurrency",
+    "operating systems",
+    "compilers",
+    "web browsers",
+    "open source software",
+    "cloud computing",
 )
 
 NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Sara", "Omar", "Mia", "Leo", "Nina", "Raj")
@@ -207,7 +404,9 @@ def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
     n1, n2, item, kind = _cast(rng, 6)
     if kind == 0:
-        return f"{n1} has {a} {item} and buys {b} more. Then {n1} gives {c} to {n2}. How many {item} does {n1} have now?"
+        return (
+            f"{n1} has {a} {item} and buys {b} more. Then {n1} gives {c} to {n2}. How many {item} does {n1} have now?"
+        )
     if kind == 1:
         return f"{n1} has {a} {item}. {n2} has {c} times as many. How many {item} do they have together?"
     if kind == 2:
@@ -215,7 +414,9 @@ def _math(rng: random.Random) -> str:
     if kind == 3:
         return f"A train travels at {a + 20} km per hour for {c} hours. How far does it go?"
     if kind == 4:
-        return f"A shirt costs ${a + 10}. It is on sale for {rng.choice((10, 20, 25, 50))}% off. What is the sale price?"
+        return (
+            f"A shirt costs ${a + 10}. It is on sale for {rng.choice((10, 20, 25, 50))}% off. What is the sale price?"
+        )
     return f"{n1} reads {b} pages a day. How many days does it take to read a book of {b * c + a} pages?"
 
 
@@ -242,7 +443,7 @@ def builtin_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25)) -> list[Prompt
         else:
             prose.append(rng.choice(PROSE_TEMPLATES).format(topic=rng.choice(TOPICS)))
     math = [_math(rng) for _ in range(n_math)]
-    items = ([("code", t) for t in code] + [("prose", t) for t in prose] + [("math", t) for t in math])
+    items = [("code", t) for t in code] + [("prose", t) for t in prose] + [("math", t) for t in math]
     rng.shuffle(items)
     return [Prompt(f"{kind}-{i}", kind, text) for i, (kind, text) in enumerate(items)]
 
@@ -266,12 +467,21 @@ def _pools() -> dict[str, list[str]]:
     from pydoc_data.topics import topics as language_topics
 
     code = [f"Write a Python function `{sig}` that does the following: {doc}" for _, sig, doc in stdlib_functions()]
-    code += [f"Implement the method `{sig}` of a Python class. It should do the following: {doc}"
-             for _, sig, doc in stdlib_methods()]
-    code += [tpl.format(task=task) + extra for task in CODE_TASKS + MORE_CODE_TASKS for tpl in CODE_TEMPLATES
-             for extra in CODE_CONSTRAINTS]
-    code += [tpl.format(mod=mod, name=sig.split("(")[0]) for mod, sig, _ in
-             stdlib_functions(STDLIB_MODULES + EXTRA_MODULES) + stdlib_methods() for tpl in USAGE_TEMPLATES]
+    code += [
+        f"Implement the method `{sig}` of a Python class. It should do the following: {doc}"
+        for _, sig, doc in stdlib_methods()
+    ]
+    code += [
+        tpl.format(task=task) + extra
+        for task in CODE_TASKS + MORE_CODE_TASKS
+        for tpl in CODE_TEMPLATES
+        for extra in CODE_CONSTRAINTS
+    ]
+    code += [
+        tpl.format(mod=mod, name=sig.split("(")[0])
+        for mod, sig, _ in stdlib_functions(STDLIB_MODULES + EXTRA_MODULES) + stdlib_methods()
+        for tpl in USAGE_TEMPLATES
+    ]
     prose = [tpl.format(topic=t) for t in TOPICS + MORE_TOPICS for tpl in PROSE_TEMPLATES + MORE_PROSE_TEMPLATES]
     prose += [tpl.format(mod=m, doc=d) for m, d in stdlib_modules() for tpl in MODULE_TEMPLATES]
     prose += [tpl.format(topic=t.replace("-", " ")) for t in language_topics for tpl in LANGUAGE_TEMPLATES]
@@ -304,44 +514,78 @@ def wide_prompts(n: int, seed: int = 0, mix=(0.4, 0.35, 0.25), exclude: set[str]
 # ---- the broad mix: chat prose, multi-step math, multi-turn follow-ups, coding-agent turns ----
 
 ADVICE = (
-    "is starting their first job next week", "wants to learn to cook on a small budget",
-    "has trouble sleeping before exams", "is moving to a new city alone", "wants to run a first 10 km race",
-    "keeps procrastinating on a big project", "is nervous about giving a talk at work",
-    "wants to save money for a trip", "is learning a second language as an adult",
-    "has a noisy neighbour", "wants to start a vegetable garden on a balcony",
-    "is choosing between two job offers", "wants to read more books this year",
-    "is teaching a child to ride a bike", "feels overwhelmed by email", "is adopting a first dog",
+    "is starting their first job next week",
+    "wants to learn to cook on a small budget",
+    "has trouble sleeping before exams",
+    "is moving to a new city alone",
+    "wants to run a first 10 km race",
+    "keeps procrastinating on a big project",
+    "is nervous about giving a talk at work",
+    "wants to save money for a trip",
+    "is learning a second language as an adult",
+    "has a noisy neighbour",
+    "wants to start a vegetable garden on a balcony",
+    "is choosing between two job offers",
+    "wants to read more books this year",
+    "is teaching a child to ride a bike",
+    "feels overwhelmed by email",
+    "is adopting a first dog",
 )
 LETTERS = (
-    ("their landlord", "asking to fix a broken heater"), ("a teacher", "thanking them at the end of the year"),
-    ("a hiring manager", "applying for a junior developer position"), ("a friend", "apologising for missing a birthday"),
-    ("the city council", "asking for a pedestrian crossing near a school"), ("a customer", "explaining a delayed order"),
-    ("a colleague", "handing over a project before a holiday"), ("a grandparent", "describing a first term at university"),
-    ("a neighbour", "inviting them to a street party"), ("a team", "announcing a new meeting schedule"),
-    ("a shop", "asking for a refund for a faulty kettle"), ("a new employee", "welcoming them to the team"),
+    ("their landlord", "asking to fix a broken heater"),
+    ("a teacher", "thanking them at the end of the year"),
+    ("a hiring manager", "applying for a junior developer position"),
+    ("a friend", "apologising for missing a birthday"),
+    ("the city council", "asking for a pedestrian crossing near a school"),
+    ("a customer", "explaining a delayed order"),
+    ("a colleague", "handing over a project before a holiday"),
+    ("a grandparent", "describing a first term at university"),
+    ("a neighbour", "inviting them to a street party"),
+    ("a team", "announcing a new meeting schedule"),
+    ("a shop", "asking for a refund for a faulty kettle"),
+    ("a new employee", "welcoming them to the team"),
 )
-LETTER_TEMPLATES = ("Write a short letter to {who} {why}.", "Draft a polite email to {who} {why}.",
-                    "Write a friendly note to {who} {why}. Keep it under 150 words.")
-ADVICE_TEMPLATES = ("What advice would you give to someone who {s}?", "Give five practical tips for someone who {s}.",
-                    "My friend {s}. How can I help them?")
-EXPLAIN_TEMPLATES = ("Explain how {topic} works, step by step.", "Describe {topic} in three short paragraphs.",
-                     "Compare {topic} with something from everyday life, and explain the comparison.")
-SUMMARY_TEMPLATES = ("Summarize the following text in three sentences.\n\n{text}",
-                     "Read this and explain the main point in plain words.\n\n{text}",
-                     "Write a one-paragraph summary of this passage for a beginner.\n\n{text}")
-FOLLOW_UPS = ("Can you make that shorter?", "Now give an example.", "Explain that again for a ten-year-old.",
-              "What is the most important point there?", "Can you turn that into a bulleted list?",
-              "Thanks! What should I read next to learn more?")
+LETTER_TEMPLATES = (
+    "Write a short letter to {who} {why}.",
+    "Draft a polite email to {who} {why}.",
+    "Write a friendly note to {who} {why}. Keep it under 150 words.",
+)
+ADVICE_TEMPLATES = (
+    "What advice would you give to someone who {s}?",
+    "Give five practical tips for someone who {s}.",
+    "My friend {s}. How can I help them?",
+)
+EXPLAIN_TEMPLATES = (
+    "Explain how {topic} works, step by step.",
+    "Describe {topic} in three short paragraphs.",
+    "Compare {topic} with something from everyday life, and explain the comparison.",
+)
+SUMMARY_TEMPLATES = (
+    "Summarize the following text in three sentences.\n\n{text}",
+    "Read this and explain the main point in plain words.\n\n{text}",
+    "Write a one-paragraph summary of this passage for a beginner.\n\n{text}",
+)
+FOLLOW_UPS = (
+    "Can you make that shorter?",
+    "Now give an example.",
+    "Explain that again for a ten-year-old.",
+    "What is the most important point there?",
+    "Can you turn that into a bulleted list?",
+    "Thanks! What should I read next to learn more?",
+)
 AGENT_SYSTEM = (
     "You are a coding assistant working in a repository. When asked to change a file, reply with "
     "the complete updated file in one fenced code block, changing only what the request needs, "
     "then one sentence saying what you changed."
 )
 AGENT_EDITS = (
-    "Add a docstring to every function.", "Add type hints to the function signatures.",
+    "Add a docstring to every function.",
+    "Add type hints to the function signatures.",
     "Rename the main function to use snake_case if it does not already, and update its callers.",
-    "Add input validation that raises ValueError on bad arguments.", "Add a short comment above each loop.",
-    "Replace string concatenation with f-strings where there is any.", "Add logging of the arguments at debug level.",
+    "Add input validation that raises ValueError on bad arguments.",
+    "Add a short comment above each loop.",
+    "Replace string concatenation with f-strings where there is any.",
+    "Add logging of the arguments at debug level.",
     "Make the function return early on empty input.",
 )
 
@@ -385,21 +629,31 @@ def _multi_step_math(rng: random.Random) -> str:
     if kind == 1:
         return f"What is {a * c} / {c} + {b} x {d}? Show each step."
     if kind == 2:
-        return (f"{n1} buys {c} packs of {item} with {b} in each pack, gives {d} to {n2} and then buys {a} more. "
-                f"How many {item} does {n1} have? Explain step by step.")
+        return (
+            f"{n1} buys {c} packs of {item} with {b} in each pack, gives {d} to {n2} and then buys {a} more. "
+            f"How many {item} does {n1} have? Explain step by step."
+        )
     if kind == 3:
-        return (f"A tank holds {a * 10} litres. It is filled at {c} litres per minute and leaks {min(d, c - 1)} "
-                f"litres per minute. How long does it take to fill from empty? Show your work.")
+        return (
+            f"A tank holds {a * 10} litres. It is filled at {c} litres per minute and leaks {min(d, c - 1)} "
+            f"litres per minute. How long does it take to fill from empty? Show your work."
+        )
     if kind == 4:
-        return (f"{n1} earns ${a + 20} a day and spends ${b} a day. How many days until {n1} has saved "
-                f"${(a + 20 - b if a + 20 > b else 1) * c}? Explain.")
+        return (
+            f"{n1} earns ${a + 20} a day and spends ${b} a day. How many days until {n1} has saved "
+            f"${(a + 20 - b if a + 20 > b else 1) * c}? Explain."
+        )
     if kind == 5:
         return f"Solve for x: {c}x + {a} = {c * d + a}. Then check the answer by substituting it back."
     if kind == 6:
-        return (f"A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter. "
-                f"What is the area of the square? Show each step.")
-    return (f"A class has {a + 10} students. {c * 5}% of them walk to school, {d}% cycle and the rest take the bus. "
-            f"How many take the bus? Explain step by step.")
+        return (
+            f"A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter. "
+            f"What is the area of the square? Show each step."
+        )
+    return (
+        f"A class has {a + 10} students. {c * 5}% of them walk to school, {d}% cycle and the rest take the bus. "
+        f"How many take the bus? Explain step by step."
+    )
 
 
 def _broad_pools(rng: random.Random) -> dict[str, list]:
@@ -418,21 +672,31 @@ def _broad_pools(rng: random.Random) -> dict[str, list]:
             first = tpl.format(topic=t)
             reply = f"Here is a short answer about {t}: it is a broad subject, so I will start with the basics."
             follow = FOLLOW_UPS[(i + j) % len(FOLLOW_UPS)]
-            chat.append(({"role": "user", "content": first}, {"role": "assistant", "content": reply},
-                         {"role": "user", "content": follow}))
+            chat.append(
+                (
+                    {"role": "user", "content": first},
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": follow},
+                )
+            )
     agent = []
     for i, (name, src) in enumerate(_source_snippets()):
         edit = AGENT_EDITS[i % len(AGENT_EDITS)]
-        agent.append(({"role": "system", "content": AGENT_SYSTEM},
-                      {"role": "user", "content": f"File `{name.split('.')[0]}_util.py`:\n```python\n{src}```\n\n{edit}"}))
+        agent.append(
+            (
+                {"role": "system", "content": AGENT_SYSTEM},
+                {"role": "user", "content": f"File `{name.split('.')[0]}_util.py`:\n```python\n{src}```\n\n{edit}"},
+            )
+        )
     return {"code": pools["code"], "prose": list(dict.fromkeys(prose)), "chat": chat, "agent": agent}
 
 
 BROAD_MIX = {"code": 0.3, "prose": 0.3, "math": 0.2, "chat": 0.1, "agent": 0.1}
 
 
-def broad_prompts(n: int, seed: int = 0, mix: dict[str, float] | None = None,
-                  exclude: set[str] = frozenset()) -> list[Prompt]:
+def broad_prompts(
+    n: int, seed: int = 0, mix: dict[str, float] | None = None, exclude: set[str] = frozenset()
+) -> list[Prompt]:
     """``n`` distinct prompts (none whose text is in ``exclude``) in the shares of ``mix``
     (default ``BROAD_MIX``): code as in the wide mix; chat-style prose (explanations, advice,
     letters, summaries of given text); multi-step arithmetic and word problems; multi-turn
@@ -460,8 +724,10 @@ def broad_prompts(n: int, seed: int = 0, mix: dict[str, float] | None = None,
             seen.add(t)
             out.append(("math", t))
     rng.shuffle(out)
-    return [Prompt(f"{kind}-b{i}", kind, x) if isinstance(x, str)
-            else Prompt(f"{kind}-b{i}", kind, messages=tuple(x)) for i, (kind, x) in enumerate(out)]
+    return [
+        Prompt(f"{kind}-b{i}", kind, x) if isinstance(x, str) else Prompt(f"{kind}-b{i}", kind, messages=tuple(x))
+        for i, (kind, x) in enumerate(out)
+    ]
 
 
 def _key(x) -> str:
@@ -482,4 +748,14 @@ def split_held_out(prompts: list[Prompt], n_train: int) -> tuple[list[Prompt], l
     return list({prompt_key(p): p for p in prompts[:n_train] if prompt_key(p) not in held}.values()), evals
 
 
-__all__ = ["Prompt", "builtin_prompts", "broad_prompts", "prompt_key", "split_held_out", "wide_prompts", "stdlib_functions", "stdlib_methods", "stdlib_modules"]
+__all__ = [
+    "Prompt",
+    "builtin_prompts",
+    "broad_prompts",
+    "prompt_key",
+    "split_held_out",
+    "wide_prompts",
+    "stdlib_functions",
+    "stdlib_methods",
+    "stdlib_modules",
+]

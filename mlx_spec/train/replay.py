@@ -46,8 +46,15 @@ class ReplayBuffer:
     def _size(tokens, features, topk_ids, topk_logp) -> int:
         return tokens.nbytes + features.nbytes + topk_ids.nbytes + topk_logp.nbytes
 
-    def add(self, sid: str, tokens: np.ndarray, prompt_len: int, features: np.ndarray,
-            topk_ids: np.ndarray, topk_logp: np.ndarray) -> None:
+    def add(
+        self,
+        sid: str,
+        tokens: np.ndarray,
+        prompt_len: int,
+        features: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_logp: np.ndarray,
+    ) -> None:
         """Append one sequence; evict the oldest until the buffer fits its capacity."""
         tokens = np.asarray(tokens, np.int32)
         features = np.asarray(features, np.float16)
@@ -55,9 +62,11 @@ class ReplayBuffer:
         topk_logp = np.asarray(topk_logp, np.float16)
         size = self._size(tokens, features, topk_ids, topk_logp)
         if size > self.capacity:
-            raise BadRequest(f"one sequence ({len(tokens)} tokens, {size / 1024:.0f} KiB with its features) is "
-                             f"larger than the replay buffer ({self.capacity / 1024:.0f} KiB); raise --replay-mb "
-                             "or lower --max-tokens")
+            raise BadRequest(
+                f"one sequence ({len(tokens)} tokens, {size / 1024:.0f} KiB with its features) is "
+                f"larger than the replay buffer ({self.capacity / 1024:.0f} KiB); raise --replay-mb "
+                "or lower --max-tokens"
+            )
         while self.tokens and self.nbytes + size > self.capacity:
             self._pop()
         self.tokens.append(tokens)
@@ -78,13 +87,20 @@ class ReplayBuffer:
     def save(self, path: str | Path) -> None:
         """Everything in one uncompressed .npz (written by the caller into a fresh directory)."""
         offsets = np.cumsum([0] + [len(t) for t in self.tokens]).astype(np.int64)
-        cat = (lambda xs, dt, w: np.concatenate(xs).astype(dt) if xs else np.zeros((0, w), dt))
+        cat = lambda xs, dt, w: np.concatenate(xs).astype(dt) if xs else np.zeros((0, w), dt)
         F = self.features[0].shape[1] if self.features else 0
         K = self.topk_ids[0].shape[1] if self.topk_ids else 0
-        np.savez(path, tokens=cat(self.tokens, np.int32, 0).reshape(-1), offsets=offsets,
-                 prompt_lens=np.array(self.prompt_lens, np.int32), ids=np.array(self.ids, dtype=str),
-                 features=cat(self.features, np.float16, F), topk_ids=cat(self.topk_ids, np.int32, K),
-                 topk_logp=cat(self.topk_logp, np.float16, K), evicted=np.array(self.evicted, np.int64))
+        np.savez(
+            path,
+            tokens=cat(self.tokens, np.int32, 0).reshape(-1),
+            offsets=offsets,
+            prompt_lens=np.array(self.prompt_lens, np.int32),
+            ids=np.array(self.ids, dtype=str),
+            features=cat(self.features, np.float16, F),
+            topk_ids=cat(self.topk_ids, np.int32, K),
+            topk_logp=cat(self.topk_logp, np.float16, K),
+            evicted=np.array(self.evicted, np.int64),
+        )
 
     def load(self, path: str | Path) -> None:
         """Replace the contents with a saved buffer."""

@@ -22,9 +22,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -36,9 +36,30 @@ from ..prompts import Prompt, interleave
 from .data import DataConfig, generate_batch
 from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
 from .trainer import (
-    EVAL_MAX_TOKENS, EVAL_PROMPTS, STEP_SUMS, Recipe, add_step, base_vocab, build_drafter, calibrate_head_scale,
-    drafter_config, evaluate_tau, freeze_disabled, head_weight, load_checkpoint, make_batch, pick_mask_token,
-    save_checkpoint, scale_fc_init, settings, settings_diff, step_means, step_vocab, to_mx, train_step, write_curves,
+    EVAL_MAX_TOKENS,
+    EVAL_PROMPTS,
+    STEP_SUMS,
+    Recipe,
+    add_step,
+    base_vocab,
+    build_drafter,
+    calibrate_head_scale,
+    drafter_config,
+    evaluate_tau,
+    freeze_disabled,
+    head_weight,
+    load_checkpoint,
+    make_batch,
+    pick_mask_token,
+    save_checkpoint,
+    scale_fc_init,
+    settings,
+    settings_diff,
+    step_means,
+    step_vocab,
+    to_mx,
+    train_step,
+    write_curves,
     write_state,
 )
 
@@ -124,18 +145,24 @@ class PlanRow:
 def memory_rows(cfg: StreamConfig, target_bytes: int, n_features: int, drafter_params: int) -> list[PlanRow]:
     """The run's memory plan: the target's weights, the drafter with AdamW's two moments and its
     gradients (float32), and the replay buffer at its cap."""
-    return [PlanRow("target weights", target_bytes),
-            PlanRow("drafter + gradients + AdamW state", 4 * 4 * drafter_params),
-            PlanRow(f"replay buffer (--replay-mb; {bytes_per_token(n_features, cfg.top_k)} B per token)",
-                    int(cfg.replay_mb * 2**20))]
+    return [
+        PlanRow("target weights", target_bytes),
+        PlanRow("drafter + gradients + AdamW state", 4 * 4 * drafter_params),
+        PlanRow(
+            f"replay buffer (--replay-mb; {bytes_per_token(n_features, cfg.top_k)} B per token)",
+            int(cfg.replay_mb * 2**20),
+        ),
+    ]
 
 
 def check_plan(rows: list[PlanRow], budget: int, source: str) -> None:
     total = sum(r.bytes for r in rows)
     if total > budget:
         detail = ", ".join(f"{r.what} {r.bytes / 2**30:.2f} GiB" for r in rows)
-        raise PlanError(f"train run needs {total / 2**30:.2f} GiB ({detail}) but {source} is "
-                        f"{budget / 2**30:.2f} GiB; lower --replay-mb")
+        raise PlanError(
+            f"train run needs {total / 2**30:.2f} GiB ({detail}) but {source} is "
+            f"{budget / 2**30:.2f} GiB; lower --replay-mb"
+        )
 
 
 def lr_at(recipe: Recipe, frac: float) -> float:
@@ -167,7 +194,9 @@ def _chat_dir_prompts(path: Path) -> list[Prompt]:
             if p.messages is not None and not msgs:
                 continue
             kind = p.kind if p.kind != "user" else "chat"
-            out.append(Prompt(f"{f.stem}:{p.id}", kind, p.text, tuple(msgs) if p.messages is not None else None, p.chat))
+            out.append(
+                Prompt(f"{f.stem}:{p.id}", kind, p.text, tuple(msgs) if p.messages is not None else None, p.chat)
+            )
     if not out:
         raise BadRequest(f"{path}: no conversations with a user turn")
     return out
@@ -207,8 +236,10 @@ def stream_prompts(cfg: StreamConfig) -> tuple[list[Prompt], list[Prompt]]:
         elif path.exists():
             allp = load_prompts(path)
         else:
-            raise BadRequest(f"--prompts {cfg.prompts!r}: not a built-in mix ({', '.join(MIXES)}), "
-                             "a JSONL file or a chat-data directory")
+            raise BadRequest(
+                f"--prompts {cfg.prompts!r}: not a built-in mix ({', '.join(MIXES)}), "
+                "a JSONL file or a chat-data directory"
+            )
     return held_out_by_kind(allp, cfg.eval_per_kind)
 
 
@@ -218,9 +249,15 @@ EVAL_FILE = "eval_prompts.jsonl"
 
 def write_eval_prompts(path: Path, prompts: list[Prompt]) -> None:
     """Held-out prompts as JSONL that ``prompts.load_prompts`` reads back to equal prompts."""
-    rows = [{"id": p.id, "kind": p.kind, **({"messages": list(p.messages)} if p.messages is not None
-                                            else {"prompt": p.text}), **({} if p.chat else {"chat": False})}
-            for p in prompts]
+    rows = [
+        {
+            "id": p.id,
+            "kind": p.kind,
+            **({"messages": list(p.messages)} if p.messages is not None else {"prompt": p.text}),
+            **({} if p.chat else {"chat": False}),
+        }
+        for p in prompts
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -239,9 +276,13 @@ def _write_tokens(run: Path, batch: int, seqs: list[tuple[str, np.ndarray, int]]
     path = _token_file(run, batch)
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, tokens=np.concatenate([t for _, t, _ in seqs]).astype(np.int32),
-             offsets=np.cumsum([0] + [len(t) for _, t, _ in seqs]).astype(np.int64),
-             prompt_lens=np.array([p for _, _, p in seqs], np.int32), ids=np.array([i for i, _, _ in seqs], dtype=str))
+    np.savez(
+        tmp,
+        tokens=np.concatenate([t for _, t, _ in seqs]).astype(np.int32),
+        offsets=np.cumsum([0] + [len(t) for _, t, _ in seqs]).astype(np.int64),
+        prompt_lens=np.array([p for _, _, p in seqs], np.int32),
+        ids=np.array([i for i, _, _ in seqs], dtype=str),
+    )
     tmp.rename(path)
 
 
@@ -260,8 +301,9 @@ def _trained_prompt_ids(run: Path, upto: int) -> set[bytes]:
     return seen
 
 
-RESUME_FREE = frozenset({"tokens", "minutes", "checkpoint_batches", "eval_prompts", "eval_max_tokens", "resume",
-                         "out", "init"})
+RESUME_FREE = frozenset(
+    {"tokens", "minutes", "checkpoint_batches", "eval_prompts", "eval_max_tokens", "resume", "out", "init"}
+)
 """StreamConfig fields a resume may change (the budget, checkpoint and eval cadence, paths)."""
 
 
@@ -273,8 +315,9 @@ def _compare_settings(run: Path, cfg: StreamConfig) -> None:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read the run's settings ({e}); start a new run "
-                              "(another --out)") from None
+        raise CheckpointError(
+            f"{path}: cannot read the run's settings ({e}); start a new run (another --out)"
+        ) from None
     legacy = "recipe" not in raw
     if legacy and "checkpoint_every" in raw:
         raw["checkpoint_batches"] = raw.pop("checkpoint_every")
@@ -282,8 +325,10 @@ def _compare_settings(run: Path, cfg: StreamConfig) -> None:
     now = settings(json.loads(json.dumps(asdict(cfg))))
     unknown = sorted(set(saved) - set(now))
     if unknown:
-        raise CheckpointError(f"{path} has settings this version does not know ({unknown}); it was written by "
-                              "another version of mlx_spec: resume it with that version, or start a new run")
+        raise CheckpointError(
+            f"{path} has settings this version does not know ({unknown}); it was written by "
+            "another version of mlx_spec: resume it with that version, or start a new run"
+        )
     diff = settings_diff(saved, now, set(RESUME_FREE))
     if diff:
         raise BadRequest(f"--resume with different settings than the run in {run}: {diff}")
@@ -291,8 +336,12 @@ def _compare_settings(run: Path, cfg: StreamConfig) -> None:
         path.write_text(json.dumps(asdict(cfg), indent=2))
 
 
-def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | None = None,
-               stop: threading.Event | None = None, say: Callable[[str], None] | None = None) -> dict:
+def run_stream(
+    cfg: StreamConfig,
+    progress: Callable[[StreamProgress], None] | None = None,
+    stop: threading.Event | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict:
     """Generate-and-train until the budget is spent (or ``stop`` is set). Returns a summary."""
     from ..drafter import build_target_layer_ids
     from ..loading import load_drafter, load_target_model
@@ -302,11 +351,14 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     say = say or log.info
     if not cfg.tokens and not cfg.minutes:
         raise BadRequest("give a budget: --tokens N and/or --minutes M")
-    negative = [f"--{n} {v:g}" for n, v in (("tokens", cfg.tokens), ("minutes", cfg.minutes))
-                if v is not None and v < 0]
+    negative = [
+        f"--{n} {v:g}" for n, v in (("tokens", cfg.tokens), ("minutes", cfg.minutes)) if v is not None and v < 0
+    ]
     if negative:
-        raise BadRequest(f"{' and '.join(negative)}: a budget cannot be negative (0 or left out: no budget of that "
-                         "kind; give at least one of --tokens N, --minutes M above 0)")
+        raise BadRequest(
+            f"{' and '.join(negative)}: a budget cannot be negative (0 or left out: no budget of that "
+            "kind; give at least one of --tokens N, --minutes M above 0)"
+        )
     if cfg.batch_size < 1 or cfg.max_tokens < 2 or cfg.steps_per_batch < 0 or cfg.replay_mb <= 0:
         raise BadRequest("--batch-size >= 1, --max-tokens >= 2, --steps-per-batch >= 0 and --replay-mb > 0")
     stop = stop or threading.Event()
@@ -341,8 +393,11 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     if config is None:
         config = drafter_config(target.args, recipe, taps, mask_id)
     if config.get("block_size") != recipe.block_size:
-        config = {**config, "block_size": recipe.block_size,
-                  "dflash_config": {**(config.get("dflash_config") or {}), "block_size": recipe.block_size}}
+        config = {
+            **config,
+            "block_size": recipe.block_size,
+            "dflash_config": {**(config.get("dflash_config") or {}), "block_size": recipe.block_size},
+        }
     mx.random.seed(cfg.seed)
     drafter = build_drafter(config, target)
     if init is not None:
@@ -362,14 +417,22 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     opt = optim.AdamW(learning_rate=lr_at(recipe, 0.0), weight_decay=recipe.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     replay = ReplayBuffer(int(cfg.replay_mb * 2**20))
-    state = {"step": 0, "batch": 0, "prompt": 0, "tokens": 0, "seconds": 0.0, "pending": 0,
-             "skipped": 0, "history": [], "evals": []}
+    state = {
+        "step": 0,
+        "batch": 0,
+        "prompt": 0,
+        "tokens": 0,
+        "seconds": 0.0,
+        "pending": 0,
+        "skipped": 0,
+        "history": [],
+        "evals": [],
+    }
     if resume:
         state = load_checkpoint(run, drafter, opt)
         rng.bit_generator.state = state["rng"]
         replay.load(run / "ckpt" / REPLAY_FILE)
-        say(f"train run: resumed {run} at batch {state['batch']}, step {state['step']}, "
-            f"{state['tokens']} tokens")
+        say(f"train run: resumed {run} at batch {state['batch']}, step {state['step']}, {state['tokens']} tokens")
     else:
         (run / "run_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     trained = _trained_prompt_ids(run, state["batch"])
@@ -384,12 +447,19 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
 
     eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    dcfg = DataConfig(max_tokens=cfg.max_tokens, batch_size=cfg.batch_size, temperature=cfg.temperature,
-                      seed=cfg.seed, top_k=cfg.top_k)
+    dcfg = DataConfig(
+        max_tokens=cfg.max_tokens,
+        batch_size=cfg.batch_size,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        top_k=cfg.top_k,
+    )
     eval_target = Target(model, taps)
-    say(f"train run: {len(train_prompts)} training prompts ({cfg.prompts}), {len(evals)} held out; "
+    say(
+        f"train run: {len(train_prompts)} training prompts ({cfg.prompts}), {len(evals)} held out; "
         f"{config['architectures'][0]}, block {recipe.block_size}, {n_params / 1e6:.1f}M parameters; "
-        f"budget {cfg.budget_label}; replay {cfg.replay_mb:g} MiB")
+        f"budget {cfg.budget_label}; replay {cfg.replay_mb:g} MiB"
+    )
 
     t_start = time.perf_counter() - state["seconds"]
     rate = {"gen_t": 0.0, "gen_n": 0, "step_t": 0.0, "step_n": 0, "round": 0.0}
@@ -406,11 +476,21 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     def snapshot(phase: str, message: str = "") -> StreamProgress:
         last = state["history"][-1]["loss"] if state["history"] else None
         tau = state["evals"][-1]["tau"] if state["evals"] else None
-        return StreamProgress(phase, state["tokens"], cfg.tokens, seconds(),
-                              60 * cfg.minutes if cfg.minutes else None,
-                              rate["gen_n"] / rate["gen_t"] if rate["gen_t"] else 0.0, state["step"],
-                              rate["step_n"] / rate["step_t"] if rate["step_t"] else 0.0, last, tau,
-                              replay.nbytes, len(replay), message)
+        return StreamProgress(
+            phase,
+            state["tokens"],
+            cfg.tokens,
+            seconds(),
+            60 * cfg.minutes if cfg.minutes else None,
+            rate["gen_n"] / rate["gen_t"] if rate["gen_t"] else 0.0,
+            state["step"],
+            rate["step_n"] / rate["step_t"] if rate["step_t"] else 0.0,
+            last,
+            tau,
+            replay.nbytes,
+            len(replay),
+            message,
+        )
 
     def report(phase: str, message: str = "") -> None:
         if progress is not None:
@@ -429,19 +509,24 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 say(f"train run: {len(evals) - len(prompts)} held-out prompts were also trained on; not used")
             report("eval")
             drafter.eval()
-            ev = evaluate_tau(eval_target, drafter, tokenizer, prompts[: cfg.eval_prompts], recipe.block_size,
-                              cfg.eval_max_tokens)
+            ev = evaluate_tau(
+                eval_target, drafter, tokenizer, prompts[: cfg.eval_prompts], recipe.block_size, cfg.eval_max_tokens
+            )
             ev["step"], ev["tokens"] = state["step"], state["tokens"]
             state["evals"].append(ev)
-            say(f"train run: eval step {state['step']}: tau {ev['tau']:.3f} by kind {ev['tau_by_kind']} "
-                f"({ev['seconds']}s)")
+            say(
+                f"train run: eval step {state['step']}: tau {ev['tau']:.3f} by kind {ev['tau_by_kind']} "
+                f"({ev['seconds']}s)"
+            )
             write_state(ckpt, state)  # the eval joins the saved state
         write_curves(run, state, recipe.block_size)
 
     def spent() -> bool:
         # a time budget ends early rather than start a round (batch + steps) it cannot half finish
-        return bool((cfg.tokens and state["tokens"] >= cfg.tokens)
-                    or (cfg.minutes and seconds() + 0.5 * rate["round"] >= 60 * cfg.minutes))
+        return bool(
+            (cfg.tokens and state["tokens"] >= cfg.tokens)
+            or (cfg.minutes and seconds() + 0.5 * rate["round"] >= 60 * cfg.minutes)
+        )
 
     stopped = False
     t_round = time.perf_counter()
@@ -461,10 +546,10 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 live = {"n": 0, "t": time.perf_counter()}
 
                 def on_tokens(n: int) -> None:  # progress inside a long batch
-                    live["n"] += n
-                    if time.perf_counter() - live["t"] > 5:
-                        live["t"] = time.perf_counter()
-                        report("generate", f"{live['n']} tokens of this batch")
+                    live["n"] += n  # noqa: B023
+                    if time.perf_counter() - live["t"] > 5:  # noqa: B023
+                        live["t"] = time.perf_counter()  # noqa: B023
+                        report("generate", f"{live['n']} tokens of this batch")  # noqa: B023
 
                 res = generate_batch(target, enc, dcfg, eos, pad, key, stop=stop.is_set, on_tokens=on_tokens)
                 if res is None:
@@ -489,8 +574,10 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 rate["gen_n"] += n_new
                 if state["batch"] == 0 and init is None and not resume and len(replay):
                     rms = scale_fc_init(drafter, replay)
-                    say(f"train run: fc init scaled by feature RMS (median {np.median(rms):.2f}); final norm "
-                        f"scaled by {calibrate_head_scale(drafter):.3g}")
+                    say(
+                        f"train run: fc init scaled by feature RMS (median {np.median(rms):.2f}); final norm "
+                        f"scaled by {calibrate_head_scale(drafter):.3g}"
+                    )
                 if recipe.draft_vocab and vocab is None and len(replay):
                     vocab = base_vocab(replay, recipe.draft_vocab)
                 state["tokens"] += n_new
@@ -503,7 +590,9 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                     raise _Stopped
                 t0 = time.perf_counter()
                 nb = make_batch(replay, rng, recipe, mask_id)
-                sv = step_vocab(nb, vocab, target.vocab_size, recipe.vocab_negatives, rng) if vocab is not None else None
+                sv = (
+                    step_vocab(nb, vocab, target.vocab_size, recipe.vocab_negatives, rng) if vocab is not None else None
+                )
                 opt.learning_rate = lr_at(recipe, frac())
                 drafter.train()
                 loss, (ce, sel, wsum, hits), _ = train_step(drafter, opt, to_mx(nb, recipe, sv, head_w), recipe)
@@ -514,8 +603,14 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
                 rate["step_n"] += 1
                 add_step(acc, (loss, ce, sel, wsum, hits), dt)
                 if acc["n"] == 10 or state["pending"] == 0:
-                    state["history"].append({"step": state["step"], "tokens": state["tokens"], **step_means(acc),
-                                             "lr": round(float(opt.learning_rate), 7)})
+                    state["history"].append(
+                        {
+                            "step": state["step"],
+                            "tokens": state["tokens"],
+                            **step_means(acc),
+                            "lr": round(float(opt.learning_rate), 7),
+                        }
+                    )
                     acc = dict.fromkeys(acc, 0.0)
                 report("train")
             rate["round"] = time.perf_counter() - t_round
@@ -526,18 +621,36 @@ def run_stream(cfg: StreamConfig, progress: Callable[[StreamProgress], None] | N
     if stopped:
         say(f"train run: stopped at batch {state['batch']}, step {state['step']}; resume with --resume")
     checkpoint(evaluate=not stopped)
-    summary = {"stopped": stopped, "step": state["step"], "batches": state["batch"], "tokens": state["tokens"],
-               "seconds": round(state["seconds"], 1), "skipped": state["skipped"],
-               "gen_tok_s": round(rate["gen_n"] / rate["gen_t"], 2) if rate["gen_t"] else None,
-               "steps_s": round(rate["step_n"] / rate["step_t"], 3) if rate["step_t"] else None,
-               "replay_bytes": replay.nbytes, "replay_seqs": len(replay), "replay_evicted": replay.evicted,
-               "last": state["history"][-1] if state["history"] else None,
-               "evals": state["evals"][-1:]}
+    summary = {
+        "stopped": stopped,
+        "step": state["step"],
+        "batches": state["batch"],
+        "tokens": state["tokens"],
+        "seconds": round(state["seconds"], 1),
+        "skipped": state["skipped"],
+        "gen_tok_s": round(rate["gen_n"] / rate["gen_t"], 2) if rate["gen_t"] else None,
+        "steps_s": round(rate["step_n"] / rate["step_t"], 3) if rate["step_t"] else None,
+        "replay_bytes": replay.nbytes,
+        "replay_seqs": len(replay),
+        "replay_evicted": replay.evicted,
+        "last": state["history"][-1] if state["history"] else None,
+        "evals": state["evals"][-1:],
+    }
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
     report("stopped" if stopped else "done")
     return summary
 
 
-__all__ = ["StreamConfig", "RESUME_FREE", "EVAL_FILE", "write_eval_prompts", "StreamProgress", "PlanRow",
-           "run_stream", "stream_prompts", "held_out_by_kind",
-           "memory_rows", "lr_at"]
+__all__ = [
+    "StreamConfig",
+    "RESUME_FREE",
+    "EVAL_FILE",
+    "write_eval_prompts",
+    "StreamProgress",
+    "PlanRow",
+    "run_stream",
+    "stream_prompts",
+    "held_out_by_kind",
+    "memory_rows",
+    "lr_at",
+]

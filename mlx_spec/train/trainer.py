@@ -17,9 +17,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -130,8 +131,10 @@ def settings(config: dict, legacy_nest: str | None = None) -> dict:
     else:
         recipe = {k: config.pop(k) for k in list(config) if k in RECIPE_FIELDS}
     if not recipe:
-        raise CheckpointError("the saved run config holds no drafter recipe; it was not written by "
-                              "`mlx_spec train`: start a new run (another --out)")
+        raise CheckpointError(
+            "the saved run config holds no drafter recipe; it was not written by "
+            "`mlx_spec train`: start a new run (another --out)"
+        )
     return {**config, **{f"recipe.{k}": v for k, v in recipe.items()}}
 
 
@@ -161,8 +164,9 @@ def drafter_config(target_args, cfg: Recipe, taps: list[int], mask_id: int) -> d
     n_heads = target_args.num_attention_heads
     dc = {"mask_token_id": mask_id, "target_layer_ids": list(taps), "block_size": cfg.block_size}
     if not cfg.v1:
-        dc.update(conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank,
-                  selector_top_k=cfg.selector_top_k)
+        dc.update(
+            conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k
+        )
     return {
         "architectures": [DFLASH1 if cfg.v1 else DFLASH2],
         "model_type": "qwen3",
@@ -205,12 +209,11 @@ def init_from_target(drafter: Drafter, target) -> list[str]:
 
     A warm start for small budgets: the drafter's output feeds the same frozen head.
     Returns the names copied."""
-    src = target.inner.layers[-len(drafter.layers):]
+    src = target.inner.layers[-len(drafter.layers) :]
     copied = []
     for i, (mine, theirs) in enumerate(zip(drafter.layers, src)):
         theirs_p = dict(tree_flatten(theirs.parameters()))
-        upd = [(k, v) for k, v in tree_flatten(mine.parameters())
-               if k in theirs_p and theirs_p[k].shape == v.shape]
+        upd = [(k, v) for k, v in tree_flatten(mine.parameters()) if k in theirs_p and theirs_p[k].shape == v.shape]
         mine.load_weights([(k, theirs_p[k]) for k, _ in upd], strict=False)
         copied += [f"layers.{i}.{k}" for k, _ in upd]
     if drafter.norm.weight.shape == target.inner.norm.weight.shape:
@@ -317,8 +320,17 @@ def make_batch(data: Dataset, rng: np.random.Generator, cfg: Recipe, mask_id: in
             tkl.append(data.topk_logp[r][np.minimum(pos, T - 1)].astype(np.float32))
     if not blocks:
         raise BadRequest("no anchors: the sampled sequences have no response tokens")
-    return Batch(feats, np.stack(blocks), np.array(anchors, np.int32), np.array(seq, np.int32),
-                 np.stack(labels), np.stack(prev), np.stack(weights), np.stack(tki), np.stack(tkl))
+    return Batch(
+        feats,
+        np.stack(blocks),
+        np.array(anchors, np.int32),
+        np.array(seq, np.int32),
+        np.stack(labels),
+        np.stack(prev),
+        np.stack(weights),
+        np.stack(tki),
+        np.stack(tkl),
+    )
 
 
 def block_attention_mask(anchors: np.ndarray, S: int, B: int, causal: bool) -> np.ndarray:
@@ -326,12 +338,14 @@ def block_attention_mask(anchors: np.ndarray, S: int, B: int, causal: bool) -> n
     ctx = np.arange(S)[None, :] < anchors[:, None]  # (N, S)
     blk = np.tril(np.ones((B, B), bool)) if causal else np.ones((B, B), bool)
     N = len(anchors)
-    return np.concatenate([np.broadcast_to(ctx[:, None, :], (N, B, S)),
-                           np.broadcast_to(blk[None], (N, B, B))], axis=-1)[:, None]
+    return np.concatenate(
+        [np.broadcast_to(ctx[:, None, :], (N, B, S)), np.broadcast_to(blk[None], (N, B, B))], axis=-1
+    )[:, None]
 
 
-def block_hidden(drafter: Drafter, features: mx.array, blocks: mx.array, anchors: mx.array,
-                 seq: mx.array, mask: mx.array) -> mx.array:
+def block_hidden(
+    drafter: Drafter, features: mx.array, blocks: mx.array, anchors: mx.array, seq: mx.array, mask: mx.array
+) -> mx.array:
     """Final-normed hidden (N, B, H) of every block against its own sequence's context: the
     drafter's own batched forward (``Drafter.block_hidden``), the one inference uses."""
     return drafter.block_hidden(blocks, features, anchors, seq, mask)
@@ -352,15 +366,20 @@ def add_step(acc: dict, parts, dt: float) -> None:
 def step_means(acc: dict) -> dict:
     """A history row's means: loss and seconds per step, ce, sel and top-1 per weighted position."""
     w = max(acc["w"], 1e-9)
-    return {"loss": round(acc["loss"] / acc["n"], 4), "ce": round(acc["ce"] / w, 4),
-            "sel": round(acc["sel"] / w, 4), "top1": round(acc["hits"] / w, 4),
-            "step_s": round(acc["t"] / acc["n"], 3)}
+    return {
+        "loss": round(acc["loss"] / acc["n"], 4),
+        "ce": round(acc["ce"] / w, 4),
+        "sel": round(acc["sel"] / w, 4),
+        "top1": round(acc["hits"] / w, 4),
+        "step_s": round(acc["t"] / acc["n"], 3),
+    }
 
 
 def loss_fn(drafter: Drafter, batch: dict, cfg: Recipe):
     """(loss, (ce_sum, sel_sum, weight_sum, top1_hits)) for one batch of mx arrays."""
-    h = block_hidden(drafter, batch["features"], batch["blocks"], batch["anchors"],
-                     batch["seq"], batch["mask"])[:, 1:]  # (N, B-1, H)
+    h = block_hidden(drafter, batch["features"], batch["blocks"], batch["anchors"], batch["seq"], batch["mask"])[
+        :, 1:
+    ]  # (N, B-1, H)
     idx = batch["idx"]  # flat indices of positions with weight > 0
     h = h.reshape(-1, h.shape[-1])[idx]  # (M, H)
     w = batch["weights"].reshape(-1)[idx]  # (M,)
@@ -418,8 +437,7 @@ def base_vocab(data: Dataset, k: int) -> np.ndarray:
     return np.sort(order[: min(k, int((counts > 0).sum()))]).astype(np.int32)
 
 
-def step_vocab(batch: Batch, base: np.ndarray, vocab_size: int, negatives: int,
-               rng: np.random.Generator) -> np.ndarray:
+def step_vocab(batch: Batch, base: np.ndarray, vocab_size: int, negatives: int, rng: np.random.Generator) -> np.ndarray:
     """Sorted ids of this step's training vocabulary: base + every label + target top-K +
     ``negatives`` random other ids (so rare tokens' logits are pushed down too)."""
     need = np.union1d(base, np.union1d(batch.labels[batch.weights > 0], batch.topk_ids[batch.weights > 0]))
@@ -437,25 +455,40 @@ def to_mx(batch: Batch, cfg: Recipe, vocab: np.ndarray | None = None, head_w: mx
     mask = block_attention_mask(batch.anchors, batch.features.shape[1], B, cfg.attention == "causal")
     extra = {}
     if vocab is not None:
-        lookup = np.zeros(max(int(vocab.max()) + 1, int(batch.labels.max()) + 1,
-                              int(batch.topk_ids.max()) + 1), np.int32)
+        lookup = np.zeros(
+            max(int(vocab.max()) + 1, int(batch.labels.max()) + 1, int(batch.topk_ids.max()) + 1), np.int32
+        )
         lookup[vocab] = np.arange(len(vocab), dtype=np.int32)
-        extra = {"vocab": mx.array(vocab), "head_w": head_w[mx.array(vocab)],
-                 "labels_sub": mx.array(lookup[batch.labels]), "topk_sub": mx.array(lookup[batch.topk_ids])}
+        extra = {
+            "vocab": mx.array(vocab),
+            "head_w": head_w[mx.array(vocab)],
+            "labels_sub": mx.array(lookup[batch.labels]),
+            "topk_sub": mx.array(lookup[batch.topk_ids]),
+        }
     return extra | {
-        "features": mx.array(batch.features), "blocks": mx.array(batch.blocks),
-        "anchors": mx.array(batch.anchors), "seq": mx.array(batch.seq), "mask": mx.array(mask),
-        "labels": mx.array(batch.labels), "prev": mx.array(batch.prev),
-        "weights": mx.array(batch.weights), "idx": mx.array(idx),
-        "topk_ids": mx.array(batch.topk_ids), "topk_logp": mx.array(batch.topk_logp),
+        "features": mx.array(batch.features),
+        "blocks": mx.array(batch.blocks),
+        "anchors": mx.array(batch.anchors),
+        "seq": mx.array(batch.seq),
+        "mask": mx.array(mask),
+        "labels": mx.array(batch.labels),
+        "prev": mx.array(batch.prev),
+        "weights": mx.array(batch.weights),
+        "idx": mx.array(idx),
+        "topk_ids": mx.array(batch.topk_ids),
+        "topk_logp": mx.array(batch.topk_logp),
     }
 
 
 def make_optimizer(cfg: Recipe, steps: int) -> optim.Optimizer:
     warm = max(1, int(cfg.warmup * steps))
     sched = optim.join_schedules(
-        [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
-         optim.cosine_decay(cfg.lr, max(1, steps - warm), cfg.lr * 0.1)], [warm])
+        [
+            optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
+            optim.cosine_decay(cfg.lr, max(1, steps - warm), cfg.lr * 0.1),
+        ],
+        [warm],
+    )
     return optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
 
 
@@ -472,8 +505,15 @@ def train_step(drafter: Drafter, opt: optim.Optimizer, batch: dict, cfg: Recipe)
 # ---- checkpoints -------------------------------------------------------------------------
 
 
-def save_checkpoint(run: Path, drafter: Drafter, config: dict, opt: optim.Optimizer, state: dict,
-                    vocab: np.ndarray | None = None, extra: Callable[[Path], None] | None = None) -> Path:
+def save_checkpoint(
+    run: Path,
+    drafter: Drafter,
+    config: dict,
+    opt: optim.Optimizer,
+    state: dict,
+    vocab: np.ndarray | None = None,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """Atomically replace ``run/ckpt`` with weights, optimizer state and trainer state (and the
     reduced draft vocabulary ``vocab``, if any, as ``draft_vocab.json``; ``extra(dir)`` writes
     more files into the new checkpoint before it replaces the old one)."""
@@ -564,8 +604,7 @@ def drop_trained(prompts: list, data: Dataset, tokenizer) -> tuple[list, list]:
     return keep, dropped
 
 
-def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size: int,
-                 max_tokens: int) -> dict:
+def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size: int, max_tokens: int) -> dict:
     """Real greedy speculative decoding on held-out prompts (``prompts.Prompt``s): tau,
     acceptance by position, and tau per prompt kind."""
     from ..decode import spec_steps
@@ -577,15 +616,19 @@ def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size:
     t0 = time.perf_counter()
     for p in prompts:
         kind = by_kind.setdefault(p.kind, Stats())
-        for step in spec_steps(target, drafter, p.encode(tokenizer), block_size=block_size,
-                               max_tokens=max_tokens, eos_ids=eos):
+        for step in spec_steps(
+            target, drafter, p.encode(tokenizer), block_size=block_size, max_tokens=max_tokens, eos_ids=eos
+        ):
             total.add(step)
             kind.add(step)
-    return {"tau": round(total.mean_acceptance_length, 4),
-            "acceptance_rate": round(total.acceptance_rate, 4),
-            "by_position": [round(x, 4) for x in total.acceptance_by_position],
-            "tau_by_kind": {k: round(v.mean_acceptance_length, 4) for k, v in by_kind.items()},
-            "cycles": total.cycles, "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "tau": round(total.mean_acceptance_length, 4),
+        "acceptance_rate": round(total.acceptance_rate, 4),
+        "by_position": [round(x, 4) for x in total.acceptance_by_position],
+        "tau_by_kind": {k: round(v.mean_acceptance_length, 4) for k, v in by_kind.items()},
+        "cycles": total.cycles,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 # ---- the loop ----------------------------------------------------------------------------
@@ -617,8 +660,19 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if cfg.resume and (run / "ckpt" / "config.json").exists():
         config = json.loads((run / "ckpt" / "config.json").read_text())
         saved = settings(json.loads((run / "train_config.json").read_text()))
-        free = {"steps", "checkpoint_every", "checkpoint_minutes", "eval_prompts", "eval_max_tokens", "eval_file",
-                "export", "resume", "data", "init", "out"}  # paths too: a moved run directory resumes
+        free = {
+            "steps",
+            "checkpoint_every",
+            "checkpoint_minutes",
+            "eval_prompts",
+            "eval_max_tokens",
+            "eval_file",
+            "export",
+            "resume",
+            "data",
+            "init",
+            "out",
+        }  # paths too: a moved run directory resumes
         diff = settings_diff(saved, settings(asdict(cfg)), free)
         if diff:
             raise BadRequest(f"--resume with different settings than the run: {diff}")
@@ -644,20 +698,25 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         say(f"train: resumed {run} at step {state['step']}")
     (run / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     n_params = sum(v.size for _, v in tree_flatten(drafter.trainable_parameters()))
-    say(f"train: {len(data)} sequences, {sum(len(t) - p for t, p in zip(data.tokens, data.prompt_lens))} "
+    say(
+        f"train: {len(data)} sequences, {sum(len(t) - p for t, p in zip(data.tokens, data.prompt_lens))} "
         f"response tokens; {config['architectures'][0]} {r.layers} layers, {n_params / 1e6:.1f}M trainable; "
-        f"mask {mask_id}; loss {r.loss}, {r.attention}, corruption {r.corruption}, gamma {r.decay}")
+        f"mask {mask_id}; loss {r.loss}, {r.attention}, corruption {r.corruption}, gamma {r.decay}"
+    )
     base = base_vocab(data, r.draft_vocab) if r.draft_vocab else None
     head_w = head_weight(target) if r.draft_vocab else None
     if r.draft_vocab:
         say(f"train: training softmax over {len(base)} frequent ids + labels + {r.vocab_negatives} negatives")
         # the same ids serve as the checkpoint's reduced draft vocabulary at inference (opt-out:
         # --draft-vocab full): draft_vocab.json beside the checkpoint, which stays official
-    prompts, trained = drop_trained(eval_prompts(Path(cfg.eval_file) if cfg.eval_file else data_dir,
-                                                 cfg.eval_prompts), data, tokenizer)
+    prompts, trained = drop_trained(
+        eval_prompts(Path(cfg.eval_file) if cfg.eval_file else data_dir, cfg.eval_prompts), data, tokenizer
+    )
     if trained:
-        say(f"train: {len(trained)} eval prompts are also training prompts; not used for tau: "
-            + ", ".join(p.id for p in trained))
+        say(
+            f"train: {len(trained)} eval prompts are also training prompts; not used for tau: "
+            + ", ".join(p.id for p in trained)
+        )
     eval_target = Target(model, taps)
     t_last_ckpt = time.perf_counter()
     acc = dict.fromkeys(STEP_SUMS, 0.0)
@@ -676,11 +735,16 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         if step % 10 == 0 or step == cfg.steps:
             last = {"step": step, **step_means(acc), "lr": round(float(opt.learning_rate), 6)}
             state["history"].append(last)
-            say(f"train: step {step}/{cfg.steps} loss {last['loss']:.3f} (ce {last['ce']:.3f} sel "
-                f"{last['sel']:.3f}) top1 {last['top1']:.3f} {last['step_s']:.2f}s/step lr {last['lr']:.2e}")
+            say(
+                f"train: step {step}/{cfg.steps} loss {last['loss']:.3f} (ce {last['ce']:.3f} sel "
+                f"{last['sel']:.3f}) top1 {last['top1']:.3f} {last['step_s']:.2f}s/step lr {last['lr']:.2e}"
+            )
             acc = dict.fromkeys(acc, 0.0)
-        due = step % cfg.checkpoint_every == 0 or step == cfg.steps or (
-            cfg.checkpoint_minutes and time.perf_counter() - t_last_ckpt > 60 * cfg.checkpoint_minutes)
+        due = (
+            step % cfg.checkpoint_every == 0
+            or step == cfg.steps
+            or (cfg.checkpoint_minutes and time.perf_counter() - t_last_ckpt > 60 * cfg.checkpoint_minutes)
+        )
         if due:  # saved first, evaluated after: a run killed during the eval keeps its checkpoint
             drafter.eval()
             state["rng"] = rng.bit_generator.state
@@ -689,8 +753,10 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 ev = evaluate_tau(eval_target, drafter, tokenizer, prompts, r.block_size, cfg.eval_max_tokens)
                 ev["step"] = step
                 state["evals"].append(ev)
-                say(f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
-                    f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)")
+                say(
+                    f"train: eval step {step}: tau {ev['tau']:.3f} acceptance {ev['acceptance_rate']:.3f} "
+                    f"by position {ev['by_position']} by kind {ev['tau_by_kind']} ({ev['seconds']}s)"
+                )
                 write_state(ckpt, state)
             write_curves(run, state, r.block_size)
             if cfg.export:
@@ -705,14 +771,38 @@ def write_curves(run: Path, state: dict, block_size: int) -> None:
     (run / "metrics.json").write_text(json.dumps({"history": state["history"], "evals": state["evals"]}))
     h = state["history"]
     if h:
-        line_chart_png(run / "loss.png", [("loss", [(x["step"], x["loss"]) for x in h]),
-                                          ("ce", [(x["step"], x["ce"]) for x in h])], title="loss")
+        line_chart_png(
+            run / "loss.png",
+            [("loss", [(x["step"], x["loss"]) for x in h]), ("ce", [(x["step"], x["ce"]) for x in h])],
+            title="loss",
+        )
     if state["evals"]:
-        line_chart_png(run / "tau.png", [("tau", [(x["step"], x["tau"]) for x in state["evals"]])],
-                       title=f"tau (held-out, block {block_size})")
+        line_chart_png(
+            run / "tau.png",
+            [("tau", [(x["step"], x["tau"]) for x in state["evals"]])],
+            title=f"tau (held-out, block {block_size})",
+        )
 
 
-__all__ = ["Recipe", "TrainConfig", "train", "settings", "settings_diff", "EVAL_PROMPTS", "EVAL_MAX_TOKENS",
-           "loss_weights", "make_batch", "sample_anchors",
-           "block_attention_mask", "block_hidden", "loss_fn", "identity_init", "drafter_config",
-           "save_checkpoint", "load_checkpoint", "export_checkpoint", "evaluate_tau", "pick_mask_token"]
+__all__ = [
+    "Recipe",
+    "TrainConfig",
+    "train",
+    "settings",
+    "settings_diff",
+    "EVAL_PROMPTS",
+    "EVAL_MAX_TOKENS",
+    "loss_weights",
+    "make_batch",
+    "sample_anchors",
+    "block_attention_mask",
+    "block_hidden",
+    "loss_fn",
+    "identity_init",
+    "drafter_config",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_checkpoint",
+    "evaluate_tau",
+    "pick_mask_token",
+]

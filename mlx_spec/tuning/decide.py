@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from ..policy import expected_tokens
 from ..bench import Method, model_ms
 from ..costs import Costs
+from ..policy import expected_tokens
 from .store import Candidate
 
 NOISE_FLOOR = 0.03  # model speedups closer than this are a tie, however small the measured noise
@@ -43,6 +43,7 @@ MIN_NOISE_DF = 4  # ... that noise measured with at least this many degrees of f
 
 
 # ---------------------------------------------------------------- the model and the choice
+
 
 def cycle_overhead(run, costs: Costs, spec: bool) -> float | None:
     """A run's measured time per cycle after the first step minus its passes' model time
@@ -60,8 +61,13 @@ def with_overhead(passes_ms: float, overhead_ms: float) -> float:
     return max(passes_ms / 2, passes_ms + overhead_ms)
 
 
-def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, overhead_ms: float = 0.0,
-            plain_ms: float | None = None) -> float:
+def predict(
+    costs: Costs,
+    acceptance_by_position: Sequence[float],
+    block: int,
+    overhead_ms: float = 0.0,
+    plain_ms: float | None = None,
+) -> float:
     """Model speedup of DFlash at ``block`` over plain decoding: E(B) * plain step / cycle, the
     plain step ``plain_ms`` (default T1) and the cycle Td(B) + Tt(B) + ``overhead_ms``. The
     overhead may be negative (a loop that overlaps passes runs cheaper than the passes alone);
@@ -69,8 +75,9 @@ def predict(costs: Costs, acceptance_by_position: Sequence[float], block: int, o
     if block <= 1:
         return 1.0
     passes = costs.step_ms(block, block)
-    return expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / \
-        with_overhead(passes, overhead_ms)
+    return (
+        expected_tokens(acceptance_by_position, block) * (plain_ms or costs.t1_ms) / with_overhead(passes, overhead_ms)
+    )
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,14 @@ def join_names(xs: Sequence[str]) -> str:
     return xs[0] if len(xs) == 1 else f"{', '.join(xs[:-1])} and {xs[-1]}"
 
 
-def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, floor: float = NOISE_FLOOR,
-           min_gain: float = 0.02, cap: float = NOISE_CAP) -> Decision:
+def decide(
+    cands: Sequence[Candidate],
+    *,
+    default_threads: int | None = None,
+    floor: float = NOISE_FLOOR,
+    min_gain: float = 0.02,
+    cap: float = NOISE_CAP,
+) -> Decision:
     """The (block, threads) to store, from the model speedups (``predicted``, with ``noise``) and
     the deterministic expected tokens per cycle (``tau`` = E(B)). Pure: the same inputs always
     give the same answer, and inputs within noise give the same answer by rule, not by chance.
@@ -155,8 +168,10 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, fl
         near = [t for t in others if tops[t].predicted >= lead.predicted * (1 - _tie_tolerance(tops[t], lead, floor))]
         if default_threads in near:
             gap = 1 - tops[default_threads].predicted / lead.predicted
-            words.append(f"{lead_t} and {default_threads} threads within noise ({gap:.1%}); kept {default_threads}, "
-                         "the default (all cores)")
+            words.append(
+                f"{lead_t} and {default_threads} threads within noise ({gap:.1%}); kept {default_threads}, "
+                "the default (all cores)"
+            )
             lead_t = default_threads
         else:
             nxt = tops[others[0]]
@@ -170,15 +185,26 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, fl
     need = max(floor, noisy)
     if best.predicted < base * (1 + need):
         what = "its noise" if noisy >= floor else "the floor"
-        why = (f"off: the best block {_block_label(best)} x{best.predicted:.2f} does not beat plain"
-               f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
-               f"(x{base:.2f}) by {need:.1%} ({what})")
+        why = (
+            f"off: the best block {_block_label(best)} x{best.predicted:.2f} does not beat plain"
+            f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
+            f"(x{base:.2f}) by {need:.1%} ({what})"
+        )
         return Decision(1, plain.threads if plain else lead_t, "; ".join([why] + words))
     tol = _tie_tolerance(best, best, floor)
     if tol > cap:  # a tie this wide would be "the largest block" whatever the timings say
-        return Decision(best.block, lead_t, "; ".join(
-            [f"{_block_label(best)} x{best.predicted:.2f}: timings too noisy to separate blocks (tolerance {tol:.1%} "
-             f"above {cap:.0%}), took the best score"] + words), (best.block,))
+        return Decision(
+            best.block,
+            lead_t,
+            "; ".join(
+                [
+                    f"{_block_label(best)} x{best.predicted:.2f}: timings too noisy to separate blocks (tolerance {tol:.1%} "  # noqa: E501
+                    f"above {cap:.0%}), took the best score"
+                ]
+                + words
+            ),
+            (best.block,),
+        )
     # only blocks that beat plain by that much themselves can be tied
     tied = [c for c in spec if c.predicted >= max(best.predicted * (1 - tol), base * (1 + need))]
     kept, gain_of = [], {}
@@ -194,14 +220,22 @@ def decide(cands: Sequence[Candidate], *, default_threads: int | None = None, fl
         nxt = max(rest, key=lambda c: c.predicted, default=None)
         why = f"{_block_label(best)} x{best.predicted:.2f}" + (
             f", next {_block_label(nxt)} x{nxt.predicted:.2f} ({1 - nxt.predicted / best.predicted:.1%} below, "
-            f"tolerance {tol:.1%})" if nxt else "")
+            f"tolerance {tol:.1%})"
+            if nxt
+            else ""
+        )
     else:
         width = max(1 - c.predicted / best.predicted for c in tied)
-        names = join_names([_block_label(c) for c in tied]) if len(tied) <= 4 else \
-            f"B={tied[0].block} to B={tied[-1].block} ({len(tied)} blocks)"
-        why = (f"{names} within noise ({width:.1%} apart, tolerance "
-               f"{tol:.1%}); chose {win.block}: the largest that still buys expected tokens (where E(B) stops "
-               "growing is set by the deterministic acceptance, not by timings)")
+        names = (
+            join_names([_block_label(c) for c in tied])
+            if len(tied) <= 4
+            else f"B={tied[0].block} to B={tied[-1].block} ({len(tied)} blocks)"
+        )
+        why = (
+            f"{names} within noise ({width:.1%} apart, tolerance "
+            f"{tol:.1%}); chose {win.block}: the largest that still buys expected tokens (where E(B) stops "
+            "growing is set by the deterministic acceptance, not by timings)"
+        )
         for a in dict.fromkeys(gain_of.values()):
             bs = [f"B={b}" for b, x in gain_of.items() if x == a]
             why += f"; {join_names(bs)} add{'s' if len(bs) == 1 else ''} no expected tokens over B={a}"
@@ -221,6 +255,7 @@ Key = tuple  # (block, threads): block 1 = plain decoding; threads None = no thr
 @dataclass(frozen=True)
 class Lap:
     """One timed run of the race."""
+
     tps: float  # committed tok/s after the first step
     cycle_s: float | None = None  # seconds per cycle (a plain step or a drafted block); None: not known
 
@@ -271,8 +306,12 @@ class RaceResult:
         a round alike (the round's prompt length, the machine's drift within the round) is the
         round effect, which the paired ratios cancel too: what is left is the timing's own noise
         (and a last cycle the run's room cut short). inf with no degree of freedom."""
-        cells = {(k, r): math.log(lap.cycle_s) for k, rs in self.laps.items() for r, lap in rs.items()
-                 if lap.cycle_s is not None and lap.cycle_s > 0}
+        cells = {
+            (k, r): math.log(lap.cycle_s)
+            for k, rs in self.laps.items()
+            for r, lap in rs.items()
+            if lap.cycle_s is not None and lap.cycle_s > 0
+        }
         by_k: dict = {}
         by_r: dict = {}
         for (k, r), v in cells.items():
@@ -294,6 +333,7 @@ class RaceResult:
 @dataclass(frozen=True)
 class Check:
     """One raced candidate against the chosen one, over the rounds both ran."""
+
     key: Key
     rounds: int  # rounds both ran
     wins: int  # rounds in which it was the faster
@@ -306,8 +346,16 @@ class Check:
         return self.rounds > 0 and self.wins == self.rounds and self.gain >= self.needed
 
 
-def check(res: RaceResult, key: Key, chosen: Key, *, rounds: int = CHECK_ROUNDS, z: float = CLEAR_Z,
-          floor: float = NOISE_FLOOR, min_df: int = MIN_NOISE_DF) -> Check:
+def check(
+    res: RaceResult,
+    key: Key,
+    chosen: Key,
+    *,
+    rounds: int = CHECK_ROUNDS,
+    z: float = CLEAR_Z,
+    floor: float = NOISE_FLOOR,
+    min_df: int = MIN_NOISE_DF,
+) -> Check:
     """``key`` against ``chosen`` in the rounds both ran. A clear margin needs at least ``rounds``
     such rounds (one of each prompt kind), a win in every one, a race whose noise was measured
     with at least ``min_df`` degrees of freedom (``RaceResult.noise_fit``: with fewer, sigma
@@ -345,11 +393,23 @@ def clearest(got: Sequence[Check]) -> Check | None:
     return max((c for c in got if c.clear), key=lambda c: c.gain, default=None)
 
 
-def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int, judge_every: int = 1,
-         neighbours: Callable[[Key], Sequence[Key]] = lambda k: (), clock: Callable[[], float] = time.perf_counter,
-         deadline: float = math.inf, min_rounds: int = 3, max_rounds: int = 12, clear_margin: float = 0.15,
-         drop_margin: float = 0.03, note: Callable[[int, Key], None] | None = None,
-         keep: Sequence[Key] = (), cost: Callable[[Key], float] | None = None) -> RaceResult:
+def race(
+    keys: Sequence[Key],
+    run: Callable[[Key, int], Lap],
+    *,
+    n_prompts: int,
+    judge_every: int = 1,
+    neighbours: Callable[[Key], Sequence[Key]] = lambda k: (),
+    clock: Callable[[], float] = time.perf_counter,
+    deadline: float = math.inf,
+    min_rounds: int = 3,
+    max_rounds: int = 12,
+    clear_margin: float = 0.15,
+    drop_margin: float = 0.03,
+    note: Callable[[int, Key], None] | None = None,
+    keep: Sequence[Key] = (),
+    cost: Callable[[Key], float] | None = None,
+) -> RaceResult:
     """Time ``keys`` end to end, interleaved: every round runs every candidate still in the race
     once on the round's prompt (``run(key, prompt_index)`` -> its ``Lap``), the order rotated by one
     each round (A B C, B C A, ...), so all candidates see the same machine. ``keys[0]`` is the
@@ -420,7 +480,6 @@ def race(keys: Sequence[Key], run: Callable[[Key, int], Lap], *, n_prompts: int,
             stop = "clear margin"
             break
     return RaceResult(laps=laps, final=tuple(alive), dropped=dropped, rounds=rounds, order=tuple(order), stop=stop)
-
 
 
 def key_label(key: Key) -> str:

@@ -34,11 +34,11 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..policy import expected_tokens
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
 from ..costs import CostMeter, Costs, Progress
 from ..errors import MlxSpecError
+from ..policy import expected_tokens
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
 from ..stats import Stats
 from .decide import (
@@ -107,10 +107,26 @@ def _method(B: int) -> Method:
 class Sweep:
     """One tuning sweep's state, phase by phase (``tune`` runs them in order)."""
 
-    def __init__(self, pair, *, budget_s: float, progress: Progress | None, prompts, tokens: int, finalists: int,
-                 min_rounds: int, max_rounds: int, clear_margin: float, candidates: Sequence[int] | None,
-                 threads: Sequence[int | None] | None, blas, probe_prompts: int, cost_rounds: tuple[int, int],
-                 noise_floor: float, clock: Callable[[], float]):
+    def __init__(
+        self,
+        pair,
+        *,
+        budget_s: float,
+        progress: Progress | None,
+        prompts,
+        tokens: int,
+        finalists: int,
+        min_rounds: int,
+        max_rounds: int,
+        clear_margin: float,
+        candidates: Sequence[int] | None,
+        threads: Sequence[int | None] | None,
+        blas,
+        probe_prompts: int,
+        cost_rounds: tuple[int, int],
+        noise_floor: float,
+        clock: Callable[[], float],
+    ):
         from .. import BLAS  # (the process's BLAS, loaded by the package root before MLX)
 
         self.pair, self.budget_s, self.tokens, self.finalists = pair, budget_s, tokens, finalists
@@ -171,9 +187,12 @@ class Sweep:
         run time, a warm-up and ``min_rounds`` each), and past it also only within
         ``COSTS_SHARE`` of the budget."""
         pair, tlist, main_t, clock = self.pair, self.tlist, self.main_t, self.clock
-        meters = {t: CostMeter(pair.model, pair.target, pair.drafter,
-                               self.cands if t == main_t else [self.probe_block], self.context)
-                  for t in tlist}
+        meters = {
+            t: CostMeter(
+                pair.model, pair.target, pair.drafter, self.cands if t == main_t else [self.probe_block], self.context
+            )
+            for t in tlist
+        }
         lo, hi = self.cost_rounds
         t_costs, budget_s = self.t_costs, self.budget_s
 
@@ -184,17 +203,20 @@ class Sweep:
         floor = max(1, min(lo, MIN_COST_ROUNDS))
         r, round_s = 0, 0.0
         while r <= hi:
-            if r > floor and (clock() + round_s + core_s() > self.deadline
-                              or (r > lo and clock() - t_costs >= COSTS_SHARE * budget_s)):
+            if r > floor and (
+                clock() + round_s + core_s() > self.deadline or (r > lo and clock() - t_costs >= COSTS_SHARE * budget_s)
+            ):
                 break
             tr = clock()
-            for j, t in enumerate(tlist[r % len(tlist):] + tlist[:r % len(tlist)]):
+            for j, t in enumerate(tlist[r % len(tlist) :] + tlist[: r % len(tlist)]):
                 self.use(t)
 
                 def step(d, n, m, j=j, r=r):
-                    done = max((clock() - t_costs) / (COSTS_SHARE * budget_s),
-                               (r + (j + d / n) / len(tlist)) / (hi + 1))
+                    done = max(
+                        (clock() - t_costs) / (COSTS_SHARE * budget_s), (r + (j + d / n) / len(tlist)) / (hi + 1)
+                    )
                     self.frac(PROBE_SHARE + COSTS_SHARE * min(1.0, done), m)
+
                 meters[t].round(step, f"pass costs{'' if t is None else f' at {_threads(t)}'} (round {r + 1})")
             r += 1
             round_s = clock() - tr
@@ -213,8 +235,12 @@ class Sweep:
             c = self.all_costs[t]
             ref = self.costs.step_ms(probe_block, probe_block)
             k = c.step_ms(probe_block, probe_block) / ref if t != main_t and ref else 1.0
-            return Costs(c.t1_ms, {B: v * k for B, v in smooth.td_ms.items()},
-                         {B: v * k for B, v in smooth.tt_ms.items()}, c.context)
+            return Costs(
+                c.t1_ms,
+                {B: v * k for B, v in smooth.td_ms.items()},
+                {B: v * k for B, v in smooth.tt_ms.items()},
+                c.context,
+            )
 
         self.curves = {t: curve(t) for t in tlist}
         self.o_probe = statistics.median(self.residuals(main_t, self.warm, True) or [0.0])
@@ -238,8 +264,9 @@ class Sweep:
         c = self.all_costs[t]
         if B == 1:
             return 0.0 if t == main_t else math.hypot(se(t, "t1", 1) / c.t1_ms, se(main_t, "t1", 1) / costs.t1_ms)
-        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / with_overhead(self.cycle_ms(main_t, B),
-                                                                                    self.o_probe)
+        main = math.hypot(se(main_t, "td", B), se(main_t, "tt", B)) / with_overhead(
+            self.cycle_ms(main_t, B), self.o_probe
+        )
         if t == main_t:
             return main
         ref = c.step_ms(self.probe_block, self.probe_block)
@@ -247,6 +274,7 @@ class Sweep:
 
     def model(self, o: dict, op: dict) -> dict[Key, float]:
         """Speedup over plain at the main thread count: E(B) * plain step / cycle."""
+
         def step(t):  # the plain loop may beat a synced T1 (it overlaps the next step): never below half
             return with_overhead(self.all_costs[t].t1_ms, op.get(t, 0.0))
 
@@ -260,8 +288,17 @@ class Sweep:
 
     def candidates_of(self, predicted: dict[Key, float]) -> list[Candidate]:
         E = self.E
-        return [Candidate(B, False, tau=round(E[B], 3) if B > 1 else None, predicted=round(x, 4), threads=t,
-                          noise=round(self.noise((B, t)), 4)) for (B, t), x in predicted.items()]
+        return [
+            Candidate(
+                B,
+                False,
+                tau=round(E[B], 3) if B > 1 else None,
+                predicted=round(x, 4),
+                threads=t,
+                noise=round(self.noise((B, t)), 4),
+            )
+            for (B, t), x in predicted.items()
+        ]
 
     def run_s(self, key: Key, n: int) -> float:
         """Estimated seconds of one ``n``-token run (prefill as the probe's, the cycles from the
@@ -281,9 +318,9 @@ class Sweep:
         by_thread = sorted(tlist, key=lambda t: (-max(predicted[(B, t)] for B in [1] + cands), t != main_t))
         lead_t = by_thread[0]
         ranked = sorted(cands, key=lambda B: (-predicted[(B, lead_t)], -B))
-        top = ranked[:max(2, self.finalists)]  # the predicted runner-up is always timed
+        top = ranked[: max(2, self.finalists)]  # the predicted runner-up is always timed
         i = cands.index(ranked[0])
-        near = cands[max(0, i - 1):i + 2]  # and the neighbours of the predicted leader
+        near = cands[max(0, i - 1) : i + 2]  # and the neighbours of the predicted leader
         keys = [(1, lead_t)] + [(B, lead_t) for B in sorted(set(top) | set(near))]
         if len(by_thread) > 1:  # the runner-up thread count: plain and the predicted leader
             keys += [(1, by_thread[1]), (ranked[0], by_thread[1])]
@@ -316,10 +353,10 @@ class Sweep:
         smaller and larger thread count."""
         B, t = key
         j = self.tlist.index(t)
-        out = [(B, u) for u in self.tlist[max(0, j - 1):j + 2] if u != t]
+        out = [(B, u) for u in self.tlist[max(0, j - 1) : j + 2] if u != t]
         if B > 1:
             i = self.cands.index(B)
-            out += [(b, t) for b in self.cands[max(0, i - 1):i + 2] if b != B]
+            out += [(b, t) for b in self.cands[max(0, i - 1) : i + 2] if b != B]
         return out
 
     def race(self) -> None:
@@ -342,14 +379,27 @@ class Sweep:
 
         def timing(rnd: int, key: Key) -> None:
             done = (clock() - start) / max(1e-9, self.deadline - start)
-            self.frac(PROBE_SHARE + COSTS_SHARE + (1 - PROBE_SHARE - COSTS_SHARE) * min(1.0, done),
-                      f"round {rnd + 1}: timing {key_label(key)}")
+            self.frac(
+                PROBE_SHARE + COSTS_SHARE + (1 - PROBE_SHARE - COSTS_SHARE) * min(1.0, done),
+                f"round {rnd + 1}: timing {key_label(key)}",
+            )
 
         if keys:
-            res = race(keys, run, n_prompts=len(encoded), judge_every=max(1, len(self.kinds)),
-                       neighbours=self.neighbours, clock=clock, deadline=self.deadline, min_rounds=self.min_rounds,
-                       max_rounds=self.max_rounds, clear_margin=self.clear_margin, note=timing,
-                       keep=[self.first_key], cost=lambda k: self.run_s(k, self.tokens))
+            res = race(
+                keys,
+                run,
+                n_prompts=len(encoded),
+                judge_every=max(1, len(self.kinds)),
+                neighbours=self.neighbours,
+                clock=clock,
+                deadline=self.deadline,
+                min_rounds=self.min_rounds,
+                max_rounds=self.max_rounds,
+                clear_margin=self.clear_margin,
+                note=timing,
+                keep=[self.first_key],
+                cost=lambda k: self.run_s(k, self.tokens),
+            )
         else:
             res = RaceResult(laps={}, final=(), dropped={}, rounds=0, order=(), stop="budget")
         self.left_after = self.deadline - clock()  # (what a race stopped before its first round had left)
@@ -393,72 +443,124 @@ class Sweep:
             tau = round(self.E[B], 3) if B > 1 else None
             common = dict(tau=tau, predicted=round(predicted[key], 4), threads=t, noise=round(self.noise(key), 4))
             if res.tps.get(key):
-                out.append(Candidate(B, True, round(statistics.median(res.tps[key]), 3),
-                                     round(spread(res.ratio[key] if B > 1 else res.tps[key]), 4),
-                                     round(statistics.median(res.ratio[key]), 4), rounds=len(res.tps[key]),
-                                     note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
-                                     final=key in res.final, **common))
+                out.append(
+                    Candidate(
+                        B,
+                        True,
+                        round(statistics.median(res.tps[key]), 3),
+                        round(spread(res.ratio[key] if B > 1 else res.tps[key]), 4),
+                        round(statistics.median(res.ratio[key]), 4),
+                        rounds=len(res.tps[key]),
+                        note="; ".join(x for x in (other, res.dropped.get(key, "")) if x),
+                        final=key in res.final,
+                        **common,
+                    )
+                )
             else:
-                why_not = ("not raced: budget" if key in self.unaffordable or (key in keys and not res.rounds)
-                           else "not raced")
+                why_not = (
+                    "not raced: budget" if key in self.unaffordable or (key in keys and not res.rounds) else "not raced"
+                )
                 out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
         d = decide(out, default_threads=self.dflt, floor=noise_floor)
         best, best_t, why = d.block, d.threads, d.why
         unaffordable = [k for k in self.unaffordable if not res.laps.get(k)]  # (a neighbour may have joined later)
         if unaffordable:  # what the budget could not afford, and why
             gone = join_names([key_label(k) for k in unaffordable])
-            why_budget = (f"{gone} not raced: {max(0.0, self.left):.0f} s of the budget left for the race, "
-                          f"{min_rounds} rounds of each would need ~"
-                          f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f}"
-                          " s more")
+            why_budget = (
+                f"{gone} not raced: {max(0.0, self.left):.0f} s of the budget left for the race, "
+                f"{min_rounds} rounds of each would need ~"
+                f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f}"
+                " s more"
+            )
             if not self.planned:
                 why_budget = f"no race ({why_budget})"
         else:
             why_budget = ""
         if keys and not res.rounds:  # planned, then the warm-ups left too little for one round
-            first = (f"no race: its first round (~{sum(self.run_s(k, tokens) for k in keys):.0f} s: "
-                     f"{join_names([key_label(k) for k in keys])}) would have ended past the budget "
-                     f"({max(0.0, self.left_after):.0f} s left after the warm-ups)")
+            first = (
+                f"no race: its first round (~{sum(self.run_s(k, tokens) for k in keys):.0f} s: "
+                f"{join_names([key_label(k) for k in keys])}) would have ended past the budget "
+                f"({max(0.0, self.left_after):.0f} s left after the warm-ups)"
+            )
             why_budget = f"{why_budget}; {first}" if why_budget else first
         chosen = (best, best_t)
         every = checks(res, chosen, floor=noise_floor)
         over = clearest(every)
         if over is not None:
-            why = (f"the race overrode the model ({d.why}): {key_label(over.key)} beat {key_label(chosen)} in every "
-                   f"one of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
-                   f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
-                   f"noise {res.noise:.1%}, at least {noise_floor:.0%})")
+            why = (
+                f"the race overrode the model ({d.why}): {key_label(over.key)} beat {key_label(chosen)} in every "
+                f"one of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
+                f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
+                f"noise {res.noise:.1%}, at least {noise_floor:.0%})"
+            )
             best, best_t = over.key
         else:  # say what the race could tell about the stored choice
             why += _unchecked(res, chosen, every)
         if why_budget:
             why += f"; {why_budget}"
         self.use(best_t)
-        return TuneResult(key=tune_key(self.pair), best=best,
-                          date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          candidates=tuple(out), costs=self.costs,
-                          acceptance_by_position=tuple(round(x, 4) for x in self.acc),
-                          prompt_kinds=tuple(self.kinds), tokens_per_run=tokens, budget_s=self.budget_s,
-                          elapsed_s=round(self.clock() - self.t0, 2), format=FORMAT, threads=best_t, why=why,
-                          overhead_ms=round(self.overhead[self.main_t], 3), phases=self.phases)
+        return TuneResult(
+            key=tune_key(self.pair),
+            best=best,
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            candidates=tuple(out),
+            costs=self.costs,
+            acceptance_by_position=tuple(round(x, 4) for x in self.acc),
+            prompt_kinds=tuple(self.kinds),
+            tokens_per_run=tokens,
+            budget_s=self.budget_s,
+            elapsed_s=round(self.clock() - self.t0, 2),
+            format=FORMAT,
+            threads=best_t,
+            why=why,
+            overhead_ms=round(self.overhead[self.main_t], 3),
+            phases=self.phases,
+        )
 
 
-def tune(pair, *, budget_s: float = DEFAULT_BUDGET_S, progress: Progress | None = None, prompts=None,
-         tokens: int = 24, finalists: int = 3, min_rounds: int = 3, max_rounds: int = 12,
-         clear_margin: float = 0.15, candidates: Sequence[int] | None = None,
-         threads: Sequence[int | None] | None = None, blas=None, probe_prompts: int = 6,
-         cost_rounds: tuple[int, int] = (5, 30), noise_floor: float = NOISE_FLOOR,
-         clock: Callable[[], float] = time.perf_counter) -> TuneResult:
+def tune(
+    pair,
+    *,
+    budget_s: float = DEFAULT_BUDGET_S,
+    progress: Progress | None = None,
+    prompts=None,
+    tokens: int = 24,
+    finalists: int = 3,
+    min_rounds: int = 3,
+    max_rounds: int = 12,
+    clear_margin: float = 0.15,
+    candidates: Sequence[int] | None = None,
+    threads: Sequence[int | None] | None = None,
+    blas=None,
+    probe_prompts: int = 6,
+    cost_rounds: tuple[int, int] = (5, 30),
+    noise_floor: float = NOISE_FLOOR,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TuneResult:
     """Measure and choose the block size and BLAS thread count for this pair on this machine
     (see the module docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
     counts to try (default: 1, powers of two, all cores; one value where the user pinned it; None
     where there is no knob). ``cost_rounds``: timed pass-cost rounds, past the first number (and
     up to the second) only within ``COSTS_SHARE`` of the budget; ``probe_prompts``: prompts in
     the acceptance probe."""
-    sweep = Sweep(pair, budget_s=budget_s, progress=progress, prompts=prompts, tokens=tokens, finalists=finalists,
-                  min_rounds=min_rounds, max_rounds=max_rounds, clear_margin=clear_margin, candidates=candidates,
-                  threads=threads, blas=blas, probe_prompts=probe_prompts, cost_rounds=cost_rounds,
-                  noise_floor=noise_floor, clock=clock)
+    sweep = Sweep(
+        pair,
+        budget_s=budget_s,
+        progress=progress,
+        prompts=prompts,
+        tokens=tokens,
+        finalists=finalists,
+        min_rounds=min_rounds,
+        max_rounds=max_rounds,
+        clear_margin=clear_margin,
+        candidates=candidates,
+        threads=threads,
+        blas=blas,
+        probe_prompts=probe_prompts,
+        cost_rounds=cost_rounds,
+        noise_floor=noise_floor,
+        clock=clock,
+    )
     sweep.measure_acceptance()
     sweep.measure_costs()
     sweep.plan_race()
@@ -475,17 +577,27 @@ def _unchecked(res: RaceResult, chosen: Key, every: Sequence[Check]) -> str:
     dropped = f", {res.dropped[chosen]}" if chosen in res.dropped else ""
     enough = [c for c in every if c.rounds >= CHECK_ROUNDS]
     if not enough:
-        return (f"; not checked by the race (it ran {mine} rounds{dropped}; no other candidate ran "
-                f"{CHECK_ROUNDS} rounds with it)")
+        return (
+            f"; not checked by the race (it ran {mine} rounds{dropped}; no other candidate ran "
+            f"{CHECK_ROUNDS} rounds with it)"
+        )
     c = max(enough, key=lambda c: c.gain)
     need = f"{c.needed - 1:+.1%}" if math.isfinite(c.needed) else "a run-to-run noise measured"
-    return (f"; checked by the race ({mine} rounds{dropped}): no candidate clearly faster (closest "
-            f"{key_label(c.key)}: {c.gain - 1:+.1%} over {c.rounds} rounds, faster in {c.wins}; a clear margin "
-            f"needs every round and {need})")
+    return (
+        f"; checked by the race ({mine} rounds{dropped}): no candidate clearly faster (closest "
+        f"{key_label(c.key)}: {c.gain - 1:+.1%} over {c.rounds} rounds, faster in {c.wins}; a clear margin "
+        f"needs every round and {need})"
+    )
 
 
-def ensure_tuned(pair, budget_s: float | None = None, progress: Progress | None = None, *,
-                 root: Path | None = None, tune_fn: Callable[..., TuneResult] = tune) -> TuneResult | None:
+def ensure_tuned(
+    pair,
+    budget_s: float | None = None,
+    progress: Progress | None = None,
+    *,
+    root: Path | None = None,
+    tune_fn: Callable[..., TuneResult] = tune,
+) -> TuneResult | None:
     """The stored result for this machine and pair, tuning first (within ``budget_s``, default
     ``DEFAULT_BUDGET_S``) and storing it if there is none; None when the user skipped tuning.
     Applies the result's BLAS thread count. Which block size wins (the flag, --no-tune, this

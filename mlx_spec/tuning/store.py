@@ -29,6 +29,7 @@ READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 # ---------------------------------------------------------------- the key
 
+
 def cpu_name() -> str:
     try:
         from .. import backend
@@ -51,11 +52,17 @@ def machine_info() -> dict:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 0
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(mem / 2**30),
-            "os": f"{platform.system()} {platform.release()}", "arch": platform.machine(),
-            "backend": backend.current().kind,
-            "blas": " ".join(x for x in (BLAS.name, BLAS.path, BLAS.version) if x),  # a new library (version) re-tunes
-            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / 2**30),
+        "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "backend": backend.current().kind,
+        "blas": " ".join(x for x in (BLAS.name, BLAS.path, BLAS.version) if x),  # a new library (version) re-tunes
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+    }
 
 
 def _model_dir(path_or_id: str) -> Path | None:
@@ -145,17 +152,25 @@ def tune_key(pair) -> dict:
     """What the answer depends on: the machine and, per model, the weights' identity
     (``weights_id``) and quantization as loaded. The ``id`` (as the command spelled it) is kept
     for people reading the file, and is no part of the key (``identity``)."""
-    return {"machine": machine_info(),
-            "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
-            "drafter": {"id": pair.drafter_id, "weights": _weights(pair.drafter_id),
-                        "quant": quantization(pair.drafter), "draft_vocab": pair.drafter.vocab_size_drafted or "full"}}
+    return {
+        "machine": machine_info(),
+        "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
+        "drafter": {
+            "id": pair.drafter_id,
+            "weights": _weights(pair.drafter_id),
+            "quant": quantization(pair.drafter),
+            "draft_vocab": pair.drafter.vocab_size_drafted or "full",
+        },
+    }
 
 
 def identity(key: dict) -> dict:
     """The key without what does not change the answer: a model's ``id`` where its ``weights``
     identify it (a key without ``weights`` keeps its id)."""
-    return {k: ({n: x for n, x in v.items() if n != "id"} if isinstance(v, dict) and "weights" in v else v)
-            for k, v in key.items()}
+    return {
+        k: ({n: x for n, x in v.items() if n != "id"} if isinstance(v, dict) and "weights" in v else v)
+        for k, v in key.items()
+    }
 
 
 def models_of(target: str, drafter: str) -> dict:
@@ -174,7 +189,9 @@ def same_models(key: dict, models: dict) -> bool:
 def key_hash(key: dict) -> str:
     return hashlib.sha256(json.dumps(identity(key), sort_keys=True).encode()).hexdigest()[:20]
 
+
 # ---------------------------------------------------------------- the result
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -235,20 +252,27 @@ class TuneResult:
         p = self.phases
         if not p:
             return line
-        parts = [f"probe {p['probe_s']:.0f} s", f"pass costs {p['costs_s']:.0f} s ({p['cost_rounds']} rounds)",
-                 f"race {p['race_s']:.0f} s ({p['race_rounds']} rounds, stopped on {p['race_stop']})"]
+        parts = [
+            f"probe {p['probe_s']:.0f} s",
+            f"pass costs {p['costs_s']:.0f} s ({p['cost_rounds']} rounds)",
+            f"race {p['race_s']:.0f} s ({p['race_rounds']} rounds, stopped on {p['race_stop']})",
+        ]
         over = self.elapsed_s - self.budget_s
         fixed = p["probe_s"] + p["costs_s"]
         note = ""
         if over > 0:
-            note = (f"; over budget by {over:.0f} s" + (": the probe and the minimum pass-cost rounds alone took "
-                                                       f"{fixed:.0f} s" if fixed > self.budget_s else ""))
+            note = f"; over budget by {over:.0f} s" + (
+                f": the probe and the minimum pass-cost rounds alone took {fixed:.0f} s"
+                if fixed > self.budget_s
+                else ""
+            )
         return f"{line} ({', '.join(parts)}){note}"
 
     @property
     def source(self) -> str:
-        day = self.date[:10] + (f", {self.threads} BLAS thread{'s' if self.threads != 1 else ''}"
-                                if self.threads else "")
+        day = self.date[:10] + (
+            f", {self.threads} BLAS thread{'s' if self.threads != 1 else ''}" if self.threads else ""
+        )
         if self.best > 1:
             return f"tuned {day}"
         spec = [c for c in self.candidates if c.block > 1 and c.score is not None and c.threads == self.threads]
@@ -257,34 +281,85 @@ class TuneResult:
         return f"tuned {day}: off — plain decoding faster on this machine{why}"
 
     def as_dict(self) -> dict:
-        return {"format": self.format, "best": "off" if self.best == 1 else self.best, "date": self.date,
-                "source": self.source, "key": self.key,
-                "candidates": [{"block": c.label, **{k: getattr(c, k) for k in (
-                    "measured", "median_tps", "spread", "speedup", "tau", "predicted", "rounds", "note", "final",
-                    "threads", "noise")}}
-                    for c in self.candidates],
-                "costs": self.costs.as_dict() if self.costs else None,
-                "acceptance_by_position": list(self.acceptance_by_position),
-                "prompt_kinds": list(self.prompt_kinds), "tokens_per_run": self.tokens_per_run,
-                "budget_s": self.budget_s, "elapsed_s": self.elapsed_s, "threads": self.threads,
-                "why": self.why, "overhead_ms": self.overhead_ms, "phases": dict(self.phases)}
+        return {
+            "format": self.format,
+            "best": "off" if self.best == 1 else self.best,
+            "date": self.date,
+            "source": self.source,
+            "key": self.key,
+            "candidates": [
+                {
+                    "block": c.label,
+                    **{
+                        k: getattr(c, k)
+                        for k in (
+                            "measured",
+                            "median_tps",
+                            "spread",
+                            "speedup",
+                            "tau",
+                            "predicted",
+                            "rounds",
+                            "note",
+                            "final",
+                            "threads",
+                            "noise",
+                        )
+                    },
+                }
+                for c in self.candidates
+            ],
+            "costs": self.costs.as_dict() if self.costs else None,
+            "acceptance_by_position": list(self.acceptance_by_position),
+            "prompt_kinds": list(self.prompt_kinds),
+            "tokens_per_run": self.tokens_per_run,
+            "budget_s": self.budget_s,
+            "elapsed_s": self.elapsed_s,
+            "threads": self.threads,
+            "why": self.why,
+            "overhead_ms": self.overhead_ms,
+            "phases": dict(self.phases),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> TuneResult:
         def block(x):
             return 1 if x == "off" else int(x)
 
-        cands = tuple(Candidate(block(c["block"]), bool(c["measured"]), c.get("median_tps"), c.get("spread"),
-                                c.get("speedup"), c.get("tau"), c.get("predicted"), int(c.get("rounds", 0)),
-                                c.get("note", ""), bool(c.get("final", False)), _opt_int(c.get("threads")),
-                                c.get("noise"))
-                      for c in d["candidates"])
-        return cls(d["key"], block(d["best"]), str(d["date"]), cands,
-                   Costs.from_dict(d["costs"]) if d.get("costs") else None,
-                   tuple(float(x) for x in d.get("acceptance_by_position", ())),
-                   tuple(d.get("prompt_kinds", ())), int(d.get("tokens_per_run", 0)),
-                   float(d.get("budget_s", 0)), float(d.get("elapsed_s", 0)), int(d.get("format", FORMAT)),
-                   _opt_int(d.get("threads")), str(d.get("why", "")), d.get("overhead_ms"), dict(d.get("phases") or {}))
+        cands = tuple(
+            Candidate(
+                block(c["block"]),
+                bool(c["measured"]),
+                c.get("median_tps"),
+                c.get("spread"),
+                c.get("speedup"),
+                c.get("tau"),
+                c.get("predicted"),
+                int(c.get("rounds", 0)),
+                c.get("note", ""),
+                bool(c.get("final", False)),
+                _opt_int(c.get("threads")),
+                c.get("noise"),
+            )
+            for c in d["candidates"]
+        )
+        return cls(
+            d["key"],
+            block(d["best"]),
+            str(d["date"]),
+            cands,
+            Costs.from_dict(d["costs"]) if d.get("costs") else None,
+            tuple(float(x) for x in d.get("acceptance_by_position", ())),
+            tuple(d.get("prompt_kinds", ())),
+            int(d.get("tokens_per_run", 0)),
+            float(d.get("budget_s", 0)),
+            float(d.get("elapsed_s", 0)),
+            int(d.get("format", FORMAT)),
+            _opt_int(d.get("threads")),
+            str(d.get("why", "")),
+            d.get("overhead_ms"),
+            dict(d.get("phases") or {}),
+        )
 
 
 def _opt_int(x) -> int | None:

@@ -10,17 +10,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mlx_spec.engine import Delta, Done, Failed, Started
+from mlx_spec.generation import TUNED_OFF, EngineInfo
+from mlx_spec.stats import StatsSnapshot
+from mlx_spec.thinking import REASONING, ThinkSplitter, split
+
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer
-
-from mlx_spec.engine import Delta, Done, Failed, Started
-from mlx_spec.generation import TUNED_OFF, EngineInfo
-from mlx_spec.stats import StatsSnapshot
-from mlx_spec.thinking import REASONING, ThinkSplitter, split
 
 from ..backend import TuneView
 from ..export import Turn, to_markdown
@@ -74,8 +74,11 @@ class ChatScreen(Screen):
         with Horizontal(id="body"):
             with Vertical(id="chat-column"):
                 yield VerticalScroll(id="conversation")
-                yield PromptInput(id="prompt", placeholder="Ask something. Enter sends, Esc cancels, "
-                                  "Ctrl+P commands, F1 help", disabled=True)
+                yield PromptInput(
+                    id="prompt",
+                    placeholder="Ask something. Enter sends, Esc cancels, Ctrl+P commands, F1 help",
+                    disabled=True,
+                )
             with VerticalScroll(id="sidebar"):
                 yield SpecPanel(id="spec")
                 yield MemoryPanel(id="memory")
@@ -218,11 +221,15 @@ class ChatScreen(Screen):
             reasoning, text = split(fmt, text, self._opened)
         await self._reply.finish(text, meta, reasoning, self._reasoning_tokens)
         # the template decides what to keep of earlier turns' reasoning (Qwen's drop it)
-        self.history.append({"role": "assistant", "content": text,
-                             **({"reasoning_content": reasoning} if reasoning else {})})
+        self.history.append(
+            {"role": "assistant", "content": text, **({"reasoning_content": reasoning} if reasoning else {})}
+        )
         self.turns.append(Turn("assistant", text, meta))
-        if (not done.engine.speculative and self.app.settings.speculate is False
-                and done.completion_tokens >= MIN_BASELINE_TOKENS):
+        if (
+            not done.engine.speculative
+            and self.app.settings.speculate is False
+            and done.completion_tokens >= MIN_BASELINE_TOKENS
+        ):
             self.session_plain_tps = self._stats.decode_tps or None
         self.query_one(SpecPanel).view = self._spec_view()
         self._poll_memory()
@@ -254,8 +261,11 @@ class ChatScreen(Screen):
             speed += f" ({s.decode_tps / base:.2f}×)"  # vs plain, fixed now: a re-tune moves the baseline
         parts = [done.engine.method if done.engine else "?", f"{done.completion_tokens} tok", speed]
         if s.drafted:
-            parts += [f"τ {s.mean_acceptance_length:.2f}", f"accept {s.acceptance_rate:.0%}",
-                      f"block {done.engine.block_size}"]
+            parts += [
+                f"τ {s.mean_acceptance_length:.2f}",
+                f"accept {s.acceptance_rate:.0%}",
+                f"block {done.engine.block_size}",
+            ]
         if s.cached_tokens:
             parts.append(f"{s.cached_tokens}/{done.prompt_tokens} prompt tok cached")
         parts.append(done.finish_reason)
@@ -282,15 +292,25 @@ class ChatScreen(Screen):
         else:
             mode = "spec" if self._reply_info else "idle"
         s = self._stats
-        return SpecView(mode=mode, method=info.method, block_size=info.block_size,
-                        block_source=info.block_size_source,
-                        tau=s.mean_acceptance_length, acceptance=s.acceptance_rate,
-                        by_position=tuple(s.acceptance_by_position),
-                        tps=s.decode_tps, tokens=self._tokens, baseline_tps=base,
-                        baseline_source=source, taus=tuple(self._taus),
-                        cached_tokens=int(s.cached_tokens), plain_cycles=int(s.plain_cycles),
-                        drafted_cycles=int(s.drafted_cycles), trimmed=int(s.trimmed),
-                        sources=tuple((k, c["cycles"], c["drafted"], c["accepted"]) for k, c in s.sources.items()))
+        return SpecView(
+            mode=mode,
+            method=info.method,
+            block_size=info.block_size,
+            block_source=info.block_size_source,
+            tau=s.mean_acceptance_length,
+            acceptance=s.acceptance_rate,
+            by_position=tuple(s.acceptance_by_position),
+            tps=s.decode_tps,
+            tokens=self._tokens,
+            baseline_tps=base,
+            baseline_source=source,
+            taus=tuple(self._taus),
+            cached_tokens=int(s.cached_tokens),
+            plain_cycles=int(s.plain_cycles),
+            drafted_cycles=int(s.drafted_cycles),
+            trimmed=int(s.trimmed),
+            sources=tuple((k, c["cycles"], c["drafted"], c["accepted"]) for k, c in s.sources.items()),
+        )
 
     # -- memory ---------------------------------------------------------------------------------
     def _poll_memory(self) -> None:
@@ -317,8 +337,7 @@ class ChatScreen(Screen):
     def action_toggle_think(self) -> None:
         """Thinking models: turn reasoning on or off for the next turn (the template's switch)."""
         if getattr(self.backend, "think_format", None) is None:
-            self.notify("this model writes no reasoning (its tokenizer has no thinking markers)",
-                        severity="warning")
+            self.notify("this model writes no reasoning (its tokenizer has no thinking markers)", severity="warning")
             return
         now = self.app.settings.think
         on = not (True if now is None else now)  # None: the template's default, on for such models
@@ -328,9 +347,11 @@ class ChatScreen(Screen):
     def action_toggle_spec(self) -> None:
         info = self.backend.info
         if info is None or not info.speculative:
-            why = ("no drafter loaded (--no-draft)" if info is None or info.mode != TUNED_OFF else
-                   "the tuner chose plain decoding for this machine (re-tune with F5, or restart "
-                   "with --block-size N)")
+            why = (
+                "no drafter loaded (--no-draft)"
+                if info is None or info.mode != TUNED_OFF
+                else "the tuner chose plain decoding for this machine (re-tune with F5, or restart with --block-size N)"
+            )
             self.notify(f"{why}: speculation cannot be turned on", severity="warning")
             return
         self.app.settings = replace(self.app.settings, speculate=not self.app.settings.speculate)
@@ -340,8 +361,10 @@ class ChatScreen(Screen):
         if self.app.settings.speculate:
             self.notify("speculation ON: next replies use the drafter")
         else:
-            self.notify("speculation OFF: next replies use plain decoding of the same target "
-                        "(A/B; their speed becomes this session's baseline)")
+            self.notify(
+                "speculation OFF: next replies use plain decoding of the same target "
+                "(A/B; their speed becomes this session's baseline)"
+            )
 
     def action_check(self) -> None:
         reason = self.backend.check_unavailable() if self.ready else "the engine is still loading"
@@ -372,13 +395,12 @@ class ChatScreen(Screen):
             return
         r = m.result
         verdict = {"identical": "PASS (identical)", "numeric": "PASS (numeric near tie)"}.get(
-            r.verdict, "FAIL (mismatch)")
-        text = (f"**Losslessness check {verdict}**: the last prompt decoded greedily, speculative "
-                f"vs plain. {r.detail}")
+            r.verdict, "FAIL (mismatch)"
+        )
+        text = f"**Losslessness check {verdict}**: the last prompt decoded greedily, speculative vs plain. {r.detail}"
         self.turns.append(Turn("note", text))
         await self.query_one("#conversation").mount(MessageView("note", text))
-        self.notify(r.detail, title=f"losslessness {verdict}",
-                    severity="information" if r.ok else "error", timeout=8)
+        self.notify(r.detail, title=f"losslessness {verdict}", severity="information" if r.ok else "error", timeout=8)
 
     def action_export(self) -> Path:
         when = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -57,7 +57,7 @@ arithmetic round differently) passes; `mismatch` is a bug.
 | Ctrl+N | new conversation |
 | Ctrl+P | command palette (all of the above) |
 | Ctrl+Q | quit |
-"""
+"""  # noqa: E501
 
 
 class HelpScreen(ModalScreen):

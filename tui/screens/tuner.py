@@ -18,8 +18,11 @@ from ..messages import TuneFinished, TuneProgress
 
 
 class TunerScreen(Screen):
-    BINDINGS = [Binding("escape", "close", "Back to chat"), Binding("enter", "close", "Back to chat", show=False),
-                Binding("s", "skip", "Skip tuning (checkpoint's block size; tuned next launch)")]
+    BINDINGS = [
+        Binding("escape", "close", "Back to chat"),
+        Binding("enter", "close", "Back to chat", show=False),
+        Binding("s", "skip", "Skip tuning (checkpoint's block size; tuned next launch)"),
+    ]
 
     def __init__(self, run: bool = True):
         super().__init__()
@@ -31,9 +34,12 @@ class TunerScreen(Screen):
     def compose(self) -> ComposeResult:
         with Vertical(id="tuner"):
             yield Label("Block-size tuner", classes="panel-title")
-            yield Static("Measures plain decoding and the most promising block sizes end to end on "
-                         "built-in prompts, on this machine, and stores the fastest (or \"off\" when "
-                         "plain decoding wins) for this machine and pair.", id="tuner-about")
+            yield Static(
+                "Measures plain decoding and the most promising block sizes end to end on "
+                'built-in prompts, on this machine, and stores the fastest (or "off" when '
+                "plain decoding wins) for this machine and pair.",
+                id="tuner-about",
+            )
             yield ProgressBar(total=1.0, show_eta=False, id="tuner-progress")
             yield Static("", id="tuner-status")
             yield DataTable(id="tuner-table", cursor_type="none", zebra_stripes=True)
@@ -42,8 +48,10 @@ class TunerScreen(Screen):
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns("block size", "tok/s", "speedup", "τ", "note", "")
         if not self.start_tuning:
-            self._status("first launch for this machine and pair: tuning before the chat starts… "
-                         "(s: skip; the checkpoint's block size until the next launch)")
+            self._status(
+                "first launch for this machine and pair: tuning before the chat starts… "
+                "(s: skip; the checkpoint's block size until the next launch)"
+            )
             if self._shown:
                 self.progress(*self._shown)
             if self.result:
@@ -53,8 +61,10 @@ class TunerScreen(Screen):
         if reason:
             self.running = False
             self.query_one("#tuner-progress").display = False
-            self._status(f"Tuner not available: {reason}. The block size stays as the header "
-                         "shows. Esc: back to the chat.", "-error")
+            self._status(
+                f"Tuner not available: {reason}. The block size stays as the header shows. Esc: back to the chat.",
+                "-error",
+            )
             return
         self._status("starting…")
         self._tune()
@@ -103,11 +113,14 @@ class TunerScreen(Screen):
         table = self.query_one(DataTable)
         table.clear()
         for r in view.rows:
-            table.add_row("off (plain)" if r.block_size == 1 else str(r.block_size),
-                          "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
-                          "–" if r.speedup is None else f"{r.speedup:.2f}×",
-                          "–" if r.tau is None else f"{r.tau:.2f}", r.note,
-                          "◀ chosen" if r.block_size == view.best else "")
+            table.add_row(
+                "off (plain)" if r.block_size == 1 else str(r.block_size),
+                "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
+                "–" if r.speedup is None else f"{r.speedup:.2f}×",
+                "–" if r.tau is None else f"{r.tau:.2f}",
+                r.note,
+                "◀ chosen" if r.block_size == view.best else "",
+            )
         best = f"block size {view.best}" if view.best > 1 else "off: plain decoding is faster here"
         base = f"; plain decoding {view.baseline_tps:.1f} tok/s" if view.baseline_tps else ""
         self._status(f"Chosen: {best} ({view.source}){base}. Esc: back to the chat.")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlx_spec.generation import PLAIN, TUNED_OFF, EngineInfo
+
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
-
-from mlx_spec.generation import PLAIN, TUNED_OFF, EngineInfo
 
 
 def short(model: str | None) -> str | None:
@@ -26,10 +26,8 @@ def describe(info: EngineInfo | None, speculate: bool) -> tuple[str, str]:
     if info.mode == PLAIN:
         return f"plain decoding · target {target} (--no-draft: no drafter loaded)", "PLAIN"
     if info.mode == TUNED_OFF:  # the tuner chose "off" for this machine
-        return (f"plain decoding · target {target} · drafter {drafter} unused: "
-                f"{info.block_size_source}"), "PLAIN"
-    line = (f"{info.method} · target {target} · drafter {drafter} · "
-            f"block {info.block_size} ({info.block_size_source})")
+        return (f"plain decoding · target {target} · drafter {drafter} unused: {info.block_size_source}"), "PLAIN"
+    line = f"{info.method} · target {target} · drafter {drafter} · block {info.block_size} ({info.block_size_source})"
     if info.draft_vocab:
         line += f" · draft vocab {info.draft_vocab}"
     if info.group.size > 1:  # the target sharded over an mlx.launch group (docs/distributed.md)

@@ -34,10 +34,13 @@ def render_memory(m: Memory | None) -> Text:
     t.append(f"{frac:.0%}\n", style=style)
     t.append(bar(frac, 24) + "\n", style=style)
     t.append(f"budget: {m.budget_source}\n", style="dim")
-    for name, value, note in (("target", m.target, "weights"), ("drafter", m.drafter, "weights"),
-                              ("KV", m.kv, f"est. {m.context_tokens} tok"),
-                              ("prefix", m.prefix, "kept across turns"),  # fits the 40-column sidebar
-                              ("other", m.other, "scratch, cache")):
+    for name, value, note in (
+        ("target", m.target, "weights"),
+        ("drafter", m.drafter, "weights"),
+        ("KV", m.kv, f"est. {m.context_tokens} tok"),
+        ("prefix", m.prefix, "kept across turns"),  # fits the 40-column sidebar
+        ("other", m.other, "scratch, cache"),
+    ):
         t.append(f"{name:<8}", style="dim")
         t.append(f"{size(value):>9}")
         t.append(f"  {note}\n", style="dim")

@@ -59,8 +59,7 @@ class MessageView(Vertical):
         box.collapsed = collapsed
         self.query_one(".reasoning", Static).update(reasoning.strip())
 
-    async def finish(self, text: str, meta: str = "", reasoning: str | None = None,
-                     reasoning_tokens: int = 0) -> None:
+    async def finish(self, text: str, meta: str = "", reasoning: str | None = None, reasoning_tokens: int = 0) -> None:
         """Stop streaming and render the final text once (fixes stale fences after a stream);
         the reasoning, if any, folds away under its token count (click or Enter to open)."""
         if self._stream is not None:

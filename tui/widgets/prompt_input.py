@@ -16,7 +16,7 @@ class PromptInput(TextArea):
     class Submitted(Message):
         """The user pressed Enter on a non-empty prompt."""
 
-        input: "PromptInput"
+        input: PromptInput
         text: str
 
     def __init__(self, **kwargs):

@@ -66,9 +66,13 @@ def render_numbers(v: SpecView) -> Text:
             t.append(f"  {note}", style="dim")
         t.append("\n")
 
-    modes = {"spec": "SPECULATION ON", "ab-plain": "SPECULATION OFF (A/B)",
-             "plain": "PLAIN (--no-draft)", "tuned-off": "PLAIN (tuner chose off)",
-             "idle": "waiting for a prompt"}
+    modes = {
+        "spec": "SPECULATION ON",
+        "ab-plain": "SPECULATION OFF (A/B)",
+        "plain": "PLAIN (--no-draft)",
+        "tuned-off": "PLAIN (tuner chose off)",
+        "idle": "waiting for a prompt",
+    }
     t.append(modes[v.mode] + "\n", style="bold reverse" if v.mode != "spec" else "bold")
     if v.mode in ("spec", "idle") and v.method not in ("", "plain"):
         row("method", v.method)
