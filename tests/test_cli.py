@@ -56,6 +56,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "target": str(t),
             "adaptive_max": 0,
             "draft_vocab": 0,
+            "drafter_precision": "float weights, float32 (as loaded) activations",
             "mode": "speculative",
             "pinned": True,
             "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},

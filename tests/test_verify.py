@@ -4,7 +4,7 @@ near tie that only the batched verify form breaks the other way is numeric."""
 import dataclasses
 import json
 
-from mlx_spec import decode, verify
+from mlx_spec import batch, decode, verify
 from mlx_spec.cli import main
 from mlx_spec.decode import plain_steps
 from mlx_spec.loading import load_pair
@@ -66,7 +66,7 @@ def _accepts_one_extra(drafts, choice):
 
 
 def test_wrong_accept_rule_is_a_mismatch(pair, monkeypatch):
-    monkeypatch.setattr(decode, "accept_greedy", _accepts_one_extra)  # fault injection
+    monkeypatch.setattr(batch, "accept_greedy", _accepts_one_extra)  # fault injection
     report = verify.check(pair, PROMPTS[:1], (4,), N)
     (r,) = report.results
     assert not report.ok and r.verdict == verify.MISMATCH
@@ -196,7 +196,7 @@ def test_cli(dirs, tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert out["summary"] == {"identical": 4, "numeric": 0, "mismatch": 0}
     assert [r["prompt"] for r in out["results"]] == ["a", "a", "line-2", "line-2"]
-    monkeypatch.setattr(decode, "accept_greedy", _accepts_one_extra)
+    monkeypatch.setattr(batch, "accept_greedy", _accepts_one_extra)
     assert main(argv) == 1
     text = capsys.readouterr().out
     assert "mismatch" in text and text.strip().endswith("0 identical, 0 numeric, 4 mismatch")
