@@ -4,7 +4,7 @@ near tie that only the batched verify form breaks the other way is numeric."""
 import dataclasses
 import json
 
-from mlx_spec import batch, decode, verify
+from mlx_spec import batch, verify
 from mlx_spec.cli import main
 from mlx_spec.decode import plain_steps
 from mlx_spec.loading import load_pair
