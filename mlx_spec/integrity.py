@@ -15,26 +15,11 @@ import struct
 from pathlib import Path
 
 from .errors import CheckpointError
+from .modelfiles import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER
 
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+MAX_HEADER_BYTES = SAFETENSORS_MAX_HEADER  # the safetensors format's own limit
 MODEL_JSON = ("config.json", "tokenizer.json", "tokenizer_config.json")
-ITEM_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-}
+ITEM_BYTES = SAFETENSORS_DTYPES  # bytes per element by safetensors dtype
 
 
 def safetensors_problem(path: Path) -> str | None:
