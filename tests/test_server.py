@@ -371,3 +371,20 @@ def test_api_key(engine):
         c = openai.OpenAI(base_url=f"{u}/v1", api_key="s3cret", max_retries=0)
         r = c.chat.completions.create(model=engine.info.target, messages=LONG_CHAT, max_tokens=2)
         assert r.usage.completion_tokens == 2
+
+
+def test_a_batched_server_says_which_drafter_pass_it_runs_in_health_and_metrics(pair_dirs):
+    """The batch's drafter path (one pass for all, or per sequence and why) is in /health and
+    /metrics, not only in the log."""
+    t, d = pair_dirs
+
+    def loader():
+        pair = load_pair(str(t), str(d))
+        return Session.of(pair, engine_info(pair, 4, "flag"))
+
+    with running_engine(loader, max_batch=2) as e, serve_in_thread(create_app(e, keepalive_s=0.5)) as u:
+        assert e.batch_drafter == "one pass for all"
+        health = httpx.get(f"{u}/health", timeout=30).json()
+        assert health["batch_drafter"] == "one pass for all"
+        text = httpx.get(f"{u}/metrics", timeout=30).text
+        assert 'mlx_spec:batch_drafter_packed{path="one pass for all"} 1' in text

@@ -222,6 +222,9 @@ async def health(request: HTTPRequest):
             # continuous batching's attention path ("shared K/V over N layers" | "per sequence
             # (<reason>)"); None when requests run one at a time
             "batch_attention": getattr(engine, "batch_attention", None),
+            # the batch's drafter pass ("one pass for all" | "per sequence (<reason>)"): a failed
+            # self-check is said here, not only in the log
+            "batch_drafter": getattr(engine, "batch_drafter", None),
             # drafter passes with a NaN/inf hidden state or logit, and the float32 fallback they caused
             "drafter": {k: v for k, v in engine.snapshot().items() if k.startswith("drafter_")},
         }
@@ -536,6 +539,14 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
         "Draft tokens accepted at block position N (1 = first token after the anchor).",
         [({"position": str(k + 1)}, v) for k, v in enumerate(snap["accepted_by_position"])],
     )
+    if snap.get("batch_drafter"):
+        metric(
+            "batch_drafter_packed",
+            "gauge",
+            "1 when the batch runs one drafter pass for all drafting sequences, 0 when its self-check "
+            "failed and it drafts per sequence (the path label says why).",
+            [({"path": snap["batch_drafter"]}, int(snap["batch_drafter"] == "one pass for all"))],
+        )
     metric(
         "drafter_nonfinite_passes_total",
         "counter",
