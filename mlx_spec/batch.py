@@ -53,10 +53,10 @@ from . import gdn
 from .drafter import Drafter, Proposal, block_mask
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
-from .policy import DFLASH, LOOKUP, PLAIN, Context, Decision
+from .policy import CHAINS, DFLASH, LOOKUP, PLAIN, Context, Decision
 from .prefix import Prefill
 from .sampling import SamplingConfig, accept_greedy, next_token, sample_target, sampled_acceptance
-from .target import Target
+from .target import Target, feature_view
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,12 @@ class Step:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill step)
     finish_reason: str | None = None  # "stop" (EOS) | "length" | None
-    source: str = ""  # "plain" | "dflash" | "lookup" for a decoding cycle ("" otherwise)
+    source: str = ""  # "plain" | "dflash" | "lookup" | "mtp" | "eagle" for a decoding cycle ("" otherwise)
     draft_block: int = 0  # the block the drafter ran at this cycle (0: it did not run); pick() may
     # then have verified a prefix of it or the lookup's draft: block_size is what was verified
     # points where the loop waited for the device this step (``DeviceWaits``; 0: not counted)
     host_syncs: int = 0
+    head_passes: int = 0  # a chain drafter's passes this cycle (an MTP / EAGLE-3 draft of k: k)
 
 
 def untimed(step: Step) -> Step:
@@ -177,6 +178,7 @@ class SegOut(NamedTuple):
     logits: mx.array | None  # (r, V), (1, V) or None
     hidden: mx.array | None  # (1, r, n_taps * H) tapped features, or None
     records: dict  # GDN layer index -> gdn.GDNRecord (record=True on a hybrid target)
+    final: mx.array | None = None  # (1, r, H) the last hidden after the final norm (an MTP head's input)
 
 
 def _same(a, b, tol: float = 1e-5) -> bool:
@@ -638,6 +640,9 @@ class PackedTarget:
             if i in want:
                 feats[i] = h
         hidden = mx.concatenate([feats[j] for j in t.taps], axis=-1) if feats else None
+        # the final-normed hidden of every row when a drafter reads it (an MTP head); the head's
+        # logits come from the same normed rows
+        normed = t.inner.norm(h) if taps and getattr(t, "final_hidden", False) else None
         picked: list[int] = []
         spans = []
         for (a, b), s in zip(bounds, segs):
@@ -649,13 +654,16 @@ class PackedTarget:
             spans.append((start, len(picked)))
         logits = None
         if picked:
-            sel = h if len(picked) == h.shape[1] else h[:, mx.array(picked, mx.int32)]
-            logits = t.head(t.inner.norm(sel))[0]
+            src = h if normed is None else normed
+            sel = src if len(picked) == h.shape[1] else src[:, mx.array(picked, mx.int32)]
+            logits = t.head(t.inner.norm(sel) if normed is None else sel)[0]
         out = []
+        one = len(segs) == 1
         for k, ((a, b), (r0, r1)) in enumerate(zip(bounds, spans)):
             lg = logits[r0:r1] if r1 > r0 else None
-            hid = None if hidden is None else (hidden if len(segs) == 1 else hidden[:, a:b])
-            out.append(SegOut(lg, hid, records[k]))
+            hid = None if hidden is None else (hidden if one else hidden[:, a:b])
+            fin = None if normed is None else (normed if one else normed[:, a:b])
+            out.append(SegOut(lg, hid, records[k], fin))
         return out
 
     def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
@@ -701,7 +709,7 @@ class OwnForward:
             # a plain step (one row) is never rolled back: no tape to record
             o = self.t(ids, s.cache, last_only=s.logits != "all", record=s.record and ids.shape[1] > 1)
             lg = None if s.logits == "none" else o.logits[0]
-            out.append(SegOut(lg, o.hidden if taps else None, {}))
+            out.append(SegOut(lg, o.hidden if taps else None, {}, getattr(o, "final", None) if taps else None))
         return out
 
     def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
@@ -859,8 +867,8 @@ class Acceptance:
 
 class StepCost(NamedTuple):
     """What a batched step costs, in ms: ``base + row*rows + prefill_row*prefill rows +
-    seq*drafting sequences + draft_seq*sequences in the drafter pass + drafter_pass*[it runs]``
-    (``BatchBudget`` fits it to measured steps)."""
+    seq*drafting sequences + draft_seq*sequences in the drafter pass + drafter_pass*[it runs] +
+    head_pass*chain head passes`` (``BatchBudget`` fits it to measured steps)."""
 
     base: float
     row: float
@@ -868,8 +876,9 @@ class StepCost(NamedTuple):
     seq: float  # a drafting sequence's own attention call and acceptance, beyond its rows
     draft_seq: float  # a sequence in the drafter pass
     drafter_pass: float  # the drafter pass itself, when one runs
+    head_pass: float = 0.0  # one pass of a chain drafter (MTP / EAGLE-3: k per draft of k)
 
-    def __call__(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None) -> float:
+    def __call__(self, rows: int, drafting: int, extra: int = 0, seqs: int | None = None, heads: int = 0) -> float:
         seqs = drafting if seqs is None else seqs
         return (
             self.base
@@ -878,6 +887,7 @@ class StepCost(NamedTuple):
             + self.seq * seqs
             + self.draft_seq * drafting
             + (self.drafter_pass if drafting else 0.0)
+            + self.head_pass * heads
         )
 
 
@@ -913,11 +923,13 @@ class BatchBudget:
         window: int = 64,
         probe_every: int = 8,
         max_probe_every: int = 64,
+        head_prior: float = 0.1,
     ):
         self.prior = tuple(prior)
+        self.head_prior = head_prior  # a chain head pass, in units of the base (fitted as passes run)
         self.obs: deque = deque(maxlen=window)
         a, b, c, e = self.prior
-        self._costs, self._stale = StepCost(a, b, b, 0.0, c, e), False
+        self._costs, self._stale = StepCost(a, b, b, 0.0, c, e, head_prior * a), False
         self.probe_every, self.max_probe = probe_every, max_probe_every
         self.optimism = Acceptance(16)  # what a sequence due for a probe is judged at (at least)
         # after this many drafting steps in a row, one plain step: the fit must see what the
@@ -925,12 +937,20 @@ class BatchBudget:
         self.explore_every, self._drafted_run = 16, 0
 
     def observe(
-        self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0, seqs: int | None = None
+        self,
+        rows: int,
+        drafting: int,
+        ms: float,
+        draft_ms: float = 0.0,
+        extra: int = 0,
+        seqs: int | None = None,
+        heads: int = 0,
     ) -> None:
         """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
-        ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
-        from any source (default ``drafting``)."""
-        self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs))
+        ``draft_ms`` of it in the drafter pass and the chain passes (0: none ran); ``seqs``:
+        sequences that drafted, from any source (default ``drafting``); ``heads``: chain head
+        passes run."""
+        self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs, heads))
         self._stale = True
 
     @property
@@ -957,21 +977,24 @@ class BatchBudget:
             return np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + np.diag(lam) @ p), p
 
         pa, pb, pc, pe = self.prior
-        X = np.array([[1.0, r, x, k] for r, _, _, _, x, k in self.obs])
-        y = np.array([ms - dm for _, _, ms, dm, _, _ in self.obs])
+        X = np.array([[1.0, r, x, k] for r, _, _, _, x, k, _ in self.obs])
+        y = np.array([ms - dm for _, _, ms, dm, _, _, _ in self.obs])
         (a, b, f, g), p = ridge(X, y, np.array([pa, pb, pb, pc]), [0.25, 1.0, 1.0, 1.0])
         a, b, f, g = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0), max(g, 0.0)
-        drew = [(d, dm) for _, d, _, dm, _, _ in self.obs if d > 0 and dm > 0]
+        # the draft phase: the DFlash pass (when one ran: [1, its sequences]) and the chain passes
+        drew = [(d, h, dm) for _, d, _, dm, _, _, h in self.obs if (d > 0 or h > 0) and dm > 0]
         if drew:
-            (e, c), _ = ridge(
-                np.array([[1.0, d] for d, _ in drew]),
-                np.array([dm for _, dm in drew]),
-                np.array([pe, pc]) * (a / pa),
-                [0.25, 1.0],
+            (e, c, hp), _ = ridge(
+                np.array([[float(d > 0), d, h] for d, h, _ in drew]),
+                np.array([dm for _, _, dm in drew]),
+                np.array([pe, pc, self.head_prior]) * (a / pa),
+                [0.25, 1.0, 1.0],
             )
         else:
-            e, c = pe * a / pa, pc * a / pa
-        return StepCost(float(a), float(b), float(f), float(g), float(max(c, 0.0)), float(max(e, 0.0)))
+            e, c, hp = pe * a / pa, pc * a / pa, self.head_prior * a / pa
+        return StepCost(
+            float(a), float(b), float(f), float(g), float(max(c, 0.0)), float(max(e, 0.0)), float(max(hp, 0.0))
+        )
 
     def choose(
         self,
@@ -981,10 +1004,11 @@ class BatchBudget:
         probes: Sequence[int],
         extra_rows: int = 0,
         passes: Sequence[bool] | None = None,
+        heads: Sequence[bool] | None = None,
     ) -> list[int]:
         """Each sequence's rows this step (1 = plain), at most its wish (``plan``), counted: after
         ``explore_every`` drafting steps in a row the next is plain."""
-        L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes)
+        L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes, heads)
         self.count(L, len(wants) > 1 or bool(extra_rows))
         return L
 
@@ -1001,18 +1025,21 @@ class BatchBudget:
         probes: Sequence[int],
         extra_rows: int = 0,
         passes: Sequence[bool] | None = None,
+        heads: Sequence[bool] | None = None,
     ) -> list[int]:
         """What ``choose`` returns now, nothing changed (what a subclass overrides). ``passes[i]``:
-        the sequence's draft needs the drafter pass (a lookup draft costs rows only)."""
+        the sequence's draft needs the drafter pass (a lookup draft costs rows only);
+        ``heads[i]``: it drafts with a chain drafter (k rows' drafts cost k - 1 head passes)."""
         n = len(wants)
         passes = [True] * n if passes is None else list(passes)
+        heads = [False] * n if heads is None else list(heads)
         if n == 1 and not extra_rows:
             return list(wants)
         if self._drafted_run >= self.explore_every:
             return [1] * n
-        return self._choose(wants, accs, plain_runs, probes, extra_rows, passes)
+        return self._choose(wants, accs, plain_runs, probes, extra_rows, passes, heads)
 
-    def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes) -> list[int]:
+    def _choose(self, wants, accs, plain_runs, probes, extra_rows, passes, heads) -> list[int]:
         n = len(wants)
         if max(wants, default=1) <= 1:
             return [1] * n  # nobody wishes a draft: the costs are not needed (nor refitted)
@@ -1026,18 +1053,20 @@ class BatchBudget:
             if w <= 1:
                 continue
             ci = (c if passes[i] else 0.0) + cost.seq
+            bi = b + (cost.head_pass if heads[i] else 0.0)  # a chain's draft row costs a head pass too
             if plain_runs[i] >= probes[i]:  # due for a probe: judged at least at the prior's acceptance
                 gains = [max(accs[i].expected(k), self.optimism.expected(k)) - 1 for k in range(2, w + 1)]
             else:
                 gains = [accs[i].expected(k) - 1 for k in range(2, w + 1)]
-            k = max(range(2, w + 1), key=lambda k: gains[k - 2] / (b * (k - 1) + ci + 1e-9))
-            cands.append((gains[k - 2] / (b * (k - 1) + ci + 1e-9), i, k, gains))
+            k = max(range(2, w + 1), key=lambda k: gains[k - 2] / (bi * (k - 1) + ci + 1e-9))
+            cands.append((gains[k - 2] / (bi * (k - 1) + ci + 1e-9), i, k, gains))
         cands.sort(reverse=True)
         best, best_rate = 0, tokens / cost(rows, drafting, x, 0)
-        r, d, t = rows, drafting, tokens
+        r, d, t, h = rows, drafting, tokens, 0
         for j, (_, i, k, gains) in enumerate(cands, start=1):
             r, d, t = r + k - 1, d + passes[i], t + gains[k - 2]
-            rate = t / cost(r, d, x, j)
+            h += (k - 1) * heads[i]
+            rate = t / cost(r, d, x, j, h)
             if rate > best_rate:
                 best, best_rate = j, rate
         if not best:
@@ -1051,10 +1080,15 @@ class BatchBudget:
         r = rows + sum(L[i] - 1 for _, i, _, _ in chosen)
         d = drafting + sum(passes[i] for _, i, _, _ in chosen)
         t = tokens + sum(g[L[i] - 2] for _, i, _, g in chosen)
+        h = sum((L[i] - 1) * heads[i] for _, i, _, _ in chosen)
         for _, i, _, g in chosen:
             k0 = L[i]
-            k = max(range(2, len(g) + 2), key=lambda k: (t + g[k - 2] - g[k0 - 2]) / cost(r + k - k0, d, x, best))
-            r, t, L[i] = r + k - k0, t + g[k - 2] - g[k0 - 2], k
+            hi = heads[i]
+            k = max(
+                range(2, len(g) + 2),
+                key=lambda k: (t + g[k - 2] - g[k0 - 2]) / cost(r + k - k0, d, x, best, h + hi * (k - k0)),
+            )
+            r, t, h, L[i] = r + k - k0, t + g[k - 2] - g[k0 - 2], h + hi * (k - k0), k
         return L
 
 
@@ -1090,20 +1124,38 @@ class _Seq:
     probe_every: int = 8
     ctx: Context | None = None  # this step's lookup context (policy sequences)
     row: Row | None = None  # its place in the batch's shared K/V once decoding (``BatchKV``)
+    chains: dict = field(default_factory=dict)  # kind -> its chain drafter's ``chain.ChainCache``
+    # kind -> [(features (1, n, F), the n ids fed there)] not yet handed to that chain drafter
+    cpend: dict = field(default_factory=dict)
 
     @property
     def anchor(self) -> mx.array | None:
         """``anchor_id`` as the drafter takes it (None while prefilling)."""
         return None if self.anchor_id < 0 else mx.array(self.anchor_id, mx.int32)
 
-    def final(self, drafter) -> Prefill | None:
-        """The caches and the ids they hold (flushing pending features into the drafter's)."""
+    def final(self, drafter, chains: dict | None = None) -> Prefill | None:
+        """The caches and the ids they hold (flushing pending features into the drafters')."""
         if self.dcache is not None:
             for f in self.pending:
                 drafter.add_context(f, self.dcache)
         self.pending.clear()
+        for kind, cc in self.chains.items():
+            chain_context(chains[kind], self, kind)
+            chains[kind].flush(cc)
         ids = tuple(self.fed) if self.anchor_id >= 0 else tuple(self.prompt[: self.done])
-        return Prefill(ids, self.cache, self.dcache) if ids else None
+        return Prefill(ids, self.cache, self.dcache, dict(self.chains) or None) if ids else None
+
+
+def chain_context(chain, s: _Seq, kind: str) -> None:
+    """Hand the chain drafter ``kind`` the rows it has not seen (queued: they run in its next
+    pass or flush)."""
+    pend = s.cpend.get(kind)
+    if not pend:
+        return
+    f = pend[0][0] if len(pend) == 1 else mx.concatenate([x for x, _ in pend], axis=1)
+    ids = mx.array([t for _, tt in pend for t in tt], mx.int32)
+    pend.clear()
+    chain.add_context(f, ids, s.chains[kind])
 
 
 class BatchDecoder:
@@ -1125,6 +1177,10 @@ class BatchDecoder:
         own_forward: run the target's own forward (``OwnForward``) instead of the packed one: a
             batch of one (``max_batch`` must be 1), the single stream ``decode.spec_steps`` drives.
         waits: the ``DeviceWaits`` every wait for the device goes through (a fresh one if None).
+        chains: the chain drafters (kind "mtp" / "eagle" -> ``chain.ChainDrafter``) a sequence's
+            policy may draft with. ``target`` is the one view that returns every drafter's
+            features (the union of the taps, and the final-normed hidden for an MTP head); each
+            drafter gets its slice. A chain's k passes run per sequence (``chain_path``).
     """
 
     def __init__(
@@ -1140,6 +1196,7 @@ class BatchDecoder:
         pipeline: bool = True,
         own_forward: bool = False,
         waits: DeviceWaits | None = None,
+        chains: dict | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
@@ -1148,6 +1205,25 @@ class BatchDecoder:
         if own_forward and max_batch != 1:
             raise ValueError("the target's own forward serves a batch of one (max_batch=1)")
         self.target, self.drafter = target, drafter
+        self.chains = dict(chains or {})
+        bad = sorted(set(self.chains) - set(CHAINS))
+        if bad:
+            raise ValueError(f"unknown chain drafter kinds {bad} (known: {', '.join(CHAINS)})")
+        # each drafter's slice of the target view's features
+        taps = tuple(getattr(target, "taps", ()))
+        dtaps = getattr(getattr(drafter, "args", None), "target_layer_ids", None)
+        self._dflash_view = feature_view(taps, dtaps if dtaps is not None else taps) if drafter is not None else None
+        self._chain_views = {}
+        for kind, c in self.chains.items():
+            if c.final_hidden:
+                if not getattr(target, "final_hidden", False):
+                    raise MlxSpecError(
+                        f"the {kind} drafter reads the target's final hidden: the target view must return it"
+                    )
+                self._chain_views[kind] = None  # TargetOut.final
+            else:
+                self._chain_views[kind] = feature_view(taps, c.taps)
+        self._taps = drafter is not None or bool(self.chains)  # does any drafter read the features
         self.waits = waits or DeviceWaits()
         self.packed = OwnForward(target) if own_forward else PackedTarget(target)
         self.gdn = getattr(target, "gdn", ())
@@ -1164,12 +1240,21 @@ class BatchDecoder:
                 log.warning("batched drafter: the packed pass is off, one drafter pass per sequence (%s)", why)
         elif drafter is not None and max_batch > 1:
             self.drafter_path = "per sequence (not a DFlash drafter)"
+        # chain drafters: a sequence's k head passes run against its own chain cache (lazily, in
+        # the same graph as the DFlash pass; not packed across sequences)
+        self.chain_path = (
+            "none"
+            if not self.chains
+            else f"{', '.join(sorted(self.chains))}: k head passes per drafting sequence"
+            + (" (not packed across sequences)" if max_batch > 1 else "")
+        )
         self.attention = self.packed.attention  # "shared K/V over N layers" | "per sequence (<reason>)"
         log.log(
             logging.WARNING if self.packed.mismatch else logging.INFO,
-            "batched attention: %s; drafter: %s",
+            "batched attention: %s; drafter: %s; chain drafters: %s",
             self.attention,
             self.drafter_path,
+            self.chain_path,
         )
         self.block_size = block_size if drafter is not None else 1
         self.max_batch = max_batch
@@ -1222,14 +1307,22 @@ class BatchDecoder:
             raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
         if self.drafter is None and policy is not None and DFLASH in policy.sources:
             raise ValueError("a DFlash draft policy needs a drafter")
+        kinds = [k for k in CHAINS if policy is not None and k in policy.sources]
+        missing = [k for k in kinds if k not in self.chains]
+        if missing:
+            raise ValueError(f"a draft policy with {', '.join(missing)} needs that chain drafter loaded")
         speculate = speculate and (self.drafter is not None or policy is not None)
+        kinds = kinds if speculate else []
         done = prefix_start(prefill, prompt)
-        if prefill is not None and speculate and prefill.drafter is None:
+        if prefill is not None and speculate and self.drafter is not None and prefill.drafter is None:
             raise ValueError("a speculative sequence needs the drafter's context cache in its prefill")
+        if prefill is not None and any(k not in (prefill.chains or {}) for k in kinds):
+            raise ValueError(f"a sequence drafting with {', '.join(kinds)} needs those chain caches in its prefill")
         cache = prefill.target if prefill else self.target.make_cache()
         dcache = None
         if speculate and self.drafter is not None:
             dcache = prefill.drafter if prefill else self.drafter.make_cache()
+        heads = {k: prefill.chains[k] if prefill else self.chains[k].make_cache() for k in kinds}
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         if index is None and speculate and policy is not None and LOOKUP in policy.sources:
@@ -1255,6 +1348,8 @@ class BatchDecoder:
             Acceptance(max(1, self.block_size - 1)),
             time.perf_counter(),
             probe_every=self.policy.probe_every,
+            chains=heads,
+            cpend={k: [] for k in heads},
         )
         return sid
 
@@ -1266,7 +1361,7 @@ class BatchDecoder:
             if not keep:
                 s.on_exit = None
             self._release(s)
-            hand_over(s.on_exit, lambda: s.final(self.drafter))
+            hand_over(s.on_exit, lambda: s.final(self.drafter, self.chains))
             self._drop_queued()
 
     def _release(self, s: _Seq) -> None:
@@ -1340,9 +1435,12 @@ class BatchDecoder:
         A policy's curve (P(the first k+1 drafts accepted): in [0, 1], never rising) is an
         ``Acceptance`` with it for its prior and nothing counted, whose ``expected`` is the
         curve's expected tokens."""
-        if s.policy is None or d.length < 2 or d.source not in (DFLASH, LOOKUP):
+        if s.policy is None or d.length < 2 or d.source == PLAIN:
             return s.acc
-        curve = s.policy.dflash.curve() if d.source == DFLASH else s.policy.copy.curve(s.ctx.match, d.length - 1)
+        if d.source == LOOKUP:
+            curve = s.policy.copy.curve(s.ctx.match, d.length - 1)
+        else:  # DFlash's or a chain drafter's running acceptance by position
+            curve = s.policy.acceptance[d.source].curve()
         return Acceptance(len(curve), curve)
 
     def _decide(self, decoding: list[_Seq], extra_rows: int) -> list[Decision]:
@@ -1353,7 +1451,10 @@ class BatchDecoder:
             self.policy.count([wish[0].length], False)
             return wish
         blocks = self.policy.choose(
-            *self._budget_inputs(decoding, wish), extra_rows, [d.source == DFLASH for d in wish]
+            *self._budget_inputs(decoding, wish),
+            extra_rows,
+            [d.source == DFLASH for d in wish],
+            [d.source in CHAINS for d in wish],
         )
         return [Decision(d.source, L, d.probe) if L > 1 else Decision(PLAIN, 1) for d, L in zip(wish, blocks)]
 
@@ -1381,7 +1482,12 @@ class BatchDecoder:
             s.ctx = self._lookup_context(s, room)
             return bool(s.policy.stays_plain(s.ctx))
         wish = [self._wished_decision(s, peek=True, batch=len(decoding), ahead=True) for s in decoding]
-        plan = self.policy.plan(*self._budget_inputs(decoding, wish), 0, [d.source == DFLASH for d in wish])
+        plan = self.policy.plan(
+            *self._budget_inputs(decoding, wish),
+            0,
+            [d.source == DFLASH for d in wish],
+            [d.source in CHAINS for d in wish],
+        )
         return max(plan, default=1) <= 1
 
     @staticmethod
@@ -1405,12 +1511,32 @@ class BatchDecoder:
         s.pending.clear()
         return f
 
-    def _feed_drafter(self, s: _Seq) -> None:
-        """A long run of cycles without the drafter: push the queued features into its context
-        cache (queued, not waited for), so they do not pile up for its next pass."""
-        if s.dcache is not None and len(s.pending) >= 32:
+    def _feed_drafter(self, s: _Seq, used: str = "") -> None:
+        """A long run of cycles without a drafter (``used``: the source that drafted this cycle):
+        push the queued features into its context cache (queued, not waited for), so they do not
+        pile up for its next pass."""
+        if used != DFLASH and s.dcache is not None and len(s.pending) >= 32:
             self.drafter.add_context(self._take_pending(s), s.dcache)
             mx.async_eval([c.state for c in s.dcache])
+        for kind, pend in s.cpend.items():
+            if kind != used and len(pend) >= 32:
+                self._flush_chain(s, kind)
+                mx.async_eval(s.chains[kind].state)
+
+    def _flush_chain(self, s: _Seq, kind: str) -> None:
+        """The chain drafter ``kind``'s unseen rows, run into its cache (lazily)."""
+        chain_context(self.chains[kind], s, kind)
+        self.chains[kind].flush(s.chains[kind])
+
+    def _keep(self, s: _Seq, out: SegOut, n: int, ids: Sequence[int]) -> None:
+        """The features of the first ``n`` rows of a pass (fed ``ids``) wait for every drafter
+        of the sequence: its slice of the target view's features, taken at its next pass."""
+        if s.dcache is not None:
+            s.pending.append(self._dflash_view(out.hidden[:, :n]))
+        for kind, pend in s.cpend.items():
+            view = self._chain_views[kind]
+            f = out.final if view is None else view(out.hidden)
+            pend.append((f[:, :n], list(ids)))
 
     def _step(self) -> list[tuple[int, Step]]:
         """One step, in its named phases: decide (each sequence's source and length) -> propose
@@ -1439,12 +1565,19 @@ class BatchDecoder:
         decisions = self._decide(decoding, extra)
         tc = time.perf_counter()
 
-        # propose: every drafting sequence's DFlash proposal in one lazy graph, evaluated together
-        keys, props, group = {}, {}, {}
+        # propose: every drafting sequence's DFlash proposal and chain passes in one lazy graph,
+        # evaluated together (a chain drafter's k passes per sequence, against its own cache)
+        keys, props, group, heads = {}, {}, {}, {}
         for s, d in zip(decoding, decisions):
             keys[s.id] = self._split_keys(s)
             kd = keys[s.id][0]
-            if d.source == DFLASH:
+            if d.source in s.chains:
+                chain_context(self.chains[d.source], s, d.source)
+                props[s.id] = self.chains[d.source].propose(
+                    s.anchor, d.length - 1, s.chains[d.source], sampling=s.sampling, key=kd
+                )
+                heads[s.id] = d.length - 1
+            elif d.source == DFLASH:
                 if self.packed_drafter:
                     group.setdefault(d.length, []).append(s)
                     continue
@@ -1466,7 +1599,7 @@ class BatchDecoder:
                 props[s.id] = self.drafter.proposal(
                     h[i], unary[i], s.anchor, s.sampling, keys[s.id][0], self._wants_confidence(s, alone)
                 )
-        ran = len(props)  # drafter passes this step
+        ran = len(props) - len(heads)  # sequences in DFlash passes this step
         ids = list(props)
         # the drafts (and the drafter's confidence) on the host: one wait for all
         got = (
@@ -1487,7 +1620,7 @@ class BatchDecoder:
         blocks = []
         for k, (s, d) in enumerate(zip(decoding, decisions)):
             p, conf = props.get(s.id, (None, None))
-            if p is not None:
+            if p is not None and s.id not in heads:
                 ran_block[s.id] = d.length
                 if conf is not None:
                     d = s.policy.pick(d, drafts[s.id], conf, s.ctx, trim=alone)
@@ -1516,7 +1649,7 @@ class BatchDecoder:
             segs.append(
                 Seg(mx.array(s.prompt[s.done : s.done + n], mx.int32), s.cache, False, "last" if last else "none")
             )
-        outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
+        outs = self.packed(segs, taps=self._taps, kv=self.kv)
         # The target's choices, one host transfer: a sequence stepping plain, its next token (a
         # sampled one's drawn in the graph); a greedy draft's rows, their argmax. Only a sampled
         # draft is accepted apart (sampling.sampled_acceptance), read in the same wait.
@@ -1533,7 +1666,11 @@ class BatchDecoder:
             if greedy
             else None
         )
-        mx.async_eval([] if choice is None else [choice], [o.hidden for o in outs if o.hidden is not None])
+        mx.async_eval(
+            [] if choice is None else [choice],
+            [o.hidden for o in outs if o.hidden is not None],
+            [o.final for o in outs if o.final is not None],
+        )
         ahead = None
         if decoding and all(L == 1 for L in blocks) and not prefilling:
             ahead = self._queue(decoding, [choice[k : k + 1] for k in range(len(decoding))])
@@ -1574,9 +1711,10 @@ class BatchDecoder:
                 a, bonus = sampled[k]
             tr0 = time.perf_counter()
             self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
+            if s.id in heads:  # the chain's own rows go; the accepted come back with real features
+                self.chains[decisions[k].source].rollback(s.chains[decisions[k].source])
             rollback_s += time.perf_counter() - tr0
-            if s.dcache is not None:
-                s.pending.append(out.hidden[:, : a + 1])
+            self._keep(s, out, a + 1, [s.anchor_id] + draft_list[:a])
             s.fed.append(s.anchor_id)
             s.fed.extend(draft_list[:a])
             step = self._commit(
@@ -1586,8 +1724,9 @@ class BatchDecoder:
                 L,
                 a,
                 decisions[k].source,
-                (td - tc) * 1e3 if s.id in ran_block else 0.0,
+                (td - tc) * 1e3 if s.id in ran_block or s.id in heads else 0.0,
                 ran_block.get(s.id, 0),
+                heads.get(s.id, 0),
             )
             if ahead is not None:
                 self._fed_ahead(s, ahead.outs[k])
@@ -1600,11 +1739,14 @@ class BatchDecoder:
         # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first token
         for k, (s, n) in enumerate(chunks, start=len(decoding)):
             out = outs[k]
+            if (
+                s.dcache is not None and s.pending
+            ):  # the previous chunk: into the drafter's cache now (frees its features)
+                self.drafter.add_context(s.pending.pop(), s.dcache)
+            self._keep(s, out, n, s.prompt[s.done : s.done + n])
+            for kind in s.chains:  # a chain head's K/V rows of the chunk now (its last row waits)
+                self._flush_chain(s, kind)
             s.done += n
-            if s.dcache is not None:
-                if s.pending:  # the previous chunk: into the drafter's cache now (frees its features)
-                    self.drafter.add_context(s.pending.pop(), s.dcache)
-                s.pending.append(out.hidden)
             if s.done < len(s.prompt):
                 continue
             s.key, sub = mx.random.split(s.key)
@@ -1632,6 +1774,7 @@ class BatchDecoder:
             self.waits.eval(
                 [c.state for s, _ in chunks for c in s.cache],
                 [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache],
+                [cc.state for s, _ in chunks for cc in s.chains.values()],
             )
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
                 for s, _ in chunks:
@@ -1647,10 +1790,11 @@ class BatchDecoder:
             blocks,
             extra,
             ran,
-            (td - tc) * 1e3 if ran else 0.0,
+            (td - tc) * 1e3 if props else 0.0,
             verify_ms,
             rollback_s * 1e3,
             self.waits.count - waits0,
+            sum(heads.values()),
         )
         self._drop_queued()
         return out
@@ -1675,20 +1819,20 @@ class BatchDecoder:
             self._wished_decision(s, batch=len(decoding), asked=True, ahead=True)
         self.policy.count([1] * len(decoding), len(decoding) > 1)
         segs = [Seg(t.astype(mx.int32), s.cache, True, "all", s.row) for s, t in zip(decoding, tokens)]
-        outs = self.packed(segs, taps=self.drafter is not None, kv=self.kv)
+        outs = self.packed(segs, taps=self._taps, kv=self.kv)
         # (a sampled sequence's keys are consumed as by an unpipelined plain step)
         choice = mx.concatenate(
             [next_token(o.logits, s.sampling, self._split_keys(s)[1]) for o, s in zip(outs, decoding)]
         )
-        mx.async_eval(choice, [o.hidden for o in outs if o.hidden is not None])
+        mx.async_eval(
+            choice, [o.hidden for o in outs if o.hidden is not None], [o.final for o in outs if o.final is not None]
+        )
         return _Queued(list(decoding), outs, choice)
 
-    @staticmethod
-    def _fed_ahead(s: _Seq, out: SegOut) -> None:
+    def _fed_ahead(self, s: _Seq, out: SegOut) -> None:
         """``s``'s new anchor feeds the step queued ahead: its K/V row is (being) written."""
+        self._keep(s, out, 1, [s.anchor_id])
         s.fed.append(s.anchor_id)
-        if s.dcache is not None:
-            s.pending.append(out.hidden)
 
     def _run_queued(self, q: _Queued, t0: float) -> list[tuple[int, Step]]:
         """Read the step queued ahead (after queuing the next one, when it stays plain too)."""
@@ -1740,10 +1884,11 @@ class BatchDecoder:
         source: str,
         draft_ms: float,
         draft_block: int = 0,
+        head_passes: int = 0,
     ) -> Step:
         """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
         index, its new anchor, its acceptance and probe spacing (``draft_block``: the block its
-        drafter ran at, 0 if it did not run)."""
+        DFlash drafter ran at, 0 if it did not run; ``head_passes``: its chain drafter's passes)."""
         committed, reason = truncate_reply(accepted + [bonus], s.n, s.max_tokens, s.eos)
         s.n += len(committed)
         if s.index is not None:
@@ -1756,8 +1901,7 @@ class BatchDecoder:
             s.probe_every = self.policy.probe_every if gained else min(self.policy.max_probe, s.probe_every * 2)
         else:
             s.plain_run += 1
-        if not draft_block:
-            self._feed_drafter(s)
+        self._feed_drafter(s, DFLASH if draft_block else source if head_passes else "")
         return Step(
             tuple(committed),
             drafted=L - 1,
@@ -1767,6 +1911,7 @@ class BatchDecoder:
             finish_reason=reason,
             source=source,
             draft_block=draft_block,
+            head_passes=head_passes,
         )
 
     def _close(
@@ -1783,12 +1928,13 @@ class BatchDecoder:
         verify_ms: float,
         rollback_ms: float,
         waits: int,
+        heads: int = 0,
     ) -> list[tuple[int, Step]]:
         """The step's bookkeeping: the cost fit, the counters, each decoding Step's timings and its
         policy's lesson, finished sequences out (their caches to ``on_exit``)."""
         elapsed = (time.perf_counter() - t0) * 1e3
         drafting = sum(1 for L in blocks if L > 1)
-        self.policy.observe(sum(blocks), ran, elapsed, draft_ms, extra, drafting)
+        self.policy.observe(sum(blocks), ran, elapsed, draft_ms, extra, drafting, heads)
         if n_decoding:
             self.batch_sizes[n_decoding] = self.batch_sizes.get(n_decoding, 0) + 1
             self.steps["drafted" if drafting else "plain"] += 1
@@ -1813,7 +1959,7 @@ class BatchDecoder:
         for s in finished:
             self._seqs.pop(s.id, None)
             self._release(s)
-            hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
+            hand_over(s.on_exit, lambda s=s: s.final(self.drafter, self.chains))
         self._since_clear += sum(len(st.tokens) for _, st in out_steps)
         if self._since_clear >= 256:
             self._since_clear = 0

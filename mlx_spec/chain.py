@@ -79,6 +79,33 @@ class ChainCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers if c.keys is not None)
 
+    @property
+    def state(self) -> list:
+        """The arrays it holds (to evaluate them)."""
+        return [a for c in self.layers if c.keys is not None for a in (c.keys, c.values)] + (
+            [self.pending] if self.pending is not None else []
+        )
+
+    def copy(self, keep: int | None = None) -> ChainCache:
+        """A copy sharing no cache object with this one (the arrays are immutable). ``keep``: the
+        first ``keep`` K/V rows only and no waiting row (``pending`` None), a state the next
+        ``add_context`` continues from when the row ``keep - 1`` was paired with the token the
+        sequence really has at ``keep`` (the prefix cache re-runs one prompt token for it).
+        Queued rows must have been run first (``ChainHead.flush``)."""
+        if self.queued_h:
+            raise ValueError("copy a chain cache after flushing its queued rows")
+        out = ChainCache(len(self.layers))
+        n = self.offset if keep is None else keep
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"copy: keep {n} of {self.offset} rows")
+        for src, dst in zip(self.layers, out.layers):
+            if src.keys is not None and n:
+                dst.keys, dst.values = src.keys[..., :n, :], src.values[..., :n, :]
+                dst.offset = n
+        out.pending = self.pending if keep is None else None
+        out.committed = min(self.committed, n)
+        return out
+
 
 @runtime_checkable
 class ChainDrafter(Protocol):
@@ -156,6 +183,18 @@ class ChainHead(nn.Module):
             cache.queued_h.append(h[:, :-1])
             cache.queued_ids.append(tokens[1:])
         cache.pending = h[:, -1:]
+
+    def flush(self, cache: ChainCache) -> None:
+        """Run the queued rows into the K/V now, without proposing (lazy: evaluate
+        ``cache.state``): a sequence that has not drafted with this head for a while keeps its
+        features from piling up. The waiting row stays waiting."""
+        if not cache.queued_h:
+            return
+        h = cache.queued_h[0] if len(cache.queued_h) == 1 else mx.concatenate(cache.queued_h, axis=1)
+        ids = cache.queued_ids[0] if len(cache.queued_ids) == 1 else mx.concatenate(cache.queued_ids)
+        cache.queued_h, cache.queued_ids = [], []
+        self._run(h, ids, cache)
+        cache.committed = cache.offset
 
     def _run(self, h: mx.array, ids: mx.array, cache: ChainCache):
         mask = create_attention_mask(h, cache.layers[0])

@@ -58,6 +58,28 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
         help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)",  # noqa: E501
     )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target (no speculation)")
+    from .config import DEFAULT_DRAFT
+
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="SOURCES",
+        help="draft sources the per-cycle policy may use, comma-separated: dflash, mtp (the "
+        "target's multi-token-prediction head), eagle (an EAGLE-3 drafter), lookup; or auto = "
+        f"every source the pair has (default: {DEFAULT_DRAFT}; docs/drafters.md)",
+    )
+    p.add_argument(
+        "--mtp",
+        default=None,
+        metavar="PATH",
+        help="a folder with the MTP head's mtp.* tensors (default: the target's own checkpoint folder)",
+    )
+    p.add_argument(
+        "--eagle",
+        default=None,
+        metavar="PATH",
+        help="an EAGLE-3 drafter: a checkpoint folder or a catalog name (`mlx_spec models`)",
+    )
     if tuning:
         p.add_argument("--block-size", type=int, default=None, help="block size incl. the anchor (skips tuning)")
     bits = ("4", "8", "none")
@@ -288,7 +310,7 @@ def load_config(args: argparse.Namespace):
     """The command's model flags as a ``config.LoadConfig``: the one place flags become the
     loading configuration (it checks its values, so bad flags fail before anything loads).
     Flags a command does not have take LoadConfig's defaults."""
-    from .config import DEFAULT_CONTEXT, LoadConfig
+    from .config import DEFAULT_CONTEXT, DEFAULT_DRAFT, LoadConfig
     from .errors import BadRequest
 
     def flag(name, default=None):
@@ -300,6 +322,8 @@ def load_config(args: argparse.Namespace):
     gb = flag("budget_gb")
     if gb is not None and not gb > 0:
         raise BadRequest(f"--budget-gb must be > 0 (got {gb:g})")
+    if flag("draft") and flag("no_draft", False):
+        raise BadRequest(f"--no-draft and --draft {flag('draft')} ask for opposite things: give one")
     return LoadConfig(
         target=args.target,
         drafter=flag("drafter"),
@@ -316,6 +340,9 @@ def load_config(args: argparse.Namespace):
         tune=not flag("no_tune", False),
         tune_budget_s=flag("tune_budget"),
         adaptive=not flag("no_adaptive", False),
+        draft=flag("draft") or DEFAULT_DRAFT,
+        mtp=flag("mtp"),
+        eagle=flag("eagle"),
         prefix_cache=int(mb * 2**20),
         ranks=flag("ranks") or 1,
     )

@@ -16,6 +16,30 @@ from .errors import BadRequest
 BITS = ("4", "8", "none")
 DRAFT_VOCABS = ("auto", "full")
 DEFAULT_CONTEXT = 4096
+# --draft: the draft sources a pair may use (policy.KNOWN); "auto" = every one the loaded pair has
+DRAFT_SOURCES = ("dflash", "lookup", "mtp", "eagle")
+# The default engine's sources, in --draft's syntax: the one place to switch the default (e.g. to
+# "auto" once chain drafters are measured on the embedded pair).
+DEFAULT_DRAFT = "dflash,lookup"
+
+
+def parse_draft(text: str) -> tuple[str, ...]:
+    """``--draft``'s value as a tuple of sources (``("auto",)`` for auto), refused by name when
+    it names an unknown source, repeats one or mixes auto with others."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names:
+        raise BadRequest(f"--draft must name a draft source ({', '.join(DRAFT_SOURCES)}) or auto")
+    bad = [x for x in names if x not in (*DRAFT_SOURCES, "auto")]
+    if bad:
+        raise BadRequest(
+            f"--draft: unknown source {', '.join(repr(x) for x in bad)} "
+            f"(known: {', '.join(DRAFT_SOURCES)}, or auto for every source the pair has)"
+        )
+    if "auto" in names and len(names) > 1:
+        raise BadRequest("--draft auto means every source the pair has: give it alone")
+    if len(set(names)) != len(names):
+        raise BadRequest(f"--draft names a source twice: {text}")
+    return tuple(names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +60,10 @@ class LoadConfig:
     force: bool = False  # start even when the memory plan exceeds the budget
     tune: bool = True  # False (--no-tune): the checkpoint's block size unless block_size
     tune_budget_s: float | None = None  # first-launch tuning time budget (None: the tuner's default)
-    adaptive: bool = True  # the per-cycle drafting policy (plain / DFlash / lookup); False: --no-adaptive
+    adaptive: bool = True  # the per-cycle drafting policy (plain / DFlash / lookup / chains); False: --no-adaptive
+    draft: str = DEFAULT_DRAFT  # --draft: the draft sources, comma-separated, or "auto"
+    mtp: str | None = None  # --mtp: a folder with the mtp.* tensors (None: the target's own checkpoint)
+    eagle: str | None = None  # --eagle: an EAGLE-3 checkpoint folder or catalog name (None: the embedded pair's)
     prefix_cache: int = 0  # bytes of K/V kept between turns / requests (0 = off)
     ranks: int = 1  # machines the target is sharded over (plan --ranks; under mlx.launch: the group's size)
 
@@ -68,6 +95,17 @@ class LoadConfig:
             raise BadRequest(f"--ranks must be >= 1 (got {self.ranks})")
         if self.prefix_cache < 0:
             raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {self.prefix_cache / 2**20:g})")
+        sources = parse_draft(self.draft)
+        if not self.adaptive and "dflash" not in sources and sources != ("auto",):
+            raise BadRequest(
+                "--no-adaptive drafts a fixed DFlash block every cycle: it needs dflash among --draft "
+                f"(got --draft {self.draft}; the per-cycle policy chooses the chain depth and lookup length)"
+            )
+
+    @property
+    def draft_sources(self) -> tuple[str, ...]:
+        """``draft`` parsed: the sources asked for, or ``("auto",)``."""
+        return parse_draft(self.draft)
 
     @property
     def speculative(self) -> bool:

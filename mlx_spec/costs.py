@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
+from .target import feature_view
+
 Progress = Callable[[int, int, str], None]  # (done, total, note)
 
 
@@ -244,7 +246,8 @@ class CostMeter:
             dcache = None
             if drafter is not None:
                 dcache = drafter.make_cache()
-                drafter.add_context(out.hidden, dcache)
+                # (the target view may tap more layers for other drafters: DFlash's slice)
+                drafter.add_context(feature_view(target.taps, drafter.args.target_layer_ids)(out.hidden), dcache)
                 mx.eval([c.state for c in dcache])
             anchor = mx.array(int(context[-1]), mx.int32)
 

@@ -62,9 +62,10 @@ def spec_steps(
     prefill: Prefill | None = None,
     on_exit: Callable[[Prefill], None] | None = None,
     waits: DeviceWaits | None = None,
+    chains: dict | None = None,
 ) -> Iterator[Step]:
-    """Speculative decoding with a DFlash drafter and lookup drafts. Lossless: the output is the
-    target's (greedy: token for token; T > 0: in distribution).
+    """Speculative decoding with a DFlash drafter, chain drafters (MTP, EAGLE-3) and lookup drafts.
+    Lossless: the output is the target's (greedy: token for token; T > 0: in distribution).
 
     ``policy`` (a ``policy.DraftPolicy``, one per sequence) chooses every cycle's source
     (plain / dflash / lookup) and length; at greedy, after a DFlash pass, it may trim the block
@@ -77,13 +78,16 @@ def spec_steps(
     are advanced in place. ``on_exit`` receives the final caches and the ids they hold when the
     run ends or the generator is closed between steps (not after an error). ``waits``: what
     every wait for the device goes through (counted per step in ``Step.host_syncs``).
+    ``chains``: the chain drafters (kind -> ``chain.ChainDrafter``) the policy may draft with;
+    ``target`` is then the view returning every drafter's features (``batch.BatchDecoder``).
+    ``drafter`` may be None when the policy drafts from other sources only.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
     if not prompt:
         raise ValueError("empty prompt")
     prefix_start(prefill, prompt)
-    if prefill is not None and prefill.drafter is None:
+    if prefill is not None and drafter is not None and prefill.drafter is None:
         raise ValueError("a speculative run needs the drafter's context cache in its prefill")
     if index is not None and (policy is None or LOOKUP not in policy.sources):
         raise ValueError("a lookup index needs a policy that drafts from it (LOOKUP among its sources)")
@@ -98,6 +102,7 @@ def spec_steps(
         prefill_step=prefill_step,
         own_forward=True,
         waits=waits,
+        chains=chains,
     )
     sid = dec.add(
         prompt,

@@ -46,11 +46,11 @@ DEFAULT_TIMEOUT_S = 120.0  # a step (a prefill chunk of a large target included)
 HEARTBEAT_S = 2.0  # rank 0 -> followers while idle
 
 # Header: [command, n_ids, max_tokens, seed, top_k, block_size, method, adaptive_max,
-#          policy sources (bit 1 dflash, bit 2 lookup; 0: no policy), policy max_lookup]
+#          policy sources (bit 1 dflash, bit 2 lookup, bit 3 mtp, bit 4 eagle; 0: no policy), policy max_lookup]
 GEN, HEARTBEAT, SHUTDOWN = 1, 2, 3
 PLAIN, SPEC = 0, 1
 HEADER = 10
-SOURCE_CODES = ("plain", "dflash", "lookup")  # adaptive.PLAIN / DFLASH / LOOKUP
+SOURCE_CODES = ("plain", "dflash", "lookup", "mtp", "eagle")  # policy.PLAIN / DFLASH / LOOKUP / MTP / EAGLE
 
 
 class GroupFailed(MlxSpecError):

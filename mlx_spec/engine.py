@@ -218,6 +218,7 @@ class Engine:
         self.batch_attention: str | None = None
         # the batch's drafter pass: "one pass for all" | "per sequence (<reason>)" | "none" (None: no batching)
         self.batch_drafter: str | None = None
+        self.batch_chain: str | None = None  # how a batch runs its chain drafters' passes
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.state = LOADING
         self.error: str | None = None
@@ -550,7 +551,13 @@ class Engine:
         pair = session.pair
         try:
             target = pair.target if pair.target is not None else Target(pair.model)
-            dec = BatchDecoder(target, pair.drafter, block_size=max(1, self._info.block_size), max_batch=asked)
+            dec = BatchDecoder(
+                target,
+                pair.drafter,
+                block_size=max(1, self._info.block_size),
+                max_batch=asked,
+                chains=getattr(pair, "chains", None),
+            )
         except UnsupportedModel as e:
             if self._max_batch_asked is not None:
                 raise UnsupportedModel(f"--max-batch {asked}: {e}; use --max-batch 1") from None
@@ -559,6 +566,7 @@ class Engine:
         self.max_batch = asked
         self.batch_attention = dec.attention
         self.batch_drafter = dec.drafter_path
+        self.batch_chain = dec.chain_path
         log.info("continuous batching of up to %d requests (the decoder logs its attention path)", asked)
         return dec
 
@@ -677,8 +685,18 @@ class Engine:
             dec.block_size = max(1, info.block_size)
         prefix = self._prefix
         try:
+            from .generation import chain_kinds
+
+            policy = make() if make and info.speculative else None
             kw = (
-                dict(prefill=prefix.lookup(ids, drafter=info.speculative), on_exit=prefix.store)
+                dict(
+                    prefill=prefix.lookup(
+                        ids,
+                        drafter=info.speculative and pair.drafter is not None,
+                        chains=chain_kinds(pair, policy) if info.speculative else (),
+                    ),
+                    on_exit=prefix.store,
+                )
                 if prefix is not None
                 else {}
             )
@@ -687,7 +705,7 @@ class Engine:
                 max_tokens=cfg.max_tokens,
                 eos_ids=tuple(pair.tokenizer.eos_token_ids),
                 sampling=cfg.sampling,
-                policy=make() if make and info.speculative else None,
+                policy=policy,
                 speculate=info.speculative,
                 **kw,
             )
@@ -845,6 +863,7 @@ class Engine:
                 "max_batch": self.max_batch,
                 "batch_attention": self.batch_attention,
                 "batch_drafter": self.batch_drafter,
+                "batch_chain": self.batch_chain,
             }
         cycles = {
             "tokens": 0,
@@ -855,6 +874,7 @@ class Engine:
             "drafted_by_position": [],
             "plain_cycles": 0,
             "drafter_passes": 0,
+            "head_passes": 0,
             "trimmed": 0,
             "block_sizes": {},
             "sources": {},
@@ -870,6 +890,7 @@ class Engine:
                 # the drafting policy: plain steps it took, cycles by verify rows, per draft source
                 "plain_cycles": st.plain_cycles,
                 "drafter_passes": st.drafter_passes,
+                "head_passes": st.head_passes,
                 "trimmed": st.trimmed,
                 "block_sizes": dict(st.block_sizes),
                 "sources": {k: dict(v) for k, v in st.sources.items()},

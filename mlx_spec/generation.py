@@ -128,7 +128,7 @@ class EngineInfo:
     found plain decoding faster on this machine). Front ends read ``mode``, never the source text.
     """
 
-    method: str  # "dflash2" | "dflash" | "plain"
+    method: str  # "dflash2" | "dflash" | "plain"; without a DFlash drafter the first model source ("mtp", ...)
     target: str
     drafter: str | None
     block_size: int  # 1 for plain decoding
@@ -139,6 +139,8 @@ class EngineInfo:
     group: GroupInfo = SINGLE  # the processes the target is sharded over (distributed.py)
     pinned: bool = False  # the user gave the block size (--block-size): the per-cycle policy keeps it
     drafter_precision: str = ""  # e.g. "float weights, float32 activations" (drafter.Drafter.precision)
+    sources: tuple[str, ...] = ()  # the draft sources the per-cycle policy may use ("dflash", "mtp", ...)
+    chains: tuple[tuple[str, str], ...] = ()  # (kind, where it loaded from) per chain drafter
 
     @property
     def speculative(self) -> bool:
@@ -151,20 +153,30 @@ class EngineInfo:
         if self.mode != SPECULATIVE:
             why = "--no-draft" if self.mode == PLAIN else self.block_size_source
             return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
+        sources = self.sources or ("dflash", "lookup")
+        dflash = "dflash" in sources and self.drafter is not None
         if not self.adaptive_max:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
-        elif self.pinned:
-            block = f"per-cycle drafting: plain step, DFlash block {self.block_size} (--block-size) or a lookup draft"
         else:
-            block = (
-                f"per-cycle drafting: plain step, DFlash block <= {self.adaptive_max} or a lookup draft "
-                f"(prior block {self.block_size}, {self.block_size_source})"
-            )
+            names = {"mtp": "an MTP chain", "eagle": "an EAGLE-3 chain", "lookup": "a lookup draft"}
+            options = ["plain step"]
+            if dflash:
+                options.append(
+                    f"DFlash block {self.block_size} (--block-size)"
+                    if self.pinned
+                    else f"DFlash block <= {self.adaptive_max}"
+                )
+            options += [names[s] for s in sources if s in names]
+            block = "per-cycle drafting: " + ", ".join(options[:-1]) + " or " + options[-1]
+            if dflash and not self.pinned:
+                block += f" (prior block {self.block_size}, {self.block_size_source})"
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
+        who = f"drafter {self.drafter}{prec}, " if self.drafter is not None else ""
+        heads = "".join(f"{'MTP head' if k == 'mtp' else 'EAGLE-3 drafter'} {p}, " for k, p in self.chains)
         return (
-            f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-            f"{self.drafter}{prec}, {block}{vocab}{self._group()}"
+            f"engine: {self.method} speculative decoding ({'+'.join(sources)}), target {self.target}, "
+            f"{who}{heads}{block}{vocab}{self._group()}"
         )
 
     def _group(self) -> str:
@@ -189,8 +201,33 @@ def engine_info(
     cycle's block in 1..max(block size, the checkpoint's, 16); the fixed choice stays in
     ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
     it as its DFlash block)."""
-    if pair.drafter is None:
+    sources = tuple(
+        pair.draft_sources
+        if hasattr(pair, "draft_sources")
+        else ("dflash", "lookup")
+        if pair.drafter is not None
+        else ()
+    )
+    if pair.drafter is None and not sources:
         return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
+    chains = tuple((k, str(v)) for k, v in (getattr(pair, "chain_ids", None) or {}).items())
+    if pair.drafter is None or "dflash" not in sources:  # chain and lookup drafts: the policy's alone
+        if not adaptive:
+            raise BadRequest("--no-adaptive drafts a fixed DFlash block every cycle: it needs a DFlash drafter")
+        from .policy import MAX_CHAIN_DEPTH
+
+        method = next((s for s in sources if s != "lookup"), sources[0])
+        return EngineInfo(
+            method,
+            pair.target_id,
+            None,
+            MAX_CHAIN_DEPTH + 1,
+            "per cycle (chain depth and lookup length)",
+            SPECULATIVE,
+            MAX_CHAIN_DEPTH + 1,
+            sources=sources,
+            chains=chains,
+        )
     ckpt = pair.drafter.args.block_size
     if off and not adaptive:
         return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
@@ -226,12 +263,14 @@ def engine_info(
         vocab,
         pinned=pinned,
         drafter_precision=prec,
+        sources=sources,
+        chains=chains,
     )
 
 
 def plain_view(pair: Pair) -> Pair:
-    """The same loaded pair seen without its drafter (plain decoding for an A/B)."""
-    return replace(pair, drafter=None, target=None, drafter_id=None)
+    """The same loaded pair seen without its drafters (plain decoding for an A/B)."""
+    return replace(pair, drafter=None, target=None, drafter_id=None, chains={}, chain_ids={}, sources=())
 
 
 def for_request(pair: Pair, info: EngineInfo, speculate: bool = True) -> tuple[Pair, EngineInfo]:
@@ -257,7 +296,16 @@ def policies(pair: Pair, info: EngineInfo):
     from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
-    return PolicyFactory(pair, load_result(tune_key(pair)), block_size=pinned, max_block=info.adaptive_max)
+    result = load_result(tune_key(pair)) if pair.drafter is not None else None
+    return PolicyFactory(
+        pair, result, block_size=pinned, max_block=info.adaptive_max, sources=info.sources or pair.draft_sources
+    )
+
+
+def chain_kinds(pair: Pair, policy) -> tuple[str, ...]:
+    """The chain drafters a sequence drafting with ``policy`` keeps caches for."""
+    sources = getattr(policy, "sources", ()) if policy is not None else ()
+    return tuple(k for k in getattr(pair, "chains", {}) if k in sources)
 
 
 def token_steps(
@@ -282,7 +330,15 @@ def token_steps(
         return lead.lead(steps, prompt, cfg, info, policy=policy)
     eos = tuple(pair.tokenizer.eos_token_ids)
     plain = not info.speculative
-    reuse = dict(prefill=prefix.lookup(prompt, drafter=not plain), on_exit=prefix.store) if prefix is not None else {}
+    kinds = () if plain else chain_kinds(pair, policy)
+    reuse = (
+        dict(
+            prefill=prefix.lookup(prompt, drafter=not plain and pair.drafter is not None, chains=kinds),
+            on_exit=prefix.store,
+        )
+        if prefix is not None
+        else {}
+    )
     if plain:
         return plain_steps(
             pair.model,
@@ -303,6 +359,7 @@ def token_steps(
         sampling=cfg.sampling,
         prefill_step=cfg.prefill_step,
         policy=policy,
+        chains=getattr(pair, "chains", None),
         **reuse,
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,16 @@ from . import quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
 from .errors import CheckpointError, IncompatiblePair, MlxSpecError
 from .integrity import check_model_dir
-from .target import Target
+from .target import Target, union_taps
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DRAFTER = "smollm2-135m-dflash2"
+# the embedded pair's chain drafters: used with the default target when these folders exist
+DEFAULT_MTP = "smollm2-135m-mtp"
+DEFAULT_EAGLE = "smollm2-135m-eagle3"
+DFLASH, LOOKUP, MTP, EAGLE = "dflash", "lookup", "mtp", "eagle"  # (policy's names: a lower layer)
+CHAIN_KINDS = (MTP, EAGLE)
+ALL_SOURCES = (DFLASH, LOOKUP, MTP, EAGLE)
 V2_ONLY = ("attention_conv", "mlp_conv", "candidate_selector")
 
 
@@ -319,7 +325,11 @@ def check_pair(target: Target, drafter: Drafter) -> None:
 
 @dataclass
 class Pair:
-    """A loaded target (+ optional drafter) and its tokenizer. Owned by one thread."""
+    """A loaded target (+ optional drafters) and its tokenizer. Owned by one thread.
+
+    ``target`` is the one view the decode loop runs: it returns the union of every loaded
+    drafter's taps (DFlash's layers, EAGLE-3's three) and, with an MTP head, the final-normed
+    hidden; each drafter reads its slice (``target.feature_view``)."""
 
     model: Any  # the mlx-lm model
     tokenizer: Any  # mlx-lm TokenizerWrapper
@@ -328,6 +338,17 @@ class Pair:
     target_id: str
     drafter_id: str | None
     drafter_config: dict | None
+    chains: dict = field(default_factory=dict)  # kind ("mtp", "eagle") -> chain.ChainDrafter
+    chain_ids: dict = field(default_factory=dict)  # kind -> the folder it was loaded from
+    sources: tuple | None = None  # the draft sources it runs (None: dflash + lookup with a drafter)
+
+    @property
+    def draft_sources(self) -> tuple[str, ...]:
+        """The draft sources this pair runs: what loading resolved, else DFlash and lookup with
+        a drafter, nothing without (plain decoding)."""
+        if self.sources is not None:
+            return tuple(self.sources)
+        return (DFLASH, LOOKUP) if self.drafter is not None else ()
 
 
 def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64, shard=None):
@@ -382,6 +403,43 @@ def _is_quantized(model) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
+def target_dir(target_id: str) -> Path:
+    """The folder a target loads from (the default target's converted copy, a local folder or a
+    downloaded repo): where its own MTP head is."""
+    from . import default_target
+
+    if target_id == default_target.DEFAULT_TARGET_ID:
+        return default_target.ensure_default_target().path
+    return resolve(target_id, "target")
+
+
+def has_mtp_tensors(folder: str | Path) -> bool:
+    """Whether a checkpoint folder holds ``mtp.*`` tensors (from the safetensors headers only)."""
+    from .modelfiles import safetensors_header
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            if any(k.startswith("mtp.") for k in safetensors_header(f)):
+                return True
+        except (OSError, ValueError, MlxSpecError):
+            continue
+    return False
+
+
+def resolve_eagle(ref: str | Path) -> Path:
+    """An EAGLE-3 drafter: a folder, a bundled name under models/, a catalog chain entry's name
+    or a Hugging Face repo id."""
+    from . import catalog
+
+    entries = catalog.load_chain()
+    entry = entries.get(str(ref))
+    if entry is not None:
+        if entry.kind != EAGLE:
+            raise MlxSpecError(f"--eagle {ref}: that catalog entry is an {entry.kind} head, not an EAGLE-3 drafter")
+        ref = entry.drafter
+    return resolve(str(ref), "EAGLE-3 drafter")
+
+
 def load_pair(
     target_id: str,
     drafter_id: str | None,
@@ -393,29 +451,88 @@ def load_pair(
     draft_vocab: str = "auto",
     shard=None,
     drafter_activations: str | None = None,
+    sources: tuple[str, ...] = (DFLASH, LOOKUP),
+    mtp: str | Path | None = None,
+    eagle: str | Path | None = None,
+    mtp_hint: str | None = None,
 ) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
-    before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
+    before the drafters bind to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
-    (``draft_vocab.json``), "full" always over the whole head. ``shard``: see ``load_target_model``."""
+    (``draft_vocab.json``), "full" always over the whole head. ``shard``: see ``load_target_model``.
+
+    ``sources``: the draft sources (``--draft``; ``("auto",)``: every one this pair has). A
+    source asked for by name that cannot run is refused by name: dflash without ``drafter_id``,
+    mtp on a folder without ``mtp.*`` tensors (``mtp``, default: the target's own folder; the
+    stripped-conversion message, ``mtp_hint`` naming the original repo), eagle without ``eagle``
+    (a folder or catalog name), a drafter that does not fit the target."""
     if draft_vocab not in ("auto", "full"):
         raise MlxSpecError(f"draft vocabulary must be 'auto' or 'full', not {draft_vocab!r}")
+    auto = tuple(sources) == ("auto",)
+    want = set(ALL_SOURCES) if auto else set(sources)
+    bad = want - set(ALL_SOURCES)
+    if bad:
+        raise MlxSpecError(f"unknown draft sources {sorted(bad)} (known: {', '.join(ALL_SOURCES)}, or auto)")
+    if not no_draft and EAGLE in want and eagle is None and not auto:
+        raise MlxSpecError(
+            "--draft eagle needs an EAGLE-3 drafter: --eagle PATH (a checkpoint folder or a catalog "
+            "name, `mlx_spec models`)"
+        )
+    if not no_draft and DFLASH in want and drafter_id is None and not auto:
+        raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
     model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size, shard=shard)
     if no_draft:
-        return Pair(model, tokenizer, None, None, target_id, None, None)
-    if drafter_id is None:
-        raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
-    drafter, config = load_drafter(
-        drafter_id, bits=drafter_bits, group_size=group_size, activations=drafter_activations
+        return Pair(model, tokenizer, None, None, target_id, None, None, sources=())
+    drafter = config = None
+    if DFLASH in want and drafter_id is not None:
+        drafter, config = load_drafter(
+            drafter_id, bits=drafter_bits, group_size=group_size, activations=drafter_activations
+        )
+    heads, ids = {}, {}
+    eagle_d = None
+    if EAGLE in want and eagle is not None:
+        from .eagle import load_eagle
+
+        epath = resolve_eagle(eagle)
+        eagle_d, _ = load_eagle(epath, dtype=default_dtype())
+        eagle_d.bind(Target(model, ()))  # the fit, and the taps it reads
+        ids[EAGLE] = str(epath)
+    mtp_dir = None
+    if MTP in want:
+        mtp_dir = Path(mtp).expanduser() if mtp is not None else target_dir(target_id)
+        if auto and not has_mtp_tensors(mtp_dir):
+            mtp_dir = None
+    # the one target view: every drafter's taps, and the final hidden for an MTP head
+    taps = union_taps(drafter.args.target_layer_ids if drafter is not None else (), eagle_d.taps if eagle_d else ())
+    target = Target(model, taps, final_hidden=mtp_dir is not None)
+    if mtp_dir is not None:
+        from .mtp import load_mtp
+
+        heads[MTP] = load_mtp(mtp_dir, target, dtype=default_dtype(), hint=mtp_hint)
+        ids[MTP] = str(mtp_dir)
+    if eagle_d is not None:
+        heads[EAGLE] = eagle_d.bind(target)
+    if drafter is not None:
+        check_pair(target, drafter)
+        vocab = None
+        if draft_vocab == "auto" and drafter.shipped_vocab is not None:
+            vids = mx.array(drafter.shipped_vocab)
+            vocab = DraftVocab(vids, target.head_rows(vids))
+        drafter.bind(target.embed, target.head, vocab)
+    order = ALL_SOURCES if auto else tuple(sources)
+    runs = tuple(s for s in order if (s != DFLASH or drafter is not None) and (s not in CHAIN_KINDS or s in heads))
+    return Pair(
+        model,
+        tokenizer,
+        target,
+        drafter,
+        target_id,
+        str(drafter_id) if drafter is not None else None,
+        config,
+        heads,
+        ids,
+        runs,
     )
-    target = Target(model, drafter.args.target_layer_ids)
-    check_pair(target, drafter)
-    vocab = None
-    if draft_vocab == "auto" and drafter.shipped_vocab is not None:
-        ids = mx.array(drafter.shipped_vocab)
-        vocab = DraftVocab(ids, target.head_rows(ids))
-    drafter.bind(target.embed, target.head, vocab)
-    return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config)
 
 
 __all__ = [
@@ -427,6 +544,9 @@ __all__ = [
     "check_pair",
     "load_pair",
     "Pair",
+    "has_mtp_tensors",
+    "resolve_eagle",
+    "target_dir",
     "resolve",
     "load_target_model",
 ]

@@ -903,10 +903,14 @@ def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
         )
 
 
-def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None):
+def plan_for_config(
+    cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None, chains: dict | None = None
+):
     """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
     ``block_size`` (None: the drafter checkpoint's). ``sources``: ``config_sources``' answer, when
-    the caller plans the same pair more than once."""
+    the caller plans the same pair more than once. ``chains``: the chain drafters to load (kind ->
+    their folder or catalog reference; None for an MTP head in the target's own folder), counted
+    by ``chain_items``."""
     sources = sources or config_sources(cfg, drafter_id)
     if drafter_id is not None:
         _check_remote_architecture(cfg.target, sources[0][0])
@@ -925,7 +929,34 @@ def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, 
         draft_vocab=cfg.draft_vocab,
         ranks=cfg.ranks,
     )
+    if chains:
+        plan = with_chains(plan, chains, sources[0][0], quant, prompt=cfg.prompt_tokens)
     return quant, plan
+
+
+def with_chains(plan: MemoryPlan, chains: dict, target_config: dict, quant, *, prompt: int | None = None):
+    """``plan`` with the rows of the chain drafters ``chains`` (kind -> reference; an EAGLE-3
+    drafter's config is read from its folder or the hub's metadata) at the plan's context."""
+    from dataclasses import replace
+
+    from . import backend
+
+    metal = backend.current().gpu
+    rows: list[Item] = []
+    for kind, ref in chains.items():
+        dcfg = model_source(str(ref), "EAGLE-3 drafter")[0] if kind == "eagle" else None
+        rows += chain_items(
+            kind,
+            target_config,
+            dcfg,
+            context=plan.context,
+            prompt=prompt,
+            bits=quant.target_bits,
+            group_size=quant.group_size,
+            float_bytes=2 if metal else 4,
+            act_bytes=2 if metal else 4,
+        )
+    return replace(plan, items=plan.items + tuple(rows))
 
 
 def config_sources(cfg, drafter_id: str | None) -> tuple:

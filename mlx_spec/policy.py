@@ -47,8 +47,17 @@ from dataclasses import dataclass
 
 from .costs import Costs
 
-PLAIN, DFLASH, LOOKUP = "plain", "dflash", "lookup"
-SOURCES = (DFLASH, LOOKUP)
+PLAIN, DFLASH, LOOKUP, MTP, EAGLE = "plain", "dflash", "lookup", "mtp", "eagle"
+SOURCES = (DFLASH, LOOKUP)  # the default engine's draft sources (config.DEFAULT_DRAFT says what runs)
+CHAINS = (MTP, EAGLE)  # the autoregressive (chain) drafters: k head passes for a draft of k
+KNOWN = (DFLASH, LOOKUP, MTP, EAGLE)  # every draft source
+MODELS = (DFLASH, MTP, EAGLE)  # the sources with a model pass: they rest and are probed
+MAX_CHAIN_DEPTH = 8  # the deepest chain a cycle drafts (head passes) unless the tuner measured deeper
+# A chain drafter's acceptance by position before anything is measured: P(the first k+1 drafts
+# accepted), a first draft accepted half the time and each later one 60 % of the time given the
+# ones before it were (a stated guess: the tuner's measured prior replaces it, and each reply's
+# own cycles quickly outweigh it).
+CHAIN_PRIOR = (0.5, 0.3, 0.18, 0.108, 0.065, 0.039, 0.023, 0.014)
 MAX_LOOKUP = 32  # the longest lookup draft (tokens, excluding the anchor)
 REPRICE = 256  # tokens of context growth after which the policy re-prices its curve (Costs.at)
 # The lookup's prior chance that a copied token is right given the ones before it were, by how
@@ -70,9 +79,22 @@ def expected_tokens(acceptance_by_position: Sequence[float], block: int) -> floa
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    source: str  # "plain" | "dflash" | "lookup"
-    length: int  # verify rows including the anchor (1: a plain step)
+    source: str  # "plain" | "dflash" | "lookup" | "mtp" | "eagle"
+    length: int  # verify rows including the anchor (1: a plain step); a chain's depth is length - 1
     probe: bool = False  # a probe after a run of plain steps
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPrior:
+    """What a policy starts a chain drafter's source from: its acceptance by position (P(the
+    first k+1 drafts accepted)), the cost of one head pass in the cost curve's units, the deepest
+    chain it may draft, and whether the tuner measured them (else: ``CHAIN_PRIOR`` and an
+    estimate from the head's size, rescaled by the first measured cycles)."""
+
+    acceptance: tuple[float, ...] = CHAIN_PRIOR
+    pass_ms: float = 0.1
+    depth: int = MAX_CHAIN_DEPTH
+    measured: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +248,10 @@ class DraftPolicy:
         costs: the pass-cost curve (smoothed here); its absolute level is rescaled online.
         max_block: the longest DFlash block (verify rows); ``pinned`` fixes the DFlash block.
         prior: the DFlash acceptance by position the tuner measured (may be empty).
-        sources: the draft sources allowed ("dflash", "lookup").
+        sources: the draft sources allowed ("dflash", "lookup", "mtp", "eagle").
+        chains: per chain source in ``sources`` ("mtp", "eagle"), its ``ChainPrior``: a chain of
+            depth k costs k head passes plus a verify of k + 1 rows, and is chosen, rested and
+            probed exactly as DFlash is (each model source has its own rest and probe spacing).
         measured: True when ``costs`` were measured on this machine (the tuner's), False for an
             estimate: then the first measured cycle sets the scale outright.
         margin: a draft is chosen only when its expected rate beats a plain step's by this share
@@ -260,10 +285,15 @@ class DraftPolicy:
         margin: float = 0.05,
         first_probe: int = 3,
         rest_decay: float = 0.97,
+        chains: dict[str, ChainPrior] | None = None,
     ):
-        bad = set(sources) - set(SOURCES)
+        bad = set(sources) - set(KNOWN)
         if bad:
-            raise ValueError(f"unknown draft sources {sorted(bad)} (known: {', '.join(SOURCES)})")
+            raise ValueError(f"unknown draft sources {sorted(bad)} (known: {', '.join(KNOWN)})")
+        chains = dict(chains or {})
+        for src in CHAINS:
+            if src in sources and src not in chains:
+                chains[src] = ChainPrior()  # the stated default prior, its cost unknown until measured
         if pinned is not None and pinned < 2:
             raise ValueError(f"a pinned DFlash block must be >= 2 (got {pinned})")
         self.costs = costs.smoothed()
@@ -285,22 +315,71 @@ class DraftPolicy:
         self.copy = Copy(decay=decay)
         self.scale = {k: 1.0 if measured else None for k in ("plain", "verify", "draft")}
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
+        # each model source's running acceptance by position (DFlash's block positions, a chain's
+        # depth); a chain's measured prior fades like evidence, the stated default faster
+        self.acceptance = {DFLASH: self.dflash}
+        self.chain_pass: dict[str, float] = {}  # a chain's head pass, in the curve's units
+        self.max_depth: dict[str, int] = {}
+        for src in CHAINS:
+            if src not in self.sources:
+                continue
+            c = chains[src]
+            self.max_depth[src] = max(1, c.depth)
+            self.acceptance[src] = Acceptance(
+                self.max_depth[src],
+                c.acceptance,
+                weight=prior_weight,
+                decay=decay,
+                prior_decay=decay if c.measured else 0.8,
+            )
+            self.chain_pass[src] = max(1e-6, c.pass_ms)
+            self.scale[src] = 1.0 if c.measured and measured else None
+            self.overhead[src] = 0.0
+        self.models = tuple(m for m in MODELS if m in self.sources or m == DFLASH)
         self.base_probe = probe_every
         self.max_probe, self.probe_block = max_probe_every, max(2, probe_block)
         self.margin, self.rest_decay = max(0.0, margin), rest_decay
-        # cycles since the last DFlash draft (plain and lookup cycles): a probe is due at probe_every,
-        # the first one early (then the spacing doubles from there while probes fail)
-        self.plain_run, self.probe_every = 0, max(1, min(first_probe, probe_every))
+        # per model source: cycles since its last draft (plain, lookup and other sources' cycles):
+        # a probe is due at its spacing, the first one early (then the spacing doubles from there
+        # while probes fail)
+        first = max(1, min(first_probe, probe_every))
+        self.runs = {m: 0 for m in self.models}
+        self.spacing = {m: first for m in self.models}
         self.fail_limit, self.fail_odds = fail_limit, fail_odds
-        # DFLASH or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
+        # a model source or a lookup bucket -> (drafts rejected outright in a row, P(first accepted) before them)
         self.fails: dict[object, tuple[int, float]] = {}
         self._ctx = Context()
         self._peek: tuple[Context, dict] | None = None  # (ctx, options(ctx)) until the next observe
-        self._probing = False  # the last decision was a probe (observe sets the next spacing)
-        # the drafter lost to a plain step: only a probe that pays lets the estimate choose it again
-        # (its evidence fades while it rests, which alone must not bring back long blocks)
-        self.resting = False
+        self._probing: str | None = None  # the source the last decision probed (observe sets its next spacing)
+        # a model source that lost to a plain step rests: only a probe that pays lets the estimate
+        # choose it again (its evidence fades while it rests, which alone must not bring back long drafts)
+        self.rest = {m: False for m in self.models}
         self.trace: list[Decision] = []
+
+    # DFlash's rest and probe spacing, by their old names
+    @property
+    def resting(self) -> bool:
+        return self.rest[DFLASH]
+
+    @resting.setter
+    def resting(self, value: bool) -> None:
+        self.rest[DFLASH] = bool(value)
+
+    @property
+    def plain_run(self) -> int:
+        return self.runs[DFLASH]
+
+    @plain_run.setter
+    def plain_run(self, value: int) -> None:
+        self.runs[DFLASH] = value
+
+    @property
+    def probe_every(self) -> int:
+        return self.spacing[DFLASH]
+
+    @probe_every.setter
+    def probe_every(self, value: int) -> None:
+        self.spacing[DFLASH] = value
 
     # ---------------------------------------------------------------- costs
 
@@ -336,8 +415,17 @@ class DraftPolicy:
     def draft_ms(self, L: int) -> float:
         return self._table(L)[1] * (self.scale["draft"] or self.scale["verify"] or self.scale["plain"] or 1.0)
 
+    def head_ms(self, source: str) -> float:
+        """One pass of the chain drafter ``source`` as this reply sees it."""
+        scale = self.scale.get(source) or self.scale["verify"] or self.scale["plain"] or 1.0
+        return self.chain_pass[source] * scale
+
     def cycle_ms(self, source: str, L: int) -> float:
-        ms = self.verify_ms(L) + self.overhead[source] + (self.draft_ms(L) if source == DFLASH else 0.0)
+        ms = self.verify_ms(L) + self.overhead[source]
+        if source == DFLASH:
+            ms += self.draft_ms(L)
+        elif source in self.chain_pass:  # a chain of depth L - 1: that many head passes
+            ms += (L - 1) * self.head_ms(source)
         return max(ms, 1e-6)
 
     # ---------------------------------------------------------------- rates
@@ -367,13 +455,17 @@ class DraftPolicy:
         n = min(len(ctx.lookup), self.max_lookup, room - 1)
         if LOOKUP in self.sources and n > 0:
             out[LOOKUP] = self._best(self.copy.curve(ctx.match, n), range(2, n + 2), lambda L: self.cycle_ms(LOOKUP, L))
+        for src in CHAINS:
+            if src in self.chain_pass and room > 1:
+                lengths = range(2, min(self.max_depth[src] + 1, room) + 1)
+                out[src] = self._best(self.acceptance[src].curve(), lengths, lambda L, src=src: self.cycle_ms(src, L))
         return out
 
     def _is_benched(self, source: str, ctx: Context) -> bool:
         """Plain is never benched; the lookup is judged per match-length bucket."""
         if source == PLAIN:
             return False
-        return self.benched(DFLASH if source == DFLASH else self.copy.bucket(ctx.match))
+        return self.benched(source if source in MODELS else self.copy.bucket(ctx.match))
 
     def benched(self, key) -> bool:
         n, p0 = self.fails.get(key, (0, 0.0))
@@ -391,20 +483,23 @@ class DraftPolicy:
 
     def _plan(self, ctx: Context, every: dict[str, tuple[int, float]]) -> Decision:
         """The decision for ``ctx`` (nothing changed): the unbenched draft with the best rate if it
-        beats plain by the margin (DFlash only when not resting), else a DFlash probe when one
-        is due, else a plain step."""
+        beats plain by the margin (a model source only when not resting), else a probe of the
+        model source most overdue for one, else a plain step."""
         plain = every[PLAIN][1] * (1.0 + self.margin)
         drafts = {
             s: v
             for s, v in every.items()
-            if s != PLAIN and v[1] > plain and not self._is_benched(s, ctx) and not (s == DFLASH and self.resting)
+            if s != PLAIN and v[1] > plain and not self._is_benched(s, ctx) and not self.rest.get(s, False)
         }
         if drafts:
             s = max(drafts, key=lambda k: drafts[k][1])
             return Decision(s, drafts[s][0])
-        if DFLASH in every and self.plain_run + 1 >= self.probe_every:  # does the drafter pay again?
-            best = every[DFLASH][0]
-            return Decision(DFLASH, best if self.pinned else min(best, self.probe_block), probe=True)
+        due = [m for m in self.models if m in every and self.runs[m] + 1 >= self.spacing[m]]
+        if due:  # does a resting drafter pay again? (the most overdue first; DFlash on ties)
+            m = max(due, key=lambda m: ((self.runs[m] + 1) / self.spacing[m], m == DFLASH))
+            best = every[m][0]
+            pinned = m == DFLASH and self.pinned
+            return Decision(m, best if pinned else min(best, self.probe_block), probe=True)
         return Decision(PLAIN, 1)
 
     def stays_plain(self, ctx: Context) -> bool:
@@ -433,15 +528,16 @@ class DraftPolicy:
         ``_plan``). Probes are DFlash drafts only: the lookup is scored on every cycle for free."""
         self._ctx = ctx
         d = self._plan(ctx, self._options(ctx))
-        self._probing = d.probe
-        if d.source == DFLASH:
-            self.plain_run = 0
-            if not d.probe:  # the estimate says the drafter pays: probes start over from the base
-                self.probe_every = self.base_probe
-        else:
-            self.plain_run += 1
-            if d.source == PLAIN and DFLASH in self.sources:  # the drafter did not pay: it rests
-                self.resting = True
+        self._probing = d.source if d.probe else None
+        for m in self.models:
+            if d.source == m:
+                self.runs[m] = 0
+                if not d.probe:  # the estimate says the drafter pays: probes start over from the base
+                    self.spacing[m] = self.base_probe
+            else:
+                self.runs[m] += 1
+                if d.source == PLAIN and m in self.sources:  # the drafter did not pay: it rests
+                    self.rest[m] = True
         self.trace.append(d)
         return d
 
@@ -507,12 +603,16 @@ class DraftPolicy:
         L = step.drafted + 1
         source = step.source or (DFLASH if step.drafted else PLAIN)
         trimmed = source == DFLASH and L == 1  # pick(trim=True) verified the anchor alone
+        heads = getattr(step, "head_passes", 0)
         if step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
             self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             if L > 1:  # the line prices drafts: pipelined plain steps are another regime
                 self.line.add(L, step.verify_ms)
-        if step.draft_ms > 0:  # (also a pass whose block pick() then dropped for the lookup's)
+        if step.draft_ms > 0 and heads and source in self.chain_pass:  # a chain's k head passes
+            per = step.draft_ms / heads
+            self.scale[source] = _ema(self.scale[source], per / self.chain_pass[source])
+        elif step.draft_ms > 0:  # (also a pass whose block pick() then dropped for the lookup's)
             ran = step.draft_block or L
             self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(ran)[1], 1e-6))
         if source in self.overhead:
@@ -523,16 +623,19 @@ class DraftPolicy:
             )  # no timings: the model's
             rest = step.elapsed_ms - passes
             self.overhead[source] = _ema(self.overhead[source], max(0.0, rest), 0.2)
-        if source == DFLASH and self._probing:  # a probe that failed doubles the spacing to the next
-            self.probe_every = self.base_probe if step.accepted else min(self.max_probe, 2 * self.probe_every)
-            self.resting = self.resting and not step.accepted  # one that paid wakes the drafter
-        self._probing = False
-        if source != DFLASH:  # the drafter's evidence ages while it rests (stale failures fade)
-            self.dflash.fade(self.rest_decay)
-        if source == DFLASH:  # (a pass trimmed to the anchor counts as its first draft rejected:
-            # a drafter too unsure to be verified does not pay for its pass)
-            self._judge(DFLASH, self.dflash.curve()[0], step.accepted > 0)
-            self.dflash.update(max(1, step.drafted), step.accepted)
+        if source in self.models and source == self._probing:  # a probe that failed doubles the spacing
+            m = source
+            self.spacing[m] = self.base_probe if step.accepted else min(self.max_probe, 2 * self.spacing[m])
+            self.rest[m] = self.rest[m] and not step.accepted  # one that paid wakes the drafter
+        self._probing = None
+        for m, acc in self.acceptance.items():  # a drafter's evidence ages while it rests (stale failures fade)
+            if m != source:
+                acc.fade(self.rest_decay)
+        if source in self.acceptance:  # (a DFlash pass trimmed to the anchor counts as its first draft
+            # rejected: a drafter too unsure to be verified does not pay for its pass)
+            acc = self.acceptance[source]
+            self._judge(source, acc.curve()[0], step.accepted > 0)
+            acc.update(max(1, step.drafted), step.accepted)
         look, m = self._ctx.lookup, self._ctx.match
         b = self.copy.bucket(m)
         if source == LOOKUP:
@@ -567,15 +670,46 @@ def _cumprod(xs: Sequence[float]) -> list[float]:
 # ---------------------------------------------------------------- construction
 
 
+def _params(m) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(m.parameters()))
+
+
+def chain_pass_ratio(pair, head) -> float:
+    """A chain head's pass as a share of a plain step, from the weights each reads: the head's
+    own, plus the target's output head when it drafts over the full vocabulary through it (an
+    MTP head; an EAGLE-3 drafter's ``lm_head`` over its draft vocabulary is its own)."""
+    target = max(1, _params(pair.model))
+    own = _params(head)
+    args = getattr(getattr(pair, "target", None), "args", None)
+    if getattr(head, "kind", "") == "mtp":
+        own += getattr(args, "vocab_size", 0) * getattr(args, "hidden_size", 0)
+    return min(1.0, own / target)
+
+
+def chain_prior(kind: str, pair, head, result, costs: Costs, measured: bool) -> ChainPrior:
+    """The ``ChainPrior`` of the chain drafter ``kind``: the tuner's measured acceptance, pass
+    cost and depth (``TuneResult.chains``) when it stored them with a measured curve, else
+    ``CHAIN_PRIOR`` and a pass priced from the head's size (``chain_pass_ratio`` of the curve's
+    plain step; the first measured cycles set the scale)."""
+    got = (getattr(result, "chains", None) or {}).get(kind) if result is not None else None
+    if got and measured:
+        return ChainPrior(
+            tuple(got["acceptance_by_position"]),
+            float(got["pass_ms"]),
+            max(MAX_CHAIN_DEPTH, int(got.get("depth", 0))),
+            True,
+        )
+    return ChainPrior(CHAIN_PRIOR, chain_pass_ratio(pair, head) * costs.t1_ms, MAX_CHAIN_DEPTH, False)
+
+
 def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     """A cheap cost curve when the tuner has stored none (no timing at all): relative units,
     verify rows 6 % of a plain step each (what a CPU's memory-bound forward shows; flatter on
     GPUs, which the online rescaling sees), a draft pass the drafter's share of the weights
     read. The policy rescales both from the first measured cycles."""
-    from mlx.utils import tree_flatten
-
-    def params(m) -> int:
-        return sum(v.size for _, v in tree_flatten(m.parameters()))
+    params = _params
 
     target = max(1, params(pair.model))
     drafter = params(pair.drafter) if pair.drafter is not None else 0
@@ -606,15 +740,22 @@ class PolicyFactory:
         sources: Sequence[str] = SOURCES,
         **kw,
     ):
-        if pair.drafter is None:
-            sources = tuple(s for s in sources if s != DFLASH)
+        heads = getattr(pair, "chains", None) or {}
+        # (the session refuses a requested source the pair cannot run, by name: here a source
+        # without its model is only left out of a policy built for a narrower pair)
+        sources = tuple(
+            s for s in sources if (s != DFLASH or pair.drafter is not None) and (s not in CHAINS or s in heads)
+        )
         if max_block is None:
             tried = [c.block for c in result.candidates] if result is not None else []
             ckpt = pair.drafter.args.block_size if pair.drafter is not None else 2
             max_block = max(tried + [ckpt])
         self.costs = result.costs if result is not None and result.costs is not None else estimate_costs(pair)
         self.measured = result is not None and result.costs is not None
-        self.prior = tuple(result.acceptance_by_position) if result is not None else ()
+        self.prior = tuple(result.acceptance_by_position) if result is not None and pair.drafter is not None else ()
+        self.chains = {
+            k: chain_prior(k, pair, heads[k], result, self.costs, self.measured) for k in CHAINS if k in sources
+        }
         self.max_block, self.pinned, self.sources, self.kw = max_block, block_size, tuple(sources), kw
 
     def __call__(self) -> DraftPolicy:
@@ -625,5 +766,6 @@ class PolicyFactory:
             sources=self.sources,
             pinned=self.pinned,
             measured=self.measured,
+            chains=self.chains,
             **self.kw,
         )

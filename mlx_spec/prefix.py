@@ -32,15 +32,18 @@ from .drafter import ContextCache
 @dataclass(frozen=True)
 class Prefill:
     """Caches holding exactly ``tokens`` (target) and, if not None, the drafter's context rows
-    for the same positions."""
+    for the same positions; ``chains``: each chain drafter's cache (kind -> ``chain.ChainCache``,
+    its queued rows run) over the same positions."""
 
     tokens: tuple[int, ...]
     target: list
     drafter: list[ContextCache] | None = None
+    chains: dict | None = None
 
     @property
     def nbytes(self) -> int:
         n = sum(_nbytes(c) for c in self.target)
+        n += sum(c.nbytes for c in self.chains.values()) if self.chains else 0
         return n + (sum(c.nbytes for c in self.drafter) if self.drafter else 0)
 
 
@@ -95,9 +98,22 @@ def _clone_context(c: ContextCache, keep: int, total: int) -> ContextCache | Non
     return new
 
 
-def take(entry: Prefill, keep: int, drafter: bool) -> Prefill | None:
-    """Independent caches for ``entry.tokens[:keep]`` (None if these caches cannot give that)."""
+def take(entry: Prefill, keep: int, drafter: bool, chains: Sequence[str] = ()) -> Prefill | None:
+    """Independent caches for ``entry.tokens[:keep]`` (None if these caches cannot give that).
+
+    ``chains``: the chain drafters whose caches the taker needs (the entry must hold them). A
+    chain cache's last K/V row pairs its feature with the *next* token, which a shorter reuse
+    may not share: a partial reuse is taken one token shorter, so every kept row was paired with
+    a token of the common prefix (the prefill re-runs that one prompt token, and the head's
+    waiting row is rebuilt from its features)."""
     total = len(entry.tokens)
+    if chains:
+        if entry.chains is None or any(k not in entry.chains for k in chains):
+            return None
+        if keep < total:
+            keep -= 1
+        if keep < 1:
+            return None
     target = [_clone_target(c, keep, total) for c in entry.target]
     if any(c is None for c in target):
         return None
@@ -108,7 +124,10 @@ def take(entry: Prefill, keep: int, drafter: bool) -> Prefill | None:
         ctx = [_clone_context(c, keep, total) for c in entry.drafter]
         if any(c is None for c in ctx):
             return None
-    return Prefill(entry.tokens[:keep], target, ctx)
+    heads = None
+    if chains:
+        heads = {k: entry.chains[k].copy(None if keep == total else keep) for k in chains}
+    return Prefill(entry.tokens[:keep], target, ctx, heads)
 
 
 class PrefixCache:
@@ -143,18 +162,20 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, ids: Sequence[int], drafter: bool) -> Prefill | None:
-        """Caches for the longest reusable prefix of ``ids`` (always leaving >= 1 token to run)."""
+    def lookup(self, ids: Sequence[int], drafter: bool, chains: Sequence[str] = ()) -> Prefill | None:
+        """Caches for the longest reusable prefix of ``ids`` (always leaving >= 1 token to run).
+        ``chains``: the chain drafters whose caches the run needs (memory entries only: the disk
+        tier does not keep chain caches)."""
         if not self.budget and self.disk is None:
             return None
         best = None
         for key, e in self._entries.items():
             keep = min(common_prefix(e.tokens, ids), len(ids) - 1)
             if keep >= self.min_tokens and (best is None or keep > best[1]):
-                got = take(e, keep, drafter)
+                got = take(e, keep, drafter, chains)
                 if got is not None:
-                    best = (key, keep, got)
-        if self.disk is not None:
+                    best = (key, len(got.tokens), got)
+        if self.disk is not None and not chains:
             got = self._from_disk(ids, drafter, best[1] if best else 0)
             if got is not None:
                 self.hits += 1
@@ -192,6 +213,7 @@ class PrefixCache:
         arrays = [c.keys for c in entry.target if isinstance(c, KVCache) and c.keys is not None]
         arrays += [a for c in entry.target if isinstance(c, ArraysCache) for a in c.cache if a is not None]
         arrays += [c.keys for c in entry.drafter or () if c.keys is not None]
+        arrays += [a for c in (entry.chains or {}).values() for a in c.state]
         mx.eval(
             arrays,
             [c.values for c in entry.drafter or () if c.values is not None],
@@ -205,8 +227,10 @@ class PrefixCache:
         if not self.budget or entry.nbytes > self.budget:
             return
         for key, e in list(self._entries.items()):  # an entry this one extends is redundant
-            if common_prefix(e.tokens, entry.tokens) == len(e.tokens) and (
-                e.drafter is None or entry.drafter is not None
+            if (
+                common_prefix(e.tokens, entry.tokens) == len(e.tokens)
+                and (e.drafter is None or entry.drafter is not None)
+                and set(e.chains or ()) <= set(entry.chains or ())
             ):
                 del self._entries[key]
         self._entries[self._next] = entry

@@ -54,6 +54,7 @@ class Planned:
     plan: Any  # memory.MemoryPlan, or None when the plan could not read the checkpoint
     block: BlockChoice | None  # the block size loading would use, as far as known before loading
     plan_error: str | None = None  # why there is no plan
+    chains: dict | None = None  # chain drafters to load: kind -> folder (None: the target's own, MTP)
 
 
 @dataclass(frozen=True)
@@ -145,30 +146,114 @@ def _check_drafter_config(ref: str, path: Path) -> None:
 
 
 def drafter_for(cfg: LoadConfig) -> str | None:
-    """The drafter to load: the flag's, the bundled one with the default target, None for
-    ``no_draft``; any other target without a drafter is refused."""
+    """The DFlash drafter to load: the flag's, the bundled one with the default target, None for
+    ``no_draft`` or a ``--draft`` without dflash; any other target without a drafter is refused
+    (``--draft auto``: no DFlash drafter then)."""
     from .loading import DEFAULT_DRAFTER, MODELS_DIR
 
     if cfg.no_draft:
+        return None
+    sources = cfg.draft_sources
+    auto = sources == ("auto",)
+    if not auto and "dflash" not in sources:
+        if cfg.drafter is not None:
+            raise BadRequest(
+                f"--drafter {cfg.drafter} is a DFlash drafter, but --draft {cfg.draft} does not draft "
+                "with dflash: add dflash to --draft, or drop --drafter"
+            )
         return None
     if cfg.drafter is not None:
         return cfg.drafter
     if cfg.target == DEFAULT_TARGET_ID:
         if not (MODELS_DIR / DEFAULT_DRAFTER).exists():
+            if auto:
+                return None
             raise MlxSpecError(
                 f"the bundled drafter models/{DEFAULT_DRAFTER} is missing from this install; "
                 "pass --drafter PATH, or --no-draft for plain decoding"
             )
         return str(MODELS_DIR / DEFAULT_DRAFTER)
+    if auto:
+        return None
     raise MlxSpecError(
         f"no drafter for target '{cfg.target}': pass --drafter PATH_OR_REPO, or --no-draft for plain decoding"
     )
 
 
+def chain_refs(cfg: LoadConfig) -> dict[str, str | None]:
+    """The chain drafters ``cfg`` asks for, checked before anything loads: kind -> where it
+    loads from (an MTP head: ``--mtp``, the embedded pair's head, else None = the target's own
+    checkpoint folder; EAGLE-3: ``--eagle``, else the embedded pair's). Refused by name: eagle
+    without a checkpoint, mtp on a local folder without ``mtp.*`` tensors (the stripped-conversion
+    message), ``--mtp`` / ``--eagle`` given without their source in ``--draft``. With ``auto``
+    only what exists is returned (an MTP head in a target folder is looked for at load)."""
+    from . import catalog
+    from .loading import DEFAULT_EAGLE, DEFAULT_MTP, MODELS_DIR, has_mtp_tensors
+    from .mtp import STRIPPED
+
+    if cfg.no_draft:
+        return {}
+    sources = cfg.draft_sources
+    auto = sources == ("auto",)
+    default = cfg.target == DEFAULT_TARGET_ID
+    for kind, flag in (("mtp", cfg.mtp), ("eagle", cfg.eagle)):
+        if flag is not None and not auto and kind not in sources:
+            raise BadRequest(
+                f"--{kind} {flag} loads a{'n MTP head' if kind == 'mtp' else 'n EAGLE-3 drafter'}, but --draft "
+                f"{cfg.draft} does not draft with {kind}: add {kind} to --draft, or drop --{kind}"
+            )
+    out: dict[str, str | None] = {}
+    if auto or "eagle" in sources:
+        ref = cfg.eagle
+        if ref is None and default and (MODELS_DIR / DEFAULT_EAGLE).is_dir():
+            ref = str(MODELS_DIR / DEFAULT_EAGLE)
+        if ref is None and not auto:
+            raise BadRequest(
+                "--draft eagle needs an EAGLE-3 drafter: --eagle PATH (a checkpoint folder or a catalog "
+                "name; `mlx_spec models` lists the published ones)"
+                + (f" (the embedded pair's models/{DEFAULT_EAGLE} is not in this install)" if default else "")
+            )
+        if ref is not None:
+            entry = catalog.load_chain().get(ref)
+            if entry is not None and entry.kind != "eagle":
+                raise BadRequest(f"--eagle {ref}: that catalog entry is an {entry.kind} head, not an EAGLE-3 drafter")
+            local = _local_dir(entry.drafter if entry is not None else ref)
+            if local is None and not _is_repo_id(entry.drafter if entry is not None else ref):
+                raise MlxSpecError(f"--eagle {ref}: no such folder, catalog name or Hugging Face repo id")
+            out["eagle"] = entry.drafter if entry is not None else ref
+    if auto or "mtp" in sources:
+        ref = cfg.mtp
+        if ref is None and default and (MODELS_DIR / DEFAULT_MTP).is_dir():
+            ref = str(MODELS_DIR / DEFAULT_MTP)
+        folder = _local_dir(ref) if ref is not None else (None if default else _local_dir(cfg.target))
+        if ref is None and default:
+            if not auto:
+                raise BadRequest(
+                    f"--draft mtp: the embedded default target carries no MTP head (models/{DEFAULT_MTP} is "
+                    "not in this install); pass --mtp PATH (a folder with mtp.* tensors, e.g. from "
+                    "`mlx_spec train mtp`)"
+                )
+        elif folder is None:  # a hub repo: its tensors are looked at once it is downloaded
+            if ref is not None:
+                raise MlxSpecError(f"--mtp {ref}: no such folder (a folder with mtp.* tensors)")
+            if not auto:
+                out["mtp"] = None
+        elif has_mtp_tensors(folder):
+            out["mtp"] = str(folder) if ref is not None else None
+        elif not auto:
+            hint = next((e.target for e in catalog.load_chain().values() if e.target == cfg.target), None)
+            raise CheckpointError(
+                "--draft mtp: " + STRIPPED.format(path=folder, hint=hint or "the model's original repo")
+            )
+    return out
+
+
 def check(cfg: LoadConfig) -> str | None:
-    """Everything that can be checked before loading: the names, and the drafter they resolve
-    to (returned). Commands that load on another thread (serve, chat) call it first."""
+    """Everything that can be checked before loading: the names, the chain drafters asked for,
+    and the drafter they resolve to (returned). Commands that load on another thread (serve,
+    chat) call it first."""
     check_names(cfg)
+    chain_refs(cfg)
     return drafter_for(cfg)
 
 
@@ -183,10 +268,13 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
     from . import memory
 
     drafter = check(cfg)
+    chains = chain_refs(cfg)
     block = stored_block(cfg, drafter)
     why = None
     try:
-        quant, plan = memory.plan_for_config(cfg, drafter, block.block_size if block and not block.off else None)
+        quant, plan = memory.plan_for_config(
+            cfg, drafter, block.block_size if block and not block.off else None, chains=chains
+        )
     except (HubError, UnsupportedModel, IncompatiblePair):  # cannot be fetched, run or paired: say so now
         raise
     except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:
@@ -196,7 +284,7 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
     if plan is not None and enforce:
         log(plan.summary())
         memory.check(plan, force=cfg.force, warn=log)
-    return Planned(cfg, drafter, quant, plan, block, why)
+    return Planned(cfg, drafter, quant, plan, block, why, chains)
 
 
 def serve_sizing(cfg: LoadConfig, *, context: bool, prefix_cache: bool) -> tuple[LoadConfig, str | None]:
@@ -370,9 +458,11 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
 
     cfg, quant = planned.cfg, planned.quant
     memory.set_wired_limit()
+    chains = planned.chains or {}
     log(
         f"loading target {cfg.target}"
-        + (f" + drafter {planned.drafter}" if planned.drafter else " (no drafter: --no-draft)")
+        + (f" + drafter {planned.drafter}" if planned.drafter else " (no drafter: --no-draft)" if cfg.no_draft else "")
+        + "".join(f" + {k} {v or 'head in the target'}" for k, v in chains.items())
         + f" ({quant.describe()})"
     )
     shard = None
@@ -392,6 +482,9 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         draft_vocab=cfg.draft_vocab,
         shard=shard,
         drafter_activations=quant.drafter_activations,
+        sources=cfg.draft_sources,
+        mtp=chains.get("mtp"),
+        eagle=chains.get("eagle"),
     )
 
 

@@ -2,10 +2,11 @@
 
 - tau (mean acceptance length) = committed tokens per drafted cycle, bonus included (plain
   steps the drafting policy took are not draft cycles; a run without drafts has tau 1);
-- cycles = plain cycles + drafted cycles; per draft source ("dflash", "lookup") its cycles,
-  drafted and accepted tokens; the block-size histogram counts cycles by verify rows L
-  (1 = a plain step); drafter passes = cycles the DFlash drafter ran in, trimmed = those where
-  the policy verified only a prefix of its block (a block cut to the anchor is a plain cycle);
+- cycles = plain cycles + drafted cycles; per draft source ("dflash", "lookup", "mtp", "eagle")
+  its cycles, drafted and accepted tokens and acceptance by position; the block-size histogram
+  counts cycles by verify rows L (1 = a plain step); drafter passes = cycles the DFlash drafter
+  ran in, trimmed = those where the policy verified only a prefix of its block (a block cut to
+  the anchor is a plain cycle); head passes = chain drafter passes (a chain of depth k: k);
 - acceptance rate = accepted / drafted draft tokens;
 - acceptance by position k = share of cycles that drafted position k where it was accepted;
 - decode tok/s = tokens committed after the first / wall time of those steps.
@@ -65,6 +66,7 @@ class Stats:
     rollback_ms: float = 0.0
     plain_cycles: int = 0  # cycles without drafts (cycles - plain_cycles = drafted cycles)
     drafter_passes: int = 0  # cycles the DFlash drafter ran in
+    head_passes: int = 0  # chain drafter (MTP / EAGLE-3) passes
     trimmed: int = 0  # ... of which the policy verified only a prefix of its block (or none of it)
     committed_in_drafted: int = 0  # tokens committed by drafted cycles
     block_sizes: dict[int, int] = field(default_factory=dict)  # cycles by verify rows L
@@ -99,14 +101,22 @@ class Stats:
         if step.draft_block:
             self.drafter_passes += 1
             self.trimmed += int(source == "dflash" and L < step.draft_block)
+        self.head_passes += step.head_passes
         if not step.drafted:
             self.plain_cycles += 1
         else:
             self.committed_in_drafted += len(step.tokens)
-            c = self.sources.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0})
+            c = self.sources.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0, "reached": [], "hits": []})
             c["cycles"] += 1
             c["drafted"] += step.drafted
             c["accepted"] += step.accepted
+            reached, hits = c.setdefault("reached", []), c.setdefault("hits", [])
+            while len(reached) < step.drafted:
+                reached.append(0)
+                hits.append(0)
+            for k in range(step.drafted):
+                reached[k] += 1
+                hits[k] += k < step.accepted
         self.committed_in_cycles += len(step.tokens)
         self.drafted += step.drafted
         self.accepted += step.accepted
@@ -141,19 +151,24 @@ class Stats:
         return self.committed_in_cycles / self.cycles if self.cycles else 0.0
 
     def source_stats(self) -> dict[str, dict]:
-        """Per draft source: cycles, drafted, accepted, acceptance rate and tau."""
+        """Per draft source: cycles, drafted, accepted, acceptance rate, tau and acceptance by
+        position (share of its cycles that drafted position k where it was accepted)."""
         return {
             name: {
-                **c,
+                **{k: v for k, v in c.items() if k not in ("reached", "hits")},
                 "acceptance_rate": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else 0.0,
                 "mean_acceptance_length": round((c["accepted"] + c["cycles"]) / c["cycles"], 4),
+                "acceptance_by_position": [
+                    round(h / r, 4) if r else 0.0 for h, r in zip(c.get("hits", []), c.get("reached", []))
+                ],
             }
             for name, c in sorted(self.sources.items())
         }
 
     def trace_text(self, limit: int | None = None) -> str:
-        """The cycles in short form: ``d4:2`` = DFlash, 4 rows, 2 accepted; ``l9:8`` lookup; ``p``
-        a plain step (the last ``limit`` cycles)."""
+        """The cycles in short form: ``d4:2`` = DFlash, 4 rows, 2 accepted; ``l9:8`` lookup;
+        ``m3:2`` an MTP chain (3 rows: 2 head passes); ``e4:3`` EAGLE-3; ``p`` a plain step (the
+        last ``limit`` cycles)."""
         items = self.trace if limit is None else self.trace[-limit:]
         return " ".join("p" if s == "plain" else f"{s[0]}{L}:{a}" for s, L, a in items)
 
@@ -199,6 +214,7 @@ class Stats:
             "plain_cycles": self.plain_cycles,
             "drafted_cycles": self.drafted_cycles,
             "drafter_passes": self.drafter_passes,
+            "head_passes": self.head_passes,
             "trimmed": self.trimmed,
             "block_sizes": {str(L): n for L, n in sorted(self.block_sizes.items())},
             "sources": self.source_stats(),
@@ -231,6 +247,7 @@ class StatsSnapshot:
     plain_cycles: int = 0
     drafted_cycles: int = 0
     drafter_passes: int = 0
+    head_passes: int = 0
     trimmed: int = 0
     block_sizes: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     sources: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))

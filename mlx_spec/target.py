@@ -66,6 +66,37 @@ def _refusal(model: nn.Module, model_type: str | None) -> str:
     return msg + f" (supported: {', '.join(sorted(SUPPORTED))})"
 
 
+def feature_view(taps: Sequence[int], want: Sequence[int]) -> Callable[[mx.array], mx.array]:
+    """The features of the taps ``want`` (in that order) out of a pass's concatenated ``taps``:
+    the whole array when they are the same, a slice when contiguous, else the chunks joined."""
+    taps, want = tuple(taps), tuple(want)
+    missing = [j for j in want if j not in taps]
+    if missing:
+        raise UnsupportedModel(f"the target view does not tap layers {missing} (it taps {list(taps)})")
+    if want == taps:
+        return lambda h: h
+    idx = [taps.index(j) for j in want]
+    n = len(taps)
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        a, b = idx[0], idx[-1] + 1
+        return lambda h: h[..., a * (h.shape[-1] // n) : b * (h.shape[-1] // n)]
+
+    def view(h):
+        w = h.shape[-1] // n
+        return mx.concatenate([h[..., i * w : (i + 1) * w] for i in idx], axis=-1)
+
+    return view
+
+
+def union_taps(*sets: Sequence[int]) -> tuple[int, ...]:
+    """Every tap of ``sets``, each once, in the order first seen: the one target view that
+    serves several drafters (each takes its slice with ``feature_view``)."""
+    out: list[int] = []
+    for taps in sets:
+        out += [j for j in taps if j not in out]
+    return tuple(out)
+
+
 class Target:
     """Wraps an mlx-lm model.
 

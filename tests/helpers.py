@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from mlx_spec.drafter import DFLASH1, DFLASH2, ContextCache, Drafter, DrafterArgs, Proposal
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, save_eagle
+from mlx_spec.mtp import MTPHead
 from mlx_spec.target import Target
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import save_config, save_model
 
 VOCAB = 128
 
@@ -150,6 +155,87 @@ class ScriptedDrafter:
             out.append(tok)
         conf = mx.full((len(out),), 0.9) if confidence else None
         return Proposal(mx.array(out, mx.int32), None, conf)
+
+
+def _sharpen(head, seed):
+    mx.random.seed(seed)
+    params = [(k, v * 3 if k.endswith("weight") and v.ndim == 2 else v) for k, v in tree_flatten(head.parameters())]
+    head.load_weights(params)
+    mx.eval(head.parameters())
+
+
+def write_mtp_checkpoint(root, kind: str, per_expert: bool = False, seed: int = 3):
+    """A tiny target checkpoint carrying an MTP head in the original layout (``mtp.*`` tensors in
+    their own safetensors file, as the original repos shard them). Returns (dir, model, head)."""
+    if kind in TARGET_CONFIGS:
+        model, cfg = tiny_model(kind)
+    else:
+        from test_hybrid import build  # (a test module's builder: imported where it is needed)
+
+        model, cfg = build(kind)
+    cfg = dict(cfg, num_nextn_predict_layers=1)
+    save_model(root, model)
+    save_config(dict(cfg), root / "config.json")
+    mx.random.seed(seed)
+    head = MTPHead(cfg["model_type"], cfg)
+    _sharpen(head, seed)
+    flat = dict(tree_flatten(head.parameters()))
+    if per_expert:  # the original per-expert names
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            w = flat.pop(f"layers.0.mlp.switch_mlp.{n}.weight")
+            for e in range(w.shape[0]):
+                flat[f"layers.0.mlp.experts.{e}.{n}.weight"] = w[e]
+    mx.save_safetensors(str(root / "model-mtp.safetensors"), {"mtp." + k: v for k, v in flat.items()})
+    return root, model, head
+
+
+def _eagle_target():
+    model, cfg = tiny_model("llama")
+    return model, cfg
+
+
+def make_eagle(tmp, layout: str, reduced: bool, seed: int = 5, layer_ids=(1, 2, 3)):
+    model, tcfg = _eagle_target()
+    vd = 64 if reduced else None
+    cfg = eagle_config(tcfg, layout=layout, intermediate_size=96, draft_vocab_size=vd, layer_ids=layer_ids)
+    mx.random.seed(seed)
+    d = Eagle3(Eagle3Args.from_config(cfg))
+    _sharpen(d, seed)
+    if reduced:
+        ids = np.sort(np.random.default_rng(seed).choice(VOCAB, 64, replace=False))
+        d.set_d2t(ids - np.arange(64))
+    save_eagle(d, tmp, cfg, layout)
+    return model, cfg
+
+
+def save_chain_family(root, kind: str = "llama", eagle: bool = True, d2t: bool = True):
+    """One tiny target with every drafter kind, on disk: the target folder (with a tokenizer), an
+    MTP head in its own folder ``mtp`` (``mtp.*`` tensors beside a config declaring one MTP
+    layer, as ``train mtp`` writes one: mlx-lm loads a converted target folder strictly), a
+    DFlash 2 drafter and an EAGLE-3 drafter (llama), with a reduced vocabulary (``d2t``) or
+    without. Returns a dict of the folders."""
+    import json
+    from pathlib import Path
+
+    from mlx_spec.loading import save_drafter
+
+    root = Path(root)
+    out = {}
+    (root / "mtp").mkdir(parents=True, exist_ok=True)
+    _, model, _ = write_mtp_checkpoint(root / "mtp", kind)
+    cfg = json.loads((root / "mtp" / "config.json").read_text())
+    save_model(root / "target", model)
+    save_config({k: v for k, v in cfg.items() if k != "num_nextn_predict_layers"}, root / "target" / "config.json")
+    out["mtp"] = root / "mtp"
+    save_tiny_tokenizer(root / "target")
+    cfg = json.loads((root / "target" / "config.json").read_text())
+    _, d, dcfg = tiny_drafter(model, cfg, v2=True)
+    save_drafter(d, root / "drafter", dcfg)
+    out.update(target=root / "target", drafter=root / "drafter")
+    if eagle:
+        make_eagle(root / "eagle", "eagle", reduced=d2t)
+        out["eagle"] = root / "eagle"
+    return out
 
 
 CHAT_TEMPLATE = (

@@ -4,51 +4,21 @@ itself against a step-by-step reference that recomputes everything without a cac
 import json
 
 from mlx_spec.chain import ChainDrafter
-from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, load_eagle, save_eagle
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, load_eagle
 from mlx_spec.errors import CheckpointError, IncompatiblePair, UnsupportedModel
-from mlx_spec.mtp import MTPHead, load_mtp
+from mlx_spec.mtp import load_mtp
 from mlx_spec.sampling import SamplingConfig, target_probs
 from mlx_spec.target import Target
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import VOCAB, tiny_model
+from helpers import VOCAB, make_eagle, tiny_model, write_mtp_checkpoint
 from mlx.utils import tree_flatten
 from mlx_lm.utils import save_config, save_model
 from test_hybrid import build
 
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3]
-
-
-def _sharpen(head, seed):
-    mx.random.seed(seed)
-    params = [(k, v * 3 if k.endswith("weight") and v.ndim == 2 else v) for k, v in tree_flatten(head.parameters())]
-    head.load_weights(params)
-    mx.eval(head.parameters())
-
-
-def write_mtp_checkpoint(root, kind: str, per_expert: bool = False, seed: int = 3):
-    """A tiny target checkpoint carrying an MTP head in the original layout (``mtp.*`` tensors in
-    their own safetensors file, as the original repos shard them). Returns (dir, model, head)."""
-    if kind == "qwen3":
-        model, cfg = tiny_model("qwen3")
-    else:
-        model, cfg = build(kind)
-    cfg = dict(cfg, num_nextn_predict_layers=1)
-    save_model(root, model)
-    save_config(dict(cfg), root / "config.json")
-    mx.random.seed(seed)
-    head = MTPHead(cfg["model_type"], cfg)
-    _sharpen(head, seed)
-    flat = dict(tree_flatten(head.parameters()))
-    if per_expert:  # the original per-expert names
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            w = flat.pop(f"layers.0.mlp.switch_mlp.{n}.weight")
-            for e in range(w.shape[0]):
-                flat[f"layers.0.mlp.experts.{e}.{n}.weight"] = w[e]
-    mx.save_safetensors(str(root / "model-mtp.safetensors"), {"mtp." + k: v for k, v in flat.items()})
-    return root, model, head
 
 
 def prefill(target: Target, ids):
@@ -89,25 +59,6 @@ def mtp_pair(request, tmp_path_factory):
     root, model, _ = write_mtp_checkpoint(tmp_path_factory.mktemp(kind), kind, per_expert)
     target = Target(model, (), final_hidden=True)
     return root, target, load_mtp(root, target)
-
-
-def _eagle_target():
-    model, cfg = tiny_model("llama")
-    return model, cfg
-
-
-def make_eagle(tmp, layout: str, reduced: bool, seed: int = 5, layer_ids=(1, 2, 3)):
-    model, tcfg = _eagle_target()
-    vd = 64 if reduced else None
-    cfg = eagle_config(tcfg, layout=layout, intermediate_size=96, draft_vocab_size=vd, layer_ids=layer_ids)
-    mx.random.seed(seed)
-    d = Eagle3(Eagle3Args.from_config(cfg))
-    _sharpen(d, seed)
-    if reduced:
-        ids = np.sort(np.random.default_rng(seed).choice(VOCAB, 64, replace=False))
-        d.set_d2t(ids - np.arange(64))
-    save_eagle(d, tmp, cfg, layout)
-    return model, cfg
 
 
 EAGLE_CASES = [("eagle", False), ("eagle", True), ("speculators", False), ("speculators", True)]

@@ -225,6 +225,8 @@ async def health(request: HTTPRequest):
             # the batch's drafter pass ("one pass for all" | "per sequence (<reason>)"): a failed
             # self-check is said here, not only in the log
             "batch_drafter": getattr(engine, "batch_drafter", None),
+            # the batch's chain drafters (MTP / EAGLE-3): k passes per drafting sequence, not packed
+            "batch_chain": getattr(engine, "batch_chain", None),
             # drafter passes with a NaN/inf hidden state or logit, and the float32 fallback they caused
             "drafter": {k: v for k, v in engine.snapshot().items() if k.startswith("drafter_")},
         }
@@ -573,6 +575,19 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
         [({}, snap.get("drafter_passes", 0))],
     )
     metric(
+        "spec_decode_head_passes_total",
+        "counter",
+        "Chain drafter passes (MTP heads, EAGLE-3 layers: a chain of depth k runs k).",
+        [({}, snap.get("head_passes", 0))],
+    )
+    if snap.get("batch_chain") and snap["batch_chain"] != "none":
+        metric(
+            "batch_chain_drafters",
+            "gauge",
+            "1 when the batch has chain drafters; the path label says how their passes run.",
+            [({"path": snap["batch_chain"]}, 1)],
+        )
+    metric(
         "spec_decode_trimmed_total",
         "counter",
         "Drafter passes whose block the policy verified only in part (or not at all: a plain cycle).",
@@ -592,7 +607,8 @@ def prometheus(engine, http_counts: dict, live: dict) -> str:
         metric(
             name,
             "counter",
-            help_ + " (dflash: the drafter; lookup: copies of earlier text)",
+            help_ + " (dflash: the DFlash drafter; mtp: the target's MTP head; eagle: an EAGLE-3 drafter; "
+            "lookup: copies of earlier text)",
             [({"source": src}, c[key]) for src, c in sorted(snap.get("sources", {}).items())],
         )
     metric(

@@ -328,13 +328,24 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
         "block_size_source": engine.block_size_source,
         "draft_vocab": engine.draft_vocab or None,
         "policy": "per-cycle" if engine.adaptive_max and engine.speculative else "fixed",
+        "sources": list(engine.sources) if engine.speculative else [],
+        "chains": {k: p for k, p in engine.chains} if engine.speculative else {},
         "group": engine.group.as_dict(),
     }
     if stats is not None and engine.speculative:
         d = stats.as_dict()
         out["cycles"] = {
             k: d[k]
-            for k in ("cycles", "plain_cycles", "drafted_cycles", "drafter_passes", "trimmed", "block_sizes", "sources")
+            for k in (
+                "cycles",
+                "plain_cycles",
+                "drafted_cycles",
+                "drafter_passes",
+                "head_passes",
+                "trimmed",
+                "block_sizes",
+                "sources",
+            )
             if k in d
         }
         if d.get("cycle_trace") is not None:

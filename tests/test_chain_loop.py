@@ -1,0 +1,354 @@
+"""Chain drafters (MTP heads, EAGLE-3) in the one decode loop: greedy output equal to plain
+decoding through ``generate``, a batch drafting from four sources in one step, exact chain-cache
+rollback after partial acceptance (dense and hybrid targets), the prefix cache, T > 0 in
+distribution, the policy's choice of depth, refusals by name, and what the engine says ran."""
+
+from dataclasses import replace
+
+from mlx_spec.batch import BatchBudget, BatchDecoder, batched_steps
+from mlx_spec.config import LoadConfig
+from mlx_spec.decode import spec_steps
+from mlx_spec.drafter import Proposal
+from mlx_spec.errors import BadRequest, CheckpointError, IncompatiblePair, MlxSpecError
+from mlx_spec.generation import GenConfig, Result, engine_info, generate
+from mlx_spec.loading import load_pair
+from mlx_spec.policy import PLAIN, Acceptance, Copy, Decision
+from mlx_spec.prefix import PrefixCache
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import VOCAB, greedy_reference, save_chain_family
+
+PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77, 3, 5, 9, 17, 33]
+N = 20
+
+
+class Forced:
+    """A draft policy that drafts ``plan[i]`` ((source, rows), cycling) every cycle: a lookup
+    draft only where the lookup has a proposal (else a plain step)."""
+
+    def __init__(self, plan, max_lookup: int = 8):
+        self.plan, self.i = list(plan), 0
+        self.sources = tuple(sorted({s for s, _ in self.plan if s != PLAIN}))
+        self.max_lookup = max_lookup
+        self.pinned, self.max_block = None, 4
+        self.acceptance = {s: Acceptance(8, (1.0,) * 8) for s in ("dflash", "mtp", "eagle")}
+        self.copy = Copy()
+        self.steps = []
+
+    def _next(self, ctx):
+        source, rows = self.plan[self.i % len(self.plan)]
+        if source == "lookup":
+            rows = min(rows, len(ctx.lookup) + 1)
+            if rows < 2:
+                return Decision(PLAIN, 1)
+        return Decision(source, rows)
+
+    def peek(self, ctx):
+        return self._next(ctx)
+
+    def stays_plain(self, ctx):
+        return self._next(ctx).source == PLAIN
+
+    def choose(self, ctx):
+        d = self._next(ctx)
+        self.i += 1
+        return d
+
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        return decision
+
+    def observe(self, step):
+        self.steps.append(step)
+
+
+class AllDraft(BatchBudget):
+    """Every sequence drafts what it wishes (the batch's cost model out of the way)."""
+
+    def plan(self, wants, accs, plain_runs, probes, extra_rows=0, passes=None, heads=None):
+        return list(wants)
+
+
+class Steered:
+    """A chain drafter whose k passes run for real (its cache grows and rolls back as it
+    would), but whose proposal is the known continuation for the first ``rights[i]`` drafts
+    (cycling over calls) and wrong after: partial acceptance on demand."""
+
+    def __init__(self, chain, full, rights=(0, 1, 2, 9)):
+        self.chain, self.full, self.rights, self.calls = chain, list(full), list(rights), 0
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def propose(self, anchor, k, cache, *, sampling=0.0, key=None):
+        self.chain.propose(anchor, k, cache, sampling=sampling, key=key)  # the real passes
+        queued = sum(h.shape[1] for h in cache.queued_h)
+        p = cache.committed + queued  # the anchor's position (the rows it read before it)
+        right = self.rights[self.calls % len(self.rights)]
+        self.calls += 1
+        toks = [self.full[p + j] if j <= right else (self.full[p + j] + 1) % VOCAB for j in range(1, k + 1)]
+        return Proposal(mx.array(toks, mx.int32), None)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """The llama family: target + MTP head, DFlash 2, EAGLE-3 with d2t, loaded as one pair."""
+    dirs = save_chain_family(tmp_path_factory.mktemp("family"))
+    pair = load_pair(
+        str(dirs["target"]),
+        str(dirs["drafter"]),
+        sources=("dflash", "lookup", "mtp", "eagle"),
+        mtp=dirs["mtp"],
+        eagle=dirs["eagle"],
+    )
+    ref = greedy_reference(pair.model, PROMPT, N)
+    return dirs, pair, ref
+
+
+def _gen(pair, policy, prompt=PROMPT, n=N, sampling=SamplingConfig(), prefix=None):
+    info = engine_info(pair, 4, "flag", adaptive=True)
+    result = Result()
+    for _ in generate(pair, info, prompt, GenConfig(max_tokens=n, sampling=sampling), result, prefix, policy=policy):
+        pass
+    return result
+
+
+@pytest.mark.parametrize("source", ["mtp", "eagle"])
+def test_greedy_chain_drafts_through_generate_equal_plain_decoding(family, source):
+    _, pair, ref = family
+    policy = Forced([(source, 4), (source, 2), (source, 3)])
+    result = _gen(pair, policy)
+    assert result.tokens == ref
+    used = result.stats.sources[source]
+    assert used["cycles"] >= 3 and result.stats.head_passes == sum(s.head_passes for s in policy.steps)
+    assert all(s.source == source and s.head_passes == s.drafted for s in policy.steps if s.drafted)
+
+
+def _fresh_chain(pair, kind, ids):
+    """A chain cache built in one go from the target's features of ``ids`` (what the loop's cache
+    must equal after any number of cycles, rollbacks and hand-overs)."""
+    from mlx_spec.target import feature_view
+
+    head = pair.chains[kind]
+    out = pair.target(mx.array([list(ids)]), pair.target.make_cache())
+    feats = out.final if head.final_hidden else feature_view(pair.target.taps, head.taps)(out.hidden)
+    cache = head.make_cache()
+    head.add_context(feats, mx.array(list(ids)), cache)
+    head.flush(cache)
+    return cache
+
+
+def _same_cache(got, want):
+    assert got.offset == want.offset and got.committed == want.committed
+    n = got.offset
+    for a, b in zip(got.layers, want.layers):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            np.testing.assert_allclose(np.array(x[..., :n, :]), np.array(y[..., :n, :]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(got.pending), np.array(want.pending), rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A hybrid gated-delta-net target (qwen3_next) with its MTP head in its own folder."""
+    dirs = save_chain_family(tmp_path_factory.mktemp("hybrid"), "qwen3_next", eagle=False)
+    pair = load_pair(str(dirs["target"]), None, sources=("mtp",), mtp=dirs["mtp"])
+    return pair, greedy_reference(pair.model, PROMPT, N)
+
+
+def _steered_run(pair, ref, kind, rights=(0, 1, 2, 9)):
+    steered = Steered(pair.chains[kind], PROMPT + ref, rights)
+    kept = []
+    policy = Forced([(kind, 4)])
+    steps = list(
+        spec_steps(
+            pair.target,
+            pair.drafter if "dflash" in pair.draft_sources else None,
+            PROMPT,
+            block_size=1,
+            max_tokens=N,
+            policy=policy,
+            chains={**pair.chains, kind: steered},
+            on_exit=kept.append,
+        )
+    )
+    return steps, kept[0]
+
+
+@pytest.mark.parametrize("case", ["mtp-dense", "eagle-dense", "mtp-hybrid"])
+def test_chain_cache_after_partial_acceptance_equals_a_fresh_one(family, hybrid, case):
+    kind, where = case.split("-")
+    pair, ref = (family[1], family[2]) if where == "dense" else hybrid
+    steps, kept = _steered_run(pair, ref, kind)
+    assert [t for s in steps for t in s.tokens] == ref
+    accepted = {s.accepted for s in steps if s.drafted}
+    assert {0, 1, 2} <= accepted and max(accepted) == 3  # rejected, partly and wholly accepted drafts
+    assert kept.tokens == tuple(PROMPT + ref[:-1])  # the caches hold every fed id
+    _same_cache(kept.chains[kind], _fresh_chain(pair, kind, kept.tokens))
+
+
+def test_a_batch_drafts_from_four_sources_in_one_step_and_each_reply_equals_plain(family):
+    _, pair, _ = family
+    prompts = [PROMPT, PROMPT[3:] + PROMPT, PROMPT[::-1] + PROMPT[:5], PROMPT * 2]
+    refs = [greedy_reference(pair.model, p, N) for p in prompts]
+    plans = [[("mtp", 3)], [("eagle", 4)], [("dflash", 4)], [("lookup", 6)]]
+    dec = BatchDecoder(pair.target, pair.drafter, chains=pair.chains, max_batch=4, policy=AllDraft(), block_size=4)
+    assert "not packed" in dec.chain_path  # said, as the drafter path is
+    sids = [dec.add(p, max_tokens=N, policy=Forced(plan)) for p, plan in zip(prompts, plans)]
+    got, together = {s: [] for s in sids}, []
+    while len(dec):
+        steps = dec.step()
+        together.append({st.source for _, st in steps if st.drafted})
+        for sid, st in steps:
+            got[sid] += st.tokens
+    assert [got[s] for s in sids] == refs
+    assert {"mtp", "eagle", "dflash", "lookup"} in together  # one step, four sources
+
+
+def test_the_prefix_cache_hands_chain_caches_to_the_next_turn(family):
+    """A whole entry (the next turn extends it) and a partial one (a prompt that departs from
+    it: taken one token shorter) both give the target's output, and the chain caches the next
+    run leaves equal fresh ones."""
+    _, pair, ref = family
+    prefix = PrefixCache(1 << 26, min_tokens=4)
+    plan = [("mtp", 3), ("eagle", 3)]
+    first = _gen(pair, Forced(plan), prefix=prefix)
+    assert first.tokens == ref
+    for prompt in (PROMPT + ref + [7, 11], PROMPT[:9] + [60, 61, 62]):
+        want = greedy_reference(pair.model, prompt, 12)
+        hits = prefix.hits
+        assert _gen(pair, Forced(plan), prompt, 12, prefix=prefix).tokens == want
+        assert prefix.hits == hits + 1
+        entry = list(prefix._entries.values())[-1]
+        assert entry.tokens == tuple(prompt + want[:-1]) and set(entry.chains) == {"mtp", "eagle"}
+        for kind in ("mtp", "eagle"):
+            _same_cache(entry.chains[kind], _fresh_chain(pair, kind, entry.tokens))
+
+
+# -- T > 0: the chain's proposal distribution, through the loop ------------------------------------
+
+SMALL_V = 4  # every draft lands in the target's support: a wrong q would show
+SAMPLED = SamplingConfig(1.0)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 4-token-vocabulary llama target with a DFlash drafter, an MTP head and EAGLE-3 drafters
+    with and without a reduced vocabulary, in memory: (target view, drafter, chains)."""
+    import importlib
+
+    from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config
+    from mlx_spec.mtp import MTPHead
+    from mlx_spec.target import Target, union_taps
+
+    from helpers import TARGET_CONFIGS, _sharpen, tiny_drafter
+
+    cfg = dict(TARGET_CONFIGS["llama"], vocab_size=SMALL_V)
+    mod = importlib.import_module("mlx_lm.models.llama")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    _, drafter, _ = tiny_drafter(model, cfg)
+    eagles = {}
+    for name, vd in (("eagle", 3), ("eagle-full", None)):
+        mx.random.seed(5)
+        e = Eagle3(
+            Eagle3Args.from_config(eagle_config(cfg, intermediate_size=96, draft_vocab_size=vd, layer_ids=(1, 2, 3)))
+        )
+        _sharpen(e, 5)
+        if vd:
+            e.set_d2t(np.array([0, 2, 3]) - np.arange(3))
+        eagles[name] = e.bind(Target(model, ()))
+    target = Target(model, union_taps(drafter.args.target_layer_ids, eagles["eagle"].taps), final_hidden=True)
+    drafter.bind(target.embed, target.head)
+    mx.random.seed(3)
+    head = MTPHead("llama", dict(cfg, num_nextn_predict_layers=1))
+    _sharpen(head, 3)  # peaked proposals: a wrong q is far from the right one
+    head.bind(target.embed, target.head)
+    return target, drafter, {"mtp": head, **eagles}
+
+
+def _law(target, prompt, cfg, depth=3):
+    """The target's exact law of its next ``depth`` tokens under ``cfg``."""
+    from mlx_spec.sampling import target_probs
+
+    law = {}
+
+    def walk(prefix, p):
+        if len(prefix) == depth:
+            law[tuple(prefix)] = p
+            return
+        out = target(mx.array([prompt + prefix]), target.make_cache())
+        q = np.array(target_probs(out.logits[0, -1], cfg))
+        for t in np.nonzero(q)[0]:
+            walk(prefix + [int(t)], p * float(q[t]))
+
+    walk([], 1.0)
+    return law
+
+
+class WrongQ:
+    """A chain drafter that reports another distribution than the one its drafts were drawn from
+    (its q shifted by one token): rejection sampling then judges them by the wrong law. What the
+    distribution test must catch (a q merely dropped is a point-mass proposal: still exact)."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def propose(self, anchor, k, cache, *, sampling=0.0, key=None):
+        p = self.chain.propose(anchor, k, cache, sampling=sampling, key=key)
+        return Proposal(p.tokens, mx.roll(p.q, 1, axis=-1))
+
+
+SMALL_PROMPT = [1, 3, 2, 0, 1, 1, 3]
+
+
+def _sampled_counts(small, plans, chains, rounds=8, batch=64):
+    """Counts of the first three tokens of ``rounds * batch`` seeded replies, decoded ``batch``
+    at a time (sequence i drafts with ``plans[i % len(plans)]``, its cycle shifted by i), and
+    the target's exact law of them."""
+    target, drafter, _ = small
+    law = _law(target, SMALL_PROMPT, SAMPLED)
+    cells = {y: i for i, y in enumerate(sorted(law))}
+    counts = np.zeros(len(cells))
+    dec = BatchDecoder(target, drafter, chains=chains, max_batch=batch, policy=AllDraft(), block_size=3)
+    for r in range(rounds):
+        jobs = []
+        for i in range(batch):
+            pol = Forced(plans[i % len(plans)])
+            pol.i = i
+            jobs.append(
+                dict(prompt=SMALL_PROMPT, max_tokens=3, sampling=replace(SAMPLED, seed=r * batch + i), policy=pol)
+            )
+        out = {j: [] for j in range(batch)}
+        for j, st in batched_steps(dec, jobs):
+            out[j] += st.tokens
+        for toks in out.values():
+            counts[cells[tuple(toks)]] += 1
+    return counts, np.array([law[y] for y in sorted(law)])
+
+
+@pytest.mark.parametrize("plan", ["mtp", "eagle", "mixed"])
+def test_sampled_chain_drafts_keep_the_target_distribution(small, plan):
+    """MTP; EAGLE-3 over a reduced vocabulary (its q scattered back to the target's); every
+    source switching per cycle, different ones in the same step (EAGLE-3 over the full one)."""
+    from test_sampling import gof_pvalue
+
+    heads = small[2]
+    chains = {"mtp": heads["mtp"], "eagle": heads["eagle-full" if plan == "mixed" else "eagle"]}
+    plans = [[(plan, 3)]]
+    if plan == "mixed":
+        plans = [[("mtp", 3), ("eagle", 2), ("dflash", 3), ("lookup", 3)], [("eagle", 3), ("mtp", 2), ("dflash", 2)]]
+    counts, law = _sampled_counts(small, plans, chains)
+    assert gof_pvalue(counts, law) > 0.001
+
+
+def test_the_distribution_check_catches_a_chain_proposal_with_the_wrong_q(small):
+    from test_sampling import gof_pvalue
+
+    counts, law = _sampled_counts(small, [[("mtp", 3)]], {"mtp": WrongQ(small[2]["mtp"])})
+    assert gof_pvalue(counts, law) < 0.001
