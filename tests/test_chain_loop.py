@@ -352,3 +352,169 @@ def test_the_distribution_check_catches_a_chain_proposal_with_the_wrong_q(small)
 
     counts, law = _sampled_counts(small, [[("mtp", 3)]], {"mtp": WrongQ(small[2]["mtp"])})
     assert gof_pvalue(counts, law) < 0.001
+
+
+# -- the policy: sources, depth, cost ----------------------------------------------------------------
+
+
+def _policy(acc, tc, **kw):
+    from mlx_spec.costs import Costs
+    from mlx_spec.policy import ChainPrior, DraftPolicy
+
+    costs = Costs(10.0, {2: 1.0, 4: 1.2, 8: 1.6}, {B: 10.0 + (B - 1) for B in (1, 2, 3, 4, 5, 8, 9)}, 64)
+    return DraftPolicy(costs, 4, sources=("mtp",), chains={"mtp": ChainPrior(tuple(acc), tc, 8, True)}, **kw)
+
+
+def _best_depth(pol, tc):
+    """The depth with the most expected tokens per ms, by hand: E(k) / (Tt(k + 1) + k * Tc)."""
+    curve = pol.acceptance["mtp"].curve()
+    rate = {k: (1 + sum(curve[:k])) / (10.0 + k + k * tc) for k in range(1, 9)}
+    return max(rate, key=rate.get)
+
+
+@pytest.mark.parametrize(
+    "acc,tc",
+    [
+        ((0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6), 0.5),  # a good head: deep chains
+        ((0.7, 0.35, 0.1, 0.02, 0.01, 0.0, 0.0, 0.0), 0.5),  # a weak tail: short ones
+        ((0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6), 3.0),  # dear head passes: shorter
+    ],
+)
+def test_the_policy_drafts_the_chain_depth_a_scripted_acceptance_makes_best(acc, tc):
+    from mlx_spec.policy import Context
+
+    pol = _policy(acc, tc, margin=0.0)
+    k = _best_depth(pol, tc)
+    assert pol.choose(Context()) == Decision("mtp", k + 1)
+
+
+def test_the_chain_depth_follows_what_the_reply_accepts():
+    """A chain whose drafts are all accepted drafts deeper; one whose first draft is, and no
+    more, drafts short (each source learns its own acceptance by position)."""
+    from mlx_spec.batch import Step
+    from mlx_spec.policy import Context
+
+    depths = []
+    for accepted_of in (lambda k: k, lambda k: min(k, 1)):
+        pol = _policy((0.6, 0.3, 0.15, 0.07, 0.03, 0.01, 0.0, 0.0), 0.3, margin=0.0)
+        first = pol.choose(Context()).length
+        for _ in range(30):
+            d = pol.choose(Context())
+            k = d.length - 1
+            a = accepted_of(k)
+            pol.observe(
+                Step(tuple(range(a + 1)), drafted=k, accepted=a, block_size=d.length, source="mtp", head_passes=k)
+            )
+        depths.append((first, pol.choose(Context()).length))
+    (first, deep), (_, one) = depths
+    assert deep == 9 > first  # the deepest chain (MAX_CHAIN_DEPTH)
+    assert one <= 3  # one or two drafts (an untried second position is judged by the first's)
+
+
+def test_a_resting_chain_source_is_probed_like_the_drafter():
+    from mlx_spec.batch import Step
+    from mlx_spec.policy import Context
+
+    pol = _policy((0.02,) * 8, 3.0)  # a chain that never pays: plain steps, and probes
+    ds = []
+    for _ in range(40):
+        d = pol.choose(Context())
+        ds.append(d)
+        k = d.length - 1
+        pol.observe(Step((1,), drafted=k, accepted=0, block_size=d.length, source=d.source, head_passes=k))
+    probes = [i for i, d in enumerate(ds) if d.source == "mtp"]
+    assert ds[0].source == PLAIN and pol.rest["mtp"]
+    assert probes and all(ds[i].probe and ds[i].length <= 3 for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the spacing doubles while probes fail
+
+
+def test_the_batch_budget_counts_a_chain_draft_s_head_passes():
+    """The same wish and acceptance: a lookup draft (rows only) is taken where a chain draft,
+    paying a head pass per drafted row, is not."""
+    from mlx_spec.batch import Acceptance as RowAcceptance
+    from mlx_spec.batch import StepCost
+
+    class Fixed(BatchBudget):
+        def __init__(self):
+            super().__init__()
+            self._costs = StepCost(100.0, 4.0, 4.0, 1.0, 2.0, 5.0, 40.0)
+
+        def observe(self, *a, **k):
+            pass
+
+    good = RowAcceptance(4, (0.6, 0.4, 0.3))
+    pol = Fixed()
+    assert pol.plan([4, 4], [good, good], [0, 0], [8, 8], 0, [False, False], [False, True]) == [4, 1]
+    free = BatchBudget()
+    free._costs = StepCost(100.0, 4.0, 4.0, 1.0, 2.0, 5.0, 0.0)
+    free.observe = lambda *a, **k: None
+    assert free.plan([4, 4], [good, good], [0, 0], [8, 8], 0, [False, False], [False, True]) == [4, 4]
+
+
+# -- refusals by name, and what the engine says ran ---------------------------------------------------
+
+
+def test_a_requested_source_that_cannot_run_is_refused_by_name(family, tmp_path, monkeypatch):
+    from mlx_spec import loading, session
+    from mlx_spec.config import parse_draft
+    from mlx_spec.default_target import DEFAULT_TARGET_ID
+    from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, save_eagle
+
+    from helpers import TARGET_CONFIGS
+
+    dirs = family[0]
+    t, d = str(dirs["target"]), str(dirs["drafter"])
+    with pytest.raises(CheckpointError, match=r"has no mtp\.\* tensors: this conversion stripped"):
+        session.check(LoadConfig(target=t, drafter=d, draft="dflash,mtp"))
+    with pytest.raises(BadRequest, match="--draft eagle needs an EAGLE-3 drafter: --eagle PATH"):
+        session.check(LoadConfig(target=t, drafter=d, draft="dflash,eagle"))
+    with pytest.raises(BadRequest, match="unknown source 'medusa'"):
+        parse_draft("dflash,medusa")
+    with pytest.raises(BadRequest, match="--no-adaptive drafts a fixed DFlash block"):
+        LoadConfig(target=t, draft="mtp", adaptive=False)
+    with pytest.raises(BadRequest, match="--mtp .* but --draft dflash does not draft with mtp"):
+        session.check(LoadConfig(target=t, drafter=d, draft="dflash", mtp=str(dirs["mtp"])))
+    monkeypatch.setattr(loading, "MODELS_DIR", tmp_path)  # an install without the embedded heads
+    with pytest.raises(BadRequest, match="embedded default target carries no MTP head"):
+        session.chain_refs(LoadConfig(target=DEFAULT_TARGET_ID, draft="mtp"))
+    assert session.chain_refs(LoadConfig(target=DEFAULT_TARGET_ID, draft="auto")) == {}
+    # a drafter that does not fit the target
+    other = dict(TARGET_CONFIGS["llama"], hidden_size=32, num_attention_heads=2)
+    save_eagle(
+        Eagle3(Eagle3Args.from_config(eagle_config(other, intermediate_size=64))),
+        tmp_path / "e",
+        eagle_config(other, intermediate_size=64),
+    )
+    with pytest.raises(
+        IncompatiblePair, match="EAGLE-3 drafter does not fit the target: drafter fuses target features of width 32"
+    ):
+        load_pair(t, None, sources=("eagle",), eagle=tmp_path / "e")
+    with pytest.raises(MlxSpecError, match="--draft eagle needs an EAGLE-3 drafter"):
+        load_pair(t, None, sources=("eagle",))
+
+
+def test_the_engine_line_stats_and_server_block_name_the_sources(family):
+    from mlx_spec.server.schemas import speculation
+
+    _, pair, ref = family
+    info = engine_info(pair, 4, "flag", adaptive=True)
+    line = info.describe()
+    assert "(dflash+lookup+mtp+eagle)" in line and "MTP head" in line and "EAGLE-3 drafter" in line
+    assert "DFlash block <= 16, a lookup draft, an MTP chain or an EAGLE-3 chain" in line
+    result = _gen(pair, Forced([("mtp", 3), ("eagle", 4), ("dflash", 3), (PLAIN, 1)]))
+    assert result.tokens == ref
+    st = result.stats
+    trace = st.trace_text()
+    assert "m3:" in trace and "e4:" in trace and "d3:" in trace and " p" in trace
+    by = st.source_stats()
+    assert len(by["mtp"]["acceptance_by_position"]) == 2 and len(by["eagle"]["acceptance_by_position"]) == 3
+    assert st.head_passes == by["mtp"]["drafted"] + by["eagle"]["drafted"] > 0
+    block = speculation(info, st.snapshot(trace=True))
+    assert block["sources"] == ["dflash", "lookup", "mtp", "eagle"] and set(block["chains"]) == {"mtp", "eagle"}
+    assert {"mtp", "eagle", "dflash"} <= set(block["cycles"]["sources"])
+    assert block["cycles"]["head_passes"] == st.head_passes
+    # a pair without DFlash: the chain drafts alone
+    only = replace(pair, drafter=None, drafter_id=None, sources=("mtp", "lookup"), chain_ids={"mtp": "x"})
+    one = engine_info(only, adaptive=True)
+    assert one.method == "mtp" and one.speculative and "(mtp+lookup)" in one.describe()
