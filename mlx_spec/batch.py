@@ -891,6 +891,12 @@ class StepCost(NamedTuple):
         )
 
 
+def heads_kw(heads: Sequence[bool] | None) -> dict:
+    """``BatchBudget.plan``'s ``heads`` argument, passed only when a sequence drafts with a chain
+    drafter (a subclass written before chain drafters overrides ``plan`` without it)."""
+    return {"heads": list(heads)} if heads is not None and any(heads) else {}
+
+
 class BatchBudget:
     """Which sequences draft this step, and how long their blocks are.
 
@@ -1008,7 +1014,7 @@ class BatchBudget:
     ) -> list[int]:
         """Each sequence's rows this step (1 = plain), at most its wish (``plan``), counted: after
         ``explore_every`` drafting steps in a row the next is plain."""
-        L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes, heads)
+        L = self.plan(wants, accs, plain_runs, probes, extra_rows, passes, **heads_kw(heads))
         self.count(L, len(wants) > 1 or bool(extra_rows))
         return L
 
@@ -1124,6 +1130,7 @@ class _Seq:
     probe_every: int = 8
     ctx: Context | None = None  # this step's lookup context (policy sequences)
     row: Row | None = None  # its place in the batch's shared K/V once decoding (``BatchKV``)
+    fixed: str = DFLASH  # the source it drafts every cycle without a policy ("dflash" or a chain kind)
     chains: dict = field(default_factory=dict)  # kind -> its chain drafter's ``chain.ChainCache``
     # kind -> [(features (1, n, F), the n ids fed there)] not yet handed to that chain drafter
     cpend: dict = field(default_factory=dict)
@@ -1210,9 +1217,12 @@ class BatchDecoder:
         if bad:
             raise ValueError(f"unknown chain drafter kinds {bad} (known: {', '.join(CHAINS)})")
         # each drafter's slice of the target view's features
-        taps = tuple(getattr(target, "taps", ()))
+        taps = getattr(target, "taps", None)  # (a stand-in target without taps: its features are DFlash's)
         dtaps = getattr(getattr(drafter, "args", None), "target_layer_ids", None)
-        self._dflash_view = feature_view(taps, dtaps if dtaps is not None else taps) if drafter is not None else None
+        self._dflash_view = None
+        if drafter is not None:
+            self._dflash_view = (lambda h: h) if taps is None or dtaps is None else feature_view(taps, dtaps)
+        taps = tuple(taps or ())
         self._chain_views = {}
         for kind, c in self.chains.items():
             if c.final_hidden:
@@ -1256,7 +1266,7 @@ class BatchDecoder:
             self.drafter_path,
             self.chain_path,
         )
-        self.block_size = block_size if drafter is not None else 1
+        self.block_size = block_size if drafter is not None or self.chains else 1
         self.max_batch = max_batch
         self.prefill_chunk, self.prefill_step = max(1, prefill_chunk), max(1, prefill_step)
         self.policy = policy or BatchBudget()
@@ -1291,6 +1301,7 @@ class BatchDecoder:
         speculate: bool = True,
         block_size: int | None = None,
         index: SuffixIndex | None = None,
+        source: str = DFLASH,
     ) -> int:
         """Admit a sequence; it joins at the next ``step``. Returns its id.
 
@@ -1298,7 +1309,9 @@ class BatchDecoder:
         alone; ``BatchBudget`` then decides what the batch can afford. Without one it wishes
         ``block_size`` DFlash drafts (default: the decoder's). ``index``: the lookup index over
         ``prompt`` its policy's lookup drafts come from (default ``SuffixIndex(prompt,
-        lookup_ngram, stop=eos_ids)``), extended by the committed tokens."""
+        lookup_ngram, stop=eos_ids)``), extended by the committed tokens. ``source``: what it
+        drafts every cycle without a policy (a fixed block of ``block_size`` rows): "dflash" or
+        a loaded chain drafter's kind."""
         if len(self._seqs) >= self.max_batch:
             raise MlxSpecError(f"the batch is full ({self.max_batch} sequences)")
         if not prompt:
@@ -1307,11 +1320,15 @@ class BatchDecoder:
             raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
         if self.drafter is None and policy is not None and DFLASH in policy.sources:
             raise ValueError("a DFlash draft policy needs a drafter")
-        kinds = [k for k in CHAINS if policy is not None and k in policy.sources]
+        if source != DFLASH and source not in self.chains:
+            raise ValueError(f"a fixed {source} draft needs that chain drafter loaded (loaded: {sorted(self.chains)})")
+        kinds = [k for k in CHAINS if (k in policy.sources if policy is not None else k == source)]
         missing = [k for k in kinds if k not in self.chains]
         if missing:
             raise ValueError(f"a draft policy with {', '.join(missing)} needs that chain drafter loaded")
-        speculate = speculate and (self.drafter is not None or policy is not None)
+        speculate = speculate and (
+            self.drafter is not None or policy is not None or (source != DFLASH and self.block_size > 1)
+        )
         kinds = kinds if speculate else []
         done = prefix_start(prefill, prompt)
         if prefill is not None and speculate and self.drafter is not None and prefill.drafter is None:
@@ -1335,7 +1352,7 @@ class BatchDecoder:
             max_tokens,
             frozenset(eos_ids),
             sampling,
-            self.block_size if block_size is None or self.drafter is None else block_size,
+            self.block_size if block_size is None or (self.drafter is None and not self.chains) else block_size,
             policy if speculate else None,
             index if speculate else None,
             on_exit,
@@ -1348,6 +1365,7 @@ class BatchDecoder:
             Acceptance(max(1, self.block_size - 1)),
             time.perf_counter(),
             probe_every=self.policy.probe_every,
+            fixed=source,
             chains=heads,
             cpend={k: [] for k in heads},
         )
@@ -1414,7 +1432,7 @@ class BatchDecoder:
             if d.source == PLAIN and batch > 1 and self.widen and DFLASH in s.policy.sources:
                 d = Decision(DFLASH, s.policy.pinned or s.policy.max_block)
         else:
-            d = Decision(DFLASH, s.block_size)
+            d = Decision(s.fixed, s.block_size)
         L = max(1, min(d.length, room))
         if d.source == LOOKUP:
             L = min(L, len(s.ctx.lookup) + 1)
@@ -1439,7 +1457,9 @@ class BatchDecoder:
             return s.acc
         if d.source == LOOKUP:
             curve = s.policy.copy.curve(s.ctx.match, d.length - 1)
-        else:  # DFlash's or a chain drafter's running acceptance by position
+        elif d.source == DFLASH:
+            curve = s.policy.dflash.curve()
+        else:  # a chain drafter's running acceptance by position
             curve = s.policy.acceptance[d.source].curve()
         return Acceptance(len(curve), curve)
 
@@ -1486,7 +1506,7 @@ class BatchDecoder:
             *self._budget_inputs(decoding, wish),
             0,
             [d.source == DFLASH for d in wish],
-            [d.source in CHAINS for d in wish],
+            **heads_kw([d.source in CHAINS for d in wish]),
         )
         return max(plan, default=1) <= 1
 

@@ -58,13 +58,37 @@ def spread(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- one generation
 
-# kind -> the per-cycle policy's draft sources (policy.PolicyFactory); "hybrid" is the default engine
-POLICY_SOURCES = {"adaptive": ("dflash",), "lookup-policy": ("lookup",), "hybrid": ("dflash", "lookup")}
+# kind -> the per-cycle policy's draft sources (policy.PolicyFactory); "hybrid" is the default engine,
+# "auto" every source the loaded pair has (its ``draft_sources``)
+POLICY_SOURCES = {
+    "adaptive": ("dflash",),
+    "lookup-policy": ("lookup",),
+    "hybrid": ("dflash", "lookup"),
+    "mtp-policy": ("mtp",),
+    "eagle-policy": ("eagle",),
+    "auto": ("dflash", "lookup", "mtp", "eagle"),
+}
+# `bench --methods` names -> the policy row restricted to that source set
+METHOD_KINDS = {
+    "lookup": "lookup-policy",
+    "mtp": "mtp-policy",
+    "eagle": "eagle-policy",
+    "dflash": "adaptive",
+    "auto": "auto",
+}
+CHAIN_KINDS = ("mtp", "eagle")  # a fixed chain of depth block_size - 1 every cycle (the tuner's probe)
+
+
+def policy_sources(kind: str, pair) -> tuple[str, ...]:
+    """The draft sources of a policy row on ``pair``: "auto" is every source the pair has."""
+    if kind == "auto":
+        return tuple(getattr(pair, "draft_sources", ("dflash", "lookup")))
+    return POLICY_SOURCES[kind]
 
 
 @dataclass(frozen=True, slots=True)
 class Method:
-    kind: str  # mlx-lm | plain | dflash | adaptive | lookup-policy | hybrid | lookup | ar-draft | peer
+    kind: str  # mlx-lm | plain | dflash | mtp | eagle | a POLICY_SOURCES kind | lookup | ar-draft | peer
     block_size: int = 1  # tokens per verify incl. the anchor (lookup/ar-draft: drafts + 1)
     full_vocab: bool = False  # dflash with the whole head though the drafter ships a draft vocabulary
 
@@ -80,6 +104,12 @@ class Method:
             return "lookup per-cycle"
         if self.kind == "hybrid":
             return "hybrid (default)"
+        if self.kind in ("mtp-policy", "eagle-policy"):
+            return f"{self.kind[:-7]} per-cycle"
+        if self.kind == "auto":
+            return "auto (every source)"
+        if self.kind in CHAIN_KINDS:
+            return f"{self.kind} k={self.block_size - 1}"
         return f"{self.kind} B={self.block_size}" + (" full-vocab" if self.full_vocab else "")
 
     @property
@@ -96,6 +126,11 @@ class Run:
     stats: Stats
     blocks: dict[int, int]  # cycles per block size L (drafted + 1), prefill excluded
     drafter_blocks: dict[int, int] = field(default_factory=dict)  # cycles the drafter ran in, per its own block
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """Chain head passes by kind (a chain of depth k: k passes, its drafted tokens)."""
+        return {k: c["drafted"] for k, c in self.stats.sources.items() if k in CHAIN_KINDS}
 
     @property
     def decode_s(self) -> float:
@@ -130,7 +165,9 @@ class Runner:
     def _policy(self, method: Method):
         """A fresh per-cycle policy over ``method``'s draft sources (policy.PolicyFactory)."""
         if method not in self._policies:  # as the engine builds them: the tuner's curve and prior
-            self._policies[method] = PolicyFactory(self.pair, self.tuned, sources=POLICY_SOURCES[method.kind])
+            self._policies[method] = PolicyFactory(
+                self.pair, self.tuned, sources=policy_sources(method.kind, self.pair)
+            )
         return self._policies[method]()
 
     def steps(self, method: Method, ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
@@ -139,8 +176,22 @@ class Runner:
             return mlx_lm_steps(p.model, p.tokenizer, ids, max_tokens=max_tokens, stop_at_eos=self.stop_at_eos)
         if method.kind == "plain":
             return plain_steps(p.model, ids, max_tokens=max_tokens, eos_ids=self.eos)
+        chains = getattr(p, "chains", None) or None
         if method.kind == "dflash":
-            return spec_steps(p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
+            return spec_steps(
+                p.target, p.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos, chains=chains
+            )
+        if method.kind in CHAIN_KINDS:
+            return spec_steps(
+                p.target,
+                p.drafter,
+                ids,
+                block_size=B,
+                max_tokens=max_tokens,
+                eos_ids=self.eos,
+                chains=chains,
+                source=method.kind,
+            )
         if method.kind in POLICY_SOURCES:
             return spec_steps(
                 p.target,
@@ -150,6 +201,7 @@ class Runner:
                 max_tokens=max_tokens,
                 eos_ids=self.eos,
                 policy=self._policy(method),
+                chains=chains,
             )
         if method.kind == "lookup":
             from .baselines import lookup_steps
@@ -229,21 +281,33 @@ def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_
 
 
 def model_ms(
-    method: Method, blocks: dict[int, int], costs: Costs, drafter_blocks: dict[int, int] | None = None
+    method: Method,
+    blocks: dict[int, int],
+    costs: Costs,
+    drafter_blocks: dict[int, int] | None = None,
+    heads: dict[str, int] | None = None,
 ) -> float:
     """The two passes' time over a run's cycles by the cost curve (nan where unknown). A
     per-cycle policy's cycles: Tt(L) each (a plain step: T1), plus Td(L) for those the drafter
-    ran in (``drafter_blocks``)."""
+    ran in (``drafter_blocks``), plus Tc per chain head pass (``heads``: kind -> passes)."""
     if method.full_vocab:  # the cost curve's draft passes used the reduced draft head
         return math.nan
+    heads = {k: n for k, n in (heads or {}).items() if n}
+    if any(k not in costs.tc_ms for k in heads):
+        return math.nan  # a chain ran whose head pass was not timed
+    chain = sum(n * costs.tc_ms[k] for k, n in heads.items())
     if method.kind in POLICY_SOURCES:
-        return sum(n * costs.step_ms(L) for L, n in blocks.items()) + sum(
-            n * costs.draft(L) for L, n in (drafter_blocks or {}).items()
+        return (
+            sum(n * costs.step_ms(L) for L, n in blocks.items())
+            + sum(n * costs.draft(L) for L, n in (drafter_blocks or {}).items())
+            + chain
         )
     total = 0.0
     for L, n in blocks.items():
         if method.kind in ("plain", "mlx-lm"):
             c = costs.t1_ms
+        elif method.kind in CHAIN_KINDS:
+            c = costs.t1_ms if L == 1 else costs.verify(L)  # (its head passes: ``chain``)
         elif method.kind == "lookup":
             c = costs.verify(L)
         elif method.kind == "ar-draft":
@@ -251,7 +315,7 @@ def model_ms(
         else:
             c = costs.draft(L) + costs.verify(L)
         total += n * c
-    return total
+    return total + chain
 
 
 # ---------------------------------------------------------------- side by side
@@ -437,8 +501,8 @@ def summarize(
                 st.accepted,
                 policy=m.kind in POLICY_SOURCES,
                 cycles=longest,
-                probes="dflash" in POLICY_SOURCES.get(m.kind, ()),
-                drafter_ran=st.drafter_passes,
+                probes=bool({"dflash", "mtp", "eagle"} & set(POLICY_SOURCES.get(m.kind, ()))),
+                drafter_ran=st.drafter_passes + st.head_passes,
             ):
                 row.status = (
                     f"failed: mechanism did not engage (drafted {st.drafted}, accepted {st.accepted}, "
@@ -476,9 +540,13 @@ def summarize(
                 row.tt_ms = _r(costs.verify(m.block_size), 2)
             elif m.kind == "lookup":
                 row.td_ms, row.tt_ms = 0.0, _r(costs.verify(m.block_size), 2)
+            elif m.kind in CHAIN_KINDS or m.kind in ("mtp-policy", "eagle-policy"):
+                kind = m.kind.split("-")[0]  # Td is the head pass (Tc); a chain of depth k costs k
+                row.td_ms = _r(costs.tc_ms.get(kind), 2)
+                row.tt_ms = _r(costs.verify(m.block_size), 2) if m.kind in CHAIN_KINDS else None
             elif m.kind == "ar-draft" and costs.t1_draft_ms:
                 row.td_ms, row.tt_ms = _r((m.block_size - 1) * costs.t1_draft_ms, 2), _r(costs.verify(m.block_size), 2)
-            passes = sum(model_ms(m, s.run.blocks, costs, s.run.drafter_blocks) for s in mine)
+            passes = sum(model_ms(m, s.run.blocks, costs, s.run.drafter_blocks, s.run.heads) for s in mine)
             if m.speculative and passes and not math.isnan(passes):
                 # committed tokens * T1 / model time: tau * T1 / (Td + Tt(B)) when B is fixed
                 row.ceiling = _r(ceiling(committed / st.cycles, costs.t1_ms, passes / st.cycles, 0.0))

@@ -69,6 +69,8 @@ class Costs:
     t1_draft_ms: float | None = None  # one step of an AR draft model
     # ms a B-row target pass gains per 1000 tokens of context (B = 1: a plain step); empty = flat
     ctx_ms: dict[int, float] = field(default_factory=dict)
+    # one pass of each chain drafter ("mtp", "eagle"): a chain of depth k costs k of them
+    tc_ms: dict[str, float] = field(default_factory=dict)
 
     def ctx_slope(self, B: float) -> float:
         """``ctx_ms`` at B rows (as ``verify`` reads Tt); 0 without a context term."""
@@ -167,6 +169,7 @@ class Costs:
             "tt_ms": {str(k): round(v, 3) for k, v in sorted(self.tt_ms.items())},
             "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3),
             **({"ctx_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_ms.items())}} if self.ctx_ms else {}),
+            **({"tc_ms": {k: round(v, 3) for k, v in sorted(self.tc_ms.items())}} if self.tc_ms else {}),
         }
 
     @classmethod
@@ -178,6 +181,7 @@ class Costs:
             int(d.get("context", 0)),
             d.get("t1_draft_ms"),
             {int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()},
+            {str(k): float(v) for k, v in (d.get("tc_ms") or {}).items()},
         )
 
 
@@ -213,9 +217,11 @@ class CostMeter:
         *,
         ar_model=None,
         prefilled: Callable[[], tuple[list, list | None]] | None = None,
+        chains: dict | None = None,
     ):
         """``prefilled``: fresh copies of (target caches, drafter context caches) already holding
-        ``context`` (from the prefix cache), instead of prefilling it here."""
+        ``context`` (from the prefix cache), instead of prefilling it here. ``chains``: chain
+        drafters (kind -> ``chain.ChainDrafter``) whose one head pass is timed too (Tc)."""
         from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
         self.context = len(context)
@@ -271,6 +277,8 @@ class CostMeter:
                 tasks[("tt", B)] = verify(B)
                 if drafter is not None and B > 1:
                     tasks[("td", B)] = draft(B)
+            for kind, chain in (chains or {}).items():
+                tasks[("tc:" + kind, 1)] = _head_pass(chain, target, out, context)
         self.tasks = tasks
         self.times: dict[tuple[str, int], list[float]] = {k: [] for k in tasks}
         self.rounds = 0
@@ -327,7 +335,27 @@ class CostMeter:
             {B: v for (n, B), v in med.items() if n == "tt"},
             self.context,
             med.get(("t1_draft", 1)),
+            tc_ms={n[3:]: v for (n, _), v in med.items() if n.startswith("tc:")},
         )
+
+
+def _head_pass(chain, target, out, context: Sequence[int]) -> Callable[[], None]:
+    """One pass of a chain drafter over its context's features (``out``: the target's prefill
+    of ``context``): a one-draft proposal, its row rolled back and its waiting row restored."""
+    feats = out.final if chain.final_hidden else feature_view(target.taps, chain.taps)(out.hidden)
+    cache = chain.make_cache()
+    chain.add_context(feats[:, :-1], mx.array(list(context[:-1]), mx.int32), cache)
+    chain.flush(cache)
+    mx.eval(cache.state)
+    pending, base = cache.pending, cache.offset
+    anchor = mx.array(int(context[-1]), mx.int32)
+
+    def run():
+        cache.pending = pending
+        mx.eval(chain.propose(anchor, 1, cache).tokens)
+        chain.rollback(cache, base)
+
+    return run
 
 
 def measure_costs(

@@ -63,6 +63,7 @@ def spec_steps(
     on_exit: Callable[[Prefill], None] | None = None,
     waits: DeviceWaits | None = None,
     chains: dict | None = None,
+    source: str = "dflash",
 ) -> Iterator[Step]:
     """Speculative decoding with a DFlash drafter, chain drafters (MTP, EAGLE-3) and lookup drafts.
     Lossless: the output is the target's (greedy: token for token; T > 0: in distribution).
@@ -80,7 +81,8 @@ def spec_steps(
     every wait for the device goes through (counted per step in ``Step.host_syncs``).
     ``chains``: the chain drafters (kind -> ``chain.ChainDrafter``) the policy may draft with;
     ``target`` is then the view returning every drafter's features (``batch.BatchDecoder``).
-    ``drafter`` may be None when the policy drafts from other sources only.
+    ``drafter`` may be None when the policy drafts from other sources only. ``source``: what
+    every cycle drafts without a policy ("dflash", or a chain kind at depth ``block_size - 1``).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
@@ -114,6 +116,7 @@ def spec_steps(
         policy=policy,
         lookup_ngram=lookup_ngram,
         index=index,
+        source=source,
     )
     try:
         while len(dec):

@@ -518,3 +518,61 @@ def test_the_engine_line_stats_and_server_block_name_the_sources(family):
     only = replace(pair, drafter=None, drafter_id=None, sources=("mtp", "lookup"), chain_ids={"mtp": "x"})
     one = engine_info(only, adaptive=True)
     assert one.method == "mtp" and one.speculative and "(mtp+lookup)" in one.describe()
+
+
+# -- the tuner and bench --------------------------------------------------------------------------
+
+
+def test_the_tuner_measures_each_chain_drafter_and_the_policy_starts_from_it(family):
+    from mlx_spec.policy import MAX_CHAIN_DEPTH, PolicyFactory
+    from mlx_spec.tuning import tune
+    from mlx_spec.tuning.store import FORMAT, TuneResult
+
+    _, pair, _ = family
+    result = tune(pair, budget_s=4, tokens=6, candidates=[2, 3], threads=[None], probe_prompts=1, cost_rounds=(3, 3))
+    assert FORMAT == 4 and result.format == FORMAT and set(result.key) >= {"mtp", "eagle"}
+    for kind in ("mtp", "eagle"):
+        c = result.chains[kind]
+        assert c["pass_ms"] == result.costs.tc_ms[kind] > 0
+        assert len(c["acceptance_by_position"]) == MAX_CHAIN_DEPTH and 1 <= c["depth"] <= MAX_CHAIN_DEPTH
+    assert TuneResult.from_dict(result.as_dict()).chains == result.chains
+    factory = PolicyFactory(pair, result, sources=("mtp", "eagle"))
+    for kind in ("mtp", "eagle"):
+        prior = factory.chains[kind]
+        assert prior.measured and prior.pass_ms == result.chains[kind]["pass_ms"]
+        assert list(prior.acceptance) == result.chains[kind]["acceptance_by_position"]
+
+
+def test_bench_methods_runs_a_policy_row_per_source_set_against_both_plain_baselines(family, tmp_path, capsys):
+    import json
+
+    from mlx_spec.cli import main
+
+    dirs = family[0]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "abcabcabcabc", "kind": "code"}\n{"prompt": "hello there", "kind": "prose"}\n')
+    argv = ["bench", "--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--mtp", str(dirs["mtp"])]
+    argv += ["--eagle", str(dirs["eagle"]), "--prompts", str(f), "--max-tokens", "10", "--repeats", "1", "--json"]
+    main(argv + ["--methods", "lookup,mtp,eagle,dflash,auto"])
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["label"]: r for r in out["rows"]}
+    assert list(rows) == [
+        "mlx-lm plain",
+        "plain (ours)",
+        "lookup per-cycle",
+        "mtp per-cycle",
+        "eagle per-cycle",
+        "dflash per-cycle",
+        "auto (every source)",
+    ]
+    assert all(r["diverged"] == 0 for r in out["rows"])  # greedy: every row is the target's output
+    assert set(out["costs"]["tc_ms"]) == {"mtp", "eagle"}
+    for kind in ("mtp", "eagle"):
+        r = rows[f"{kind} per-cycle"]
+        assert r["td_ms"] == round(out["costs"]["tc_ms"][kind], 2)  # Td of a chain row: its head pass
+        if r["status"] == "ok":
+            assert r["speedup"] > 0 and r["speedup_mlx"] > 0 and r["tau"] is not None
+            assert set(r["sources"]) <= {kind} and r["ceiling"] is not None
+    plain = ["bench", "--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--prompts", str(f)]
+    assert main(plain + ["--draft", "dflash", "--methods", "mtp"]) == 1
+    assert "--methods mtp: the loaded pair cannot draft with mtp" in capsys.readouterr().err

@@ -34,6 +34,15 @@ def _ints(text: str) -> list[int]:
 def add_arguments(p) -> None:
     add_model_args(p, context=False)  # bench's own --context (below): the memory plan is sized from it
     p.add_argument("--block-sizes", default="2,4,8", help="DFlash block sizes to bench (default 2,4,8)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        metavar="NAMES",
+        help="instead of the default rows: one per-cycle policy row per draft source set, e.g. "
+        "lookup,mtp,eagle,dflash,auto (each the policy restricted to that source; auto: every "
+        "source the pair has), beside mlx-lm's and our plain decoding; loads what they need "
+        "(--draft defaults to their sources)",
+    )
     p.add_argument("--prompts", default=None, help="JSONL file of prompts (default: the built-in set)")
     p.add_argument(
         "--workload",
@@ -204,6 +213,8 @@ def table(rows, kinds) -> str:
             )
             for r in src
         ]
+    if any(r.kind in ("mtp-policy", "eagle-policy") for r in ok):
+        out.append("\n(mtp / eagle rows: Td is one head pass, Tc; a chain of depth k costs k of them)")
     div = [r for r in rows if r.diverged]
     if div:
         out.append(
@@ -364,6 +375,31 @@ def concurrency(args) -> int:
     return 0 if all(r.failed == 0 for r in rows) else 1
 
 
+def _method_names(args) -> list[str]:
+    """``--methods``' names (checked), and ``--draft`` set to the sources they need when not
+    given (auto: every source the pair has)."""
+    from ..bench import METHOD_KINDS, POLICY_SOURCES
+    from ..errors import BadRequest
+
+    if not args.methods:
+        return []
+    names = [x.strip() for x in args.methods.split(",") if x.strip()]
+    bad = [n for n in names if n not in METHOD_KINDS]
+    if not names or bad:
+        raise BadRequest(
+            f"--methods: unknown {', '.join(repr(b) for b in bad) or 'empty list'} (known: {', '.join(METHOD_KINDS)})"
+        )
+    if len(set(names)) != len(names):
+        raise BadRequest(f"--methods names a method twice: {args.methods}")
+    if getattr(args, "draft", None) is None and not getattr(args, "no_draft", False):
+        if "auto" in names:
+            args.draft = "auto"
+        else:
+            need = dict.fromkeys(s for n in names for s in POLICY_SOURCES[METHOD_KINDS[n]])
+            args.draft = ",".join(need)
+    return names
+
+
 def run(args) -> int:
     import mlx_spec
 
@@ -383,7 +419,18 @@ def run(args) -> int:
 
     from .. import policy
     from ..analysis import COPY_SUBSET, reach_table
-    from ..bench import CostMeter, Method, Runner, bench, pooled_ceiling, prompt_report, subset_speedups, summarize
+    from ..bench import (
+        METHOD_KINDS,
+        POLICY_SOURCES,
+        CostMeter,
+        Method,
+        Runner,
+        bench,
+        pooled_ceiling,
+        prompt_report,
+        subset_speedups,
+        summarize,
+    )
     from ..blas import default_threads
     from ..cli import load_config
     from ..errors import BadRequest
@@ -395,6 +442,7 @@ def run(args) -> int:
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")
     sizes = _ints(args.block_sizes)
+    names = _method_names(args)
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
     pair = open_session(load_config(args), log=lambda m: print(m, file=err), tuning="none").pair
@@ -423,7 +471,22 @@ def run(args) -> int:
     if ar_model is not None:
         methods.append(Method("ar-draft", args.ar_draft_tokens + 1))
     tuned = None
-    if pair.drafter is not None:
+    adaptive_max = policy.MAX_CHAIN_DEPTH + 1
+    if names:  # `--methods`: mlx-lm, our plain path and one policy row per named source set
+        methods = [m for m in methods if m.kind in ("mlx-lm", "plain", "ar-draft")]
+        if pair.drafter is not None:
+            tuned = load_result(tune_key(pair))
+            adaptive_max = max(sizes + [pair.drafter.args.block_size])
+        have = set(pair.draft_sources)
+        for n in names:
+            missing = set(POLICY_SOURCES[METHOD_KINDS[n]]) - have if n != "auto" else set()
+            if missing:
+                raise BadRequest(
+                    f"--methods {n}: the loaded pair cannot draft with {', '.join(sorted(missing))} "
+                    f"(it has {', '.join(sorted(have)) or 'no draft source'}; see --draft, --mtp, --eagle)"
+                )
+            methods.append(Method(METHOD_KINDS[n], adaptive_max))
+    elif pair.drafter is not None:
         kind = "dflash"
         methods += [Method(kind, B) for B in sizes]
         if args.vocab_compare:
@@ -449,6 +512,7 @@ def run(args) -> int:
             args.lookup_block if args.lookup_block >= 2 else 2,
             args.ar_draft_tokens + 1,
             *([2, 3, 4, 6, 8, 12, adaptive_max] if pair.drafter else []),
+            *(range(2, policy.MAX_CHAIN_DEPTH + 2) if pair.chains else []),  # a chain's verify rows
             # the copy ceiling's blocks (agent prompts): Tt(L) up to a full lookup draft
             *([16, 24, policy.MAX_LOOKUP + 1] if any(k == "agent" for _, k, _ in encoded) else []),
         }
@@ -456,7 +520,13 @@ def run(args) -> int:
     context = max((ids for _, _, ids in encoded), key=len)
     bar = ProgressBar(err, "bench")
     meter = CostMeter(
-        pair.model, pair.target, pair.drafter, [s for s in cost_sizes if s <= 64], context, ar_model=ar_model
+        pair.model,
+        pair.target,
+        pair.drafter,
+        [s for s in cost_sizes if s <= 64],
+        context,
+        ar_model=ar_model,
+        chains=pair.chains or None,
     )
     for r in range(3):  # a warm-up round and two more; then one before every repeat
         meter.round(bar, f"measuring pass costs ({r + 1}/3)")

@@ -82,5 +82,11 @@ def run(args) -> int:
         if result.best == 1
         else f"block size {result.best}"
     ) + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
+    for kind, c in result.chains.items():
+        acc = ", ".join(f"{a:.2f}" for a in c["acceptance_by_position"][: c["depth"] + 2])
+        print(
+            f"{'MTP head' if kind == 'mtp' else 'EAGLE-3'}: one pass {c['pass_ms']:.2f} ms, acceptance by "
+            f"position {acc}, ...; depth {c['depth']} (model x{c['predicted']:.2f})"
+        )
     print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}\nstored: {path}")
     return 0

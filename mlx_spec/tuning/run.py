@@ -38,7 +38,7 @@ from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
 from ..costs import CostMeter, Costs, Progress
 from ..errors import MlxSpecError
-from ..policy import expected_tokens
+from ..policy import MAX_CHAIN_DEPTH, expected_tokens
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
 from ..stats import Stats
 from .decide import (
@@ -104,6 +104,21 @@ def _method(B: int) -> Method:
     return Method("plain") if B == 1 else Method("dflash", B)
 
 
+def chain_depth(
+    costs: Costs, acc: Sequence[float], kind: str, overhead_ms: float, plain_ms: float
+) -> tuple[int, float]:
+    """The depth k of the chain drafter ``kind`` the model puts first, and its model speedup:
+    E(k) * plain step / (k * Tc + Tt(k + 1) + overhead), E(k) = 1 + the first k positions of its
+    acceptance (as DFlash's block is chosen: a chain of depth k is a block of k + 1 rows)."""
+    tc, smooth = costs.tc_ms[kind], costs.smoothed()
+    best = (1, 0.0)
+    for k in range(1, MAX_CHAIN_DEPTH + 1):
+        x = expected_tokens(acc, k + 1) * plain_ms / with_overhead(k * tc + smooth.verify(k + 1), overhead_ms)
+        if x > best[1]:
+            best = (k, x)
+    return best
+
+
 class Sweep:
     """One tuning sweep's state, phase by phase (``tune`` runs them in order)."""
 
@@ -150,6 +165,7 @@ class Sweep:
         self.probe_block = min(pair.drafter.args.block_size, self.cands[-1])
         self.phases: dict = {}
         self.runner = Runner(pair)
+        self.chains = dict(getattr(pair, "chains", None) or {})  # chain drafters: probed and timed too
 
     def use(self, t: int | None) -> None:
         if t is not None:
@@ -170,6 +186,14 @@ class Sweep:
             self.frac(PROBE_SHARE * (n + 1) / max(1, self.probe_prompts), "acceptance probe")
         st = Stats.merged([p.stats for p in probe])
         self.acc = st.acceptance_by_position + [0.0] * (self.cands[-1] - self.probe_block)
+        self.chain_acc = {}
+        for kind in self.chains:  # each chain drafter at the deepest chain, on the same prompts
+            runs = [
+                self.runner.run(Method(kind, MAX_CHAIN_DEPTH + 1), ids, self.tokens)
+                for _, _, ids in self.encoded[:n_probe]
+            ]
+            got = Stats.merged([r.stats for r in runs])
+            self.chain_acc[kind] = got.acceptance_by_position + [0.0] * (MAX_CHAIN_DEPTH - len(got.reached))
         self.E = {B: expected_tokens(self.acc, B) for B in self.cands}
         self.warm = probe[1:] or probe  # the first run pays one-time costs
         self.probe_run_s = statistics.median(r.total_s for r in self.warm)
@@ -189,7 +213,12 @@ class Sweep:
         pair, tlist, main_t, clock = self.pair, self.tlist, self.main_t, self.clock
         meters = {
             t: CostMeter(
-                pair.model, pair.target, pair.drafter, self.cands if t == main_t else [self.probe_block], self.context
+                pair.model,
+                pair.target,
+                pair.drafter,
+                self.cands if t == main_t else [self.probe_block],
+                self.context,
+                chains=self.chains if t == main_t else None,
             )
             for t in tlist
         }
@@ -499,6 +528,17 @@ class Sweep:
         if why_budget:
             why += f"; {why_budget}"
         self.use(best_t)
+        chains = {}
+        plain_ms = with_overhead(self.costs.t1_ms, 0.0)
+        for kind, acc in self.chain_acc.items():
+            if kind in self.costs.tc_ms:
+                k, x = chain_depth(self.costs, acc, kind, self.overhead[self.main_t], plain_ms)
+                chains[kind] = {
+                    "acceptance_by_position": [round(a, 4) for a in acc],
+                    "pass_ms": self.costs.tc_ms[kind],
+                    "depth": k,
+                    "predicted": round(x, 4),
+                }
         return TuneResult(
             key=tune_key(self.pair),
             best=best,
@@ -515,6 +555,7 @@ class Sweep:
             why=why,
             overhead_ms=round(self.overhead[self.main_t], 3),
             phases=self.phases,
+            chains=chains,
         )
 
 

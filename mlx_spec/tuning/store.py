@@ -23,7 +23,7 @@ from ..costs import Costs
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # the BLAS thread count is part of the answer; chosen by the model (noise, why)
+FORMAT = 4  # chain drafters: each one's head pass (Tc), acceptance prior and depth; 3: BLAS threads
 READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 
@@ -152,7 +152,7 @@ def tune_key(pair) -> dict:
     """What the answer depends on: the machine and, per model, the weights' identity
     (``weights_id``) and quantization as loaded. The ``id`` (as the command spelled it) is kept
     for people reading the file, and is no part of the key (``identity``)."""
-    return {
+    key = {
         "machine": machine_info(),
         "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
         "drafter": {
@@ -162,6 +162,10 @@ def tune_key(pair) -> dict:
             "draft_vocab": pair.drafter.vocab_size_drafted or "full",
         },
     }
+    for kind, chain in sorted((getattr(pair, "chains", None) or {}).items()):  # (a chain drafter: its own)
+        ref = pair.chain_ids.get(kind, kind)
+        key[kind] = {"id": ref, "weights": _weights(ref), "quant": quantization(chain)}
+    return key
 
 
 def identity(key: dict) -> dict:
@@ -239,6 +243,9 @@ class TuneResult:
     why: str = ""  # how ``decide`` chose (ties named), shown by `mlx_spec tune`
     overhead_ms: float | None = None  # per-cycle time beyond the two passes, pooled over the race
     phases: dict = field(default_factory=dict)  # where the time went: probe_s, costs_s, cost_rounds, race_s, ...
+    # per chain drafter ("mtp", "eagle"): acceptance_by_position (its probe at the deepest chain),
+    # pass_ms (Tc, one head pass), depth (the depth the model puts first) and predicted (its speedup)
+    chains: dict = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
@@ -319,6 +326,7 @@ class TuneResult:
             "why": self.why,
             "overhead_ms": self.overhead_ms,
             "phases": dict(self.phases),
+            "chains": {k: dict(v) for k, v in self.chains.items()},
         }
 
     @classmethod
@@ -359,6 +367,7 @@ class TuneResult:
             str(d.get("why", "")),
             d.get("overhead_ms"),
             dict(d.get("phases") or {}),
+            {str(k): dict(v) for k, v in (d.get("chains") or {}).items()},
         )
 
 
