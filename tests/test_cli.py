@@ -60,6 +60,8 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "mode": "speculative",
             "pinned": True,
             "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
+            "sources": ["dflash", "lookup"],
+            "chains": [],
         }
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

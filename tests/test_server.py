@@ -239,6 +239,8 @@ def test_models_health_and_tools(engine, client, model, url):
         "block_size_source": "flag",
         "draft_vocab": None,
         "policy": "fixed",
+        "sources": ["dflash"],
+        "chains": {},
         "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
     }
     h = httpx.get(f"{url}/health")

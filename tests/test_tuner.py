@@ -376,17 +376,19 @@ def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
 
 
 def test_a_result_of_another_format_is_tuned_again(tmp_path):
-    """Format 3 stores why / noise / overhead_ms and loads back equal; a file of any other
-    format (an earlier development build's) is not read: the pair is tuned again."""
+    """Format 4 stores why / noise / overhead_ms and the chain drafters' fields and loads back
+    equal; a file of any other format (an earlier build's: 3 had no chain drafters) is not read:
+    the pair is tuned again."""
     key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
     from dataclasses import replace
 
-    r = replace(_result(key), why="B=4 and B=8 within noise (1.0%); chose 8", overhead_ms=3.5, threads=2)
+    chains = {"mtp": {"acceptance_by_position": [0.5, 0.2], "pass_ms": 3.1, "depth": 2, "predicted": 1.1}}
+    r = replace(_result(key), why="B=4 and B=8 within noise (1.0%); chose 8", overhead_ms=3.5, threads=2, chains=chains)
     path = save_result(r, tmp_path)
     d = json.loads(path.read_text())
-    assert d["format"] == FORMAT == 3 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
-    assert load_result(key, tmp_path) == r
-    for old in (1, 2):
+    assert d["format"] == FORMAT == 4 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
+    assert load_result(key, tmp_path) == r and d["chains"] == chains
+    for old in (1, 2, 3):
         path.write_text(json.dumps(d | {"format": old}))
         assert load_result(key, tmp_path) is None
     assert not list(tmp_path.rglob("*.tmp*"))  # saving is atomic: no temporary file left

@@ -328,7 +328,10 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
         "block_size_source": engine.block_size_source,
         "draft_vocab": engine.draft_vocab or None,
         "policy": "per-cycle" if engine.adaptive_max and engine.speculative else "fixed",
-        "sources": list(engine.sources) if engine.speculative else [],
+        # the draft sources the per-cycle policy may use (a fixed block every cycle: DFlash alone)
+        "sources": (list(engine.sources or ("dflash", "lookup")) if engine.adaptive_max else ["dflash"])
+        if engine.speculative
+        else [],
         "chains": {k: p for k, p in engine.chains} if engine.speculative else {},
         "group": engine.group.as_dict(),
     }
