@@ -14,12 +14,45 @@ from types import SimpleNamespace
 
 from mlx_spec import distributed
 from mlx_spec.decode import plain_steps, spec_steps
+from mlx_spec.eagle import load_eagle
 from mlx_spec.generation import GenConfig
 from mlx_spec.loading import check_pair, load_drafter, load_target_model
+from mlx_spec.mtp import load_mtp
+from mlx_spec.policy import PLAIN, Decision
 from mlx_spec.sampling import SamplingConfig
-from mlx_spec.target import Target
+from mlx_spec.target import Target, union_taps
 
 import mlx.core as mx
+
+
+class Cycling:
+    """A draft policy (rank 0's) that drafts ``plan`` in turn, cycle by cycle: a lookup draft
+    where the lookup has a proposal, else a plain step."""
+
+    def __init__(self, plan):
+        self.plan, self.i = plan, 0
+        self.sources = tuple(dict.fromkeys(s for s, _ in plan))
+        self.max_lookup = 8
+
+    def _next(self, ctx):
+        source, rows = self.plan[self.i % len(self.plan)]
+        if source == "lookup":
+            rows = min(rows, len(ctx.lookup) + 1)
+        return Decision(source, rows) if rows > 1 else Decision(PLAIN, 1)
+
+    def stays_plain(self, ctx):
+        return self._next(ctx).source == PLAIN
+
+    def choose(self, ctx):
+        d = self._next(ctx)
+        self.i += 1
+        return d
+
+    def pick(self, decision, drafts, confidence, ctx=None, *, trim=False):
+        return decision
+
+    def observe(self, step):
+        pass
 
 
 def main(job_path: str) -> int:
@@ -32,17 +65,34 @@ def main(job_path: str) -> int:
         if t not in models:
             models[t] = load_target_model(t, shard=partial(distributed.shard_target, group=group))[0]
         drafter, _ = load_drafter(phase["drafter"])
-        target = Target(models[t], drafter.args.target_layer_ids)
+        chains = {}
+        eagle = None
+        if phase.get("eagle"):  # chain drafters beside DFlash: one target view for all of them
+            eagle, _ = load_eagle(phase["eagle"])
+            eagle.bind(Target(models[t], ()))
+        taps = union_taps(drafter.args.target_layer_ids, eagle.taps if eagle else ())
+        target = Target(models[t], taps, final_hidden=bool(phase.get("mtp")))
+        if phase.get("mtp"):
+            chains["mtp"] = load_mtp(phase["mtp"], target)
+        if eagle is not None:
+            chains["eagle"] = eagle.bind(target)
         check_pair(target, drafter)
         drafter.bind(target.embed, target.head)
-        pairs.append((models[t], target, drafter))
+        pairs.append((models[t], target, drafter, chains))
 
     def run_steps(pair, ids, cfg, method, block, policy=None):
-        model, target, drafter = pair
+        model, target, drafter, chains = pair
         if method == "plain":
             return plain_steps(model, ids, max_tokens=cfg.max_tokens, sampling=cfg.sampling)
         return spec_steps(
-            target, drafter, ids, block_size=block, max_tokens=cfg.max_tokens, sampling=cfg.sampling, policy=policy
+            target,
+            drafter,
+            ids,
+            block_size=block,
+            max_tokens=cfg.max_tokens,
+            sampling=cfg.sampling,
+            policy=policy,
+            chains=chains or None,
         )
 
     results = []
@@ -101,7 +151,9 @@ def main(job_path: str) -> int:
             try:
                 method = "plain" if case["block"] == 1 else "spec"
                 policy = None
-                if case.get("policy"):  # the adaptive policy (dflash + lookup), rank 0's choices shared
+                if case.get("policy") == "chains":  # every source in turn, rank 0's choices shared
+                    policy = leader.share(Cycling([("mtp", 3), ("eagle", 4), ("dflash", 3), ("lookup", 4)]))
+                elif case.get("policy"):  # the adaptive policy (dflash + lookup), rank 0's choices shared
                     from mlx_spec.costs import Costs
                     from mlx_spec.policy import DraftPolicy
 

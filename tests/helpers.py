@@ -189,13 +189,10 @@ def write_mtp_checkpoint(root, kind: str, per_expert: bool = False, seed: int = 
     return root, model, head
 
 
-def _eagle_target():
-    model, cfg = tiny_model("llama")
-    return model, cfg
-
-
-def make_eagle(tmp, layout: str, reduced: bool, seed: int = 5, layer_ids=(1, 2, 3)):
-    model, tcfg = _eagle_target()
+def make_eagle(tmp, layout: str, reduced: bool, seed: int = 5, layer_ids=(1, 2, 3), kind: str = "llama"):
+    """An EAGLE-3 checkpoint for the tiny ``kind`` target, saved in ``layout`` under ``tmp``;
+    returns (that target, the drafter's config)."""
+    model, tcfg = tiny_model(kind)
     vd = 64 if reduced else None
     cfg = eagle_config(tcfg, layout=layout, intermediate_size=96, draft_vocab_size=vd, layer_ids=layer_ids)
     mx.random.seed(seed)

@@ -187,6 +187,28 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
                     assert _single(pair, name, b) == plain, (kind, name, b)
 
 
+def test_chain_drafters_on_two_ranks_equal_plain_decoding(pairs, tmp_path):
+    """An MTP head and an EAGLE-3 drafter beside DFlash on a sharded target: rank 0's policy
+    drafts each source in turn (shared with the other rank, whose chain caches follow), and
+    the output is the target's."""
+    from helpers import make_eagle, write_mtp_checkpoint
+
+    pair = pairs["qwen3"]
+    write_mtp_checkpoint(tmp_path / "mtp", "qwen3")
+    make_eagle(tmp_path / "eagle", "eagle", reduced=True, kind="qwen3")
+    cases = [{"prompt": PROMPT + PROMPT, "block": 4, "max_tokens": N, "policy": "chains"}]
+    phase = {"target": pair["target"], "drafter": pair["dflash2"], "kind": "qwen3", "name": "dflash2", "cases": cases}
+    got, codes, _, logs = launch(
+        tmp_path, {"phases": [dict(phase, mtp=str(tmp_path / "mtp"), eagle=str(tmp_path / "eagle"))]}
+    )
+    assert codes == [0, 0], logs
+    (r,) = got["results"]
+    assert r["error"] is None, r
+    model, _ = load_target_model(pair["target"])
+    assert r["tokens"] == greedy_reference(model, PROMPT + PROMPT, N)
+    assert {"mtp", "eagle", "dflash"} <= set(r["sources"])
+
+
 def test_sampled_ranks_agree_then_a_hung_rank_is_detected(pairs, tmp_path):
     """T > 0 with a seed: every step all_gathers the committed tokens and compares (check mode);
     the 2-rank run also equals the 1-process run with that seed (the same key, the same logits).
