@@ -54,6 +54,7 @@ class Delta:
     drafted: int
     accepted: int
     stats: StatsSnapshot  # the request's running stats
+    source: str = ""  # the cycle's draft source ("plain", "dflash", "lookup", "mtp", "eagle"; "" for the prefill)
 
 
 @dataclass(frozen=True)
@@ -481,7 +482,9 @@ class Engine:
                         self._check_prefill(time.monotonic() - began, len(ids), chunks)
                         began = None
                     s = chunk.step
-                    handle._put(Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.snapshot()))
+                    handle._put(
+                        Delta(rid, chunk.text, s.tokens, s.drafted, s.accepted, result.stats.snapshot(), s.source)
+                    )
                     if handle.cancelled.is_set():
                         finish = "cancelled"
                         break
@@ -639,7 +642,7 @@ class Engine:
                     continue
                 chunk = lv.push(st)
                 lv.handle._put(
-                    Delta(lv.rid, chunk.text, st.tokens, st.drafted, st.accepted, lv.result.stats.snapshot())
+                    Delta(lv.rid, chunk.text, st.tokens, st.drafted, st.accepted, lv.result.stats.snapshot(), st.source)
                 )
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)

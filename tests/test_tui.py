@@ -39,6 +39,8 @@ async def test_streamed_reply_multi_turn_and_stats(tmp_path):
         view = app.screen.query_one(SpecPanel).view
         assert view.mode == "spec" and view.tau > 1 and 0 < view.acceptance < 1
         assert len(view.by_position) == 7 and view.taus and view.tps == 40.0
+        assert view.trace and set(view.trace.split()) <= {"p"} | {x for x in view.trace.split() if x[0] == "d"}
+        assert len(view.trace.split()) <= 8 and "d8:" in view.trace  # the last cycles, by source
         assert view.baseline_tps is None  # no tuner result, no A/B yet: speedup n/a
         text = screen_text(app)
         assert "SPECULATION ON" in text and "speedup    n/a" in text

@@ -157,3 +157,23 @@ def test_spec_panel_shows_trimmed_drafter_blocks():
     text = render_numbers(v).plain
     assert "5 plain steps" in text and "trimmed" in text and "3×" in text
     assert "trimmed" not in render_numbers(SpecView(mode="spec", method="dflash2", tokens=10)).plain
+
+
+def test_spec_panel_names_each_cycles_source():
+    """Chain drafters in the panel: their share per source, and the last cycles by source."""
+    from tui.widgets.spec_panel import SpecView, render_numbers
+
+    v = SpecView(
+        mode="spec",
+        method="dflash2",
+        block_size=4,
+        tokens=12,
+        drafted_cycles=4,
+        plain_cycles=1,
+        sources=(("dflash", 1, 2, 1), ("mtp", 1, 2, 2), ("eagle", 1, 3, 3), ("lookup", 1, 7, 7)),
+        trace="p d3:1 m3:2 e4:3 l8:7",
+    )
+    text = render_numbers(v).plain
+    assert " mtp" in text and " eagle" in text and "3/3 accepted" in text
+    assert "last" in text and "p d3:1 m3:2 e4:3 l8:7" in text
+    assert "last" not in render_numbers(SpecView(mode="spec", method="dflash2", tokens=10)).plain

@@ -127,7 +127,8 @@ class FakeBackend:
             i, n, step = i + len(part), n + len(part), step + 1
             out += "".join(part)
             stats = _stats(accepts, n, block, (n - 1) / self.tps if n > 1 else 0.0, cached)
-            yield Delta(rid, "".join(part), tuple(range(len(part))), drafted, acc, stats)
+            source = "" if step == 1 else "dflash" if drafted else "plain"
+            yield Delta(rid, "".join(part), tuple(range(len(part))), drafted, acc, stats, source)
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.hold_after is not None and step == self.hold_after:

@@ -34,6 +34,7 @@ from ..widgets.spec_panel import SpecPanel, SpecView
 FLUSH_S = 0.05
 MEMORY_S = 2.0
 MIN_BASELINE_TOKENS = 8  # a plain A/B reply shorter than this is too noisy to be a baseline
+CYCLES_SHOWN = 8  # the last cycles the panel names by source (p d3:1 m3:2 e4:3 l8:7)
 
 
 class ChatScreen(Screen):
@@ -64,6 +65,7 @@ class ChatScreen(Screen):
         self._text = ""
         self._stats = StatsSnapshot()
         self._taus: list[int] = []
+        self._cycles: list[tuple[str, int, int]] = []  # the last cycles (source, rows, accepted)
         self._tokens = 0
         self._dirty = False
         self._last_prompt = ""
@@ -119,6 +121,7 @@ class ChatScreen(Screen):
 
     def _clear_reply_figures(self) -> None:
         self._reply_info, self._stats, self._taus, self._tokens = None, StatsSnapshot(), [], 0
+        self._cycles = []
 
     # -- sending and streaming ------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -140,6 +143,7 @@ class ChatScreen(Screen):
         await conv.mount(self._reply)
         conv.scroll_end(animate=False)
         self._pending, self._text, self._stats, self._taus, self._tokens = "", "", StatsSnapshot(), [], 0
+        self._cycles = []
         self._think, self._pending_reasoning, self._reasoning_tokens, self._opened = None, "", 0, False
         self._reply_info = None
         self.generating = True
@@ -181,6 +185,9 @@ class ChatScreen(Screen):
             self._tokens += len(ev.tokens)
             if ev.drafted:
                 self._taus.append(len(ev.tokens))
+            if ev.source:  # the cycle trace: source, rows, accepted
+                self._cycles.append((ev.source, ev.drafted + 1, ev.accepted))
+                del self._cycles[:-CYCLES_SHOWN]
             self._dirty = True
         elif isinstance(ev, Done):
             await self._finish(ev)
@@ -310,6 +317,7 @@ class ChatScreen(Screen):
             drafted_cycles=int(s.drafted_cycles),
             trimmed=int(s.trimmed),
             sources=tuple((k, c["cycles"], c["drafted"], c["accepted"]) for k, c in s.sources.items()),
+            trace=" ".join("p" if src == "plain" else f"{src[0]}{L}:{a}" for src, L, a in self._cycles),
         )
 
     # -- memory ---------------------------------------------------------------------------------

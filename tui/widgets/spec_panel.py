@@ -1,6 +1,7 @@
 """Live speculation numbers for the current reply: τ, acceptance, drafted and plain cycles and
-each draft source's share (dflash, lookup), per-position bars, tok/s, speedup against plain
-decoding, block size and its source, and a sparkline of τ per cycle."""
+each draft source's share (dflash, lookup, mtp, eagle), the last cycles by source (``p d3:1 m3:2
+e4:3 l8:7``), per-position bars, tok/s, speedup against plain decoding, block size and its
+source, and a sparkline of τ per cycle."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class SpecView:
     drafted_cycles: int = 0
     trimmed: int = 0  # drafter passes whose block the policy verified only in part (or not at all)
     sources: tuple[tuple[str, int, int, int], ...] = ()  # (source, cycles, drafted, accepted)
+    trace: str = ""  # the last cycles: p (plain), d3:1 (DFlash, 3 rows, 1 accepted), m (MTP), e (EAGLE-3), l (lookup)
 
 
 def bar(frac: float, width: int = BAR) -> str:
@@ -86,6 +88,8 @@ def render_numbers(v: SpecView) -> Text:
             row(f" {name}", f"{cycles}×", f"{accepted}/{drafted} accepted")
         if v.trimmed:
             row(" trimmed", f"{v.trimmed}×", "drafter blocks cut to what it was sure of")
+        if v.trace:
+            row("last", v.trace)
     row("tok/s", f"{v.tps:.1f}" if v.tokens else "–", "this reply")
     if v.cached_tokens:
         row("reused", f"{v.cached_tokens} tok", "of the prompt, from the prefix cache")
