@@ -99,13 +99,15 @@ class PromptResult:
     cycles: int = 0
     divergence: Divergence | None = None
     block2: str | None = None  # outcome of the block-size-2 re-run of a diverging prompt
+    source: str = "dflash"  # what drafted every cycle: "dflash", or a chain drafter ("mtp", "eagle") at depth B - 1
 
     @property
     def tau(self) -> float:
         return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
 
     def describe(self) -> str:
-        head = f"{self.prompt:<12} B={self.block_size:<3} {self.verdict:<9}"
+        what = f"B={self.block_size:<3}" if self.source == "dflash" else f"{self.source} k={self.block_size - 1}"
+        head = f"{self.prompt:<12} {what} {self.verdict:<9}"
         if self.divergence is None:
             return (
                 f"{head} {self.plain_tokens} tokens, sha256 {self.plain_sha256[:12]} (tokens) "
@@ -154,20 +156,25 @@ def check(
     tol: float | None = None,
     progress: Callable[[PromptResult], None] | None = None,
 ) -> Report:
-    """Compare greedy speculative with greedy plain decoding on every prompt and block size.
+    """Compare greedy speculative with greedy plain decoding on every prompt and block size, for
+    the DFlash drafter and each chain drafter the pair loaded (a chain of depth B - 1 every cycle).
 
     Runs on the thread that owns ``pair`` (from another thread: ``engine.call(lambda pair:
     check(pair, ...))``). ``prompts`` are ``prompts.Prompt``s, raw strings (chat template
     applied) or token-id lists; default: the built-in set. ``block_sizes`` default to the
-    drafter's checkpoint block size. ``tol`` overrides the dtype-derived tolerance.
+    drafter's checkpoint block size (4 rows for a chain-only pair). ``tol`` overrides the
+    dtype-derived tolerance.
     """
-    if pair.drafter is None:
+    chains = tuple(getattr(pair, "chains", None) or ())
+    if pair.drafter is None and not chains:
         raise BadRequest(
-            "verify compares speculative with plain decoding and needs a drafter (drop --no-draft, or pass --drafter)"
+            "verify compares speculative with plain decoding and needs a drafter (drop --no-draft, or pass "
+            "--drafter, or --draft mtp / eagle)"
         )
     if max_tokens < 1:
         raise BadRequest(f"max_tokens must be >= 1 (got {max_tokens})")
-    sizes = tuple(block_sizes or (pair.drafter.args.block_size,))
+    sizes = tuple(block_sizes or ((pair.drafter.args.block_size,) if pair.drafter is not None else (4,)))
+    sources = (("dflash",) if pair.drafter is not None else ()) + chains
     if any(b < 2 for b in sizes):
         raise BadRequest(f"block sizes must be >= 2 (got {list(sizes)})")
     eos = tuple(pair.tokenizer.eos_token_ids)
@@ -179,10 +186,10 @@ def check(
             for s in plain_steps(pair.model, ids, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP)
             for t in s.tokens
         ]
-        for B in sizes:
-            res = _compare(pair, name, ids, plain, B, max_tokens, eos, tol)
+        for source, B in ((src, B) for src in sources for B in sizes):
+            res = _compare(pair, name, ids, plain, B, max_tokens, eos, tol, source)
             if res.verdict != IDENTICAL and B != 2:
-                again = _compare(pair, name, ids, plain, 2, max_tokens, eos, tol)
+                again = _compare(pair, name, ids, plain, 2, max_tokens, eos, tol, source)
                 note = IDENTICAL if again.divergence is None else (f"{again.verdict} at token {again.divergence.index}")
                 verdict = max(res.verdict, again.verdict, key=_RANK.get)
                 res = replace(res, block2=note, verdict=verdict)
@@ -190,7 +197,7 @@ def check(
             results.append(res)
             if progress is not None:
                 progress(res)
-    method = "dflash2" if pair.drafter.args.is_v2 else "dflash"
+    method = ("dflash2" if pair.drafter.args.is_v2 else "dflash") if pair.drafter is not None else "+".join(chains)
     return Report(method, pair.target_id, pair.drafter_id, max_tokens, sizes, tuple(results))
 
 
@@ -210,11 +217,19 @@ def _text_sha(tokenizer, tokens: Sequence[int]) -> str:
     return hashlib.sha256(tokenizer.decode(list(tokens)).encode("utf-8")).hexdigest()
 
 
-def _compare(pair, name, ids, plain, B, max_tokens, eos, tol) -> PromptResult:
+def _compare(pair, name, ids, plain, B, max_tokens, eos, tol, source: str = "dflash") -> PromptResult:
     spec, drafted, accepted, cycles, error = [], 0, 0, 0, None
     try:
         for s in spec_steps(
-            pair.target, pair.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP
+            pair.target,
+            pair.drafter,
+            ids,
+            block_size=B,
+            max_tokens=max_tokens,
+            eos_ids=eos,
+            prefill_step=PREFILL_STEP,
+            chains=getattr(pair, "chains", None) or None,
+            source=source,
         ):
             spec.extend(s.tokens)
             if not s.prefill:
@@ -236,6 +251,7 @@ def _compare(pair, name, ids, plain, B, max_tokens, eos, tol) -> PromptResult:
         drafted,
         accepted,
         cycles,
+        source=source,
     )
     if error is None and spec == plain:
         return res
@@ -243,7 +259,7 @@ def _compare(pair, name, ids, plain, B, max_tokens, eos, tol) -> PromptResult:
     if error is not None:
         div = _divergence(tk, plain, spec, i, MISMATCH, error)
     else:
-        div = _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol)
+        div = _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol, source)
     return replace(res, verdict=div.verdict, divergence=div)
 
 
@@ -255,7 +271,7 @@ def _divergence(tk, plain, spec, i, verdict, reason, **rows) -> Divergence:
     return Divergence(i, p, s, text(p), text(s), **(fields | rows), verdict=verdict, reason=reason)
 
 
-def _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol) -> Divergence:
+def _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol, source: str = "dflash") -> Divergence:
     tk = pair.tokenizer
     if i >= len(plain) or i >= len(spec):
         short, longer = ("speculative", "plain") if len(spec) < len(plain) else ("plain", "speculative")
@@ -269,7 +285,7 @@ def _attribute(pair, ids, plain, spec, i, B, max_tokens, eos, tol) -> Divergence
             "with the same tokens (finish/truncation bug)",
         )
     single = _plain_row(pair.model, ids, i, max_tokens)  # log-probs (V,)
-    batched = _spec_row(pair, ids, i, B, max_tokens, eos)  # logits (V,)
+    batched = _spec_row(pair, ids, i, B, max_tokens, eos, source)  # logits (V,)
     dtype = str(batched.dtype).rsplit(".", 1)[-1]
     return classify(single, batched, plain[i], spec[i], dtype, tol, tk=tk, plain=plain, spec=spec, i=i)
 
@@ -391,12 +407,20 @@ class _Recorder:
         return self._target.rollback(cache, n_verified, n_keep)
 
 
-def _spec_row(pair, ids, i: int, B: int, max_tokens: int, eos) -> mx.array:
+def _spec_row(pair, ids, i: int, B: int, max_tokens: int, eos, source: str = "dflash") -> mx.array:
     """Replay the speculative run (same block size and max_tokens, so the same verify widths)
     until token i is committed; return the verify row that chose it."""
     rec = _Recorder(pair.target, len(ids) + i - 1)
     steps = spec_steps(
-        rec, pair.drafter, ids, block_size=B, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP
+        rec,
+        pair.drafter,
+        ids,
+        block_size=B,
+        max_tokens=max_tokens,
+        eos_ids=eos,
+        prefill_step=PREFILL_STEP,
+        chains=getattr(pair, "chains", None) or None,
+        source=source,
     )
     n = 0
     try:

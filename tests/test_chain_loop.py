@@ -576,3 +576,13 @@ def test_bench_methods_runs_a_policy_row_per_source_set_against_both_plain_basel
     plain = ["bench", "--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--prompts", str(f)]
     assert main(plain + ["--draft", "dflash", "--methods", "mtp"]) == 1
     assert "--methods mtp: the loaded pair cannot draft with mtp" in capsys.readouterr().err
+
+
+def test_verify_checks_every_loaded_chain_drafter_against_plain_decoding(family):
+    from mlx_spec.verify import IDENTICAL, check
+
+    _, pair, _ = family
+    report = check(pair, prompts=[PROMPT], block_sizes=[3], max_tokens=12)
+    assert [(r.source, r.block_size) for r in report.results] == [("dflash", 3), ("mtp", 3), ("eagle", 3)]
+    assert report.ok and all(r.verdict == IDENTICAL and r.cycles for r in report.results)
+    assert "mtp k=2" in report.results[1].describe()
