@@ -434,6 +434,7 @@ PER_SEQUENCE = (
     "target KV cache",
     "recurrent state",
     "drafter context cache",
+    "chain draft KV cache",
     "target features for the drafter",
     "verify / prefill scratch",
 )
@@ -461,8 +462,10 @@ class BatchRoom:
 
 def batch_room(plan: MemoryPlan) -> BatchRoom:
     """The per-sequence share of ``plan`` (planned for one sequence of ``plan.context``)."""
-    by = {i.name: i.bytes for i in plan.items}
-    per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0)
+    by: dict[str, int] = {}
+    for i in plan.items:  # (several chain drafters: rows of one name)
+        by[i.name] = by.get(i.name, 0) + i.bytes
+    per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0) + by.get("chain draft KV cache", 0)
     positions = _round_up(plan.context + plan.block_size, KV_STEP)
     fixed = (
         by.get("recurrent state", 0)

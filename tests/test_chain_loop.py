@@ -586,3 +586,20 @@ def test_verify_checks_every_loaded_chain_drafter_against_plain_decoding(family)
     assert [(r.source, r.block_size) for r in report.results] == [("dflash", 3), ("mtp", 3), ("eagle", 3)]
     assert report.ok and all(r.verdict == IDENTICAL and r.cycles for r in report.results)
     assert "mtp k=2" in report.results[1].describe()
+
+
+def test_the_memory_plan_counts_the_chain_drafters_asked_for(family):
+    from mlx_spec.memory import batch_room
+    from mlx_spec.session import plan_session
+
+    dirs = family[0]
+    t, d = str(dirs["target"]), str(dirs["drafter"])
+    plain = plan_session(LoadConfig(target=t, drafter=d), enforce=False).plan
+    both = plan_session(
+        LoadConfig(target=t, drafter=d, draft="dflash,mtp,eagle", mtp=str(dirs["mtp"]), eagle=str(dirs["eagle"])),
+        enforce=False,
+    ).plan
+    names = [i.name for i in both.items]
+    assert {"MTP head weights", "EAGLE-3 weights"} <= set(names) and names.count("chain draft KV cache") == 2
+    assert not {"MTP head weights", "EAGLE-3 weights"} & {i.name for i in plain.items}
+    assert both.total > plain.total and batch_room(both).per_token > batch_room(plain).per_token
