@@ -151,10 +151,14 @@ def _same_cache(got, want):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    """A hybrid gated-delta-net target (qwen3_next) with its MTP head in its own folder."""
-    dirs = save_chain_family(tmp_path_factory.mktemp("hybrid"), "qwen3_next", eagle=False)
-    pair = load_pair(str(dirs["target"]), None, sources=("mtp",), mtp=dirs["mtp"])
-    return pair, greedy_reference(pair.model, PROMPT, N)
+    """Hybrid gated-delta-net targets (qwen3_next; qwen3_5_moe, its MTP layer a MoE block), each
+    with its MTP head in its own folder: kind -> (pair, greedy reference)."""
+    out = {}
+    for kind in ("qwen3_next", "qwen3_5_moe"):
+        dirs = save_chain_family(tmp_path_factory.mktemp(kind), kind, eagle=False)
+        pair = load_pair(str(dirs["target"]), None, sources=("mtp",), mtp=dirs["mtp"])
+        out[kind] = pair, greedy_reference(pair.model, PROMPT, N)
+    return out
 
 
 def _steered_run(pair, ref, kind, rights=(0, 1, 2, 9)):
@@ -176,10 +180,10 @@ def _steered_run(pair, ref, kind, rights=(0, 1, 2, 9)):
     return steps, kept[0]
 
 
-@pytest.mark.parametrize("case", ["mtp-dense", "eagle-dense", "mtp-hybrid"])
+@pytest.mark.parametrize("case", ["mtp-dense", "eagle-dense", "mtp-qwen3_next", "mtp-qwen3_5_moe"])
 def test_chain_cache_after_partial_acceptance_equals_a_fresh_one(family, hybrid, case):
     kind, where = case.split("-")
-    pair, ref = (family[1], family[2]) if where == "dense" else hybrid
+    pair, ref = (family[1], family[2]) if where == "dense" else hybrid[where]
     steps, kept = _steered_run(pair, ref, kind)
     assert [t for s in steps for t in s.tokens] == ref
     accepted = {s.accepted for s in steps if s.drafted}
@@ -603,3 +607,53 @@ def test_the_memory_plan_counts_the_chain_drafters_asked_for(family):
     assert {"MTP head weights", "EAGLE-3 weights"} <= set(names) and names.count("chain draft KV cache") == 2
     assert not {"MTP head weights", "EAGLE-3 weights"} & {i.name for i in plain.items}
     assert both.total > plain.total and batch_room(both).per_token > batch_room(plain).per_token
+
+
+def test_a_batched_server_with_chain_drafters_answers_as_plain_decoding_and_says_so(family):
+    """serve with every source loaded (--draft auto-like), two requests batched: each reply is
+    the target's own, the speculation block names the sources and chain drafters, /health the
+    chain path and /metrics the head passes."""
+    import threading
+
+    from mlx_spec.server.app import create_app
+    from mlx_spec.session import Session
+
+    import httpx
+    from test_server import running_engine, serve_in_thread
+
+    dirs, pair, _ = family
+
+    def loader():
+        p = load_pair(
+            str(dirs["target"]),
+            str(dirs["drafter"]),
+            sources=("dflash", "lookup", "mtp", "eagle"),
+            mtp=dirs["mtp"],
+            eagle=dirs["eagle"],
+        )
+        return Session.of(p, engine_info(p, 4, "flag", adaptive=True))
+
+    prompts = [PROMPT, PROMPT * 2]
+    want = [greedy_reference(pair.model, p, 12) for p in prompts]
+    with running_engine(loader, max_batch=2) as e, serve_in_thread(create_app(e, keepalive_s=0.5)) as u:
+        got = [None, None]
+
+        def ask(i):
+            body = {"model": e.info.target, "prompt": prompts[i], "max_tokens": 12, "temperature": 0}
+            got[i] = httpx.post(f"{u}/v1/completions", json=body, timeout=120).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        tok = pair.tokenizer
+        for g, w in zip(got, want):
+            assert g["choices"][0]["text"] == tok.decode([t for t in w if t not in tok.eos_token_ids])
+            spec = g["speculation"]
+            assert spec["sources"] == ["dflash", "lookup", "mtp", "eagle"] and set(spec["chains"]) == {"mtp", "eagle"}
+            assert "head_passes" in spec["cycles"]
+        health = httpx.get(f"{u}/health", timeout=30).json()
+        assert health["batch_chain"] == "eagle, mtp: k head passes per drafting sequence (not packed across sequences)"
+        text = httpx.get(f"{u}/metrics", timeout=30).text
+        assert "mlx_spec:spec_decode_head_passes_total" in text and "batch_chain_drafters{" in text

@@ -64,6 +64,12 @@ def run(args) -> int:
         raise BadRequest(f"--budget must be a positive number of seconds (got {args.budget:g})")
     budget = args.budget or DEFAULT_BUDGET_S
     pair = open_session(load, log=lambda m: print(m, file=err), tuning="none").pair
+    if pair.drafter is None:
+        raise BadRequest(
+            f"tune chooses the DFlash block size, and measures the chain drafters beside it: --draft "
+            f"{load.draft} loads no DFlash drafter (add dflash to --draft; a pair without one starts its "
+            "policy from the stated priors, docs/tuner.md)"
+        )
     bar = Bar(err, "tuning")
     result = tune(pair, budget_s=budget, progress=bar, tokens=args.tokens, candidates=cands)
     bar.close()
