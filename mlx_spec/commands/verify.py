@@ -66,13 +66,15 @@ def run(args) -> int:
     session = open_session(load, log=lambda m: print(m, file=sys.stderr), tuning="stored")
     pair, info = session.pair, session.info
     if sizes is None:
-        if info.speculative:
+        if pair.drafter is None:  # chain drafters alone: no DFlash block to take
+            sizes, why = (4,), "chains of depth 3 (no DFlash drafter loaded; --block-sizes sets the depths + 1)"
+        elif info.speculative:
             sizes, why = (info.block_size,), f"the engine's block size ({info.block_size_source})"
         else:  # the tuner chose plain decoding: check the checkpoint's block, and say so
             sizes = (pair.drafter.args.block_size,)
             why = f"the checkpoint's block size (the engine runs plain decoding: {info.block_size_source})"
         print(f"verify: block size {sizes[0]}: {why}", file=sys.stderr)
-    n = len(prompts) * len(sizes)
+    n = len(prompts) * len(sizes) * ((pair.drafter is not None) + len(getattr(pair, "chains", None) or ()))
     print(f"verify: {n} runs, greedy, up to {args.max_tokens} tokens each", file=sys.stderr)
     report = check(
         pair,
