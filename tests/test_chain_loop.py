@@ -35,6 +35,7 @@ class Forced:
         self.max_lookup = max_lookup
         self.pinned, self.max_block = None, 4
         self.acceptance = {s: Acceptance(8, (1.0,) * 8) for s in ("dflash", "mtp", "eagle")}
+        self.dflash = self.acceptance["dflash"]
         self.copy = Copy()
         self.steps = []
 
@@ -260,6 +261,7 @@ def small():
         e = Eagle3(
             Eagle3Args.from_config(eagle_config(cfg, intermediate_size=96, draft_vocab_size=vd, layer_ids=(1, 2, 3)))
         )
+        _sharpen(e, 5)  # (twice: peaked proposals, so a wrong q is far from the right one)
         _sharpen(e, 5)
         if vd:
             e.set_d2t(np.array([0, 2, 3]) - np.arange(3))
@@ -268,7 +270,8 @@ def small():
     drafter.bind(target.embed, target.head)
     mx.random.seed(3)
     head = MTPHead("llama", dict(cfg, num_nextn_predict_layers=1))
-    _sharpen(head, 3)  # peaked proposals: a wrong q is far from the right one
+    _sharpen(head, 3)  # (twice, as the EAGLE-3 drafters)
+    _sharpen(head, 3)
     head.bind(target.embed, target.head)
     return target, drafter, {"mtp": head, **eagles}
 
@@ -311,7 +314,7 @@ class WrongQ:
 SMALL_PROMPT = [1, 3, 2, 0, 1, 1, 3]
 
 
-def _sampled_counts(small, plans, chains, rounds=8, batch=64):
+def _sampled_counts(small, plans, chains, rounds=4, batch=64):
     """Counts of the first three tokens of ``rounds * batch`` seeded replies, decoded ``batch``
     at a time (sequence i drafts with ``plans[i % len(plans)]``, its cycle shifted by i), and
     the target's exact law of them."""
