@@ -28,6 +28,7 @@ class GenConfig:
     sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()
     prefill_step: int = 2048
+    prefill_budget_s: float | None = None  # the prefill's time budget, checked between its chunks (None: none)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -291,6 +292,7 @@ def token_steps(
             eos_ids=eos,
             sampling=cfg.sampling,
             prefill_step=cfg.prefill_step,
+            prefill_budget_s=cfg.prefill_budget_s,
             **reuse,
         )
     return spec_steps(
@@ -302,6 +304,7 @@ def token_steps(
         eos_ids=eos,
         sampling=cfg.sampling,
         prefill_step=cfg.prefill_step,
+        prefill_budget_s=cfg.prefill_budget_s,
         policy=policy,
         **reuse,
     )

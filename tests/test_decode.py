@@ -265,3 +265,41 @@ def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
     assert per == {"dflash": {2}, "lookup": {1}, "plain": {1}}, per
     ref = greedy_reference(model, prompt, 12)
     assert _tokens(steps) == ref
+
+
+def test_a_prefill_budget_cancels_between_chunks_and_drops_the_caches():
+    """The prefill budget is checked before every chunk after the first (a clock that moves one
+    second per reading, a 2.5 s budget: three chunks run, the fourth never starts); the caches
+    are dropped, not handed to the prefix cache. Both loops: ours, and mlx-lm's plain one."""
+    import itertools
+
+    from mlx_spec.decode import plain_steps
+    from mlx_spec.errors import PrefillTimeout
+
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg, v2=True)
+    kept = []
+    runs = {
+        "spec": lambda clock: spec_steps(
+            target,
+            drafter,
+            LONG,
+            block_size=4,
+            max_tokens=4,
+            prefill_step=8,
+            on_exit=kept.append,
+            prefill_budget_s=2.5,
+            clock=clock,
+        ),  # 40 tokens: 5 chunks of 8
+        "plain": lambda clock: plain_steps(
+            model, LONG, max_tokens=4, prefill_step=8, on_exit=kept.append, prefill_budget_s=2.5, clock=clock
+        ),  # 39 tokens in chunks of 8, then the last one: 6
+    }
+    for name, run in runs.items():
+        with pytest.raises(PrefillTimeout, match=f"cut after 3 of {5 if name == 'spec' else 6} prefill chunks"):
+            list(run(itertools.count().__next__))
+    assert kept == []
+    # without a budget, or with one it keeps to, the same runs decode
+    ref = greedy_reference(model, LONG, 4)
+    assert _tokens(spec_steps(target, drafter, LONG, block_size=4, max_tokens=4, prefill_step=8)) == ref
+    assert _tokens(runs["plain"](lambda: 0.0)) == ref
