@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
+from .target import make_cache
+
 Progress = Callable[[int, int, str], None]  # (done, total, note)
 
 
@@ -230,7 +232,7 @@ class CostMeter:
 
             return run
 
-        pcache = make_prompt_cache(model)
+        pcache = make_cache(model, getattr(target, "kv", None))  # (the target's K/V setting: --kv-bits)
         mx.eval(model(x, cache=pcache), [c.state for c in pcache])
         tasks[("t1", 1)] = plain_step(model, pcache)
         if ar_model is not None:

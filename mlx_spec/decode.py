@@ -44,7 +44,7 @@ from .lookup import SuffixIndex
 from .policy import LOOKUP
 from .prefix import Prefill
 from .sampling import SamplingConfig
-from .target import Target
+from .target import KVQuant, Target, make_cache
 
 log = logging.getLogger(__name__)
 
@@ -179,19 +179,22 @@ def plain_steps(
     on_exit: Callable[[Prefill], None] | None = None,
     prefill_budget_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    kv: KVQuant | None = None,
 ) -> Iterator[Step]:
     """Plain decoding through mlx-lm's own ``generate_step`` (one token per step).
 
     ``prefill`` / ``on_exit`` / ``prefill_budget_s`` as in ``spec_steps`` (target cache only).
     With a budget, the prompt's chunks (all but its last token) are run here, as
-    ``generate_step`` runs them, so the budget is checked between them.
+    ``generate_step`` runs them, so the budget is checked between them. ``kv``: the K/V cache
+    quantized from its first row (``--kv-bits``), as the speculative loop's target caches are.
     """
     from mlx_lm.generate import generate_step, generation_stream
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     eos = frozenset(eos_ids)
     done = prefix_start(prefill, prompt)
-    cache = prefill.target if prefill else make_prompt_cache(model)
+    cache = prefill.target if prefill else make_cache(model, kv)
+    rows = (KVCache, QuantizedKVCache)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     sampler = sampling.mlx_sampler()
@@ -201,11 +204,11 @@ def plain_steps(
 
     def final() -> Prefill | None:
         # generate_step feeds each token before yielding it, so the cache holds a prefix of seq.
-        held = next((c.offset for c in cache if type(c) is KVCache), None)
+        held = next((c.offset for c in cache if type(c) in rows), None)
         if held is None or held > len(seq):
             return None
         for c in cache:
-            if type(c) is KVCache and c.offset != held:
+            if type(c) in rows and c.offset != held:
                 return None
         return Prefill(tuple(seq[:held]), cache, None)
 

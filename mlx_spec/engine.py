@@ -146,8 +146,9 @@ def timings(stats, block_size: int) -> dict:
 
 
 def _open_store(config, pair):
-    """The disk prefix store for ``pair``, keyed by both models' weights and quantization and the
-    machine (what a stored K/V row depends on); None, said, when that cannot be worked out."""
+    """The disk prefix store for ``pair``, keyed by both models' weights and quantization, the
+    drafting window and the machine (what a stored K/V row depends on); None, said, when that
+    cannot be worked out."""
     from .prefix_store import PrefixStore, identity_of
     from .tuning import machine_info, quantization, weights_id
 
@@ -159,6 +160,11 @@ def _open_store(config, pair):
             if pair.drafter is None
             else [weights_id(pair.drafter_id), quantization(pair.drafter), pair.drafter.vocab_size_drafted],
         }
+        if pair.kv is not None:  # quantized K/V rows are other rows: a store of their own
+            key["kv"] = [pair.kv.bits, pair.kv.group_size]
+        limit = getattr(pair.drafter, "context_limit", None)
+        if limit:  # a drafting window keeps fewer drafter rows: entries of another window differ
+            key["draft_window"] = limit
         if key["target"][0] is None or (pair.drafter is not None and key["drafter"][0] is None):
             raise MlxSpecError("the model files were not found to identify them")
         return PrefixStore(config, identity_of(key), {"target": pair.target_id, "drafter": pair.drafter_id})

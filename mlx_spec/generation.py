@@ -140,6 +140,8 @@ class EngineInfo:
     group: GroupInfo = SINGLE  # the processes the target is sharded over (distributed.py)
     pinned: bool = False  # the user gave the block size (--block-size): the per-cycle policy keeps it
     drafter_precision: str = ""  # e.g. "float weights, float32 activations" (drafter.Drafter.precision)
+    kv_cache: str = ""  # "4-bit K/V (group 64)" with --kv-bits ("": as computed)
+    draft_window: int = 0  # > 0: the drafter attends over the last this many positions (--draft-window)
 
     @property
     def speculative(self) -> bool:
@@ -149,9 +151,10 @@ class EngineInfo:
         return asdict(self)
 
     def describe(self) -> str:
+        kv = f", {self.kv_cache}" if self.kv_cache else ""
         if self.mode != SPECULATIVE:
             why = "--no-draft" if self.mode == PLAIN else self.block_size_source
-            return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
+            return f"engine: plain decoding of {self.target} ({why}; no speculation){kv}{self._group()}"
         if not self.adaptive_max:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
         elif self.pinned:
@@ -163,9 +166,10 @@ class EngineInfo:
             )
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
+        window = f", drafting window {self.draft_window} positions" if self.draft_window else ""
         return (
             f"engine: {self.method} speculative decoding, target {self.target}, drafter "
-            f"{self.drafter}{prec}, {block}{vocab}{self._group()}"
+            f"{self.drafter}{prec}, {block}{vocab}{window}{kv}{self._group()}"
         )
 
     def _group(self) -> str:
@@ -190,11 +194,12 @@ def engine_info(
     cycle's block in 1..max(block size, the checkpoint's, 16); the fixed choice stays in
     ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
     it as its DFlash block)."""
+    kv = pair.kv.describe() if getattr(pair, "kv", None) is not None else ""
     if pair.drafter is None:
-        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
+        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN, kv_cache=kv)
     ckpt = pair.drafter.args.block_size
     if off and not adaptive:
-        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
+        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF, kv_cache=kv)
     if off:  # the per-cycle policy takes plain steps itself where drafting does not pay, and a lookup
         # draft may still pay where DFlash does not (a reply copying its prompt): the tuner's "off"
         # is its prior (its stored costs and acceptance start the DFlash source resting), not plain.
@@ -227,6 +232,8 @@ def engine_info(
         vocab,
         pinned=pinned,
         drafter_precision=prec,
+        kv_cache=kv,
+        draft_window=getattr(pair.drafter, "context_limit", None) or 0,
     )
 
 
@@ -293,6 +300,7 @@ def token_steps(
             sampling=cfg.sampling,
             prefill_step=cfg.prefill_step,
             prefill_budget_s=cfg.prefill_budget_s,
+            kv=pair.kv,
             **reuse,
         )
     return spec_steps(

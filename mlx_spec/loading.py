@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten
 
 from . import quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
-from .errors import CheckpointError, IncompatiblePair, MlxSpecError
+from .errors import CheckpointError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .integrity import check_model_dir
-from .target import Target
+from .target import KVQuant, Target, kv_problem
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DRAFTER = "smollm2-135m-dflash2"
@@ -328,6 +328,7 @@ class Pair:
     target_id: str
     drafter_id: str | None
     drafter_config: dict | None
+    kv: KVQuant | None = None  # the target's K/V quantized (--kv-bits): every path's caches alike
 
 
 def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, group_size: int = 64, shard=None):
@@ -393,29 +394,36 @@ def load_pair(
     draft_vocab: str = "auto",
     shard=None,
     drafter_activations: str | None = None,
+    kv: KVQuant | None = None,
+    draft_window: int | None = None,
 ) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafter binds to its embedding and head, so those exist once. ``draft_vocab``:
     "auto" drafts over the checkpoint's reduced vocabulary when it ships one
-    (``draft_vocab.json``), "full" always over the whole head. ``shard``: see ``load_target_model``."""
+    (``draft_vocab.json``), "full" always over the whole head. ``shard``: see ``load_target_model``.
+    ``kv``: the target's K/V cache quantized (``--kv-bits``; refused by name where it cannot
+    work); ``draft_window``: the drafter keeps the last that many context positions."""
     if draft_vocab not in ("auto", "full"):
         raise MlxSpecError(f"draft vocabulary must be 'auto' or 'full', not {draft_vocab!r}")
     model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size, shard=shard)
+    if kv is not None and (why := kv_problem(model, kv)) is not None:
+        raise UnsupportedModel(why)
     if no_draft:
-        return Pair(model, tokenizer, None, None, target_id, None, None)
+        return Pair(model, tokenizer, None, None, target_id, None, None, kv)
     if drafter_id is None:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
     drafter, config = load_drafter(
         drafter_id, bits=drafter_bits, group_size=group_size, activations=drafter_activations
     )
-    target = Target(model, drafter.args.target_layer_ids)
+    target = Target(model, drafter.args.target_layer_ids, kv=kv)
     check_pair(target, drafter)
     vocab = None
     if draft_vocab == "auto" and drafter.shipped_vocab is not None:
         ids = mx.array(drafter.shipped_vocab)
         vocab = DraftVocab(ids, target.head_rows(ids))
     drafter.bind(target.embed, target.head, vocab)
-    return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config)
+    drafter.context_limit = draft_window
+    return Pair(model, tokenizer, target, drafter, target_id, str(drafter_id), config, kv)
 
 
 __all__ = [

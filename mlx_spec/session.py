@@ -27,6 +27,7 @@ from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID
 from .errors import BadRequest, CheckpointError, HubError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .generation import EngineInfo, engine_info
+from .target import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +393,8 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         draft_vocab=cfg.draft_vocab,
         shard=shard,
         drafter_activations=quant.drafter_activations,
+        kv=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None,
+        draft_window=cfg.draft_window,
     )
 
 

@@ -303,3 +303,45 @@ def test_a_prefill_budget_cancels_between_chunks_and_drops_the_caches():
     ref = greedy_reference(model, LONG, 4)
     assert _tokens(spec_steps(target, drafter, LONG, block_size=4, max_tokens=4, prefill_step=8)) == ref
     assert _tokens(runs["plain"](lambda: 0.0)) == ref
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
+def test_a_drafting_window_bounds_the_drafters_cache_and_keeps_the_output(target_model, v2):
+    """``--draft-window 8``: every drafter context cache keeps at most the last 8 positions (the
+    single stream, and a batch whose drafter pass runs once for all), at the positions a full
+    cache would give them; the output is the target's, as without a window."""
+    from mlx_spec.batch import BatchDecoder, batched_steps
+    from mlx_spec.prefix import PrefixCache
+
+    model, cfg, refs = target_model
+    target, drafter, _ = tiny_drafter(model, cfg, v2=v2, layers=2)
+    drafter.context_limit = 8
+    made, orig = [], drafter.make_cache
+
+    def spy():
+        made.append(orig())
+        return made[-1]
+
+    drafter.make_cache = spy
+    kept = PrefixCache(64 << 20)
+    for prompt in (SHORT, LONG):
+        for B in (2, 4, 8):
+            got = []
+            for s in spec_steps(target, drafter, prompt, block_size=B, max_tokens=N, on_exit=kept.store):
+                got += s.tokens
+                assert all(c.keys is None or c.keys.shape[2] <= 8 for c in made[-1]), (B, len(got))
+            assert got == refs[tuple(prompt)], (B, prompt[:3])
+            assert all(c.limit == 8 and c.offset == len(prompt) + N - 1 for c in made[-1])
+    dec = BatchDecoder(target, drafter, block_size=4, max_batch=2)
+    assert dec.packed_drafter
+    out = {0: [], 1: []}
+    for i, st in batched_steps(dec, [dict(prompt=p, max_tokens=N) for p in (SHORT, LONG)]):
+        out[i] += st.tokens
+        assert all(c.keys is None or c.keys.shape[2] <= 8 for m in made[-2:] for c in m)
+    assert [out[0], out[1]] == [refs[tuple(SHORT)], refs[tuple(LONG)]]
+    # a prefix cached with the window serves the next turn (its last 8 rows are all it needs)
+    turn2 = LONG + refs[tuple(LONG)] + [2, 11]
+    fresh = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=8))
+    pre = kept.lookup(turn2, drafter=True)
+    assert pre is not None and all(c.limit == 8 for c in pre.drafter)
+    assert _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=8, prefill=pre)) == fresh
