@@ -315,7 +315,7 @@ class DraftPolicy:
     def _reprice(self) -> None:
         """Price the curve at the current context (``Costs.at``) when it has moved ``REPRICE``
         tokens since the last time; nothing for a curve without a context term."""
-        if not self.costs.ctx_ms or abs(self.position - self._priced.context) < REPRICE:
+        if not (self.costs.ctx_ms or self.costs.ctx_draft_ms) or abs(self.position - self._priced.context) < REPRICE:
             return
         self._priced = self.costs.at(self.position)
         k = (self.position - self.costs.context) / 1000

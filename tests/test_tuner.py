@@ -376,17 +376,20 @@ def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
 
 
 def test_a_result_of_another_format_is_tuned_again(tmp_path):
-    """Format 3 stores why / noise / overhead_ms and loads back equal; a file of any other
-    format (an earlier development build's) is not read: the pair is tuned again."""
+    """Format 4 stores why / noise / overhead_ms and the curve's context term and loads back
+    equal; a file of any other format (format 3: a curve without its context term, or an
+    earlier development build's) is not read: the pair is tuned again, measuring the term."""
     key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
     from dataclasses import replace
 
     r = replace(_result(key), why="B=4 and B=8 within noise (1.0%); chose 8", overhead_ms=3.5, threads=2)
+    r = replace(r, costs=replace(r.costs, ctx_ms={1: 40.0, 4: 120.0}, ctx_draft_ms={4: 2.0}))
     path = save_result(r, tmp_path)
     d = json.loads(path.read_text())
-    assert d["format"] == FORMAT == 3 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
+    assert d["format"] == FORMAT == 4 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
+    assert d["costs"]["ctx_ms"] == {"1": 40.0, "4": 120.0} and d["costs"]["ctx_draft_ms"] == {"4": 2.0}
     assert load_result(key, tmp_path) == r
-    for old in (1, 2):
+    for old in (1, 2, 3):
         path.write_text(json.dumps(d | {"format": old}))
         assert load_result(key, tmp_path) is None
     assert not list(tmp_path.rglob("*.tmp*"))  # saving is atomic: no temporary file left
@@ -865,18 +868,27 @@ class _Machine:
 
     def __init__(self, clock, seed, noise=0.08, slow=1.0):
         self.clock, self.rng, self.noise, self.threads, self.slow = clock, random.Random(seed), noise, 2, slow
+        self.ctx_rng = random.Random(seed + 1000)
+        self.short = None  # the context of the first meter (the short one): costs grow past it
 
-    def ms(self, name, B):
-        base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name] * (1.2 if self.threads == 1 else 1.0)
+    ctx = {"t1": 50.0, "td": 1.0, "tt": 50.0}  # ms per 1000 tokens of context past the short one, per row
+
+    def ms(self, name, B, n=0):
+        base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name]
+        longer = max(0, n - (self.short or n))
+        base += self.ctx[name] * (B if name != "t1" else 1) * longer / 1000
+        base *= 1.2 if self.threads == 1 else 1.0
         base *= self.slow  # a busy machine: everything slower
-        x = base * math.exp(self.rng.gauss(0, self.noise))
-        return x * self.rng.uniform(1.5, 3.0) if self.rng.random() < 0.125 else x
+        rng = self.ctx_rng if longer else self.rng  # (the long context's rounds: noise of their own)
+        x = base * math.exp(rng.gauss(0, self.noise))
+        return x * rng.uniform(1.5, 3.0) if rng.random() < 0.125 else x
 
     def meter(self, model, target, drafter, sizes, context, **kw):
         from mlx_spec.costs import CostMeter
 
         m = CostMeter.__new__(CostMeter)
         m.context, m.rounds = len(context), 0
+        self.short = self.short or len(context)
         m.tasks = {
             ("t1", 1): None,
             **{(n, B): None for B in sorted({1, *sizes}) for n in ("td", "tt") if not (n == "td" and B == 1)},
@@ -885,7 +897,7 @@ class _Machine:
 
         def round_(progress=None, note=""):
             for k in m.tasks:
-                x = self.ms(*k)
+                x = self.ms(*k, m.context)
                 self.clock.t += x / 1e3
                 if m.rounds:
                     m.times[k].append(x)
@@ -985,10 +997,47 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
             assert r.phases["cost_rounds"] in (3, 4), r.timing
             continue
         assert r.phases["cost_rounds"] >= 5 and r.phases["race_rounds"] >= 1  # (5: while the budget allows)
+        # the context term fits beside the race at 45 s and more; at 30 s the race's core comes first
+        assert r.phases["context_term"] == ("budget" if budget == 30.0 else "measured"), r.timing
         if budget == 30.0:
+            assert "no context term (budget)" in r.timing
             left_out = [c for c in r.candidates if c.note.endswith("not raced: budget")]
             assert left_out and "not raced: " in r.why and "s of the budget left for the race" in r.why
             assert all(c.rounds == 0 for c in left_out)
+
+
+def test_tune_measures_the_context_term_and_stores_it_with_the_curve(pair, monkeypatch, tmp_path):
+    """The scripted machine's passes grow with the context (a row +50 ms per 1000 tokens, a plain
+    step likewise, a draft row +1 ms): ``tune`` times the passes again at a longer context and
+    stores the difference as the curve's context term, which prices the curve there (and survives
+    the store's round trip); a budget that cannot afford the long prefill stores none and says so."""
+    import mlx_spec.tuning.run as T
+
+    fake_blas = type("B", (), {"settable": True, "pinned": None})()
+    clock = FakeClock()
+    m = _Machine(clock, 0, noise=0.02)
+    monkeypatch.setattr(T, "CostMeter", m.meter)
+    monkeypatch.setattr(T, "Runner", m.runner)
+    monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    c = r.costs
+    assert r.phases["context_term"] == "measured" and r.phases["context_tokens"] == T.LONG_CONTEXT
+    assert r.phases["context_rounds"] >= 1 and "context term" in r.timing
+    assert set(c.ctx_ms) == {1, 2, 8} and set(c.ctx_draft_ms) == {2, 8}  # T1, the probe's block, the largest
+    assert c.ctx_ms[1] == pytest.approx(50.0, rel=0.25) and c.ctx_ms[8] == pytest.approx(400.0, rel=0.25)
+    assert c.ctx_draft_ms[8] == pytest.approx(8.0, abs=4.0)
+    long = c.at(T.LONG_CONTEXT)  # the curve at the long context: what the passes cost there
+    assert long.verify(8) == pytest.approx(72 + 24 + 400 * (T.LONG_CONTEXT - m.short) / 1000, rel=0.1)
+    save_result(r, tmp_path)
+    assert load_result(r.key, tmp_path).costs.ctx_ms == c.ctx_ms
+    # too small a budget for a long prefill: no term, said in the phases and by `mlx_spec tune`
+    from mlx_spec.commands.tune import context_line
+
+    monkeypatch.setattr(T, "CONTEXT_SHARE", 0.0)
+    clock.t = 0.0
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    assert not r.costs.ctx_ms and r.phases["context_term"] == "budget"
+    assert "not measured" in context_line(r)
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from ..costs import Costs
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # the BLAS thread count is part of the answer; chosen by the model (noise, why)
+FORMAT = 4  # the cost curve carries its measured context term (ctx_ms, ctx_draft_ms); 3: without
 READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 
@@ -255,10 +255,19 @@ class TuneResult:
         parts = [
             f"probe {p['probe_s']:.0f} s",
             f"pass costs {p['costs_s']:.0f} s ({p['cost_rounds']} rounds)",
+            *(
+                [
+                    f"context term {p['context_s']:.0f} s ({p['context_tokens']} tokens, {p['context_rounds']} rounds)"
+                    if p.get("context_term") == "measured"
+                    else "no context term (budget)"
+                ]
+                if "context_term" in p
+                else []
+            ),
             f"race {p['race_s']:.0f} s ({p['race_rounds']} rounds, stopped on {p['race_stop']})",
         ]
         over = self.elapsed_s - self.budget_s
-        fixed = p["probe_s"] + p["costs_s"]
+        fixed = p["probe_s"] + p["costs_s"] + p.get("context_s", 0.0)
         note = ""
         if over > 0:
             note = f"; over budget by {over:.0f} s" + (
