@@ -7,7 +7,7 @@ import statistics
 
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
-from mlx_spec.policy import DFLASH, Context, DraftPolicy, expected_tokens
+from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Context, DraftPolicy, PolicyFactory, expected_tokens
 from mlx_spec.stats import Stats
 from mlx_spec.tuning import (
     FORMAT,
@@ -873,13 +873,16 @@ class _Machine:
 
     ctx = {"t1": 50.0, "td": 1.0, "tt": 50.0}  # ms per 1000 tokens of context past the short one, per row
 
-    def ms(self, name, B, n=0):
+    def truth(self, name, B, n=0):
+        """The pass's cost without noise (at ``n`` tokens of context)."""
         base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name]
-        longer = max(0, n - (self.short or n))
-        base += self.ctx[name] * (B if name != "t1" else 1) * longer / 1000
+        base += self.ctx[name] * (B if name != "t1" else 1) * max(0, n - (self.short or n)) / 1000
         base *= 1.2 if self.threads == 1 else 1.0
-        base *= self.slow  # a busy machine: everything slower
-        rng = self.ctx_rng if longer else self.rng  # (the long context's rounds: noise of their own)
+        return base * self.slow  # a busy machine: everything slower
+
+    def ms(self, name, B, n=0):
+        base = self.truth(name, B, n)
+        rng = self.ctx_rng if n > (self.short or n) else self.rng  # (the long context's rounds: noise of their own)
         x = base * math.exp(rng.gauss(0, self.noise))
         return x * rng.uniform(1.5, 3.0) if rng.random() < 0.125 else x
 
@@ -1038,6 +1041,47 @@ def test_tune_measures_the_context_term_and_stores_it_with_the_curve(pair, monke
     r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
     assert not r.costs.ctx_ms and r.phases["context_term"] == "budget"
     assert "not measured" in context_line(r)
+
+
+def test_a_policy_from_the_tuned_result_prices_a_long_context_at_its_real_cost(pair, monkeypatch):
+    """What made the default engine slower than plain decoding at agent context lengths: the
+    policy priced verify rows at the tuner's short-context curve, where a row costs a few ms,
+    while at 4 K tokens on a CPU a row costs about a plain step, so a long lookup proposal from
+    the padded prompt was drafted 20 rows deep. From a result tuned on a machine whose rows grow
+    with the context (the scripted one: +50 ms a row per 1000 tokens), the policy drafts that
+    proposal long after a short prompt and, after a 4 K prompt, only as far as it pays there:
+    its choice commits at least plain decoding's tokens per ms by the machine's true passes."""
+    import mlx_spec.tuning.run as T
+
+    clock = FakeClock()
+    m = _Machine(clock, 0, noise=0.02)
+    monkeypatch.setattr(T, "CostMeter", m.meter)
+    monkeypatch.setattr(T, "Runner", m.runner)
+    monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
+    fake_blas = type("B", (), {"settable": True, "pinned": None})()
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    make = PolicyFactory(pair, r)
+    ctx = Context(tuple(range(100, 120)), 12)  # a 20-token copy found at a 12-token match
+
+    def first_choice(prompt_tokens: int):
+        p = make()
+        p.observe(Step((5,), prefill=True, prompt_tokens=prompt_tokens))
+        return p, p.choose(ctx)
+
+    _, short = first_choice(m.short)
+    p, long = first_choice(4096)
+    assert short.source == LOOKUP and short.length > 8
+    assert long.length < short.length
+
+    def true_ms(L: int) -> float:  # the machine's passes at 4096 tokens, without noise
+        return m.truth("t1", 1, 4096) if L == 1 else m.truth("tt", L, 4096)
+
+    def rate(d) -> float:
+        if d.source == PLAIN:
+            return 1 / true_ms(1)
+        return expected_tokens(p.copy.curve(ctx.match, d.length - 1), d.length) / true_ms(d.length)
+
+    assert rate(long) >= rate(short) and rate(long) >= 0.95 / true_ms(1), (long, short)
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):
