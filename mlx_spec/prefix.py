@@ -99,10 +99,15 @@ def _clone_context(c: ContextCache, keep: int, total: int) -> ContextCache | Non
     kept = c.keys.shape[2]
     first = c.offset - kept  # absolute position of the first kept row
     need = 0 if c.kept is None else max(0, keep - c.kept)
-    if first > need:  # the rows a window at `keep` sees were already dropped
+    if first > need and c.limit is None:  # the rows a trained window at `keep` sees were already dropped
         return None
-    n = keep - first
-    new.keys, new.values, new.offset = c.keys[:, :, :n], c.values[:, :, :n], keep
+    # (a drafting window, ``--draft-window``, takes what it still holds of the rows before `keep`:
+    # fewer than its window where they were dropped, which changes drafts, never the output)
+    lo, n = max(0, need - first), keep - first
+    if n <= lo:
+        new.offset = keep
+        return new
+    new.keys, new.values, new.offset = c.keys[:, :, lo:n], c.values[:, :, lo:n], keep
     return new
 
 

@@ -345,3 +345,11 @@ def test_a_drafting_window_bounds_the_drafters_cache_and_keeps_the_output(target
     pre = kept.lookup(turn2, drafter=True)
     assert pre is not None and all(c.limit == 8 for c in pre.drafter)
     assert _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=8, prefill=pre)) == fresh
+    # a prompt that departs from the cached one 5 tokens before its end still reuses its prefix:
+    # the window holds what it kept of the rows before the departure (3 of 8), the output is exact
+    edited = LONG + refs[tuple(LONG)][:-6] + [2, 11]
+    pre = kept.lookup(edited, drafter=True)
+    assert pre is not None and len(pre.tokens) == len(LONG) + N - 6
+    assert all(c.offset == len(pre.tokens) and c.keys.shape[2] == 3 for c in pre.drafter)
+    fresh = _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8))
+    assert _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8, prefill=pre)) == fresh

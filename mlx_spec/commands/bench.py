@@ -335,6 +335,10 @@ def concurrency(args) -> int:
         extra += ["--context", str(_plan_context(args))]
     if getattr(args, "block_size", None):
         extra += ["--block-size", str(args.block_size)]
+    if getattr(args, "kv_bits", None):  # (mlx_lm.server keeps its own float K/V: it has no such flag)
+        extra += ["--kv-bits", str(args.kv_bits), "--kv-group-size", str(args.kv_group_size)]
+    if getattr(args, "draft_window", None):
+        extra += ["--draft-window", str(args.draft_window)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
     import mlx_spec
 
@@ -649,6 +653,8 @@ def context_run(args) -> int:
         "repeats": args.repeats,
         "rows": contextbench.as_dicts(rows),
         "context_term": None if term is None else term.as_dict(),
+        "kv_cache": pair.kv.describe() if pair.kv is not None else "as computed",
+        "draft_window": pair.drafter.context_limit,
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -657,7 +663,9 @@ def context_run(args) -> int:
     else:
         print(
             f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
-            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()}"
+            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()} | K/V "
+            f"{report['kv_cache']} (every row alike) | drafting window "
+            f"{pair.drafter.context_limit or 'all positions'}"
         )
         print(contextbench.table(rows))
         print(
