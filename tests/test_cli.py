@@ -60,6 +60,8 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "mode": "speculative",
             "pinned": True,
             "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
+            "kv_cache": "",
+            "draft_window": 0,
         }
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

@@ -4,11 +4,14 @@ token: one stream, a batch, and a turn started from a prefix cached in memory or
 memory plan counts the bytes the quantized cache holds; a hybrid target is refused by name."""
 
 import importlib
+import json
 
 from mlx_spec import memory
 from mlx_spec.batch import BatchDecoder, batched_steps
+from mlx_spec.cli import main
+from mlx_spec.config import LoadConfig
 from mlx_spec.decode import plain_steps, spec_steps
-from mlx_spec.errors import UnsupportedModel
+from mlx_spec.errors import BadRequest, UnsupportedModel
 from mlx_spec.loading import Pair
 from mlx_spec.prefix import PrefixCache
 from mlx_spec.prefix_store import DiskConfig, PrefixStore
@@ -16,7 +19,7 @@ from mlx_spec.target import KVQuant, Target, make_cache
 
 import mlx.core as mx
 import pytest
-from helpers import TARGET_CONFIGS, tiny_drafter
+from helpers import TARGET_CONFIGS, save_tiny_pair, tiny_drafter
 from mlx_lm.models.cache import QuantizedKVCache
 from test_hybrid import build
 
@@ -117,3 +120,28 @@ def test_a_hybrid_target_and_a_head_width_without_whole_groups_are_refused_by_na
         Target(model, [0], kv=KVQuant(4))
     with pytest.raises(UnsupportedModel, match="head width 32 does not split into groups of 64"):
         Target(tiny(), [0], kv=KVQuant(4, 64))
+
+
+def test_the_flags_reach_the_engine_and_bad_ones_are_named(tmp_path, capsys):
+    """``generate --kv-bits 4 --draft-window 16`` on a pair that can take them runs with both (the
+    engine line says so, the text is plain decoding's with the same cache); on a head width
+    without whole groups, and with values out of range, it is refused by name."""
+    t, d = save_tiny_pair(tmp_path / "hd32", target_over={"head_dim": 32})
+    args = ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world", "--max-tokens", "12"]
+    assert main([*args, "--no-tune", "--kv-bits", "4", "--kv-group-size", "32", "--draft-window", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"]["kv_cache"] == "4-bit K/V (group 32)" and out["engine"]["draft_window"] == 16
+    assert main([*args, "--no-draft", "--kv-bits", "4", "--kv-group-size", "32", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["text"] == out["text"] and plain["engine"]["kv_cache"] == "4-bit K/V (group 32)"
+    assert main([*args, "--no-tune", "--kv-bits", "4"]) == 1  # group 64 over a head width of 32
+    assert "head width 32 does not split into groups of 64 (--kv-group-size 32 does)" in capsys.readouterr().err
+    for bad, what in (
+        (dict(kv_bits=3), "--kv-bits must be 4 or 8"),
+        (dict(kv_group_size=16), "--kv-group-size must be 32, 64 or 128"),
+        (dict(draft_window=0), "--draft-window must be >= 1"),
+        (dict(draft_window=8, no_draft=True), "no use with --no-draft"),
+        (dict(kv_bits=4, ranks=2), "--kv-bits is not offered for a target sharded"),
+    ):
+        with pytest.raises(BadRequest, match=what):
+            LoadConfig(**bad)
