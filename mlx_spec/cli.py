@@ -98,8 +98,8 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
         default=None,
         metavar="N",
         help="the DFlash drafter attends over the last N target positions only (its context cache "
-        "bounded: memory and draft cost at long context); output unchanged (default: all positions; "
-        "docs/context.md)",
+        "bounded: memory and draft cost at long context); output unchanged; 0: every position "
+        "(default: the bundled drafter 512, others every position; docs/context.md)",
     )
     if context:
         p.add_argument(

@@ -41,7 +41,7 @@ class LoadConfig:
     ranks: int = 1  # machines the target is sharded over (plan --ranks; under mlx.launch: the group's size)
     kv_bits: int | None = None  # --kv-bits: the target's K/V cache quantized to 4 or 8 bits (None: as computed)
     kv_group_size: int = 64  # --kv-group-size
-    draft_window: int | None = None  # --draft-window: drafter context rows kept (None: every position)
+    draft_window: int | None = None  # --draft-window: drafter context rows kept (None: the drafter's default, 0: all)
 
     def __post_init__(self):
         if not self.target:
@@ -78,9 +78,9 @@ class LoadConfig:
                 "--kv-bits is not offered for a target sharded over a group (--ranks): the sharded "
                 "attention's quantized cache is untested; drop one of them"
             )
-        if self.draft_window is not None and self.draft_window < 1:
-            raise BadRequest(f"--draft-window must be >= 1 position (got {self.draft_window})")
-        if self.draft_window is not None and self.no_draft:
+        if self.draft_window is not None and self.draft_window < 0:
+            raise BadRequest(f"--draft-window must be >= 1 position, or 0 for all (got {self.draft_window})")
+        if self.draft_window and self.no_draft:
             raise BadRequest("--draft-window bounds the drafter's context: it has no use with --no-draft")
         if self.prefix_cache < 0:
             raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {self.prefix_cache / 2**20:g})")

@@ -25,6 +25,28 @@ from .target import KVQuant, Target, kv_problem
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DRAFTER = "smollm2-135m-dflash2"
+# The drafting window (``--draft-window``) a drafter runs with unless told otherwise: the bundled
+# drafter was trained on 256-token sequences, and at 4 K tokens of context its acceptance is higher
+# attending over the last 512 positions than over all of them (docs/context.md); other drafters
+# attend over every position.
+DEFAULT_DRAFT_WINDOWS = {DEFAULT_DRAFTER: 512}
+
+
+def default_draft_window(drafter_id: str | None) -> int | None:
+    """The drafting window a drafter runs with by default (None: every position)."""
+    if drafter_id is None:
+        return None
+    return DEFAULT_DRAFT_WINDOWS.get(Path(str(drafter_id)).name)
+
+
+def draft_window(asked: int | None, drafter_id: str | None) -> int | None:
+    """The window a run uses: ``asked`` (``--draft-window``; 0 = every position), else the
+    drafter's default."""
+    if asked is None:
+        return default_draft_window(drafter_id)
+    return asked or None
+
+
 V2_ONLY = ("attention_conv", "mlp_conv", "candidate_selector")
 
 

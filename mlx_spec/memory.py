@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .errors import PlanError
+from .loading import draft_window
 
 log = logging.getLogger(__name__)
 
@@ -942,7 +943,7 @@ def plan_for_config(cfg, drafter_id: str | None, block_size: int | None = None, 
         ranks=cfg.ranks,
         kv_bits=cfg.kv_bits,
         kv_group_size=cfg.kv_group_size,
-        draft_window=cfg.draft_window,
+        draft_window=draft_window(cfg.draft_window, drafter_id),
     )
     return quant, plan
 

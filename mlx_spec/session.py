@@ -27,6 +27,7 @@ from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID
 from .errors import BadRequest, CheckpointError, HubError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .generation import EngineInfo, engine_info
+from .loading import draft_window
 from .target import KVQuant
 
 log = logging.getLogger(__name__)
@@ -394,7 +395,7 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         shard=shard,
         drafter_activations=quant.drafter_activations,
         kv=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None,
-        draft_window=cfg.draft_window,
+        draft_window=draft_window(cfg.draft_window, planned.drafter),
     )
 
 

@@ -125,7 +125,12 @@ def test_a_hybrid_target_and_a_head_width_without_whole_groups_are_refused_by_na
 def test_the_flags_reach_the_engine_and_bad_ones_are_named(tmp_path, capsys):
     """``generate --kv-bits 4 --draft-window 16`` on a pair that can take them runs with both (the
     engine line says so, the text is plain decoding's with the same cache); on a head width
-    without whole groups, and with values out of range, it is refused by name."""
+    without whole groups, and with values out of range, it is refused by name. The bundled
+    drafter's default window is 512 positions, 0 asks for all of them; others default to all."""
+    from mlx_spec.loading import DEFAULT_DRAFTER, draft_window
+
+    assert draft_window(None, f"models/{DEFAULT_DRAFTER}") == 512 and draft_window(0, DEFAULT_DRAFTER) is None
+    assert draft_window(None, "other/drafter") is None and draft_window(64, "other/drafter") == 64
     t, d = save_tiny_pair(tmp_path / "hd32", target_over={"head_dim": 32})
     args = ["generate", "--target", str(t), "--drafter", str(d), "--prompt", "hello world", "--max-tokens", "12"]
     assert main([*args, "--no-tune", "--kv-bits", "4", "--kv-group-size", "32", "--draft-window", "16", "--json"]) == 0
@@ -139,7 +144,7 @@ def test_the_flags_reach_the_engine_and_bad_ones_are_named(tmp_path, capsys):
     for bad, what in (
         (dict(kv_bits=3), "--kv-bits must be 4 or 8"),
         (dict(kv_group_size=16), "--kv-group-size must be 32, 64 or 128"),
-        (dict(draft_window=0), "--draft-window must be >= 1"),
+        (dict(draft_window=-1), "--draft-window must be >= 1 position, or 0 for all"),
         (dict(draft_window=8, no_draft=True), "no use with --no-draft"),
         (dict(kv_bits=4, ranks=2), "--kv-bits is not offered for a target sharded"),
     ):

@@ -655,6 +655,7 @@ def context_run(args) -> int:
         "context_term": None if term is None else term.as_dict(),
         "kv_cache": pair.kv.describe() if pair.kv is not None else "as computed",
         "draft_window": pair.drafter.context_limit,
+        "engine_curve": _curve_source(tuned),
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -665,7 +666,8 @@ def context_run(args) -> int:
             f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
             f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()} | K/V "
             f"{report['kv_cache']} (every row alike) | drafting window "
-            f"{pair.drafter.context_limit or 'all positions'}"
+            f"{pair.drafter.context_limit or 'all positions'}\n"
+            f"the default engine's cost curve: {report['engine_curve']}"
         )
         print(contextbench.table(rows))
         print(
@@ -678,6 +680,14 @@ def context_run(args) -> int:
                 + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items()))
             )
     return 0 if all(r.identical for r in rows) else 1
+
+
+def _curve_source(tuned) -> str:
+    """What the default engine's policy prices its choices with (docs/context.md)."""
+    if tuned is None or tuned.costs is None:
+        return "estimated from the models' sizes (no tuning result for this pair here: `mlx_spec tune` measures one)"
+    term = "with its measured context term" if tuned.costs.ctx_ms else "without a context term"
+    return f"tuned {tuned.date[:10]}, {term}"
 
 
 # -- pass costs alone, and on a group (docs/distributed.md) ---------------------------------------
