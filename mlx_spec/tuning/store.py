@@ -150,9 +150,10 @@ def _weights(path_or_id: str) -> str:
 
 def tune_key(pair) -> dict:
     """What the answer depends on: the machine and, per model, the weights' identity
-    (``weights_id``) and quantization as loaded. The ``id`` (as the command spelled it) is kept
+    (``weights_id``) and quantization as loaded (the target's K/V quantization and the drafting
+    window where set). The ``id`` (as the command spelled it) is kept
     for people reading the file, and is no part of the key (``identity``)."""
-    return {
+    key = {
         "machine": machine_info(),
         "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
         "drafter": {
@@ -162,6 +163,13 @@ def tune_key(pair) -> dict:
             "draft_vocab": pair.drafter.vocab_size_drafted or "full",
         },
     }
+    kv = getattr(pair, "kv", None)
+    if kv is not None:  # quantized K/V: other pass costs (--kv-bits)
+        key["target"]["kv"] = kv.describe()
+    window = getattr(pair.drafter, "context_limit", None)
+    if window:  # a drafting window: other draft costs and acceptance past it (--draft-window)
+        key["drafter"]["window"] = window
+    return key
 
 
 def identity(key: dict) -> dict:
