@@ -653,7 +653,7 @@ def context_run(args) -> int:
         "repeats": args.repeats,
         "rows": contextbench.as_dicts(rows),
         "context_term": None if term is None else term.as_dict(),
-        "kv_cache": pair.kv.describe() if pair.kv is not None else "as computed",
+        "kv_cache": pair.kv.describe() if pair.kv is not None else "float K/V (as computed)",
         "draft_window": pair.drafter.context_limit,
         "engine_curve": _curve_source(tuned),
     }
@@ -664,8 +664,8 @@ def context_run(args) -> int:
     else:
         print(
             f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
-            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()} | K/V "
-            f"{report['kv_cache']} (every row alike) | drafting window "
+            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()} | "
+            f"{report['kv_cache']} on every row | drafting window "
             f"{pair.drafter.context_limit or 'all positions'}\n"
             f"the default engine's cost curve: {report['engine_curve']}"
         )
