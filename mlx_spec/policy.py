@@ -284,7 +284,6 @@ class DraftPolicy:
         self.dflash = Acceptance(self.max_block - 1, prior, weight=prior_weight, decay=decay, prior_decay=decay)
         self.copy = Copy(decay=decay)
         self.scale = {k: 1.0 if measured else None for k in ("plain", "verify", "draft")}
-        self._measured: set[str] = set()  # the kinds this reply has measured (``_rescale``)
         self.overhead = {PLAIN: 0.0, DFLASH: 0.0, LOOKUP: 0.0}
         self.base_probe = probe_every
         self.max_probe, self.probe_block = max_probe_every, max(2, probe_block)
@@ -322,16 +321,6 @@ class DraftPolicy:
         k = (self.position - self.costs.context) / 1000
         self._t1_priced = max(0.1 * self.t1, self.t1 + k * self.costs.ctx_slope(1))
         self._tables.clear()
-
-    def _rescale(self, kind: str, ratio: float) -> float:
-        """A pass's measured time over the curve's price. The reply's first measured verify (and
-        draft) pass sets its scale outright: the curve was timed elsewhere (another context, a
-        quieter machine), and a verify that cost four times its price must not be drafted again
-        at the old one. Later ones, and plain steps (pipelined: their time is mostly the host's,
-        booked as overhead), move it as a running average."""
-        first = kind != "plain" and kind not in self._measured
-        self._measured.add(kind)
-        return ratio if first else _ema(self.scale[kind], ratio)
 
     def verify_ms(self, L: int, piped: bool = True) -> float:
         """Tt(L) as this reply sees it. A plain step (L = 1) runs pipelined in a run of them (the
@@ -520,12 +509,12 @@ class DraftPolicy:
         trimmed = source == DFLASH and L == 1  # pick(trim=True) verified the anchor alone
         if step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
-            self.scale[kind] = self._rescale(kind, step.verify_ms / max(self._table(L)[0], 1e-6))
+            self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             if L > 1:  # the line prices drafts: pipelined plain steps are another regime
                 self.line.add(L, step.verify_ms)
         if step.draft_ms > 0:  # (also a pass whose block pick() then dropped for the lookup's)
             ran = step.draft_block or L
-            self.scale["draft"] = self._rescale("draft", step.draft_ms / max(self._table(ran)[1], 1e-6))
+            self.scale["draft"] = _ema(self.scale["draft"], step.draft_ms / max(self._table(ran)[1], 1e-6))
         if source in self.overhead:
             passes = (
                 step.verify_ms + step.draft_ms
