@@ -50,7 +50,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import gdn
-from .drafter import Drafter, Proposal, block_mask
+from .drafter import Drafter, Proposal, block_mask, skip_rows
 from .errors import MlxSpecError, UnsupportedModel
 from .lookup import SuffixIndex
 from .policy import CHAINS, DFLASH, LOOKUP, PLAIN, Context, Decision
@@ -577,11 +577,13 @@ class PackedTarget:
         # layers whose attention runs for all decoding sequences at once (``BatchKV``): packed
         # ones with a plain KVCache, when the batched path matches mlx-lm's module
         plain = [i for i, c in enumerate(target.make_cache()) if i in self.packed and type(c) is KVCache]
-        why = (
-            "no packed attention layer with a plain KVCache"
-            if not plain
-            else _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
-        )
+        kv = getattr(target, "kv", None)
+        if kv is not None:  # the shared K/V holds plain rows: each sequence attends over its own quantized cache
+            why = f"{kv.describe()}, --kv-bits: the batch's shared K/V holds plain rows"
+        elif not plain:
+            why = "no packed attention layer with a plain KVCache"
+        else:
+            why = _mirrors_rows(target.layers[plain[0]].self_attn, target.layers[plain[0]].input_layernorm)
         self.slotted = set(plain) if why is None else set()
         self.mismatch = bool(plain) and why is not None  # the batched path differs from the module
         # which attention path the batch runs, said (logged by BatchDecoder, shown by the engine)
@@ -723,7 +725,15 @@ class OwnForward:
 
 def _context_many(drafter, feats: Sequence[mx.array], caches: Sequence[list]) -> list[list]:
     """``add_context`` for many sequences: fusion and K/V projections once over all their new
-    rows, RoPE once (each row at its own position), then each sequence's cache update."""
+    rows, RoPE once (each row at its own position), then each sequence's cache update (rows no
+    layer of its cache keeps, under a drafting window, skipped as ``Drafter.add_context`` does)."""
+    feats = list(feats)
+    for i, cache in enumerate(caches):
+        n = skip_rows(cache, int(feats[i].shape[1]))
+        if n:
+            for lc in cache:
+                lc.skip(n)
+            feats[i] = feats[i][:, n:]
     sizes = [int(f.shape[1]) for f in feats]
     c = drafter.fuse(feats[0] if len(feats) == 1 else mx.concatenate(feats, axis=1))  # (1, S, H)
     rows = c.transpose(1, 0, 2)  # (S, 1, H): rows on the batch axis, each RoPE'd at its own position

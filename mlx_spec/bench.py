@@ -32,6 +32,7 @@ from .costs import CostMeter, Costs, Progress, ceiling, efficiency
 from .decode import Step, plain_steps, spec_steps
 from .policy import PolicyFactory
 from .stats import Stats
+from .target import make_cache
 
 # ---------------------------------------------------------------- pure arithmetic
 
@@ -173,9 +174,9 @@ class Runner:
     def steps(self, method: Method, ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
         p, B = self.pair, method.block_size
         if method.kind == "mlx-lm":
-            return mlx_lm_steps(p.model, p.tokenizer, ids, max_tokens=max_tokens, stop_at_eos=self.stop_at_eos)
+            return mlx_lm_steps(p.model, p.tokenizer, ids, max_tokens=max_tokens, stop_at_eos=self.stop_at_eos, kv=p.kv)
         if method.kind == "plain":
-            return plain_steps(p.model, ids, max_tokens=max_tokens, eos_ids=self.eos)
+            return plain_steps(p.model, ids, max_tokens=max_tokens, eos_ids=self.eos, kv=p.kv)
         chains = getattr(p, "chains", None) or None
         if method.kind == "dflash":
             return spec_steps(
@@ -250,9 +251,12 @@ class Runner:
         return Run(tokens, total, first_s or total, first_tokens, stats, blocks, drafter)
 
 
-def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_at_eos: bool = True) -> Iterator[Step]:
+def mlx_lm_steps(
+    model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_at_eos: bool = True, kv=None
+) -> Iterator[Step]:
     """mlx-lm's own ``stream_generate`` (greedy), one Step per token it yields: what a user would
-    run instead of us. Its final response repeats the last token (EOS or the max_tokens-th)."""
+    run instead of us. Its final response repeats the last token (EOS or the max_tokens-th).
+    ``kv`` (``target.KVQuant``): its prompt cache quantized from the first row, as ours is."""
     import copy
 
     import mlx.core as mx
@@ -264,8 +268,9 @@ def mlx_lm_steps(model, tokenizer, ids: Sequence[int], *, max_tokens: int, stop_
         tokenizer.eos_token_ids = []
     t = time.perf_counter()
     first = True
+    extra = {} if kv is None else {"prompt_cache": make_cache(model, kv)}
     for r in stream_generate(
-        model, tokenizer, mx.array(list(ids), mx.int32), max_tokens=max_tokens, sampler=make_sampler(0.0)
+        model, tokenizer, mx.array(list(ids), mx.int32), max_tokens=max_tokens, sampler=make_sampler(0.0), **extra
     ):
         now = time.perf_counter()
         ms = (now - t) * 1e3

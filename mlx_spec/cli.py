@@ -103,6 +103,26 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
         help="auto: draft over the drafter's reduced vocabulary when it ships one "
         "(draft_vocab.json; a cheaper draft head, same output); full: the whole head",
     )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the target's K/V cache to 4 or 8 bits (mlx-lm's QuantizedKVCache; counted in the "
+        "memory plan; output identical to plain decoding with the same setting; not for hybrid targets)",
+    )
+    p.add_argument(
+        "--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="K/V quantization group size (default 64)"
+    )
+    p.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the DFlash drafter attends over the last N target positions only (its context cache "
+        "bounded: memory and draft cost at long context); output unchanged; 0: every position "
+        "(default: the bundled drafter 512, others every position; docs/context.md)",
+    )
     if context:
         p.add_argument(
             "--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)"
@@ -345,6 +365,9 @@ def load_config(args: argparse.Namespace):
         eagle=flag("eagle"),
         prefix_cache=int(mb * 2**20),
         ranks=flag("ranks") or 1,
+        kv_bits=flag("kv_bits"),
+        kv_group_size=flag("kv_group_size") or 64,
+        draft_window=flag("draft_window"),
     )
 
 

@@ -66,6 +66,9 @@ class LoadConfig:
     eagle: str | None = None  # --eagle: an EAGLE-3 checkpoint folder or catalog name (None: the embedded pair's)
     prefix_cache: int = 0  # bytes of K/V kept between turns / requests (0 = off)
     ranks: int = 1  # machines the target is sharded over (plan --ranks; under mlx.launch: the group's size)
+    kv_bits: int | None = None  # --kv-bits: the target's K/V cache quantized to 4 or 8 bits (None: as computed)
+    kv_group_size: int = 64  # --kv-group-size
+    draft_window: int | None = None  # --draft-window: drafter context rows kept (None: the drafter's default, 0: all)
 
     def __post_init__(self):
         if not self.target:
@@ -93,6 +96,19 @@ class LoadConfig:
             raise BadRequest(f"--tune-budget must be > 0 seconds (got {self.tune_budget_s:g})")
         if self.ranks < 1:
             raise BadRequest(f"--ranks must be >= 1 (got {self.ranks})")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise BadRequest(f"--kv-bits must be 4 or 8 (got {self.kv_bits})")
+        if self.kv_group_size not in (32, 64, 128):
+            raise BadRequest(f"--kv-group-size must be 32, 64 or 128 (got {self.kv_group_size})")
+        if self.kv_bits is not None and self.ranks > 1:
+            raise BadRequest(
+                "--kv-bits is not offered for a target sharded over a group (--ranks): the sharded "
+                "attention's quantized cache is untested; drop one of them"
+            )
+        if self.draft_window is not None and self.draft_window < 0:
+            raise BadRequest(f"--draft-window must be >= 1 position, or 0 for all (got {self.draft_window})")
+        if self.draft_window and self.no_draft:
+            raise BadRequest("--draft-window bounds the drafter's context: it has no use with --no-draft")
         if self.prefix_cache < 0:
             raise BadRequest(f"--prefix-cache-mb must be >= 0 (got {self.prefix_cache / 2**20:g})")
         sources = parse_draft(self.draft)

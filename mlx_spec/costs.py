@@ -7,7 +7,8 @@ interleaved with the runs they explain. ``ceiling`` is the eta ceiling (docs/ben
 
 Passes grow with the context: every row's attention reads all earlier positions (and on a CPU
 its softmax runs an exp per position). A curve may carry a context term, ``ctx_ms[B]``: the
-milliseconds a B-row target pass gains per 1000 tokens of context (B = 1: a plain step), read off
+milliseconds a B-row target pass gains per 1000 tokens of context (B = 1: a plain step), and
+``ctx_draft_ms[B]`` for the draft pass (the drafter attends over its context cache), read off
 passes timed at two context lengths (``context_term``); ``at(n)`` prices the curve at n tokens.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from .target import feature_view
+from .target import feature_view, make_cache
 
 Progress = Callable[[int, int, str], None]  # (done, total, note)
 
@@ -71,23 +72,33 @@ class Costs:
     ctx_ms: dict[int, float] = field(default_factory=dict)
     # one pass of each chain drafter ("mtp", "eagle"): a chain of depth k costs k of them
     tc_ms: dict[str, float] = field(default_factory=dict)
+    # ms a B-row draft pass gains per 1000 tokens of context; empty = flat
+    ctx_draft_ms: dict[int, float] = field(default_factory=dict)
 
     def ctx_slope(self, B: float) -> float:
         """``ctx_ms`` at B rows (as ``verify`` reads Tt); 0 without a context term."""
         return max(0.0, self._interp(self.ctx_ms, B)) if self.ctx_ms else 0.0
 
+    def ctx_draft_slope(self, B: float) -> float:
+        """``ctx_draft_ms`` at B rows (as ``draft`` reads Td); 0 without a draft context term."""
+        return max(0.0, self._interp(self.ctx_draft_ms, B)) if self.ctx_draft_ms else 0.0
+
     def at(self, context: int) -> Costs:
-        """This curve priced at ``context`` tokens: T1 and every Tt(B) moved by the context term
-        (never below a tenth of the measured pass); the same curve without one."""
-        if not self.ctx_ms or context == self.context:
+        """This curve priced at ``context`` tokens: T1, every Tt(B) and every Td(B) moved by the
+        context terms (never below a tenth of the measured pass); the same curve without one."""
+        if not (self.ctx_ms or self.ctx_draft_ms) or context == self.context:
             return self
         k = (context - self.context) / 1000
 
-        def moved(ms: float, B: int) -> float:
-            return max(0.1 * ms, ms + k * self.ctx_slope(B))
+        def moved(ms: float, slope: float) -> float:
+            return max(0.1 * ms, ms + k * slope)
 
         return replace(
-            self, t1_ms=moved(self.t1_ms, 1), tt_ms={B: moved(v, B) for B, v in self.tt_ms.items()}, context=context
+            self,
+            t1_ms=moved(self.t1_ms, self.ctx_slope(1)),
+            tt_ms={B: moved(v, self.ctx_slope(B)) for B, v in self.tt_ms.items()},
+            td_ms={B: moved(v, self.ctx_draft_slope(B)) for B, v in self.td_ms.items()},
+            context=context,
         )
 
     def _interp(self, table: dict[int, float], B: float) -> float:
@@ -159,7 +170,16 @@ class Costs:
             b = max(b, 0.0)
             return {x: round(my + b * (x - mx_), 3) for x in xs}
 
-        return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms, dict(self.ctx_ms))
+        return Costs(
+            self.t1_ms,
+            fit(self.td_ms),
+            fit(self.tt_ms),
+            self.context,
+            self.t1_draft_ms,
+            ctx_ms=dict(self.ctx_ms),
+            tc_ms=dict(self.tc_ms),
+            ctx_draft_ms=dict(self.ctx_draft_ms),
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -170,6 +190,11 @@ class Costs:
             "t1_draft_ms": None if self.t1_draft_ms is None else round(self.t1_draft_ms, 3),
             **({"ctx_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_ms.items())}} if self.ctx_ms else {}),
             **({"tc_ms": {k: round(v, 3) for k, v in sorted(self.tc_ms.items())}} if self.tc_ms else {}),
+            **(
+                {"ctx_draft_ms": {str(k): round(v, 4) for k, v in sorted(self.ctx_draft_ms.items())}}
+                if self.ctx_draft_ms
+                else {}
+            ),
         }
 
     @classmethod
@@ -180,24 +205,30 @@ class Costs:
             {int(k): float(v) for k, v in d["tt_ms"].items()},
             int(d.get("context", 0)),
             d.get("t1_draft_ms"),
-            {int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()},
-            {str(k): float(v) for k, v in (d.get("tc_ms") or {}).items()},
+            ctx_ms={int(k): float(v) for k, v in (d.get("ctx_ms") or {}).items()},
+            tc_ms={str(k): float(v) for k, v in (d.get("tc_ms") or {}).items()},
+            ctx_draft_ms={int(k): float(v) for k, v in (d.get("ctx_draft_ms") or {}).items()},
         )
 
 
 def context_term(short: Costs, long: Costs) -> Costs:
-    """``long`` with the context term read off the same passes timed at ``short``'s shorter
-    context: per B, (Tt_long(B) - Tt_short(B)) per 1000 tokens (T1 for B = 1), never negative."""
+    """``long`` with the context terms read off the same passes timed at ``short``'s shorter
+    context: per B, (Tt_long(B) - Tt_short(B)) per 1000 tokens (T1 for B = 1) and likewise for
+    the draft pass (``ctx_draft_ms``), never negative. The terms price any curve timed at one of
+    the two contexts at any other (``at``): the tuner keeps them on its short curve."""
     span = long.context - short.context
     if span <= 0:
         raise ValueError(
             f"context_term wants two context lengths, the second longer (got {short.context}, {long.context})"
         )
-    slope = {
-        B: max(0.0, (v - short.tt_ms[B]) * 1000 / span) for B, v in long.tt_ms.items() if B in short.tt_ms and B > 1
-    }
-    slope[1] = max(0.0, (long.t1_ms - short.t1_ms) * 1000 / span)
-    return replace(long, ctx_ms=slope)
+
+    def per_k(a: float, b: float) -> float:  # (rounded as ``as_dict`` stores it)
+        return round(max(0.0, (b - a) * 1000 / span), 4)
+
+    slope = {B: per_k(short.tt_ms[B], v) for B, v in long.tt_ms.items() if B in short.tt_ms and B > 1}
+    slope[1] = per_k(short.t1_ms, long.t1_ms)
+    draft = {B: per_k(short.td_ms[B], v) for B, v in long.td_ms.items() if B in short.td_ms}
+    return replace(long, ctx_ms=slope, ctx_draft_ms=draft)
 
 
 class CostMeter:
@@ -238,7 +269,7 @@ class CostMeter:
 
             return run
 
-        pcache = make_prompt_cache(model)
+        pcache = make_cache(model, getattr(target, "kv", None))  # (the target's K/V setting: --kv-bits)
         mx.eval(model(x, cache=pcache), [c.state for c in pcache])
         tasks[("t1", 1)] = plain_step(model, pcache)
         if ar_model is not None:

@@ -18,6 +18,10 @@ the wait for its token when it is read. The host's own work (the policy, ``pick`
 bookkeeping) is ``elapsed_ms`` minus those. ``host_syncs``: the waits for the device the step
 took (``batch.DeviceWaits``).
 
+A prefill budget (``prefill_budget_s``, the server's ``--prefill-timeout``) is checked between
+prefill chunks: past it, the run is cancelled before its next chunk (``errors.PrefillTimeout``,
+naming how many chunks ran), its caches dropped.
+
 Both loops can start from a ``Prefill`` (caches already holding a prefix of the prompt, from the
 prefix cache) and hand their final caches to ``on_exit`` when they end or are closed, so the next
 turn of a conversation prefills only its new tokens.
@@ -35,11 +39,12 @@ import mlx.core as mx
 
 from .batch import BatchDecoder, DeviceWaits, Step, hand_over, lookup_context, prefix_start, untimed
 from .drafter import Drafter
+from .errors import PrefillTimeout
 from .lookup import SuffixIndex
 from .policy import LOOKUP
 from .prefix import Prefill
 from .sampling import SamplingConfig
-from .target import Target
+from .target import KVQuant, Target, make_cache
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ def spec_steps(
     waits: DeviceWaits | None = None,
     chains: dict | None = None,
     source: str = "dflash",
+    prefill_budget_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Step]:
     """Speculative decoding with a DFlash drafter, chain drafters (MTP, EAGLE-3) and lookup drafts.
     Lossless: the output is the target's (greedy: token for token; T > 0: in distribution).
@@ -83,6 +90,9 @@ def spec_steps(
     ``target`` is then the view returning every drafter's features (``batch.BatchDecoder``).
     ``drafter`` may be None when the policy drafts from other sources only. ``source``: what
     every cycle drafts without a policy ("dflash", or a chain kind at depth ``block_size - 1``).
+    ``prefill_budget_s`` (None or 0: no limit): seconds the prefill may take by ``clock``, checked
+    before every prefill chunk of ``prefill_step`` tokens after the first; past it the run ends
+    with ``PrefillTimeout`` (its caches dropped, nothing handed to ``on_exit``).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
@@ -118,9 +128,13 @@ def spec_steps(
         index=index,
         source=source,
     )
+    budget = _PrefillBudget(prefill_budget_s, _chunks(len(prompt) - prefix_start(prefill, prompt), prefill_step), clock)
     try:
         while len(dec):
-            for _, step in dec.step():
+            budget.check()
+            got = dec.step()
+            budget.ran(bool(got))
+            for _, step in got:
                 yield step
     except GeneratorExit:
         dec.cancel(sid)  # between steps: the caches agree with the ids they hold
@@ -128,6 +142,37 @@ def spec_steps(
     except BaseException:
         dec.cancel(sid, keep=False)
         raise
+
+
+def _chunks(tokens: int, step: int) -> int:
+    return -(-max(0, tokens) // max(1, step))
+
+
+class _PrefillBudget:
+    """The prefill's time budget, checked before each chunk after the first (a chunk that ran
+    is counted by ``ran``; the first step that commits a token ends the prefill)."""
+
+    def __init__(self, seconds: float | None, total: int, clock: Callable[[], float]):
+        self.seconds, self.clock, self.total = seconds or None, clock, total
+        self.chunks, self.start = 0, clock() if seconds else 0.0
+
+    def check(self) -> None:
+        if self.seconds is None or not self.chunks:
+            return
+        took = self.clock() - self.start
+        if took > self.seconds:
+            raise PrefillTimeout(
+                f"the prefill ran past its budget of {self.seconds:g} s ({took:.1f} s): cut after "
+                f"{self.chunks} of {self.total} prefill chunks; send a shorter prompt"
+            )
+
+    def ran(self, committed: bool) -> None:
+        if self.seconds is None:
+            return
+        if committed:
+            self.seconds = None  # the first token is out: decoding has no prefill budget
+        else:
+            self.chunks += 1
 
 
 def plain_steps(
@@ -140,17 +185,24 @@ def plain_steps(
     prefill_step: int = 2048,
     prefill: Prefill | None = None,
     on_exit: Callable[[Prefill], None] | None = None,
+    prefill_budget_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    kv: KVQuant | None = None,
 ) -> Iterator[Step]:
     """Plain decoding through mlx-lm's own ``generate_step`` (one token per step).
 
-    ``prefill`` / ``on_exit`` as in ``spec_steps`` (target cache only).
+    ``prefill`` / ``on_exit`` / ``prefill_budget_s`` as in ``spec_steps`` (target cache only).
+    With a budget, the prompt's chunks (all but its last token) are run here, as
+    ``generate_step`` runs them, so the budget is checked between them. ``kv``: the K/V cache
+    quantized from its first row (``--kv-bits``), as the speculative loop's target caches are.
     """
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     eos = frozenset(eos_ids)
     done = prefix_start(prefill, prompt)
-    cache = prefill.target if prefill else make_prompt_cache(model)
+    cache = prefill.target if prefill else make_cache(model, kv)
+    rows = (KVCache, QuantizedKVCache)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     sampler = sampling.mlx_sampler()
@@ -160,16 +212,29 @@ def plain_steps(
 
     def final() -> Prefill | None:
         # generate_step feeds each token before yielding it, so the cache holds a prefix of seq.
-        held = next((c.offset for c in cache if type(c) is KVCache), None)
+        held = next((c.offset for c in cache if type(c) in rows), None)
         if held is None or held > len(seq):
             return None
         for c in cache:
-            if type(c) is KVCache and c.offset != held:
+            if type(c) in rows and c.offset != held:
                 return None
         return Prefill(tuple(seq[:held]), cache, None)
 
+    rest = list(prompt[done:])
+    if prefill_budget_s:  # generate_step's own prefill loop, with the budget between its chunks
+        budget = _PrefillBudget(prefill_budget_s, _chunks(len(rest) - 1, prefill_step) + 1, clock)
+        with mx.stream(generation_stream):
+            while len(rest) > 1:
+                budget.check()
+                n = min(prefill_step, len(rest) - 1)
+                model(mx.array(rest[:n], mx.int32)[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                mx.clear_cache()
+                budget.ran(False)
+                rest = rest[n:]
+            budget.check()
     gen = generate_step(
-        mx.array(list(prompt[done:]), mx.int32),
+        mx.array(rest, mx.int32),
         model,
         max_tokens=max_tokens,
         sampler=sampler,

@@ -133,14 +133,27 @@ class ContextCache:
     """Draft-side K/V of committed context only (block K/V are never stored).
 
     ``offset`` counts every context row ever added (= absolute position of the next one).
-    With a window, only the last ``window - 1`` rows are kept, as in the reference.
+    With a trained sliding ``window``, only the last ``window - 1`` rows are kept, as in the
+    reference. ``limit`` (the drafting window, ``--draft-window``, for drafters trained without
+    one) keeps at most that many rows, the latest: the drafter then attends over the last
+    ``limit`` target positions only (bounded memory and draft cost at long context; the drafts
+    may change, the output does not: verification is the same).
     """
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, limit: int | None = None):
+        if limit is not None and limit < 1:
+            raise ValueError(f"a drafting window must keep >= 1 position (got {limit})")
         self.window = window
+        self.limit = limit
         self.keys = None
         self.values = None
         self.offset = 0
+
+    @property
+    def kept(self) -> int | None:
+        """The most rows this cache keeps (None: all of them)."""
+        bounds = [b for b in (None if self.window is None else self.window - 1, self.limit) if b is not None]
+        return min(bounds) if bounds else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.keys is None:
@@ -149,10 +162,20 @@ class ContextCache:
             self.keys = mx.concatenate([self.keys, keys], axis=2)
             self.values = mx.concatenate([self.values, values], axis=2)
         self.offset += keys.shape[2]
-        if self.window is not None and self.keys.shape[2] > self.window - 1:
-            self.keys = self.keys[:, :, -(self.window - 1) :]
-            self.values = self.values[:, :, -(self.window - 1) :]
+        kept = self.kept
+        if kept is not None and self.keys.shape[2] > kept:
+            self.keys = self.keys[:, :, -kept:]
+            self.values = self.values[:, :, -kept:]
         return self.keys, self.values
+
+    def skip(self, n: int) -> None:
+        """``n`` context rows pass unkept, followed by at least ``kept`` more (``skip_rows``): their
+        positions are counted, their K/V never computed, and every row held now is displaced."""
+        if n > 0:
+            if self.kept is None:
+                raise ValueError("a cache that keeps every row cannot skip any")
+            self.keys = self.values = None
+            self.offset += n
 
     @property
     def state(self):
@@ -161,6 +184,16 @@ class ContextCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def skip_rows(caches: list[ContextCache], rows: int) -> int:
+    """How many of ``rows`` new context rows no layer of ``caches`` would keep (the oldest): the
+    fusion and K/V projections of those can be skipped (``ContextCache.skip``). 0 when a layer
+    keeps every row."""
+    kept = [c.kept for c in caches]
+    if not kept or any(k is None for k in kept):
+        return 0
+    return max(0, rows - max(kept))
 
 
 def block_mask(n_ctx_kept: int, ctx_end: int, L: int, causal: bool, window: int | None):
@@ -436,6 +469,8 @@ class Drafter(nn.Module):
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._head: Callable[[mx.array], mx.array] | None = None
         self.vocab: DraftVocab | None = None
+        # the drafting window (``--draft-window``): context rows each cache keeps (None: all)
+        self.context_limit: int | None = None
         # ids of the checkpoint's reduced draft vocabulary (draft_vocab.json), if it ships one
         self.shipped_vocab = None
         # activations dtype: features and embedded blocks are cast to it (None: as they come, so
@@ -462,7 +497,9 @@ class Drafter(nn.Module):
         return prev
 
     def make_cache(self) -> list[ContextCache]:
-        return [ContextCache(layer.window) for layer in self.layers]
+        """A fresh context cache per layer: its trained sliding window, and the drafting window
+        (``context_limit``, ``--draft-window``) where one is set."""
+        return [ContextCache(layer.window, self.context_limit) for layer in self.layers]
 
     def sanitize(self, weights: dict) -> dict:
         """Official files store the codebooks without ``.weight``; nn.Embedding wants it."""
@@ -549,7 +586,13 @@ class Drafter(nn.Module):
         return mx.where(finite, tokens, mx.array(self.args.mask_token_id, tokens.dtype)), finite
 
     def add_context(self, features: mx.array, cache: list[ContextCache]):
-        """Fuse target features (B, S, n*H_t) and push their K/V into every layer's cache."""
+        """Fuse target features (B, S, n*H_t) and push their K/V into every layer's cache (rows
+        no layer keeps, the oldest of a long prompt under a drafting window, are skipped)."""
+        n = skip_rows(cache, features.shape[1])
+        if n:
+            for lc in cache:
+                lc.skip(n)
+            features = features[:, n:]
         c = self.fuse(features)
         return [layer.self_attn.context_kv(c, lc) for layer, lc in zip(self.layers, cache)]
 
@@ -707,6 +750,7 @@ __all__ = [
     "DrafterArgs",
     "Drafter",
     "ContextCache",
+    "skip_rows",
     "Proposal",
     "DraftHealth",
     "DraftVocab",

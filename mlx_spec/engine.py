@@ -14,11 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import MlxSpecError
+from .errors import MlxSpecError, PrefillTimeout  # noqa: F401  (PrefillTimeout: re-exported for the server)
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
 from .stats import Stats, StatsSnapshot
 
@@ -29,10 +29,6 @@ PROC_TASKS = Path("/proc/self/task")  # Linux: one entry per live OS thread of t
 
 class EngineBusy(MlxSpecError):
     """The request queue is full; retry later."""
-
-
-class PrefillTimeout(MlxSpecError):
-    """A request's prefill ran past the engine's ``prefill_timeout``; the request failed, its slot freed."""
 
 
 PREFILL_TIMEOUT_S = 600.0  # generous: a whole long context on a slow machine
@@ -151,8 +147,9 @@ def timings(stats, block_size: int) -> dict:
 
 
 def _open_store(config, pair):
-    """The disk prefix store for ``pair``, keyed by both models' weights and quantization and the
-    machine (what a stored K/V row depends on); None, said, when that cannot be worked out."""
+    """The disk prefix store for ``pair``, keyed by both models' weights and quantization, the
+    drafting window and the machine (what a stored K/V row depends on); None, said, when that
+    cannot be worked out."""
     from .prefix_store import PrefixStore, identity_of
     from .tuning import machine_info, quantization, weights_id
 
@@ -164,6 +161,11 @@ def _open_store(config, pair):
             if pair.drafter is None
             else [weights_id(pair.drafter_id), quantization(pair.drafter), pair.drafter.vocab_size_drafted],
         }
+        if pair.kv is not None:  # quantized K/V rows are other rows: a store of their own
+            key["kv"] = [pair.kv.bits, pair.kv.group_size]
+        limit = getattr(pair.drafter, "context_limit", None)
+        if limit:  # a drafting window keeps fewer drafter rows: entries of another window differ
+            key["draft_window"] = limit
         if key["target"][0] is None or (pair.drafter is not None and key["drafter"][0] is None):
             raise MlxSpecError("the model files were not found to identify them")
         return PrefixStore(config, identity_of(key), {"target": pair.target_id, "drafter": pair.drafter_id})
@@ -197,7 +199,7 @@ class Engine:
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
         # seconds a request's prefill may take (0: no limit); checked between batched steps, and
-        # when the one-at-a-time path's prefill returns (it runs in prefill_step chunks inside decode)
+        # on the one-at-a-time path between its prefill chunks (decode.spec_steps / plain_steps)
         self._prefill_timeout = prefill_timeout
         self._memory: dict = {}  # MLX allocator figures, sampled on the engine thread
         self._cache_limit: int | None = None  # mx.set_cache_limit from the memory plan's allowance
@@ -451,6 +453,8 @@ class Engine:
                 raise _Cancelled()
             pair, info = for_request(self._session.pair, self._info, req.speculate)
             ids, cfg = prepare(pair, req, self.context_length)
+            if self._prefill_timeout and self._leader is None:  # checked between the prefill's chunks
+                cfg = replace(cfg, prefill_budget_s=self._prefill_timeout)
             make = self._begin(handle, pair, info, ids)
             result = Result()
             finish = None
@@ -516,6 +520,8 @@ class Engine:
         except Exception as e:
             self._finish(None, 0)
             self._add("errors")
+            if isinstance(e, PrefillTimeout):
+                self._add("prefill_timeouts")
             handle._put(Failed(rid, str(e), type(e).__name__))
         finally:
             self._current = None
@@ -724,11 +730,12 @@ class Engine:
 
     # -- bounds: prefill time, the allocator's cache --------------------------------------------
     def _check_prefill(self, took: float, prompt: int, chunks) -> None:
-        """One-at-a-time path: fail a request whose prefill took longer than the budget."""
+        """One-at-a-time path: fail a request whose prefill took longer than the budget (the
+        decode loops check it between prefill chunks; this catches a last chunk that overran it,
+        and a sharded group's prefill, which has no check inside)."""
         budget = self._prefill_timeout
         if budget and took > budget:
             chunks.close()
-            self._add("prefill_timeouts")
             raise PrefillTimeout(
                 f"the prefill of this {prompt}-token prompt took {took:.0f} s, past the server's "
                 f"--prefill-timeout of {budget:g} s; send a shorter prompt"

@@ -41,6 +41,12 @@ class Cancelled(MlxSpecError):
     """A generation was cancelled by its client."""
 
 
+class PrefillTimeout(MlxSpecError):
+    """A request's prefill ran past its time budget (``--prefill-timeout``); the request failed
+    and its caches were dropped. Checked between prefill chunks, so a long prompt is cut off at
+    the first chunk boundary past the budget."""
+
+
 class HubError(MlxSpecError):
     """A model hub could not give a repo's files: missing repo or file, server error, offline."""
 

@@ -28,6 +28,7 @@ class GenConfig:
     sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()
     prefill_step: int = 2048
+    prefill_budget_s: float | None = None  # the prefill's time budget, checked between its chunks (None: none)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -141,6 +142,8 @@ class EngineInfo:
     drafter_precision: str = ""  # e.g. "float weights, float32 activations" (drafter.Drafter.precision)
     sources: tuple[str, ...] = ()  # the draft sources the per-cycle policy may use ("dflash", "mtp", ...)
     chains: tuple[tuple[str, str], ...] = ()  # (kind, where it loaded from) per chain drafter
+    kv_cache: str = ""  # "4-bit K/V (group 64)" with --kv-bits ("": as computed)
+    draft_window: int = 0  # > 0: the drafter attends over the last this many positions (--draft-window)
 
     @property
     def speculative(self) -> bool:
@@ -150,9 +153,10 @@ class EngineInfo:
         return asdict(self)
 
     def describe(self) -> str:
+        kv = f", {self.kv_cache}" if self.kv_cache else ""
         if self.mode != SPECULATIVE:
             why = "--no-draft" if self.mode == PLAIN else self.block_size_source
-            return f"engine: plain decoding of {self.target} ({why}; no speculation){self._group()}"
+            return f"engine: plain decoding of {self.target} ({why}; no speculation){kv}{self._group()}"
         sources = self.sources or ("dflash", "lookup")
         dflash = "dflash" in sources and self.drafter is not None
         if not self.adaptive_max:
@@ -174,9 +178,10 @@ class EngineInfo:
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
         who = f"drafter {self.drafter}{prec}, " if self.drafter is not None else ""
         heads = "".join(f"{'MTP head' if k == 'mtp' else 'EAGLE-3 drafter'} {p}, " for k, p in self.chains)
+        window = f", drafting window {self.draft_window} positions" if self.draft_window else ""
         return (
             f"engine: {self.method} speculative decoding ({'+'.join(sources)}), target {self.target}, "
-            f"{who}{heads}{block}{vocab}{self._group()}"
+            f"{who}{heads}{block}{vocab}{window}{kv}{self._group()}"
         )
 
     def _group(self) -> str:
@@ -208,8 +213,9 @@ def engine_info(
         if pair.drafter is not None
         else ()
     )
+    kv = pair.kv.describe() if getattr(pair, "kv", None) is not None else ""
     if pair.drafter is None and not sources:
-        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN)
+        return EngineInfo("plain", pair.target_id, None, 1, "plain (--no-draft)", PLAIN, kv_cache=kv)
     chains = tuple((k, str(v)) for k, v in (getattr(pair, "chain_ids", None) or {}).items())
     if pair.drafter is None or "dflash" not in sources:  # chain and lookup drafts: the policy's alone
         if not adaptive:
@@ -227,10 +233,11 @@ def engine_info(
             MAX_CHAIN_DEPTH + 1,
             sources=sources,
             chains=chains,
+            kv_cache=kv,
         )
     ckpt = pair.drafter.args.block_size
     if off and not adaptive:
-        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF)
+        return EngineInfo("plain", pair.target_id, pair.drafter_id, 1, source or "tuned: off", TUNED_OFF, kv_cache=kv)
     if off:  # the per-cycle policy takes plain steps itself where drafting does not pay, and a lookup
         # draft may still pay where DFlash does not (a reply copying its prompt): the tuner's "off"
         # is its prior (its stored costs and acceptance start the DFlash source resting), not plain.
@@ -265,6 +272,8 @@ def engine_info(
         drafter_precision=prec,
         sources=sources,
         chains=chains,
+        kv_cache=kv,
+        draft_window=getattr(pair.drafter, "context_limit", None) or 0,
     )
 
 
@@ -347,6 +356,8 @@ def token_steps(
             eos_ids=eos,
             sampling=cfg.sampling,
             prefill_step=cfg.prefill_step,
+            prefill_budget_s=cfg.prefill_budget_s,
+            kv=pair.kv,
             **reuse,
         )
     return spec_steps(
@@ -358,6 +369,7 @@ def token_steps(
         eos_ids=eos,
         sampling=cfg.sampling,
         prefill_step=cfg.prefill_step,
+        prefill_budget_s=cfg.prefill_budget_s,
         policy=policy,
         chains=getattr(pair, "chains", None),
         **reuse,

@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten
 
 from . import quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
-from .errors import CheckpointError, IncompatiblePair, MlxSpecError
+from .errors import CheckpointError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .integrity import check_model_dir
-from .target import Target, union_taps
+from .target import KVQuant, Target, kv_problem, union_taps
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DRAFTER = "smollm2-135m-dflash2"
@@ -31,6 +31,28 @@ DEFAULT_EAGLE = "smollm2-135m-eagle3"
 DFLASH, LOOKUP, MTP, EAGLE = "dflash", "lookup", "mtp", "eagle"  # (policy's names: a lower layer)
 CHAIN_KINDS = (MTP, EAGLE)
 ALL_SOURCES = (DFLASH, LOOKUP, MTP, EAGLE)
+# The drafting window (``--draft-window``) a drafter runs with unless told otherwise: the bundled
+# drafter was trained on 256-token sequences, and at 4 K tokens of context its acceptance is higher
+# attending over the last 512 positions than over all of them (docs/context.md); other drafters
+# attend over every position.
+DEFAULT_DRAFT_WINDOWS = {DEFAULT_DRAFTER: 512}
+
+
+def default_draft_window(drafter_id: str | None) -> int | None:
+    """The drafting window a drafter runs with by default (None: every position)."""
+    if drafter_id is None:
+        return None
+    return DEFAULT_DRAFT_WINDOWS.get(Path(str(drafter_id)).name)
+
+
+def draft_window(asked: int | None, drafter_id: str | None) -> int | None:
+    """The window a run uses: ``asked`` (``--draft-window``; 0 = every position), else the
+    drafter's default."""
+    if asked is None:
+        return default_draft_window(drafter_id)
+    return asked or None
+
+
 V2_ONLY = ("attention_conv", "mlp_conv", "candidate_selector")
 
 
@@ -338,6 +360,7 @@ class Pair:
     target_id: str
     drafter_id: str | None
     drafter_config: dict | None
+    kv: KVQuant | None = None  # the target's K/V quantized (--kv-bits): every path's caches alike
     chains: dict = field(default_factory=dict)  # kind ("mtp", "eagle") -> chain.ChainDrafter
     chain_ids: dict = field(default_factory=dict)  # kind -> the folder it was loaded from
     sources: tuple | None = None  # the draft sources it runs (None: dflash + lookup with a drafter)
@@ -455,6 +478,8 @@ def load_pair(
     mtp: str | Path | None = None,
     eagle: str | Path | None = None,
     mtp_hint: str | None = None,
+    kv: KVQuant | None = None,
+    draft_window: int | None = None,
 ) -> Pair:
     """Load a pair. ``no_draft`` is the only way to get plain decoding. The target is quantized
     before the drafters bind to its embedding and head, so those exist once. ``draft_vocab``:
@@ -465,7 +490,9 @@ def load_pair(
     source asked for by name that cannot run is refused by name: dflash without ``drafter_id``,
     mtp on a folder without ``mtp.*`` tensors (``mtp``, default: the target's own folder; the
     stripped-conversion message, ``mtp_hint`` naming the original repo), eagle without ``eagle``
-    (a folder or catalog name), a drafter that does not fit the target."""
+    (a folder or catalog name), a drafter that does not fit the target. ``kv``: the target's K/V
+    cache quantized (``--kv-bits``; refused by name where it cannot work); ``draft_window``: the
+    DFlash drafter keeps the last that many context positions."""
     if draft_vocab not in ("auto", "full"):
         raise MlxSpecError(f"draft vocabulary must be 'auto' or 'full', not {draft_vocab!r}")
     auto = tuple(sources) == ("auto",)
@@ -481,8 +508,10 @@ def load_pair(
     if not no_draft and DFLASH in want and drafter_id is None and not auto:
         raise MlxSpecError("no drafter given; pass --drafter PATH or --no-draft for plain decoding")
     model, tokenizer = load_target_model(target_id, bits=target_bits, group_size=group_size, shard=shard)
+    if kv is not None and (why := kv_problem(model, kv)) is not None:
+        raise UnsupportedModel(why)
     if no_draft:
-        return Pair(model, tokenizer, None, None, target_id, None, None, sources=())
+        return Pair(model, tokenizer, None, None, target_id, None, None, kv, sources=())
     drafter = config = None
     if DFLASH in want and drafter_id is not None:
         drafter, config = load_drafter(
@@ -504,7 +533,7 @@ def load_pair(
             mtp_dir = None
     # the one target view: every drafter's taps, and the final hidden for an MTP head
     taps = union_taps(drafter.args.target_layer_ids if drafter is not None else (), eagle_d.taps if eagle_d else ())
-    target = Target(model, taps, final_hidden=mtp_dir is not None)
+    target = Target(model, taps, final_hidden=mtp_dir is not None, kv=kv)
     if mtp_dir is not None:
         from .mtp import load_mtp
 
@@ -519,6 +548,7 @@ def load_pair(
             vids = mx.array(drafter.shipped_vocab)
             vocab = DraftVocab(vids, target.head_rows(vids))
         drafter.bind(target.embed, target.head, vocab)
+        drafter.context_limit = draft_window
     order = ALL_SOURCES if auto else tuple(sources)
     runs = tuple(s for s in order if (s != DFLASH or drafter is not None) and (s not in CHAIN_KINDS or s in heads))
     return Pair(
@@ -529,9 +559,10 @@ def load_pair(
         target_id,
         str(drafter_id) if drafter is not None else None,
         config,
-        heads,
-        ids,
-        runs,
+        kv,
+        chains=heads,
+        chain_ids=ids,
+        sources=runs,
     )
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import PlanError
+from .loading import draft_window
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class PlanInputs:
     labels: dict = field(default_factory=dict)  # descriptions for the weight rows
     ranks: int = 1  # > 1: the plan of one rank of a group the target is sharded over (distributed.py)
     replicated_weights: int = 0  # target bytes every rank holds whole (embedding, head, norms)
+    kv_bits: int | None = None  # --kv-bits: the target's K/V quantized (QuantizedKVCache); None: as computed
+    kv_group_size: int = 64
+    draft_window: int | None = None  # --draft-window: drafter context rows kept (None: every position)
 
 
 def act_bytes(tensors, *, cast_float32: bool) -> int:
@@ -172,9 +176,13 @@ def act_bytes(tensors, *, cast_float32: bool) -> int:
     return max(DTYPE_BYTES[d] for d in seen)
 
 
-def kv_bytes(d: ModelDims | DrafterDims, act_bytes: int) -> int:
-    """Keys + values of one position in one attention layer."""
-    return 2 * d.kv_heads * d.head_dim * act_bytes
+def kv_bytes(d: ModelDims | DrafterDims, act_bytes: int, bits: int | None = None, group_size: int = 64) -> int:
+    """Keys + values of one position in one attention layer; with ``bits``, as mlx-lm's
+    ``QuantizedKVCache`` holds them: ``bits`` per element packed in uint32 words, plus a scale and
+    a bias per ``group_size`` elements in the activations' dtype."""
+    if bits is None:
+        return 2 * d.kv_heads * d.head_dim * act_bytes
+    return 2 * d.kv_heads * (d.head_dim * bits // 8 + 2 * (d.head_dim // group_size) * act_bytes)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -215,7 +223,7 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
         if p.draft_head:
             rows.append(Item("draft head rows", p.draft_head, p.labels.get("draft_head", "")))
     # Target KV: keys + values per attention layer, allocated in 256-position steps.
-    kv_tok = kv_bytes(t, ab)
+    kv_tok = kv_bytes(t, ab, p.kv_bits, p.kv_group_size)
     n_full, n_swa, n_lin = (t.kinds.count(k) for k in ("full", "sliding", "linear"))
     alloc = _round_up(context + B, KV_STEP)
     swa = min(alloc, (t.window or alloc) + B)
@@ -224,7 +232,8 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
             "target KV cache",
             kv_tok * (n_full * alloc + n_swa * swa),
             f"{kv_tok * (n_full + n_swa) / 1024:.0f} KiB/token x {alloc} positions"
-            + (f" ({n_full} full, {n_swa} sliding window {t.window})" if n_swa else ""),
+            + (f" ({n_full} full, {n_swa} sliding window {t.window})" if n_swa else "")
+            + (f", {p.kv_bits}-bit K/V (group {p.kv_group_size}, --kv-bits)" if p.kv_bits else ""),
         )
     )
     if n_lin:  # GDN layers: conv + recurrent state; a verify pass also records its inputs
@@ -243,8 +252,11 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
             )
         )
     if d is not None:
-        kept = sum(context if w is None else min(context, w - 1) for w in d.windows)
+        cap = context if p.draft_window is None else min(context, p.draft_window)
+        kept = sum(cap if w is None else min(cap, w - 1) for w in d.windows)
         kinds = ", ".join(sorted({"full" if w is None else f"window {w}" for w in d.windows}))
+        if p.draft_window is not None:
+            kinds += f"; the last {p.draft_window} positions (--draft-window)"
         rows.append(Item("drafter context cache", kv_bytes(d, ab) * kept, f"{d.layers} layers, {kinds}"))
         rows.append(
             Item(
@@ -663,7 +675,10 @@ def loaded_sizes(pair) -> LoadedSizes:
     args = getattr(pair.model, "args", None)
     config = asdict(args) if is_dataclass(args) else dict(vars(args)) if args is not None else {}
     t = target_dims(config)
-    target_kv = kv_bytes(t, ab) * (t.kinds.count("full") + t.kinds.count("sliding"))
+    kv = getattr(pair, "kv", None)
+    target_kv = kv_bytes(t, ab, kv and kv.bits, kv.group_size if kv else 64) * (
+        t.kinds.count("full") + t.kinds.count("sliding")
+    )
     drafter_kv = drafter = 0
     if pair.drafter is not None:
         d = drafter_dims(pair.drafter_config)
@@ -785,6 +800,9 @@ def plan_for(
     draft_vocab: str = "auto",
     ranks: int = 1,
     sources: tuple | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    draft_window: int | None = None,
 ) -> MemoryPlan:
     """The plan of a pair, from its configs and safetensors headers (nothing loads; a hub repo
     not downloaded yet is planned from the hub's metadata, see ``model_source``). ``sources``:
@@ -819,13 +837,12 @@ def plan_for(
         prefix_cache=prefix_cache,
         draft_vocab=0 if ids is None else len(ids),
     )
+    inputs = replace(inputs, kv_bits=kv_bits, kv_group_size=kv_group_size, draft_window=draft_window)
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
     need = ranks_needed(inputs, context=context, block_size=block, budget=budget[0], prompt=prompt)
     if ranks > 1:
-        from dataclasses import replace
-
         inputs = replace(inputs, ranks=ranks)
         notes += (f"per rank of {ranks} (target sharded with mlx-lm's shard; drafter, embedding and head replicated)",)
     if ranks > 1 or need != 1:
@@ -931,6 +948,9 @@ def plan_for_config(
         budget=(cfg.budget, "--budget-gb") if cfg.budget else None,
         draft_vocab=cfg.draft_vocab,
         ranks=cfg.ranks,
+        kv_bits=cfg.kv_bits,
+        kv_group_size=cfg.kv_group_size,
+        draft_window=draft_window(cfg.draft_window, drafter_id),
     )
     if chains:
         plan = with_chains(plan, chains, sources[0][0], quant, prompt=cfg.prompt_tokens)

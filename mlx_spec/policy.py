@@ -394,7 +394,7 @@ class DraftPolicy:
     def _reprice(self) -> None:
         """Price the curve at the current context (``Costs.at``) when it has moved ``REPRICE``
         tokens since the last time; nothing for a curve without a context term."""
-        if not self.costs.ctx_ms or abs(self.position - self._priced.context) < REPRICE:
+        if not (self.costs.ctx_ms or self.costs.ctx_draft_ms) or abs(self.position - self._priced.context) < REPRICE:
             return
         self._priced = self.costs.at(self.position)
         k = (self.position - self.costs.context) / 1000
@@ -708,7 +708,10 @@ def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     """A cheap cost curve when the tuner has stored none (no timing at all): relative units,
     verify rows 6 % of a plain step each (what a CPU's memory-bound forward shows; flatter on
     GPUs, which the online rescaling sees), a draft pass the drafter's share of the weights
-    read. The policy rescales both from the first measured cycles."""
+    read. The policy rescales both from the first measured cycles. Its context term is the
+    attention's arithmetic: per row and 1000 tokens of context, 4 flops per key and head
+    dimension in every attention layer, against a plain step's 2 per weight (a floor: on a CPU
+    the softmax's exps cost more than their flops; the tuner measures the real term)."""
     params = _params
 
     target = max(1, params(pair.model))
@@ -722,7 +725,29 @@ def estimate_costs(pair, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> Costs:
     ratio = min(1.0, (drafter + head) / target)
     tt = {B: 1.0 + 0.06 * (B - 1) for B in sizes}
     td = {B: ratio * (1.0 + 0.03 * (B - 1)) for B in sizes if B > 1}
-    return Costs(1.0, td, tt, 0)
+    row = _attention_per_row(pair.target if pair.target is not None else None, args) / target
+    ctx = {B: 2000 * B * row for B in sizes} if row else {}
+    drow = _drafter_attention_per_row(pair.drafter) / target if pair.drafter is not None else 0.0
+    dctx = {B: 2000 * B * drow for B in sizes if B > 1} if drow else {}
+    return Costs(1.0, td, tt, 0, ctx_ms=ctx, ctx_draft_ms=dctx)
+
+
+def _attention_per_row(target, args) -> float:
+    """Multiply-adds per verified row and context position over the target's attention layers
+    (heads x head width each; 0 when the shapes are not known)."""
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    if not heads or target is None:
+        return 0.0
+    hd = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+    layers = len(getattr(target, "layers", ())) - len(getattr(target, "gdn", ()))
+    return float(max(0, layers) * heads * hd)
+
+
+def _drafter_attention_per_row(drafter) -> float:
+    a = getattr(drafter, "args", None)
+    if a is None or not getattr(a, "num_attention_heads", 0):
+        return 0.0
+    return float(a.num_hidden_layers * a.num_attention_heads * a.head_dim)
 
 
 class PolicyFactory:

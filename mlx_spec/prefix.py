@@ -8,9 +8,10 @@ object with them) and are evicted least-recently-used to stay within a byte budg
 
 Exactness: target K/V rows depend only on earlier tokens, drafter context rows only on their
 own target features, so a trimmed copy equals what a fresh prefill would build (bitwise on the
-CPU backend; tests compare token streams). Caches that cannot be trimmed (hybrid targets'
-recurrent GDN state, quantized or rotating K/V) are reused only when the whole entry is a prefix
-of the new prompt. Everything here runs on the engine thread.
+CPU backend; tests compare token streams). Quantized K/V (``--kv-bits``) is quantized row by
+row, so it trims the same way. Caches that cannot be trimmed (hybrid targets' recurrent GDN
+state) are reused only when the whole entry is a prefix of the new prompt; rotating K/V is not
+reused. Everything here runs on the engine thread.
 
 With a disk tier attached (``attach``: a ``prefix_store.PrefixStore``), long entries are also
 written to disk, and a lookup that finds a longer stored prefix there than in memory loads it
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from .drafter import ContextCache
 
@@ -48,6 +49,8 @@ class Prefill:
 
 
 def _nbytes(c) -> int:
+    if isinstance(c, QuantizedKVCache):
+        return 0 if c.keys is None else sum(a.nbytes for a in (*c.keys, *c.values))
     if isinstance(c, KVCache):
         return 0 if c.keys is None else c.keys.nbytes + c.values.nbytes
     if isinstance(c, ArraysCache):
@@ -75,6 +78,14 @@ def _clone_target(c, keep: int, total: int):
         new.keys, new.values = c.keys[..., :keep, :], c.values[..., :keep, :]
         new.offset = keep
         return new
+    if type(c) is QuantizedKVCache:  # quantized row by row: a prefix of rows is exact too
+        if c.keys is None or c.offset != total:
+            return None
+        new = QuantizedKVCache(c.group_size, c.bits)
+        new.keys = tuple(a[..., :keep, :] for a in c.keys)
+        new.values = tuple(a[..., :keep, :] for a in c.values)
+        new.offset = keep
+        return new
     if type(c) is ArraysCache and keep == total:  # recurrent state: exact entries only
         new = ArraysCache(len(c.cache))
         new.cache, new.left_padding, new.lengths = list(c.cache), c.left_padding, c.lengths
@@ -85,16 +96,21 @@ def _clone_target(c, keep: int, total: int):
 def _clone_context(c: ContextCache, keep: int, total: int) -> ContextCache | None:
     if c.offset != total:
         return None
-    new = ContextCache(c.window)
+    new = ContextCache(c.window, c.limit)
     if keep == 0 or c.keys is None:
         return new if keep == 0 else None
     kept = c.keys.shape[2]
     first = c.offset - kept  # absolute position of the first kept row
-    need = 0 if c.window is None else max(0, keep - (c.window - 1))
-    if first > need:  # the rows a window at `keep` sees were already dropped
+    need = 0 if c.kept is None else max(0, keep - c.kept)
+    if first > need and c.limit is None:  # the rows a trained window at `keep` sees were already dropped
         return None
-    n = keep - first
-    new.keys, new.values, new.offset = c.keys[:, :, :n], c.values[:, :, :n], keep
+    # (a drafting window, ``--draft-window``, takes what it still holds of the rows before `keep`:
+    # fewer than its window where they were dropped, which changes drafts, never the output)
+    lo, n = max(0, need - first), keep - first
+    if n <= lo:
+        new.offset = keep
+        return new
+    new.keys, new.values, new.offset = c.keys[:, :, lo:n], c.values[:, :, lo:n], keep
     return new
 
 
@@ -211,6 +227,7 @@ class PrefixCache:
         if (not self.budget and self.disk is None) or len(entry.tokens) < self.min_tokens:
             return
         arrays = [c.keys for c in entry.target if isinstance(c, KVCache) and c.keys is not None]
+        arrays += [a for c in entry.target if type(c) is QuantizedKVCache and c.keys for a in (*c.keys, *c.values)]
         arrays += [a for c in entry.target if isinstance(c, ArraysCache) for a in c.cache if a is not None]
         arrays += [c.keys for c in entry.drafter or () if c.keys is not None]
         arrays += [a for c in (entry.chains or {}).values() for a in c.state]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from .drafter import ContextCache
 from .integrity import safetensors_problem
@@ -130,7 +130,7 @@ def read_info(path: Path) -> EntryInfo:
             _decode_ids(meta["tokens"]),
             st.st_size,
             meta.get("drafter") not in (None, "null"),
-            all(x["kind"] == "kv" for x in layers),
+            all(x["kind"] in ("kv", "qkv") for x in layers),
             json.loads(meta.get("models", "{}")),
             st.st_mtime,
         )
@@ -149,6 +149,12 @@ def _arrays_of(entry: Prefill) -> tuple[dict, list, list | None] | None:
                 return None
             arrays[f"t{i}.k"], arrays[f"t{i}.v"] = c.keys[..., :n, :], c.values[..., :n, :]
             layers.append({"kind": "kv"})
+        elif type(c) is QuantizedKVCache:  # packed rows, scales, biases: stored as they are
+            if c.keys is None or c.offset != n:
+                return None
+            for j in range(3):
+                arrays[f"t{i}.k{j}"], arrays[f"t{i}.v{j}"] = c.keys[j][..., :n, :], c.values[j][..., :n, :]
+            layers.append({"kind": "qkv", "bits": c.bits, "group_size": c.group_size})
         elif type(c) is ArraysCache and c.left_padding is None and c.lengths is None:
             present = [a is not None for a in c.cache]
             for j, a in enumerate(c.cache):
@@ -156,7 +162,7 @@ def _arrays_of(entry: Prefill) -> tuple[dict, list, list | None] | None:
                     arrays[f"t{i}.a{j}"] = a
             layers.append({"kind": "arrays", "present": present})
         else:
-            return None  # quantized, rotating or batched caches: not stored
+            return None  # rotating or batched caches: not stored
     ctx = None
     if entry.drafter is not None:
         ctx = []
@@ -165,7 +171,7 @@ def _arrays_of(entry: Prefill) -> tuple[dict, list, list | None] | None:
                 return None
             if c.keys is not None:
                 arrays[f"d{i}.k"], arrays[f"d{i}.v"] = c.keys, c.values
-            ctx.append({"window": c.window, "rows": 0 if c.keys is None else int(c.keys.shape[2])})
+            ctx.append({"window": c.window, "limit": c.limit, "rows": 0 if c.keys is None else int(c.keys.shape[2])})
     return arrays, layers, ctx
 
 
@@ -178,6 +184,13 @@ def _rebuild(arrays: dict, meta: dict, tokens: tuple[int, ...]) -> Prefill:
             c.keys, c.values, c.offset = arrays[f"t{i}.k"], arrays[f"t{i}.v"], n
             if c.keys.shape[-2] != n or c.values.shape[-2] != n:
                 raise ValueError(f"layer {i} holds {c.keys.shape[-2]} rows, not {n}")
+        elif layer["kind"] == "qkv":
+            c = QuantizedKVCache(int(layer["group_size"]), int(layer["bits"]))
+            c.keys = tuple(arrays[f"t{i}.k{j}"] for j in range(3))
+            c.values = tuple(arrays[f"t{i}.v{j}"] for j in range(3))
+            c.offset = n
+            if any(a.shape[-2] != n for a in (*c.keys, *c.values)):
+                raise ValueError(f"layer {i} holds {c.keys[0].shape[-2]} quantized rows, not {n}")
         else:
             c = ArraysCache(len(layer["present"]))
             c.cache = [arrays[f"t{i}.a{j}"] if p else None for j, p in enumerate(layer["present"])]
@@ -186,7 +199,7 @@ def _rebuild(arrays: dict, meta: dict, tokens: tuple[int, ...]) -> Prefill:
     if meta.get("drafter") not in (None, "null"):
         ctx = []
         for i, d in enumerate(json.loads(meta["drafter"])):
-            c = ContextCache(d["window"])
+            c = ContextCache(d["window"], d.get("limit"))
             if d["rows"]:
                 c.keys, c.values = arrays[f"d{i}.k"], arrays[f"d{i}.v"]
             c.offset = n

@@ -27,6 +27,8 @@ from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID
 from .errors import BadRequest, CheckpointError, HubError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .generation import EngineInfo, engine_info
+from .loading import draft_window
+from .target import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -485,6 +487,8 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
         sources=cfg.draft_sources,
         mtp=chains.get("mtp"),
         eagle=chains.get("eagle"),
+        kv=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None,
+        draft_window=draft_window(cfg.draft_window, planned.drafter),
     )
 
 

@@ -12,12 +12,13 @@ GDN inputs, and ``rollback`` rebuilds the GDN state of the accepted prefix (see 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import gdn
 from .errors import MlxSpecError, UnsupportedModel
@@ -25,6 +26,59 @@ from .errors import MlxSpecError, UnsupportedModel
 # model_type -> layer-loop family. Dense families have only trimmable KVCache layers.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
 SUPPORTED = DENSE | gdn.HYBRID
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuant:
+    """The target's K/V cache quantized (``--kv-bits``): every attention layer's cache is mlx-lm's
+    ``QuantizedKVCache`` from the first row on, so each row is quantized (per ``group_size``
+    elements of a head) before any query reads it. Rows are quantized independently, so a prefix
+    of a cache, trimmed or stored, is exactly what a prefill of that prefix gives."""
+
+    bits: int
+    group_size: int = 64
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"K/V bits must be 4 or 8 (got {self.bits})")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"the K/V group size must be 32, 64 or 128 (got {self.group_size})")
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit K/V (group {self.group_size})"
+
+
+def kv_problem(model: nn.Module, kv: KVQuant) -> str | None:
+    """Why ``model``'s K/V cannot be quantized as ``kv`` says (None: it can): a hybrid target's
+    recurrent (gated delta-net) state is no K/V rows and is not quantized; a sliding-window
+    (rotating) cache is not either; a head width must split into whole groups."""
+    cache = make_prompt_cache(model)
+    others = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if others:
+        what = (
+            "a hybrid target: its gated delta-net layers keep a recurrent state, not K/V rows, which is not quantized"
+            if "ArraysCache" in others
+            else f"its layers keep {', '.join(others)} caches, which are not quantized"
+        )
+        return f"--kv-bits: target '{_model_type(model)}' is {what} (plain K/V caches only)"
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    heads = getattr(args, "num_attention_heads", 1) or 1
+    head_dim = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+    if head_dim % kv.group_size:
+        fits = ", ".join(str(g) for g in (32, 64, 128) if not head_dim % g)
+        return f"--kv-bits: the target's head width {head_dim} does not split into groups of {kv.group_size} " + (
+            f"(--kv-group-size {fits} does)" if fits else "(no K/V group size fits it)"
+        )
+    return None
+
+
+def make_cache(model: nn.Module, kv: KVQuant | None = None) -> list[Any]:
+    """mlx-lm's prompt cache for ``model``; with ``kv``, every plain K/V layer quantized
+    (``QuantizedKVCache``). The one cache every path makes, plain decoding and ours alike."""
+    cache = make_prompt_cache(model)
+    if kv is None:
+        return cache
+    return [QuantizedKVCache(kv.group_size, kv.bits) if type(c) is KVCache else c for c in cache]
 
 
 class TargetOut(NamedTuple):
@@ -106,6 +160,8 @@ class Target:
         restore: GDN rollback function (``gdn.restore``); injectable so tests can break it.
         final_hidden: also return the last hidden state after the final norm (the LM head's
             input) as ``TargetOut.final``: what an MTP head reads (chain.py).
+        kv: quantize the K/V cache (``KVQuant``, ``--kv-bits``); refused by name where it
+            cannot work (``kv_problem``).
     """
 
     def __init__(
@@ -115,6 +171,7 @@ class Target:
         *,
         restore: Callable[..., None] = gdn.restore,
         final_hidden: bool = False,
+        kv: KVQuant | None = None,
     ):
         self.model = model
         self.model_type = _model_type(model)
@@ -142,6 +199,9 @@ class Target:
         self.restore = restore
         self.final_hidden = final_hidden
         self._tape: _Tape | None = None
+        if kv is not None and (why := kv_problem(model, kv)) is not None:
+            raise UnsupportedModel(why)
+        self.kv = kv
 
     @property
     def head_module(self) -> nn.Module:
@@ -183,7 +243,7 @@ class Target:
         return lambda h: head(h) + bias
 
     def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+        return make_cache(self.model, self.kv)
 
     def __call__(
         self, ids: mx.array, cache: list[Any], *, last_only: bool = False, taps: bool = True, record: bool = False

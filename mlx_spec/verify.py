@@ -183,7 +183,9 @@ def check(
         name, ids = _encode(pair.tokenizer, item, n)
         plain = [
             t
-            for s in plain_steps(pair.model, ids, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP)
+            for s in plain_steps(
+                pair.model, ids, max_tokens=max_tokens, eos_ids=eos, prefill_step=PREFILL_STEP, kv=pair.kv
+            )
             for t in s.tokens
         ]
         for source, B in ((src, B) for src in sources for B in sizes):

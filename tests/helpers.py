@@ -45,11 +45,12 @@ TARGET_CONFIGS = {
 }
 
 
-def tiny_model(kind: str = "qwen3", seed: int = 0):
-    """A tiny float32 mlx-lm model with sharpened logits (random models are near-uniform)."""
+def tiny_model(kind: str = "qwen3", seed: int = 0, **over):
+    """A tiny float32 mlx-lm model with sharpened logits (random models are near-uniform);
+    ``over``: config fields to change (e.g. ``head_dim=32``)."""
     import importlib
 
-    cfg = dict(TARGET_CONFIGS[kind])
+    cfg = dict(TARGET_CONFIGS[kind], **over)
     mod = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
@@ -263,8 +264,9 @@ def save_tiny_tokenizer(path, vocab_size: int = VOCAB, extra_specials=(), templa
     hf.save_pretrained(str(path))
 
 
-def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
-    """Write a tiny target (with tokenizer) and drafter to disk; returns (target_dir, drafter_dir)."""
+def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, target_over: dict | None = None, **drafter_kw):
+    """Write a tiny target (with tokenizer) and drafter to disk; returns (target_dir, drafter_dir).
+    ``target_over``: target config fields to change (``tiny_model``)."""
     from pathlib import Path
 
     from mlx_spec.loading import save_drafter
@@ -272,7 +274,7 @@ def save_tiny_pair(root, kind: str = "qwen3", v2: bool = True, **drafter_kw):
     from mlx_lm.utils import save_config, save_model
 
     root = Path(root)
-    model, cfg = tiny_model(kind)
+    model, cfg = tiny_model(kind, **(target_over or {}))
     save_model(root / "target", model)
     save_config(dict(cfg), root / "target" / "config.json")
     save_tiny_tokenizer(root / "target")

@@ -62,6 +62,8 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
             "sources": ["dflash", "lookup"],
             "chains": [],
+            "kv_cache": "",
+            "draft_window": 0,
         }
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

@@ -4,10 +4,14 @@ agree token for token, its restart row really loads from disk)."""
 
 from mlx_spec import contextbench
 from mlx_spec.errors import BadRequest
+from mlx_spec.loading import load_pair
+from mlx_spec.policy import PolicyFactory
 from mlx_spec.prompts import builtin_prompts
+from mlx_spec.target import KVQuant
 
 import pytest
-from helpers import tiny_engine_loader
+from helpers import save_tiny_pair, tiny_engine_loader
+from mlx_lm.models.cache import QuantizedKVCache
 
 
 def test_context_sizes_parse_and_bad_ones_are_named():
@@ -39,8 +43,6 @@ def test_padding_is_deterministic_realistic_and_within_the_length(kind):
 
 
 def test_one_row_on_the_tiny_pair(tmp_path):
-    from mlx_spec.policy import PolicyFactory
-
     pair = tiny_engine_loader(tmp_path / "pair")().pair
     (prompt,) = builtin_prompts(("agent",), 1)
     (row,) = contextbench.run(pair, [prompt], [1200], max_tokens=6, repeats=1, policies=PolicyFactory(pair))
@@ -49,3 +51,16 @@ def test_one_row_on_the_tiny_pair(tmp_path):
     assert row.disk_bytes > 0 and row.disk_load_ms > 0 and row.ttft_cold_ms > 0
     assert "restart_margin" in contextbench.as_dicts([row])[0]
     assert "default engine tok/s" in contextbench.table([row])
+
+
+def test_one_row_with_quantized_kv_and_a_drafting_window(tmp_path):
+    """``bench --context --kv-bits 4 --draft-window 64``: every method runs on the quantized cache
+    (mlx-lm's plain decoding too, from the same prefix), their tokens agree, and the drafter's
+    context rows stay within the window."""
+    t, d = save_tiny_pair(tmp_path / "pair", target_over={"head_dim": 32})
+    pair = load_pair(str(t), str(d), kv=KVQuant(4, 32), draft_window=64)
+    (prompt,) = builtin_prompts(("agent",), 1)
+    (row,) = contextbench.run(pair, [prompt], [700], max_tokens=6, repeats=1, policies=PolicyFactory(pair))
+    assert row.identical and row.disk_bytes > 0
+    assert all(type(c) is QuantizedKVCache for c in pair.target.make_cache())
+    assert all(c.limit == 64 for c in pair.drafter.make_cache())

@@ -1,6 +1,8 @@
 """The pass-cost curve's model time of a cycle (costs.Costs.step_ms / timed): what bench's
 per-cycle rows and tests/reply_replay.py charge."""
 
+from dataclasses import replace
+
 from mlx_spec.costs import Costs
 from mlx_spec.decode import Step
 
@@ -82,9 +84,13 @@ def test_the_context_term_is_read_off_two_contexts_and_prices_the_curve_at_any_l
     long = Costs(130.0, {4: 31.0}, {1: 150.0, 4: 200.0, 8: 300.0}, 5000)
     term = context_term(short, long)
     assert term.ctx_ms == {1: 7.5, 4: 15.0, 8: 30.0}  # ms per 1000 tokens; B = 1 from T1
+    assert term.ctx_draft_ms == {4: 0.25}  # the drafter's pass, read off the same way
     at9 = term.at(9000)
     assert at9.t1_ms == pytest.approx(160.0) and at9.verify(8) == pytest.approx(420.0) and at9.context == 9000
-    assert at9.draft(4) == term.draft(4)  # the drafter's pass is not moved
+    assert at9.draft(4) == pytest.approx(32.0)  # the drafter attends over its context too
+    # the terms on the short curve price it as the long one at the long context
+    kept = replace(short, ctx_ms=term.ctx_ms, ctx_draft_ms=term.ctx_draft_ms).at(5000)
+    assert kept.verify(8) == pytest.approx(300.0) and kept.draft(4) == pytest.approx(31.0)
     assert term.at(1000).verify(4) == pytest.approx(140.0)
     assert term.at(0).t1_ms >= 0.1 * term.t1_ms  # never below a tenth of the measured pass
     assert Costs.from_dict(term.as_dict()) == term and term.smoothed().ctx_ms == term.ctx_ms

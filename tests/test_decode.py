@@ -265,3 +265,91 @@ def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
     assert per == {"dflash": {2}, "lookup": {1}, "plain": {1}}, per
     ref = greedy_reference(model, prompt, 12)
     assert _tokens(steps) == ref
+
+
+def test_a_prefill_budget_cancels_between_chunks_and_drops_the_caches():
+    """The prefill budget is checked before every chunk after the first (a clock that moves one
+    second per reading, a 2.5 s budget: three chunks run, the fourth never starts); the caches
+    are dropped, not handed to the prefix cache. Both loops: ours, and mlx-lm's plain one."""
+    import itertools
+
+    from mlx_spec.decode import plain_steps
+    from mlx_spec.errors import PrefillTimeout
+
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg, v2=True)
+    kept = []
+    runs = {
+        "spec": lambda clock: spec_steps(
+            target,
+            drafter,
+            LONG,
+            block_size=4,
+            max_tokens=4,
+            prefill_step=8,
+            on_exit=kept.append,
+            prefill_budget_s=2.5,
+            clock=clock,
+        ),  # 40 tokens: 5 chunks of 8
+        "plain": lambda clock: plain_steps(
+            model, LONG, max_tokens=4, prefill_step=8, on_exit=kept.append, prefill_budget_s=2.5, clock=clock
+        ),  # 39 tokens in chunks of 8, then the last one: 6
+    }
+    for name, run in runs.items():
+        with pytest.raises(PrefillTimeout, match=f"cut after 3 of {5 if name == 'spec' else 6} prefill chunks"):
+            list(run(itertools.count().__next__))
+    assert kept == []
+    # without a budget, or with one it keeps to, the same runs decode
+    ref = greedy_reference(model, LONG, 4)
+    assert _tokens(spec_steps(target, drafter, LONG, block_size=4, max_tokens=4, prefill_step=8)) == ref
+    assert _tokens(runs["plain"](lambda: 0.0)) == ref
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
+def test_a_drafting_window_bounds_the_drafters_cache_and_keeps_the_output(target_model, v2):
+    """``--draft-window 8``: every drafter context cache keeps at most the last 8 positions (the
+    single stream, and a batch whose drafter pass runs once for all), at the positions a full
+    cache would give them; the output is the target's, as without a window."""
+    from mlx_spec.batch import BatchDecoder, batched_steps
+    from mlx_spec.prefix import PrefixCache
+
+    model, cfg, refs = target_model
+    target, drafter, _ = tiny_drafter(model, cfg, v2=v2, layers=2)
+    drafter.context_limit = 8
+    made, orig = [], drafter.make_cache
+
+    def spy():
+        made.append(orig())
+        return made[-1]
+
+    drafter.make_cache = spy
+    kept = PrefixCache(64 << 20)
+    for prompt in (SHORT, LONG):
+        for B in (2, 4, 8):
+            got = []
+            for s in spec_steps(target, drafter, prompt, block_size=B, max_tokens=N, on_exit=kept.store):
+                got += s.tokens
+                assert all(c.keys is None or c.keys.shape[2] <= 8 for c in made[-1]), (B, len(got))
+            assert got == refs[tuple(prompt)], (B, prompt[:3])
+            assert all(c.limit == 8 and c.offset == len(prompt) + N - 1 for c in made[-1])
+    dec = BatchDecoder(target, drafter, block_size=4, max_batch=2)
+    assert dec.packed_drafter
+    out = {0: [], 1: []}
+    for i, st in batched_steps(dec, [dict(prompt=p, max_tokens=N) for p in (SHORT, LONG)]):
+        out[i] += st.tokens
+        assert all(c.keys is None or c.keys.shape[2] <= 8 for m in made[-2:] for c in m)
+    assert [out[0], out[1]] == [refs[tuple(SHORT)], refs[tuple(LONG)]]
+    # a prefix cached with the window serves the next turn (its last 8 rows are all it needs)
+    turn2 = LONG + refs[tuple(LONG)] + [2, 11]
+    fresh = _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=8))
+    pre = kept.lookup(turn2, drafter=True)
+    assert pre is not None and all(c.limit == 8 for c in pre.drafter)
+    assert _tokens(spec_steps(target, drafter, turn2, block_size=4, max_tokens=8, prefill=pre)) == fresh
+    # a prompt that departs from the cached one 5 tokens before its end still reuses its prefix:
+    # the window holds what it kept of the rows before the departure (3 of 8), the output is exact
+    edited = LONG + refs[tuple(LONG)][:-6] + [2, 11]
+    pre = kept.lookup(edited, drafter=True)
+    assert pre is not None and len(pre.tokens) == len(LONG) + N - 6
+    assert all(c.offset == len(pre.tokens) and c.keys.shape[2] == 3 for c in pre.drafter)
+    fresh = _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8))
+    assert _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8, prefill=pre)) == fresh

@@ -414,6 +414,9 @@ def test_policies_factory_uses_the_tuned_result_or_an_estimate(dense):
     assert PolicyFactory(pair, None, block_size=3)().pinned == 3
     est = estimate_costs(pair)
     assert est.tt_ms[1] == 1.0 and 0 < est.td_ms[2] < 1.0
+    # untuned, a long context is still priced: the attention's arithmetic per row, per 1000 tokens
+    assert est.ctx_ms[1] > 0 and est.ctx_ms[8] == pytest.approx(8 * est.ctx_ms[1]) and est.ctx_draft_ms[2] > 0
+    assert est.at(8000).verify(8) > 2 * est.verify(8)
 
 
 # ---------------------------------------------------------------- timings, fake clock

@@ -7,7 +7,7 @@ import statistics
 
 from mlx_spec.bench import Costs
 from mlx_spec.decode import Step
-from mlx_spec.policy import DFLASH, Context, DraftPolicy, expected_tokens
+from mlx_spec.policy import DFLASH, LOOKUP, PLAIN, Context, DraftPolicy, PolicyFactory, expected_tokens
 from mlx_spec.stats import Stats
 from mlx_spec.tuning import (
     FORMAT,
@@ -376,17 +376,20 @@ def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
 
 
 def test_a_result_of_another_format_is_tuned_again(tmp_path):
-    """Format 4 stores why / noise / overhead_ms and the chain drafters' fields and loads back
-    equal; a file of any other format (an earlier build's: 3 had no chain drafters) is not read:
-    the pair is tuned again."""
+    """Format 4 stores why / noise / overhead_ms, the curve's context term and the chain
+    drafters' fields, and loads back equal; a file of any other format (format 3: a curve without
+    its context term nor chain drafters, or an earlier development build's) is not read: the pair
+    is tuned again, measuring the term."""
     key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
     from dataclasses import replace
 
     chains = {"mtp": {"acceptance_by_position": [0.5, 0.2], "pass_ms": 3.1, "depth": 2, "predicted": 1.1}}
     r = replace(_result(key), why="B=4 and B=8 within noise (1.0%); chose 8", overhead_ms=3.5, threads=2, chains=chains)
+    r = replace(r, costs=replace(r.costs, ctx_ms={1: 40.0, 4: 120.0}, ctx_draft_ms={4: 2.0}))
     path = save_result(r, tmp_path)
     d = json.loads(path.read_text())
     assert d["format"] == FORMAT == 4 and d["why"].startswith("B=4 and B=8") and "noise" in d["candidates"][0]
+    assert d["costs"]["ctx_ms"] == {"1": 40.0, "4": 120.0} and d["costs"]["ctx_draft_ms"] == {"4": 2.0}
     assert load_result(key, tmp_path) == r and d["chains"] == chains
     for old in (1, 2, 3):
         path.write_text(json.dumps(d | {"format": old}))
@@ -867,18 +870,30 @@ class _Machine:
 
     def __init__(self, clock, seed, noise=0.08, slow=1.0):
         self.clock, self.rng, self.noise, self.threads, self.slow = clock, random.Random(seed), noise, 2, slow
+        self.ctx_rng = random.Random(seed + 1000)
+        self.short = None  # the context of the first meter (the short one): costs grow past it
 
-    def ms(self, name, B):
-        base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name] * (1.2 if self.threads == 1 else 1.0)
-        base *= self.slow  # a busy machine: everything slower
-        x = base * math.exp(self.rng.gauss(0, self.noise))
-        return x * self.rng.uniform(1.5, 3.0) if self.rng.random() < 0.125 else x
+    ctx = {"t1": 50.0, "td": 1.0, "tt": 50.0}  # ms per 1000 tokens of context past the short one, per row
+
+    def truth(self, name, B, n=0):
+        """The pass's cost without noise (at ``n`` tokens of context)."""
+        base = {"t1": 80.0, "td": 14.0 + 0.4 * B, "tt": 72.0 + 3.0 * B}[name]
+        base += self.ctx[name] * (B if name != "t1" else 1) * max(0, n - (self.short or n)) / 1000
+        base *= 1.2 if self.threads == 1 else 1.0
+        return base * self.slow  # a busy machine: everything slower
+
+    def ms(self, name, B, n=0):
+        base = self.truth(name, B, n)
+        rng = self.ctx_rng if n > (self.short or n) else self.rng  # (the long context's rounds: noise of their own)
+        x = base * math.exp(rng.gauss(0, self.noise))
+        return x * rng.uniform(1.5, 3.0) if rng.random() < 0.125 else x
 
     def meter(self, model, target, drafter, sizes, context, **kw):
         from mlx_spec.costs import CostMeter
 
         m = CostMeter.__new__(CostMeter)
         m.context, m.rounds = len(context), 0
+        self.short = self.short or len(context)
         m.tasks = {
             ("t1", 1): None,
             **{(n, B): None for B in sorted({1, *sizes}) for n in ("td", "tt") if not (n == "td" and B == 1)},
@@ -887,7 +902,7 @@ class _Machine:
 
         def round_(progress=None, note=""):
             for k in m.tasks:
-                x = self.ms(*k)
+                x = self.ms(*k, m.context)
                 self.clock.t += x / 1e3
                 if m.rounds:
                     m.times[k].append(x)
@@ -987,10 +1002,88 @@ def test_tune_keeps_to_its_budget_on_a_scripted_machine(pair, monkeypatch):
             assert r.phases["cost_rounds"] in (3, 4), r.timing
             continue
         assert r.phases["cost_rounds"] >= 5 and r.phases["race_rounds"] >= 1  # (5: while the budget allows)
+        # the context term fits beside the race at 45 s and more; at 30 s the race's core comes first
+        assert r.phases["context_term"] == ("budget" if budget == 30.0 else "measured"), r.timing
         if budget == 30.0:
+            assert "no context term (budget)" in r.timing
             left_out = [c for c in r.candidates if c.note.endswith("not raced: budget")]
             assert left_out and "not raced: " in r.why and "s of the budget left for the race" in r.why
             assert all(c.rounds == 0 for c in left_out)
+
+
+def test_tune_measures_the_context_term_and_stores_it_with_the_curve(pair, monkeypatch, tmp_path):
+    """The scripted machine's passes grow with the context (a row +50 ms per 1000 tokens, a plain
+    step likewise, a draft row +1 ms): ``tune`` times the passes again at a longer context and
+    stores the difference as the curve's context term, which prices the curve there (and survives
+    the store's round trip); a budget that cannot afford the long prefill stores none and says so."""
+    import mlx_spec.tuning.run as T
+
+    fake_blas = type("B", (), {"settable": True, "pinned": None})()
+    clock = FakeClock()
+    m = _Machine(clock, 0, noise=0.02)
+    monkeypatch.setattr(T, "CostMeter", m.meter)
+    monkeypatch.setattr(T, "Runner", m.runner)
+    monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    c = r.costs
+    assert r.phases["context_term"] == "measured" and r.phases["context_tokens"] == T.LONG_CONTEXT
+    assert r.phases["context_rounds"] >= 1 and "context term" in r.timing
+    assert set(c.ctx_ms) == {1, 2, 8} and set(c.ctx_draft_ms) == {2, 8}  # T1, the probe's block, the largest
+    assert c.ctx_ms[1] == pytest.approx(50.0, rel=0.25) and c.ctx_ms[8] == pytest.approx(400.0, rel=0.25)
+    assert c.ctx_draft_ms[8] == pytest.approx(8.0, abs=4.0)
+    long = c.at(T.LONG_CONTEXT)  # the curve at the long context: what the passes cost there
+    assert long.verify(8) == pytest.approx(72 + 24 + 400 * (T.LONG_CONTEXT - m.short) / 1000, rel=0.1)
+    save_result(r, tmp_path)
+    assert load_result(r.key, tmp_path).costs.ctx_ms == c.ctx_ms
+    # too small a budget for a long prefill: no term, said in the phases and by `mlx_spec tune`
+    from mlx_spec.commands.tune import context_line
+
+    monkeypatch.setattr(T, "CONTEXT_SHARE", 0.0)
+    clock.t = 0.0
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    assert not r.costs.ctx_ms and r.phases["context_term"] == "budget"
+    assert "not measured" in context_line(r)
+
+
+def test_a_policy_from_the_tuned_result_prices_a_long_context_at_its_real_cost(pair, monkeypatch):
+    """What made the default engine slower than plain decoding at agent context lengths: the
+    policy priced verify rows at the tuner's short-context curve, where a row costs a few ms,
+    while at 4 K tokens on a CPU a row costs about a plain step, so a long lookup proposal from
+    the padded prompt was drafted 20 rows deep. From a result tuned on a machine whose rows grow
+    with the context (the scripted one: +50 ms a row per 1000 tokens), the policy drafts that
+    proposal long after a short prompt and, after a 4 K prompt, only as far as it pays there:
+    its choice commits at least plain decoding's tokens per ms by the machine's true passes."""
+    import mlx_spec.tuning.run as T
+
+    clock = FakeClock()
+    m = _Machine(clock, 0, noise=0.02)
+    monkeypatch.setattr(T, "CostMeter", m.meter)
+    monkeypatch.setattr(T, "Runner", m.runner)
+    monkeypatch.setattr(T, "set_threads", lambda b, n, m=m: setattr(m, "threads", n) or n)
+    fake_blas = type("B", (), {"settable": True, "pinned": None})()
+    r = tune(pair, budget_s=90.0, tokens=24, candidates=[2, 4, 8], threads=[2], blas=fake_blas, clock=clock)
+    make = PolicyFactory(pair, r)
+    ctx = Context(tuple(range(100, 120)), 12)  # a 20-token copy found at a 12-token match
+
+    def first_choice(prompt_tokens: int):
+        p = make()
+        p.observe(Step((5,), prefill=True, prompt_tokens=prompt_tokens))
+        return p, p.choose(ctx)
+
+    _, short = first_choice(m.short)
+    p, long = first_choice(4096)
+    assert short.source == LOOKUP and short.length > 8
+    assert long.length < short.length
+
+    def true_ms(L: int) -> float:  # the machine's passes at 4096 tokens, without noise
+        return m.truth("t1", 1, 4096) if L == 1 else m.truth("tt", L, 4096)
+
+    def rate(d) -> float:
+        if d.source == PLAIN:
+            return 1 / true_ms(1)
+        return expected_tokens(p.copy.curve(ctx.match, d.length - 1), d.length) / true_ms(d.length)
+
+    assert rate(long) >= rate(short) and rate(long) >= 0.95 / true_ms(1), (long, short)
 
 
 def test_thread_choice_is_stored_and_applied(pair, tmp_path, monkeypatch):

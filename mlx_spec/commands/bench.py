@@ -346,6 +346,10 @@ def concurrency(args) -> int:
         extra += ["--context", str(_plan_context(args))]
     if getattr(args, "block_size", None):
         extra += ["--block-size", str(args.block_size)]
+    if getattr(args, "kv_bits", None):  # (mlx_lm.server keeps its own float K/V: it has no such flag)
+        extra += ["--kv-bits", str(args.kv_bits), "--kv-group-size", str(args.kv_group_size)]
+    if getattr(args, "draft_window", None):
+        extra += ["--draft-window", str(args.draft_window)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
     import mlx_spec
 
@@ -719,6 +723,9 @@ def context_run(args) -> int:
         "repeats": args.repeats,
         "rows": contextbench.as_dicts(rows),
         "context_term": None if term is None else term.as_dict(),
+        "kv_cache": pair.kv.describe() if pair.kv is not None else "float K/V (as computed)",
+        "draft_window": pair.drafter.context_limit,
+        "engine_curve": _curve_source(tuned),
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
@@ -727,7 +734,10 @@ def context_run(args) -> int:
     else:
         print(
             f"target {pair.target_id} | drafter {pair.drafter_id} | {args.max_tokens} max tokens, greedy, "
-            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()}"
+            f"{args.repeats} repeats (cold prefill once) | BLAS {blas.describe()} | "
+            f"{report['kv_cache']} on every row | drafting window "
+            f"{pair.drafter.context_limit or 'all positions'}\n"
+            f"the default engine's cost curve: {report['engine_curve']}"
         )
         print(contextbench.table(rows))
         print(
@@ -740,6 +750,14 @@ def context_run(args) -> int:
                 + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items()))
             )
     return 0 if all(r.identical for r in rows) else 1
+
+
+def _curve_source(tuned) -> str:
+    """What the default engine's policy prices its choices with (docs/context.md)."""
+    if tuned is None or tuned.costs is None:
+        return "estimated from the models' sizes (no tuning result for this pair here: `mlx_spec tune` measures one)"
+    term = "with its measured context term" if tuned.costs.ctx_ms else "without a context term"
+    return f"tuned {tuned.date[:10]}, {term}"
 
 
 # -- pass costs alone, and on a group (docs/distributed.md) ---------------------------------------

@@ -130,7 +130,8 @@ def add_arguments(p) -> None:
         type=float,
         default=600.0,
         metavar="S",
-        help="seconds one request's prefill may take before it fails and frees its slot (0: no limit)",
+        help="seconds one request's prefill may take before it fails and frees its slot, checked between "
+        "prefill chunks (0: no limit)",
     )
     g = p.add_argument_group("defaults for requests that omit a field (as mlx_lm.server and llama-server)")
     g.add_argument(

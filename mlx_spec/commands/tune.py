@@ -94,5 +94,23 @@ def run(args) -> int:
             f"{'MTP head' if kind == 'mtp' else 'EAGLE-3'}: one pass {c['pass_ms']:.2f} ms, acceptance by "
             f"position {acc}, ...; depth {c['depth']} (model x{c['predicted']:.2f})"
         )
-    print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}\nstored: {path}")
+    print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}")
+    print(context_line(result))
+    print(f"stored: {path}")
     return 0
+
+
+def context_line(result) -> str:
+    """What the per-cycle policy prices long contexts with: the stored curve's context term."""
+    c = result.costs
+    if c is None or not c.ctx_ms:
+        why = (result.phases or {}).get("context_term")
+        return "context term: not measured" + (
+            " (the budget could not afford a long prefill)" if why == "budget" else ""
+        )
+    terms = ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.1f}" for B, v in sorted(c.ctx_ms.items()))
+    drafts = ", ".join(f"Td({B}) +{v:.1f}" for B, v in sorted(c.ctx_draft_ms.items()))
+    n = (result.phases or {}).get("context_tokens")
+    return f"context term (ms a pass gains per 1000 tokens, timed at {c.context} and {n} tokens): {terms}" + (
+        f"; {drafts}" if drafts else ""
+    )

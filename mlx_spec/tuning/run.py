@@ -8,7 +8,12 @@
    It runs first: it is fixed work, and what it takes tells the rest what a run costs here.
 2. ``measure_costs``: the pass-cost curve, T1, Td(B), Tt(B) for every candidate block (and T1 and
    the probe's block at every other BLAS thread count), each pass timed alone in interleaved,
-   rotated rounds, medians with their standard errors (``costs.CostMeter``).
+   rotated rounds, medians with their standard errors (``costs.CostMeter``); then
+   ``measure_context_term``: T1, Tt(B) and Td(B) for a few blocks again at a longer context
+   (``LONG_CONTEXT`` tokens, shorter where ``CONTEXT_SHARE`` of the budget cannot afford its
+   prefill), whose difference is the curve's context term (``costs.context_term``: ``ctx_ms``,
+   ``ctx_draft_ms``), stored with the curve so the per-cycle policy prices every choice at the
+   sequence's real length.
 3. ``plan_race`` and ``race``: the candidates the model puts in front, plain decoding, the
    model's own choice and their neighbours, timed end to end within what is left of the budget
    (``decide.race``); candidates it cannot afford are not raced, and ``why`` names them.
@@ -34,11 +39,14 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import mlx.core as mx
+
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
-from ..costs import CostMeter, Costs, Progress
+from ..costs import CostMeter, Costs, Progress, context_term
 from ..errors import MlxSpecError
 from ..policy import MAX_CHAIN_DEPTH, expected_tokens
+from ..prefix import Prefill, take
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
 from ..stats import Stats
 from .decide import (
@@ -74,6 +82,15 @@ MIN_COST_ROUNDS = 3  # timed pass-cost rounds always run (``cost_rounds[0]`` of 
 # the probe's share only places the progress bar.
 PROBE_SHARE = 0.15
 COSTS_SHARE = 0.3
+# The context term: the passes timed again at a longer context, its prefill and rounds within
+# CONTEXT_SHARE of the budget (the prefill at most half of it, in CONTEXT_CHUNK-token chunks up to
+# LONG_CONTEXT tokens); a context that reached fewer than MIN_CONTEXT_SPAN tokens past the short
+# one reads no term (too little to tell from the noise), and the phases say so.
+CONTEXT_SHARE = 0.12
+LONG_CONTEXT = 1024
+CONTEXT_CHUNK = 256
+MIN_CONTEXT_SPAN = 256
+CONTEXT_ROUNDS = (1, 6)  # timed rounds at the long context (after a warm-up): at least, at most
 
 
 class TuneSkipped(MlxSpecError):
@@ -226,8 +243,7 @@ class Sweep:
         t_costs, budget_s = self.t_costs, self.budget_s
 
         def core_s() -> float:
-            plain_run = self.prefill_s + max(0, self.tokens - 1) * meters[main_t].costs().t1_ms / 1e3
-            return (self.min_rounds + 8 / max(1, self.tokens)) * (plain_run + self.probe_run_s)
+            return self.race_core_s(meters[main_t].costs().t1_ms)
 
         floor = max(1, min(lo, MIN_COST_ROUNDS))
         r, round_s = 0, 0.0
@@ -273,6 +289,82 @@ class Sweep:
 
         self.curves = {t: curve(t) for t in tlist}
         self.o_probe = statistics.median(self.residuals(main_t, self.warm, True) or [0.0])
+
+    def race_core_s(self, t1_ms: float) -> float:
+        """What the race's core takes: plain decoding (at T1) and the probe's block (at the
+        probe's run time), a warm-up and ``min_rounds`` rounds each."""
+        plain_run = self.prefill_s + max(0, self.tokens - 1) * t1_ms / 1e3
+        return (self.min_rounds + 8 / max(1, self.tokens)) * (plain_run + self.probe_run_s)
+
+    # ------------------------------------------------------------ 2b. the context term
+
+    def long_ids(self, n: int) -> list[int]:
+        """``n`` prompt tokens: the short context (the longest built-in prompt) followed by the
+        other built-in prompts, round after round (what the passes read does not change their
+        cost; only the length does)."""
+        ids = list(self.context)
+        others = [p for _, _, p in self.encoded if p] or [list(self.context)]
+        k = 0
+        while len(ids) < n:
+            ids += others[k % len(others)]
+            k += 1
+        return ids[:n]
+
+    def measure_context_term(self) -> None:
+        """T1, Tt(B) and Td(B) for B in (2, the probe's block, the largest candidate) at a longer
+        context, within ``CONTEXT_SHARE`` of the budget: the prefill (its chunks while half the
+        share is left, up to ``LONG_CONTEXT`` tokens) then ``CONTEXT_ROUNDS`` rounds (the passes
+        timed alone, as ``measure_costs`` times them, from copies of the prefilled caches). The
+        difference from the short curve is its context term, kept on ``self.costs``."""
+        clock, pair = self.clock, self.pair
+        t0 = clock()
+        # within its share, and never into the race's core (plain and the probe's block raced)
+        stop = min(t0 + CONTEXT_SHARE * self.budget_s, self.deadline - self.race_core_s(self.costs.t1_ms))
+        sizes = sorted({2, self.probe_block, self.cands[-1]})
+        # a round there: these passes at the short context, twice over (attention grows), a warm-up and one timed
+        c = self.costs
+        rounds_s = 2 * 2 * (c.t1_ms + sum(c.verify(B) + (c.draft(B) if B > 1 else 0.0) for B in (1, *sizes))) / 1e3
+        if stop - t0 < rounds_s:
+            self.phases |= {"context_s": 0.0, "context_tokens": 0, "context_rounds": 0, "context_term": "budget"}
+            log.info("tuner: no context term (the budget leaves no time for it beside the race)")
+            return
+        half = t0 + min((stop - t0) / 2, stop - t0 - rounds_s)
+        self.use(self.main_t)
+        self.frac(PROBE_SHARE + COSTS_SHARE, "pass costs at a long context (prefill)")
+        ids = self.long_ids(max(LONG_CONTEXT, len(self.context) + MIN_CONTEXT_SPAN))
+        tcache, dcache = pair.target.make_cache(), pair.drafter.make_cache()
+        done = 0
+        while done < len(ids) and (done == 0 or clock() < half):
+            chunk = mx.array([ids[done : done + CONTEXT_CHUNK]], mx.int32)
+            out = pair.target(chunk, tcache)
+            pair.drafter.add_context(out.hidden, dcache)
+            mx.eval([c.state for c in tcache], [c.state for c in dcache])
+            done += int(chunk.shape[1])
+        span = done - len(self.context)
+        self.phases |= {"context_tokens": done}
+        if span < MIN_CONTEXT_SPAN:
+            self.phases |= {"context_s": round(clock() - t0, 2), "context_rounds": 0, "context_term": "budget"}
+            log.info("tuner: no context term (the budget prefilled %d tokens past the short context)", span)
+            return
+        entry = Prefill(tuple(ids[:done]), tcache, dcache)
+
+        def copies():
+            got = take(entry, done, drafter=True)
+            return got.target, got.drafter
+
+        meter = CostMeter(pair.model, pair.target, pair.drafter, sizes, ids[:done], prefilled=copies)
+        lo, hi = CONTEXT_ROUNDS
+        r, last = 0, 0.0
+        while r <= hi:  # a warm-up round, then at least ``lo`` timed ones; more while they fit
+            if r > lo and clock() + last > stop:
+                break
+            tr = clock()
+            meter.round(None, "pass costs at a long context")
+            r, last = r + 1, clock() - tr
+        self.costs_long = meter.costs()
+        term = context_term(self.costs, self.costs_long)
+        self.costs = replace(self.costs, ctx_ms=term.ctx_ms, ctx_draft_ms=term.ctx_draft_ms)
+        self.phases |= {"context_s": round(clock() - t0, 2), "context_rounds": r - 1, "context_term": "measured"}
 
     # ------------------------------------------------------------ the model over the measurements
 
@@ -409,7 +501,10 @@ class Sweep:
         def timing(rnd: int, key: Key) -> None:
             done = (clock() - start) / max(1e-9, self.deadline - start)
             self.frac(
-                PROBE_SHARE + COSTS_SHARE + (1 - PROBE_SHARE - COSTS_SHARE) * min(1.0, done),
+                PROBE_SHARE
+                + COSTS_SHARE
+                + CONTEXT_SHARE
+                + (1 - PROBE_SHARE - COSTS_SHARE - CONTEXT_SHARE) * min(1.0, done),
                 f"round {rnd + 1}: timing {key_label(key)}",
             )
 
@@ -604,6 +699,7 @@ def tune(
     )
     sweep.measure_acceptance()
     sweep.measure_costs()
+    sweep.measure_context_term()
     sweep.plan_race()
     sweep.race()
     sweep.calibrate()

@@ -23,7 +23,9 @@ from ..costs import Costs
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # chain drafters: each one's head pass (Tc), acceptance prior and depth; 3: BLAS threads
+# 4: the curve's measured context term (ctx_ms, ctx_draft_ms) and the chain drafters' head pass
+# (Tc), acceptance prior and depth; 3: BLAS threads
+FORMAT = 4
 READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 
@@ -150,7 +152,8 @@ def _weights(path_or_id: str) -> str:
 
 def tune_key(pair) -> dict:
     """What the answer depends on: the machine and, per model, the weights' identity
-    (``weights_id``) and quantization as loaded. The ``id`` (as the command spelled it) is kept
+    (``weights_id``) and quantization as loaded (the target's K/V quantization and the drafting
+    window where set). The ``id`` (as the command spelled it) is kept
     for people reading the file, and is no part of the key (``identity``)."""
     key = {
         "machine": machine_info(),
@@ -165,6 +168,12 @@ def tune_key(pair) -> dict:
     for kind, chain in sorted((getattr(pair, "chains", None) or {}).items()):  # (a chain drafter: its own)
         ref = pair.chain_ids.get(kind, kind)
         key[kind] = {"id": ref, "weights": _weights(ref), "quant": quantization(chain)}
+    kv = getattr(pair, "kv", None)
+    if kv is not None:  # quantized K/V: other pass costs (--kv-bits)
+        key["target"]["kv"] = kv.describe()
+    window = getattr(pair.drafter, "context_limit", None)
+    if window:  # a drafting window: other draft costs and acceptance past it (--draft-window)
+        key["drafter"]["window"] = window
     return key
 
 
@@ -262,10 +271,19 @@ class TuneResult:
         parts = [
             f"probe {p['probe_s']:.0f} s",
             f"pass costs {p['costs_s']:.0f} s ({p['cost_rounds']} rounds)",
+            *(
+                [
+                    f"context term {p['context_s']:.0f} s ({p['context_tokens']} tokens, {p['context_rounds']} rounds)"
+                    if p.get("context_term") == "measured"
+                    else "no context term (budget)"
+                ]
+                if "context_term" in p
+                else []
+            ),
             f"race {p['race_s']:.0f} s ({p['race_rounds']} rounds, stopped on {p['race_stop']})",
         ]
         over = self.elapsed_s - self.budget_s
-        fixed = p["probe_s"] + p["costs_s"]
+        fixed = p["probe_s"] + p["costs_s"] + p.get("context_s", 0.0)
         note = ""
         if over > 0:
             note = f"; over budget by {over:.0f} s" + (
