@@ -49,6 +49,7 @@ from ..policy import MAX_CHAIN_DEPTH, expected_tokens
 from ..prefix import Prefill, take
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
 from ..stats import Stats
+from ..target import feature_view
 from .decide import (
     CHECK_ROUNDS,
     CLEAR_Z,
@@ -333,11 +334,12 @@ class Sweep:
         self.frac(PROBE_SHARE + COSTS_SHARE, "pass costs at a long context (prefill)")
         ids = self.long_ids(max(LONG_CONTEXT, len(self.context) + MIN_CONTEXT_SPAN))
         tcache, dcache = pair.target.make_cache(), pair.drafter.make_cache()
+        dview = feature_view(pair.target.taps, pair.drafter.args.target_layer_ids)  # (other drafters' taps beside)
         done = 0
         while done < len(ids) and (done == 0 or clock() < half):
             chunk = mx.array([ids[done : done + CONTEXT_CHUNK]], mx.int32)
             out = pair.target(chunk, tcache)
-            pair.drafter.add_context(out.hidden, dcache)
+            pair.drafter.add_context(dview(out.hidden), dcache)
             mx.eval([c.state for c in tcache], [c.state for c in dcache])
             done += int(chunk.shape[1])
         span = done - len(self.context)
