@@ -147,7 +147,8 @@ class Costs:
 
     def smoothed(self) -> Costs:
         """Td and Tt replaced by their least-squares lines in B (pass costs grow with B; single
-        medians on a busy machine do not always), for ranking and control."""
+        medians on a busy machine do not always), for ranking and control; T1, the context term
+        and the chain drafters' head passes as they are."""
 
         def fit(table: dict[int, float]) -> dict[int, float]:
             if len(table) < 3:
@@ -159,7 +160,15 @@ class Costs:
             b = max(b, 0.0)
             return {x: round(my + b * (x - mx_), 3) for x in xs}
 
-        return Costs(self.t1_ms, fit(self.td_ms), fit(self.tt_ms), self.context, self.t1_draft_ms, dict(self.ctx_ms))
+        return Costs(
+            self.t1_ms,
+            fit(self.td_ms),
+            fit(self.tt_ms),
+            self.context,
+            self.t1_draft_ms,
+            dict(self.ctx_ms),
+            dict(self.tc_ms),
+        )
 
     def as_dict(self) -> dict:
         return {

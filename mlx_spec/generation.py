@@ -141,6 +141,7 @@ class EngineInfo:
     drafter_precision: str = ""  # e.g. "float weights, float32 activations" (drafter.Drafter.precision)
     sources: tuple[str, ...] = ()  # the draft sources the per-cycle policy may use ("dflash", "mtp", ...)
     chains: tuple[tuple[str, str], ...] = ()  # (kind, where it loaded from) per chain drafter
+    depths: tuple[tuple[str, int], ...] = ()  # (kind, depth) the tuner measured per chain drafter: its prior's
 
     @property
     def speculative(self) -> bool:
@@ -159,6 +160,8 @@ class EngineInfo:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
         else:
             names = {"mtp": "an MTP chain", "eagle": "an EAGLE-3 chain", "lookup": "a lookup draft"}
+            depth = dict(self.depths)
+            names |= {k: f"{names[k]} (prior depth {d})" for k, d in depth.items() if k in names}
             options = ["plain step"]
             if dflash:
                 options.append(
@@ -170,6 +173,8 @@ class EngineInfo:
             block = "per-cycle drafting: " + ", ".join(options[:-1]) + " or " + options[-1]
             if dflash and not self.pinned:
                 block += f" (prior block {self.block_size}, {self.block_size_source})"
+            elif not dflash and any(s in ("mtp", "eagle") for s in sources):  # where the chains' priors came from
+                block += f" (chain priors: {self.block_size_source})"
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
         who = f"drafter {self.drafter}{prec}, " if self.drafter is not None else ""
@@ -191,6 +196,7 @@ def engine_info(
     *,
     off: bool = False,
     pinned: bool = False,
+    depths: tuple[tuple[str, int], ...] = (),
 ) -> EngineInfo:
     """The one place that decides what runs (``EngineInfo.mode``).
 
@@ -200,7 +206,10 @@ def engine_info(
     ``block_size`` (None: the checkpoint's). ``adaptive``: the online controller picks each
     cycle's block in 1..max(block size, the checkpoint's, 16); the fixed choice stays in
     ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
-    it as its DFlash block)."""
+    it as its DFlash block). ``depths``: the tuner's depth per chain drafter (the prior it measured).
+    A pair without a DFlash drafter drafts per cycle only; ``source`` then says where its chain
+    priors came from (the tuner's result, "off" included: its chains start resting, or the stated
+    default prior)."""
     sources = tuple(
         pair.draft_sources
         if hasattr(pair, "draft_sources")
@@ -217,16 +226,21 @@ def engine_info(
         from .policy import MAX_CHAIN_DEPTH
 
         method = next((s for s in sources if s != "lookup"), sources[0])
+        if not chains:
+            source = "per cycle (lookup length)"
+        elif off:  # the tuner's prior says no chain pays here: the policy starts them resting (probes)
+            source = f"{source}; chain drafts start resting"
         return EngineInfo(
             method,
             pair.target_id,
             None,
             MAX_CHAIN_DEPTH + 1,
-            "per cycle (chain depth and lookup length)",
+            source or "not tuned: the stated default prior",
             SPECULATIVE,
             MAX_CHAIN_DEPTH + 1,
             sources=sources,
             chains=chains,
+            depths=tuple(depths),
         )
     ckpt = pair.drafter.args.block_size
     if off and not adaptive:
@@ -265,6 +279,7 @@ def engine_info(
         drafter_precision=prec,
         sources=sources,
         chains=chains,
+        depths=tuple(depths),
     )
 
 
@@ -296,7 +311,10 @@ def policies(pair: Pair, info: EngineInfo):
     from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
-    result = load_result(tune_key(pair)) if pair.drafter is not None else None
+    # a pair without a DFlash drafter starts its chains from the tuner's priors exactly when its
+    # engine says so (``depths``: tuned; else the stated default prior, e.g. --no-tune)
+    tuned = pair.drafter is not None or bool(getattr(pair, "chains", None) and info.depths)
+    result = load_result(tune_key(pair)) if tuned else None
     return PolicyFactory(
         pair, result, block_size=pinned, max_block=info.adaptive_max, sources=info.sources or pair.draft_sources
     )

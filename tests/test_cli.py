@@ -62,6 +62,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
             "sources": ["dflash", "lookup"],
             "chains": [],
+            "depths": [],
         }
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

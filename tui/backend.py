@@ -178,7 +178,7 @@ def tune_view(result) -> TuneView:
                 c.median_tps,
                 c.speedup if raced else c.predicted,
                 c.tau,
-                "; ".join(x for x in (c.note, model) if x),
+                "; ".join(x for x in (c.label if c.source != "dflash" else "", c.note, model) if x),
             )
         )
     rows = tuple(rows)
