@@ -17,6 +17,9 @@
 5. ``decide``: ``decide.decide`` on the calibrated model; the race overrides it only on a clear
    margin (``decide.race_check``).
 
+A pair without a DFlash drafter that drafts with chain drafters (an MTP head, an EAGLE-3
+drafter) runs ``ChainSweep``: the same phases over chains of depth 1..8 instead of blocks.
+
 ``ensure_tuned`` stores the result (``store.save_result``) and is what generate, chat and serve
 call on start; it also applies the stored BLAS thread count (``apply_threads``). The sweep keeps
 to its budget: the deadline is checked before every pass-cost and race round, and the result
@@ -881,8 +884,9 @@ def tune(
     noise_floor: float = NOISE_FLOOR,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TuneResult:
-    """Measure and choose the block size and BLAS thread count for this pair on this machine
-    (see the module docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
+    """Measure and choose the block size and BLAS thread count for this pair on this machine (for a
+    pair without a DFlash drafter: each chain drafter's depth, ``ChainSweep``; see the module
+    docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
     counts to try (default: 1, powers of two, all cores; one value where the user pinned it; None
     where there is no knob). ``cost_rounds``: timed pass-cost rounds, past the first number (and
     up to the second) only within ``COSTS_SHARE`` of the budget; ``probe_prompts``: prompts in
