@@ -823,13 +823,14 @@ def _mirrors_drafter(drafter) -> str | None:
     target layers times the target's width): a quantized ``fc``'s weight is packed."""
     args = drafter.args
     F = len(args.target_layer_ids) * (args.target_hidden_size or args.hidden_size)
+    a, b = (x % max(1, args.vocab_size) for x in (3, 5))  # two anchor ids inside the vocabulary (any size)
     try:
         f = (mx.random.normal((1, 7, F), key=mx.random.key(2)) * 0.5).astype(drafter.norm.weight.dtype)
         want = [
-            drafter.hidden(mx.array([[a] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
-            for a, n in ((3, 7), (5, 4))
+            drafter.hidden(mx.array([[x] + [args.mask_token_id] * 3]), f[:, :n], drafter.make_cache())[0, 1:]
+            for x, n in ((a, 7), (b, 4))
         ]
-        got = draft_hidden_many(drafter, [3, 5], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
+        got = draft_hidden_many(drafter, [a, b], [f, f[:, :4]], [drafter.make_cache(), drafter.make_cache()], 4)
         pairs = list(zip(want, got))
     except (AttributeError, TypeError, ValueError, RuntimeError) as e:
         return f"the packed pass could not run ({type(e).__name__}: {e})"

@@ -68,7 +68,7 @@ def load() -> dict[str, Entry]:
     return out
 
 
-def get(name: str, entries: dict[str, Entry] | None = None) -> Entry:
+def get(name: str, entries: dict | None = None) -> Entry:
     """The entry called ``name`` (case-insensitive); an unknown name is refused with the closest."""
     entries = load() if entries is None else entries
     by_lower = {k.lower(): e for k, e in entries.items()}
@@ -77,11 +77,18 @@ def get(name: str, entries: dict[str, Entry] | None = None) -> Entry:
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise BadRequest(
-        f"unknown model '{name}'{hint}. `mlx_spec models` lists the known pairs; or pass --target and --drafter"
+        f"unknown model '{name}'{hint}. `mlx_spec models` lists the known pairs and chain drafters; or pass "
+        "--target and --drafter"
     )
 
 
-def check_supported(entry: Entry) -> None:
+def find(name: str) -> Entry | ChainEntry:
+    """The entry called ``name`` in either table (a DFlash pair or a chain drafter; case-insensitive);
+    an unknown name is refused with the closest of both."""
+    return get(name, {**load_chain(), **load()})
+
+
+def check_supported(entry: Entry | ChainEntry) -> None:
     """Refuse an entry whose target architecture this build cannot run (before any download)."""
     if not entry.supported:
         from .target import SUPPORTED
@@ -144,3 +151,40 @@ def load_chain() -> dict[str, ChainEntry]:
         known["approximate"] = tuple(d.get("approximate", ()))
         out[name] = ChainEntry(name=name, **known)
     return out
+
+
+def check_chain(entry: ChainEntry) -> None:
+    """Refuse, by name and before any download, a chain entry that lacks what the loader needs:
+    a target architecture this build runs; for MTP, one MTP layer of a family whose head it
+    loads, in the target's own checkpoint; for EAGLE-3, a drafter repo in a layout it reads."""
+    from .mtp import DEEPSEEK_TYPES, MTP_TYPES
+
+    check_supported(entry)
+    where = f"model '{entry.name}'"
+    if entry.kind == "mtp":
+        if entry.architecture in DEEPSEEK_TYPES or entry.architecture not in MTP_TYPES:
+            raise UnsupportedModel(
+                f"{where}: the MTP loader reads the heads of {', '.join(sorted(MTP_TYPES))} targets, not "
+                f"{entry.architecture}; nothing was downloaded"
+            )
+        if entry.layout != "mtp" or entry.drafter:
+            raise CheckpointError(
+                f"{where}: an MTP head is read from the target's own mtp.* tensors (layout 'mtp', no drafter "
+                f"repo); the entry says layout {entry.layout!r}, drafter {entry.drafter!r}"
+            )
+        if entry.mtp_layers not in (None, 1):
+            raise UnsupportedModel(
+                f"{where}: {entry.mtp_layers} MTP layers; only one-layer MTP heads are supported; nothing was "
+                "downloaded"
+            )
+    else:
+        if not entry.drafter:
+            raise CheckpointError(f"{where}: an EAGLE-3 entry needs the drafter's repo (its 'drafter' is empty)")
+        if entry.layout not in EAGLE_LAYOUTS:
+            raise UnsupportedModel(
+                f"{where}: EAGLE-3 layout {entry.layout!r} is not one the loader reads "
+                f"({', '.join(EAGLE_LAYOUTS)}); nothing was downloaded"
+            )
+
+
+EAGLE_LAYOUTS = ("eagle", "speculators")  # the EAGLE authors' / SpecForge, and speculators'

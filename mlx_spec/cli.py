@@ -156,8 +156,9 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
 
 def apply_model_name(args: argparse.Namespace) -> None:
     """``--model NAME``: fill --target and --drafter (and --think's default) from the catalog, before
-    anything reads the flags. An unknown name, a name given with a different --target/--drafter,
-    or an architecture this build cannot run is refused here, before any download."""
+    anything reads the flags; a chain entry fills --target and --mtp / --eagle (``_apply_chain``).
+    An unknown name, a name given with a different --target/--drafter, or an architecture this
+    build cannot run is refused here, before any download."""
     name = getattr(args, "model", None)
     if not name:
         return
@@ -165,7 +166,9 @@ def apply_model_name(args: argparse.Namespace) -> None:
     from .default_target import DEFAULT_TARGET_ID
     from .errors import BadRequest
 
-    entry = catalog.get(name)
+    entry = catalog.find(name)
+    if isinstance(entry, catalog.ChainEntry):
+        return _apply_chain(args, entry)
     catalog.check_supported(entry)
     if args.target not in (DEFAULT_TARGET_ID, entry.target):
         raise BadRequest(f"--model {name} is target {entry.target}; drop --target {args.target} (or --model)")
@@ -178,6 +181,40 @@ def apply_model_name(args: argparse.Namespace) -> None:
     args.target, args.drafter = entry.target, None if entry.bundled else entry.drafter
     if getattr(args, "think", None) is None and entry.think_switch == "enable_thinking":
         args.think = entry.thinks
+
+
+def _apply_chain(args: argparse.Namespace, entry) -> None:
+    """``--model NAME`` of a chain entry: --target is the entry's target, and the head it names
+    drafts: an MTP head from the target's own checkpoint (--mtp stays unset), an EAGLE-3 drafter
+    from its repo (--eagle). --draft defaults to that source and lookup (dflash first when a
+    --drafter is given); one given must draft with it. Refused by name before any download: an
+    entry the loader cannot run (``catalog.check_chain``), a different --target, --mtp or --eagle."""
+    from . import catalog
+    from .config import parse_draft
+    from .default_target import DEFAULT_TARGET_ID
+    from .errors import BadRequest
+
+    catalog.check_chain(entry)
+    name, kind = entry.name, entry.kind
+    if args.target not in (DEFAULT_TARGET_ID, entry.target):
+        raise BadRequest(f"--model {name} is target {entry.target}; drop --target {args.target} (or --model)")
+    what = "its MTP head in the target's own checkpoint" if kind == "mtp" else f"EAGLE-3 drafter {entry.drafter}"
+    for flag in ("mtp", "eagle"):
+        given = getattr(args, flag, None)
+        if given is not None and not (flag == kind == "eagle" and given in (entry.drafter, name)):
+            raise BadRequest(f"--model {name} drafts with {what}; drop --{flag} {given} (or --model)")
+    draft = getattr(args, "draft", None)
+    if getattr(args, "no_draft", False):  # plain decoding of the entry's target: nothing drafts
+        pass
+    elif draft is None:
+        args.draft = ("dflash," if getattr(args, "drafter", None) else "") + f"{kind},lookup"
+    elif parse_draft(draft) != ("auto",) and kind not in parse_draft(draft):
+        raise BadRequest(
+            f"--model {name} drafts with {kind}: --draft {draft} leaves it out (add {kind}, or drop --draft)"
+        )
+    args.target = entry.target
+    if kind == "eagle" and not getattr(args, "no_draft", False):
+        args.eagle = entry.drafter
 
 
 def think_kwargs(args: argparse.Namespace) -> dict | None:

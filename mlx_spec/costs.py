@@ -158,7 +158,8 @@ class Costs:
 
     def smoothed(self) -> Costs:
         """Td and Tt replaced by their least-squares lines in B (pass costs grow with B; single
-        medians on a busy machine do not always), for ranking and control."""
+        medians on a busy machine do not always), for ranking and control; T1, the context term
+        and the chain drafters' head passes as they are."""
 
         def fit(table: dict[int, float]) -> dict[int, float]:
             if len(table) < 3:

@@ -144,6 +144,7 @@ class EngineInfo:
     chains: tuple[tuple[str, str], ...] = ()  # (kind, where it loaded from) per chain drafter
     kv_cache: str = ""  # "4-bit K/V (group 64)" with --kv-bits ("": as computed)
     draft_window: int = 0  # > 0: the drafter attends over the last this many positions (--draft-window)
+    depths: tuple[tuple[str, int], ...] = ()  # (kind, depth) the tuner measured per chain drafter: its prior's
 
     @property
     def speculative(self) -> bool:
@@ -163,6 +164,8 @@ class EngineInfo:
             block = f"block size {self.block_size} ({self.block_size_source}; every cycle, --no-adaptive)"
         else:
             names = {"mtp": "an MTP chain", "eagle": "an EAGLE-3 chain", "lookup": "a lookup draft"}
+            depth = dict(self.depths)
+            names |= {k: f"{names[k]} (prior depth {d})" for k, d in depth.items() if k in names}
             options = ["plain step"]
             if dflash:
                 options.append(
@@ -174,6 +177,8 @@ class EngineInfo:
             block = "per-cycle drafting: " + ", ".join(options[:-1]) + " or " + options[-1]
             if dflash and not self.pinned:
                 block += f" (prior block {self.block_size}, {self.block_size_source})"
+            elif not dflash and any(s in ("mtp", "eagle") for s in sources):  # where the chains' priors came from
+                block += f" (chain priors: {self.block_size_source})"
         vocab = f", draft vocabulary {self.draft_vocab} ids" if self.draft_vocab else ""
         prec = f" ({self.drafter_precision})" if self.drafter_precision else ""
         who = f"drafter {self.drafter}{prec}, " if self.drafter is not None else ""
@@ -196,6 +201,7 @@ def engine_info(
     *,
     off: bool = False,
     pinned: bool = False,
+    depths: tuple[tuple[str, int], ...] = (),
 ) -> EngineInfo:
     """The one place that decides what runs (``EngineInfo.mode``).
 
@@ -205,7 +211,10 @@ def engine_info(
     ``block_size`` (None: the checkpoint's). ``adaptive``: the online controller picks each
     cycle's block in 1..max(block size, the checkpoint's, 16); the fixed choice stays in
     ``block_size``. ``pinned``: the user chose ``block_size`` (the policy keeps
-    it as its DFlash block)."""
+    it as its DFlash block). ``depths``: the tuner's depth per chain drafter (the prior it measured).
+    A pair without a DFlash drafter drafts per cycle only; ``source`` then says where its chain
+    priors came from (the tuner's result, "off" included: its chains start resting, or the stated
+    default prior)."""
     sources = tuple(
         pair.draft_sources
         if hasattr(pair, "draft_sources")
@@ -223,17 +232,22 @@ def engine_info(
         from .policy import MAX_CHAIN_DEPTH
 
         method = next((s for s in sources if s != "lookup"), sources[0])
+        if not chains:
+            source = "per cycle (lookup length)"
+        elif off:  # the tuner's prior says no chain pays here: the policy starts them resting (probes)
+            source = f"{source}; chain drafts start resting"
         return EngineInfo(
             method,
             pair.target_id,
             None,
             MAX_CHAIN_DEPTH + 1,
-            "per cycle (chain depth and lookup length)",
+            source or "not tuned: the stated default prior",
             SPECULATIVE,
             MAX_CHAIN_DEPTH + 1,
             sources=sources,
             chains=chains,
             kv_cache=kv,
+            depths=tuple(depths),
         )
     ckpt = pair.drafter.args.block_size
     if off and not adaptive:
@@ -274,6 +288,7 @@ def engine_info(
         chains=chains,
         kv_cache=kv,
         draft_window=getattr(pair.drafter, "context_limit", None) or 0,
+        depths=tuple(depths),
     )
 
 
@@ -305,7 +320,10 @@ def policies(pair: Pair, info: EngineInfo):
     from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
-    result = load_result(tune_key(pair)) if pair.drafter is not None else None
+    # a pair without a DFlash drafter starts its chains from the tuner's priors exactly when its
+    # engine says so (``depths``: tuned; else the stated default prior, e.g. --no-tune)
+    tuned = pair.drafter is not None or bool(getattr(pair, "chains", None) and info.depths)
+    result = load_result(tune_key(pair)) if tuned else None
     return PolicyFactory(
         pair, result, block_size=pinned, max_block=info.adaptive_max, sources=info.sources or pair.draft_sources
     )

@@ -44,6 +44,7 @@ class BlockChoice:
     source: str  # "flag" | "checkpoint (--no-tune)" | "tuned <date>" | ...
     off: bool = False  # the tuner found plain decoding faster: run plain (mode "tuned-off")
     pinned: bool = False  # the user gave it (--block-size): the per-cycle policy keeps it
+    depths: tuple[tuple[str, int], ...] = ()  # the tuner's depth per chain drafter (its prior's), none untuned
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,13 @@ def check(cfg: LoadConfig) -> str | None:
     chat) call it first."""
     check_names(cfg)
     chain_refs(cfg)
-    return drafter_for(cfg)
+    drafter = drafter_for(cfg)
+    if drafter is None and cfg.block_size is not None and not cfg.no_draft:
+        raise BadRequest(
+            f"--block-size {cfg.block_size} pins the DFlash block, but --draft {cfg.draft} loads no DFlash "
+            "drafter (the policy chooses each chain's depth and lookup length itself; --no-tune skips tuning)"
+        )
+    return drafter
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -272,10 +279,11 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
     drafter = check(cfg)
     chains = chain_refs(cfg)
     block = stored_block(cfg, drafter)
-    why = None
+    why, sources = None, None
     try:
+        sources = memory.config_sources(cfg, drafter)
         quant, plan = memory.plan_for_config(
-            cfg, drafter, block.block_size if block and not block.off else None, chains=chains
+            cfg, drafter, block.block_size if block and not block.off else None, sources, chains=chains
         )
     except (HubError, UnsupportedModel, IncompatiblePair):  # cannot be fetched, run or paired: say so now
         raise
@@ -283,10 +291,30 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
         # A config the plan cannot read: loading below names the problem better than the plan can.
         quant, plan, why = memory.quant_for(cfg, drafter, None), None, f"{type(e).__name__}: {e}"
         log(f"memory plan unavailable ({why}); loading without one")
+    if "mtp" in chains and chains["mtp"] is None and sources is not None:
+        _check_mtp_tensors(cfg.target, sources[0][1])
     if plan is not None and enforce:
         log(plan.summary())
         memory.check(plan, force=cfg.force, warn=log)
     return Planned(cfg, drafter, quant, plan, block, why, chains)
+
+
+def _check_mtp_tensors(target: str, tensors) -> None:
+    """A target whose own checkpoint must carry the MTP head (a hub repo: from the safetensors
+    headers the plan read, before any weight is downloaded) but has no ``mtp.*`` tensors is
+    refused by name (a local folder is checked by ``chain_refs``)."""
+    from . import catalog
+    from .mtp import PREFIX, STRIPPED
+
+    if any(t.name.startswith(PREFIX) for t in tensors):
+        return
+    hint = next((e.target for e in catalog.load_chain().values() if e.target == target), None)
+    hint = None if hint == target else hint  # (this repo is the catalog's: no other to point at)
+    raise CheckpointError(
+        "--draft mtp: "
+        + STRIPPED.format(path=target, hint=hint or "the model's original repo")
+        + "; nothing was downloaded"
+    )
 
 
 def serve_sizing(cfg: LoadConfig, *, context: bool, prefix_cache: bool) -> tuple[LoadConfig, str | None]:
@@ -385,8 +413,47 @@ def _stored_result(cfg: LoadConfig, drafter: str):
 
 
 def from_tuning(result) -> BlockChoice:
-    """The block choice a ``tuning.TuneResult`` makes (``best == 1``: plain decoding, "tuned-off")."""
-    return BlockChoice(result.block_size, result.source, off=result.best == 1)
+    """The block choice a ``tuning.TuneResult`` makes (``best == 1``: plain decoding, "tuned-off"),
+    with the depth it measured for each chain drafter."""
+    depths = tuple((k, int(c["depth"])) for k, c in result.chains.items() if c.get("depth"))
+    return BlockChoice(result.block_size, result.source, off=result.best == 1, depths=depths)
+
+
+STATED_PRIOR = "the stated default prior"  # (policy.CHAIN_PRIOR, a head pass priced from its size)
+
+
+def _chain_choice(pair, cfg: LoadConfig, progress, *, tuning: str, root, kw) -> BlockChoice:
+    """``choose_block`` for a pair without a DFlash drafter that drafts with chain drafters: the
+    tuner's stored result for this machine and pair (tuned once, now, if there is none, as a
+    DFlash pair is), else the stated default prior; ``block_size`` is the chosen chain's rows."""
+    from . import tuning as tuner
+    from .policy import MAX_CHAIN_DEPTH
+
+    rows = MAX_CHAIN_DEPTH + 1
+    if not cfg.tune or tuning == "none":
+        if tuning != "none":
+            tuner.apply_threads(tuner.load_result(tuner.tune_key(pair), root))
+        why = "not tuned (--no-tune)" if not cfg.tune else "not tuned"
+        return BlockChoice(rows, f"{why}: {STATED_PRIOR}")
+    if tuning == "stored":
+        result = tuner.load_result(tuner.tune_key(pair), root)
+        tuner.apply_threads(result)
+        if result is None:
+            return BlockChoice(rows, f"not tuned on this machine yet: {STATED_PRIOR}")
+        return from_tuning(result)
+    bar = None
+    if progress is None:
+        import sys
+
+        from .progress import Bar
+
+        progress = bar = Bar(sys.stderr, "tuning the chain drafters (first launch; --no-tune skips it)")
+    try:
+        result = tuner.ensure_tuned(pair, cfg.tune_budget_s, progress, root=root, **kw)
+    finally:
+        if bar is not None:
+            bar.close()
+    return from_tuning(result) if result is not None else BlockChoice(rows, f"tuning skipped: {STATED_PRIOR}")
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -408,29 +475,35 @@ def choose_block(
     (the flag) wins; else with ``cfg.tune`` off the checkpoint's; else the tuner's stored result for
     this machine and pair. ``tuning``: "tune" tunes first (once) when nothing is stored; "stored"
     never tunes (the checkpoint's when nothing is stored: verify); "none" does not consult the
-    tuner at all (bench and tune measure for themselves)."""
+    tuner at all (bench and tune measure for themselves). A pair without a DFlash drafter that
+    drafts with chain drafters is tuned the same way (``_chain_choice``: the chain depths and
+    their priors)."""
     from . import tuning as tuner  # (``tuning`` is this function's parameter)
 
     if tuning not in TUNING:
         raise ValueError(f"tuning must be one of {TUNING}, not {tuning!r}")
+    kw = {"tune_fn": tune_fn} if tune_fn is not None else {}
     if pair.drafter is None:
-        return None
+        if not getattr(pair, "chains", None):
+            return None
+        return _chain_choice(pair, cfg, progress, tuning=tuning, root=root, kw=kw)
     ckpt = pair.drafter.args.block_size
     tunes = cfg.block_size is None and cfg.tune and tuning != "none"
     if not tunes or tuning == "stored":
+        result = None
         if tuning != "none":  # a stored choice of threads holds, whatever sets the block size
             result = tuner.load_result(tuner.tune_key(pair), root)
             tuner.apply_threads(result)
+        depths = from_tuning(result).depths if result is not None else ()  # (the policy's chain priors)
         if cfg.block_size is not None:
-            return BlockChoice(cfg.block_size, "flag", pinned=True)
+            return BlockChoice(cfg.block_size, "flag", pinned=True, depths=depths)
         if not tunes:
-            return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint")
+            return BlockChoice(ckpt, "checkpoint (--no-tune)" if not cfg.tune else "checkpoint", depths=depths)
         return (
             from_tuning(result)
             if result is not None
             else BlockChoice(ckpt, "checkpoint; not tuned on this machine yet")
         )
-    kw = {"tune_fn": tune_fn} if tune_fn is not None else {}
     bar = None
     if progress is None:
         import sys
@@ -450,7 +523,9 @@ def info_for(pair, choice: BlockChoice | None, adaptive: bool = False) -> Engine
     """The ``EngineInfo`` of a loaded pair at a block choice."""
     if choice is None:
         return engine_info(pair, adaptive=adaptive)
-    return engine_info(pair, choice.block_size, choice.source, adaptive, off=choice.off, pinned=choice.pinned)
+    return engine_info(
+        pair, choice.block_size, choice.source, adaptive, off=choice.off, pinned=choice.pinned, depths=choice.depths
+    )
 
 
 def load(planned: Planned, log: Log = lambda m: None, *, group=None):

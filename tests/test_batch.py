@@ -1138,3 +1138,30 @@ def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dens
     alone = [_tokens(spec_steps(target, d, p, block_size=4, max_tokens=8)) for p in PROMPTS[:2]]
     got, _ = _run_batch(dec, [dict(prompt=p, max_tokens=8) for p in PROMPTS[:2]])
     assert [got[0], got[1]] == alone  # (the per-sequence drafter path, taken instead, stays exact)
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 5])
+def test_the_packed_drafter_pass_checks_out_on_a_vocabulary_under_six_tokens(vocab):
+    """The self-check feeds anchor ids inside the drafter's vocabulary (they were once fixed at
+    3 and 5): with an embedding that refuses any id outside it, a 2-, 4- or 5-token drafter still
+    checks out and keeps one drafter pass for all sequences."""
+    import importlib
+
+    from helpers import TARGET_CONFIGS
+
+    cfg = dict(TARGET_CONFIGS["qwen3"], vocab_size=vocab)
+    mod = importlib.import_module("mlx_lm.models.qwen3")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    for v2 in (False, True):
+        target, d, _ = tiny_drafter(model, cfg, v2=v2)
+
+        def embed(ids, real=target.embed):
+            if int(mx.max(ids)) >= vocab:  # (an out-of-range id reads past the table: refuse it)
+                raise ValueError(f"token id {int(mx.max(ids))} outside the vocabulary of {vocab}")
+            return real(ids)
+
+        d.bind(embed, target.head)
+        dec = BatchDecoder(target, d, block_size=4, max_batch=2)
+        assert dec.packed_drafter and dec.drafter_path == "one pass for all", dec.drafter_path

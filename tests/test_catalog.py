@@ -3,6 +3,7 @@
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from mlx_spec import catalog, cli
@@ -96,6 +97,71 @@ def test_model_flag_refusals(capsys):
     ]:
         assert cli.main(argv) == 1
         assert want in capsys.readouterr().err
+
+
+def _chain_args(**kw):
+    return _args(**{"draft": None, "mtp": None, "eagle": None, **kw})
+
+
+def test_model_flag_of_a_chain_entry_fills_target_and_its_head():
+    """--model NAME of the catalog's chain table: the target, and the head that drafts (an MTP head
+    from the target's own checkpoint, an EAGLE-3 drafter from its repo), --draft that source and
+    lookup (dflash first with a --drafter); a --draft given must draft with it."""
+    a = _chain_args(model="qwen3.5-27b-mtp")
+    cli.apply_model_name(a)
+    assert (a.target, a.draft, a.mtp, a.eagle, a.drafter) == ("Qwen/Qwen3.5-27B", "mtp,lookup", None, None, None)
+    a = _chain_args(model="Qwen3.5-27B-MTP", drafter="z-lab/Qwen3.5-27B-DFlash")  # (any case)
+    cli.apply_model_name(a)
+    assert a.draft == "dflash,mtp,lookup" and a.drafter == "z-lab/Qwen3.5-27B-DFlash"
+    a = _chain_args(model="llama3.1-8b-instruct-eagle3", draft="auto")
+    cli.apply_model_name(a)
+    entry = catalog.load_chain()["llama3.1-8b-instruct-eagle3"]
+    assert (a.target, a.eagle, a.draft) == (entry.target, entry.drafter, "auto")
+    a = _chain_args(model="qwen3-8b-speculators-eagle3", eagle="qwen3-8b-speculators-eagle3")  # its own name: fine
+    cli.apply_model_name(a)
+    assert a.eagle == "RedHatAI/Qwen3-8B-speculator.eagle3" and a.draft == "eagle,lookup"
+    a = _chain_args(model="qwen3.5-27b-mtp", no_draft=True)  # plain decoding of the entry's target
+    cli.apply_model_name(a)
+    assert a.target == "Qwen/Qwen3.5-27B" and a.draft is None
+    for kw, want in [
+        (dict(model="qwen3.5-27b-mtp", draft="dflash,lookup"), "--draft dflash,lookup leaves it out (add mtp"),
+        (
+            dict(model="qwen3.5-27b-mtp", mtp="/x"),
+            "drafts with its MTP head in the target's own checkpoint; drop --mtp",
+        ),
+        (dict(model="llama3.1-8b-instruct-eagle3", eagle="o/e"), "drop --eagle o/e"),
+        (dict(model="qwen3.5-27b-mtp", target="o/t"), "--model qwen3.5-27b-mtp is target Qwen/Qwen3.5-27B; drop"),
+        (dict(model="qwen3.5-27b-mpt"), "closest: qwen3.5-27b-mtp"),
+    ]:
+        with pytest.raises(BadRequest, match=re.escape(want)):
+            cli.apply_model_name(_chain_args(**kw))
+
+
+def test_a_chain_entry_the_loader_cannot_run_is_refused_by_name_before_any_download(monkeypatch):
+    from mlx_spec.errors import CheckpointError, UnsupportedModel
+
+    good = catalog.load_chain()
+    mtp, eagle = good["qwen3.5-27b-mtp"], good["llama3.1-8b-instruct-eagle3"]
+    bad = {
+        "x-arch": replace(mtp, name="x-arch", architecture="gpt_oss"),
+        "x-family": replace(mtp, name="x-family", architecture="qwen3_moe"),
+        "x-layers": replace(mtp, name="x-layers", mtp_layers=3),
+        "x-layout": replace(mtp, name="x-layout", layout="eagle"),
+        "x-drafter": replace(eagle, name="x-drafter", drafter=None),
+        "x-eagle-layout": replace(eagle, name="x-eagle-layout", layout="medusa"),
+    }
+    monkeypatch.setattr(catalog, "load_chain", lambda: {**good, **bad})
+    for name, (err, want) in {
+        "x-arch": (UnsupportedModel, "target architecture 'gpt_oss'"),
+        "x-family": (UnsupportedModel, "the MTP loader reads the heads of "),
+        "x-layers": (UnsupportedModel, "3 MTP layers; only one-layer MTP heads are supported"),
+        "x-layout": (CheckpointError, "the entry says layout 'eagle'"),
+        "x-drafter": (CheckpointError, "an EAGLE-3 entry needs the drafter's repo"),
+        "x-eagle-layout": (UnsupportedModel, "EAGLE-3 layout 'medusa' is not one the loader reads"),
+    }.items():
+        with pytest.raises(err, match=re.escape(want)) as got:
+            cli.apply_model_name(_chain_args(model=name))
+        assert f"model '{name}'" in str(got.value)
 
 
 def test_models_command_lists_every_entry(capsys):

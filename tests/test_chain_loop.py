@@ -550,6 +550,136 @@ def test_the_tuner_measures_each_chain_drafter_and_the_policy_starts_from_it(fam
         assert list(prior.acceptance) == result.chains[kind]["acceptance_by_position"]
 
 
+def _chain_only(dirs, sources=("mtp", "eagle", "lookup")):
+    """The family's target with its MTP head and EAGLE-3 drafter and no DFlash drafter."""
+    return load_pair(str(dirs["target"]), None, sources=sources, mtp=dirs["mtp"], eagle=dirs["eagle"])
+
+
+def _small_tune(pair, budget_s, progress=None):
+    from mlx_spec.tuning import tune
+
+    # (a budget far above what 3 race rounds of the tiny models take: the race always runs, and ends on its rounds)
+    kw = dict(tokens=6, threads=[None], probe_prompts=1, cost_rounds=(3, 3), max_rounds=3)
+    return tune(pair, budget_s=budget_s, progress=progress, **kw)
+
+
+def test_a_pair_without_a_dflash_drafter_tunes_on_first_launch_stores_reloads_and_says_so(family, tmp_path):
+    """A target with an MTP head and an EAGLE-3 drafter and no DFlash drafter: the first launch
+    tunes it (within its budget, with progress) and stores under the pair's key (the chain
+    drafters in it, no DFlash drafter); the next launch reads the store; the engine line names
+    each chain's tuned depth and where the priors came from, and the policy starts from them.
+    With --no-tune: the stated default prior, said so, and nothing stored is used."""
+    from mlx_spec.generation import policies
+    from mlx_spec.policy import MAX_CHAIN_DEPTH
+    from mlx_spec.session import choose_block, info_for
+    from mlx_spec.tuning import load_result, tune_key
+
+    pair = _chain_only(family[0])
+    notes, calls = [], []
+
+    def tune_fn(p, budget_s, progress):
+        calls.append(budget_s)
+        return _small_tune(p, budget_s, progress)
+
+    cfg = LoadConfig(target=str(family[0]["target"]), draft="mtp,eagle,lookup", tune_budget_s=60)
+    choice = choose_block(pair, cfg, lambda d, t, m: notes.append(m), root=tmp_path, tune_fn=tune_fn)
+    assert calls == [60] and any(m.startswith("acceptance probe (MTP)") for m in notes)
+    assert any("pass costs" in m for m in notes)
+    stored = load_result(tune_key(pair), tmp_path)
+    assert stored is not None and set(stored.key) == {"machine", "target", "mtp", "eagle"}  # (no DFlash drafter)
+    assert stored.best_source in ("mtp", "eagle") and stored.acceptance_by_position == ()
+    assert set(stored.costs.tc_ms) == {"mtp", "eagle"} and set(stored.costs.tt_ms) >= set(range(2, MAX_CHAIN_DEPTH + 2))
+    plain = [c for c in stored.candidates if c.block == 1]
+    assert plain and plain[0].measured  # raced against plain decoding
+    for kind in ("mtp", "eagle"):
+        c = stored.chains[kind]
+        rows = [x for x in stored.candidates if x.source == kind]
+        assert [x.block for x in rows] == list(range(2, MAX_CHAIN_DEPTH + 2))  # every depth, modelled
+        assert c["pass_ms"] == stored.costs.tc_ms[kind] and 1 <= c["depth"] <= MAX_CHAIN_DEPTH
+        assert len(c["acceptance_by_position"]) == MAX_CHAIN_DEPTH and "rounds" in c
+    depths = dict(choice.depths)
+    assert depths == {k: stored.chains[k]["depth"] for k in ("mtp", "eagle")}
+    again = choose_block(pair, cfg, lambda d, t, m: None, root=tmp_path, tune_fn=tune_fn)
+    assert calls == [60] and again == choice  # the next launch reads the store
+    info = info_for(pair, choice, adaptive=True)
+    line = info.describe()
+    for kind, name in (("mtp", "an MTP chain"), ("eagle", "an EAGLE-3 chain")):
+        assert f"{name} (prior depth {depths[kind]})" in line, line
+    assert f"(chain priors: {stored.source}" in line and stored.date[:10] in line
+    # the policy starts from the stored priors (the engine reads the default store: put it there)
+    from mlx_spec.tuning import save_result
+
+    save_result(stored)
+    factory = policies(pair, info)
+    assert factory.measured and all(factory.chains[k].measured for k in ("mtp", "eagle"))
+    assert factory.chains["mtp"].pass_ms == stored.chains["mtp"]["pass_ms"]
+    # --no-tune: the stated default prior, said so; the stored result is not what the policy starts from
+    off = choose_block(pair, replace(cfg, tune=False), root=tmp_path, tune_fn=tune_fn)
+    assert calls == [60] and off.depths == ()
+    line = info_for(pair, off, adaptive=True).describe()
+    assert "(chain priors: not tuned (--no-tune): the stated default prior)" in line and "prior depth" not in line
+    factory = policies(pair, info_for(pair, off, adaptive=True))
+    assert not factory.measured and not any(factory.chains[k].measured for k in ("mtp", "eagle"))
+
+
+def test_a_chain_only_choice_goes_to_the_drafter_the_model_puts_first_and_off_names_each():
+    """The chain sweep's decision, per drafter by the rule that chooses blocks, then the drafter
+    whose choice scores highest; plain when none beats it by its noise."""
+    from mlx_spec.tuning import Candidate
+    from mlx_spec.tuning.run import ChainSweep
+
+    sweep = ChainSweep.__new__(ChainSweep)
+    sweep.chains, sweep.dflt, sweep.noise_floor = {"mtp": None, "eagle": None}, None, 0.03
+
+    def cands(mtp, eagle):
+        out = [Candidate(1, False, predicted=1.0, noise=0.0)]
+        for src, xs in (("mtp", mtp), ("eagle", eagle)):
+            out += [
+                Candidate(k + 1, False, predicted=x, tau=1 + 0.5 * k, noise=0.0, source=src)
+                for k, x in enumerate(xs, 1)
+            ]
+        return out
+
+    key, why = sweep.decision(cands([1.2, 1.35, 1.3], [1.1, 1.15, 1.05]))
+    assert key == (3, None, "mtp") and why.startswith("MTP first (x1.35); MTP: mtp k=2 x1.35"), why
+    assert "EAGLE-3: eagle k=2 x1.15" in why
+    key, why = sweep.decision(cands([1.2, 1.3, 1.25], [1.5, 1.1, 1.0]))
+    assert key == (2, None, "eagle")
+    key, why = sweep.decision(cands([0.9, 0.8, 0.7], [1.01, 0.9, 0.8]))
+    assert key == (1, None) and why.startswith("off: no chain drafter beats plain decoding by its noise (MTP: ")
+    assert "EAGLE-3: the best chain eagle k=1 x1.01 does not beat plain" in why
+
+
+def test_tune_runs_for_a_chain_only_pair_and_prints_what_it_chose_per_drafter(family, tmp_path, monkeypatch, capsys):
+    import json
+
+    from mlx_spec.cli import main
+
+    monkeypatch.setenv("MLX_SPEC_CACHE_DIR", str(tmp_path))
+    dirs = family[0]
+    argv = ["tune", "--target", str(dirs["target"]), "--draft", "mtp,lookup", "--mtp", str(dirs["mtp"])]
+    assert main(argv + ["--budget", "2", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"target {dirs['target']} | MTP {dirs['mtp']} | prompts ")
+    assert lines[1].split()[:2] == ["chain", "threads"] and any(x.split()[0].lstrip("*") == "off" for x in lines[2:])
+    assert any(x.lstrip("* ").startswith("mtp k=8 ") for x in lines)
+    head = next(x for x in lines if x.startswith("MTP: one pass "))
+    assert " ms, acceptance by position " in head and "; depth " in head and "(model x" in head
+    assert "choice: " in out and "why: " in out and f"stored: {tmp_path}" in out
+    assert main(argv + ["--budget", "2", "--tokens", "4", "--candidates", "2,3", "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert stored["best_source"] == "mtp" and {c["source"] for c in stored["candidates"]} == {"dflash", "mtp"}
+    assert {(c["source"], c["block"]) for c in stored["candidates"]} == {("dflash", "off"), ("mtp", "2"), ("mtp", "3")}
+    assert "drafter" not in stored["key"] and "mtp" in stored["key"]
+    # refused by name: a block size for a pair without a DFlash drafter; a pair with nothing to tune
+    gen = ["generate", "--target", str(dirs["target"]), "--draft", "mtp", "--mtp", str(dirs["mtp"]), "--prompt", "x"]
+    assert main(gen + ["--block-size", "4"]) == 1
+    assert "--block-size 4 pins the DFlash block, but --draft mtp loads no DFlash drafter" in capsys.readouterr().err
+    assert main(["tune", "--target", str(dirs["target"]), "--draft", "lookup", "--budget", "2"]) == 1
+    assert "nothing to tune: --draft lookup loads no DFlash drafter and no chain drafter" in capsys.readouterr().err
+
+
 def test_bench_methods_runs_a_policy_row_per_source_set_against_both_plain_baselines(family, tmp_path, capsys):
     import json
 

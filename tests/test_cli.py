@@ -64,6 +64,7 @@ def test_generate_json_matches_mlx_lm(pair_dirs, capsys):
             "chains": [],
             "kv_cache": "",
             "draft_window": 0,
+            "depths": [],
         }
         assert out["group"] == out["engine"]["group"]
         s = out["stats"]

@@ -224,3 +224,82 @@ def test_killed_download_leaves_nothing_half_written(hub, hf_home):
     path = Path(r.stdout.strip().splitlines()[-1])
     assert (path / "model.safetensors").read_bytes() == hub.repos[BIG]["model.safetensors"]
     assert not incomplete(hf_home, BIG)  # the dead process's partial file is cleared
+
+
+# -- the catalog's chain entries by name (--model), planned before any download ------------------
+
+MTP_REPO, STRIPPED_REPO = "Qwen/Qwen3.5-27B", "Qwen/Qwen3.6-27B"  # (qwen3.5-27b-mtp, qwen3.6-27b-mtp)
+EAGLE_TARGET, EAGLE_REPO = "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+
+@pytest.fixture(scope="module")
+def chain_hub(tmp_path_factory):
+    """The catalog's repos of two chain entries served by tiny models: a Qwen3.5 target with its
+    MTP head (and one whose conversion stripped it), a llama target and its EAGLE-3 drafter."""
+    from helpers import save_chain_family, write_mtp_checkpoint
+
+    root = tmp_path_factory.mktemp("chain")
+    q = root / "qwen"
+    q.mkdir()
+    write_mtp_checkpoint(q, "qwen3_5")
+    # sharded as the original repo is (the head's tensors in a shard of their own, named in the
+    # index), and the same repo as a conversion that stripped them
+    shards = {
+        "model.safetensors": "model-00001-of-00002.safetensors",
+        "model-mtp.safetensors": "model-00002-of-00002.safetensors",
+    }
+    index = {"metadata": {}, "weight_map": {}}
+    for old, name in shards.items():
+        index["weight_map"] |= dict.fromkeys(mx.load(str(q / old)), name)
+        (q / old).rename(q / name)
+    (q / "model.safetensors.index.json").write_text(json.dumps(index))
+    h = Hub()
+    h.add_folder(MTP_REPO, q)
+    kept = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    h.repos[STRIPPED_REPO] = {k: v for k, v in h.repos[MTP_REPO].items() if k != "model-00002-of-00002.safetensors"}
+    h.repos[STRIPPED_REPO]["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": kept}).encode()
+    fam = save_chain_family(root / "llama", "llama")
+    h.add_folder(EAGLE_TARGET, fam["target"])
+    h.add_folder(EAGLE_REPO, fam["eagle"])
+    server = start(h)
+    yield h
+    server.shutdown()
+
+
+def test_a_chain_entry_by_name_is_planned_from_the_hub_before_any_download(chain_hub, hf_home):
+    """plan --model NAME of an MTP entry: its target, the head's rows, read from the hub's headers
+    (no weight file fetched); an entry whose repo has no mtp.* tensors is refused by name."""
+    chain_hub.log.clear()
+    r = run(chain_hub, hf_home, "-m", "mlx_spec", "plan", "--model", "qwen3.5-27b-mtp", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["target"] == MTP_REPO and out["drafter"] is None and out["chains"] == {"mtp": "in the target"}
+    names = [i["name"] for i in out["items"]]
+    assert "MTP head weights" in names and "chain draft KV cache" in names
+    assert chain_hub.weight_hits() and all(h.range and h.range.startswith("bytes=0-") for h in chain_hub.weight_hits())
+    assert not [n for n in snapshot_files(hf_home, MTP_REPO) if n.endswith(".safetensors")]
+    r = run(chain_hub, hf_home, "-m", "mlx_spec", "plan", "--model", "qwen3.5-27b-mtp")
+    assert r.returncode == 0 and r.stdout.startswith(f"target {MTP_REPO}, MTP head in the target"), r.stdout
+    assert "MTP head weights" in r.stdout
+    chain_hub.log.clear()
+    r = run(chain_hub, hf_home, "-m", "mlx_spec", "plan", "--model", "qwen3.6-27b-mtp")
+    assert r.returncode == 1 and f"{STRIPPED_REPO} has no mtp.* tensors" in r.stderr, r.stderr
+    assert "nothing was downloaded" in r.stderr and not [h for h in chain_hub.weight_hits() if h.range is None]
+
+
+def test_an_eagle_entry_by_name_downloads_and_drafts_the_targets_own_text(chain_hub, hf_home):
+    """generate --model NAME of an EAGLE-3 entry: the target and the drafter's repo, fetched from
+    the hub; it drafts with EAGLE-3 (and lookup) and says so; the text is plain decoding's."""
+    args = ["-m", "mlx_spec", "generate", "--model", "llama3.1-8b-instruct-eagle3", "--prompt", "hello hello"]
+    args += ["--max-tokens", "8", "--json"]
+    r = run(chain_hub, hf_home, *args, "--no-tune")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    engine = out["engine"]
+    assert engine["target"] == EAGLE_TARGET and engine["drafter"] is None
+    assert engine["sources"] == ["eagle", "lookup"] and [k for k, _ in engine["chains"]] == ["eagle"]
+    assert engine["block_size_source"] == "not tuned (--no-tune): the stated default prior"
+    assert "model.safetensors" in snapshot_files(hf_home, EAGLE_REPO)
+    plain = run(chain_hub, hf_home, *args, "--no-draft", offline=True)
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["text"] == out["text"]

@@ -241,6 +241,7 @@ def test_models_health_and_tools(engine, client, model, url):
         "policy": "fixed",
         "sources": ["dflash"],
         "chains": {},
+        "chain_depths": {},
         "group": {"size": 1, "rank": 0, "backend": "none", "sharded": False},
     }
     h = httpx.get(f"{url}/health")

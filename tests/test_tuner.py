@@ -360,6 +360,29 @@ def test_tune_view_shows_the_race_where_it_ran_and_marks_model_figures():
     assert view.baseline_tps == 10.0  # plain at the chosen thread count
 
 
+def test_the_ui_names_a_chain_only_result_by_its_chains():
+    """A pair without a DFlash drafter: the tuner table's rows are named by chain ("mtp k=2"), one
+    is marked chosen, and the engine header names each head's depth and where it came from."""
+    from mlx_spec.generation import EngineInfo
+
+    from tui.backend import tune_view
+    from tui.widgets.engine_header import describe
+
+    rows = (
+        Candidate(1, True, 10.0, 0.1, 1.0, predicted=1.0),
+        Candidate(3, True, 14.0, 0.1, 1.4, 2.0, 1.45, source="mtp"),
+        Candidate(3, False, predicted=1.2, tau=1.8, source="eagle"),
+    )
+    r = TuneResult({}, 3, "2026-12-02T00:00:00+00:00", rows, best_source="mtp")
+    view = tune_view(r)
+    assert [x.label for x in view.rows] == ["", "mtp k=2", "eagle k=2"] and view.chosen == "mtp k=2"
+    assert r.chosen == "MTP k=2" and r.source == "tuned 2026-12-02"
+    info = EngineInfo(
+        "mtp", "t", None, 9, "tuned 2026-12-02", chains=(("mtp", "/m"), ("eagle", "/e")), depths=(("mtp", 2),)
+    )
+    assert describe(info, True)[0] == "mtp · target t · MTP head depth 2 · EAGLE-3 (tuned 2026-12-02)"
+
+
 def test_storage_round_trip_key_change_and_corrupt_file(tmp_path):
     key = {"machine": {"cpu": "x"}, "target": {"id": "t", "hash": "1"}, "drafter": {"id": "d", "hash": "2"}}
     r = _result(key)

@@ -73,6 +73,7 @@ class TuneRow:
     speedup: float | None  # against plain decoding: the race's median, else the model's (note says "model")
     tau: float | None = None
     note: str = ""
+    label: str = ""  # how the row is named where it is not a DFlash block: a chain, "mtp k=3"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class TuneView:
     rows: tuple[TuneRow, ...]
     date: str  # YYYY-MM-DD
     source: str  # the block size's source, as the header shows it
+    chosen: str = ""  # the chosen chain's label ("mtp k=3") in a pair without a DFlash drafter
 
 
 @dataclass(frozen=True)
@@ -179,11 +181,14 @@ def tune_view(result) -> TuneView:
                 c.speedup if raced else c.predicted,
                 c.tau,
                 "; ".join(x for x in (c.note, model) if x),
+                c.label if c.source != "dflash" else "",
             )
         )
     rows = tuple(rows)
     plain = next((c.median_tps for c in shown if c.block == 1 and c.measured), None)  # at the chosen threads
-    return TuneView(result.best, plain, rows, result.date[:10], result.source)
+    chain = result.best_source != "dflash" and result.best > 1
+    chosen = next((c.label for c in shown if c.block == result.best and c.source == result.best_source), "")
+    return TuneView(result.best, plain, rows, result.date[:10], result.source, chosen if chain else "")
 
 
 def _stored_tune(pair) -> TuneView | None:

@@ -478,8 +478,9 @@ def run(args) -> int:
     adaptive_max = policy.MAX_CHAIN_DEPTH + 1
     if names:  # `--methods`: mlx-lm, our plain path and one policy row per named source set
         methods = [m for m in methods if m.kind in ("mlx-lm", "plain", "ar-draft")]
-        if pair.drafter is not None:
+        if pair.drafter is not None or pair.chains:  # (the policy rows start from the tuner's priors)
             tuned = load_result(tune_key(pair))
+        if pair.drafter is not None:
             adaptive_max = max(sizes + [pair.drafter.args.block_size])
         have = set(pair.draft_sources)
         for n in names:

@@ -98,7 +98,8 @@ def print_chain(chain: list[dict]) -> None:
     print(
         "\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
         "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
-        "K/V are counted in the plan from its config. See docs/chain-drafters.md."
+        "K/V are counted in the plan from its config. Run one by name: --model NAME (the target and its "
+        "head; `mlx_spec plan --model NAME` first). See docs/chain-drafters.md."
     )
 
 

@@ -54,13 +54,20 @@ def run(args) -> int:
                     "drafter": drafter,
                     "quantization": planned.quant.as_dict(),
                     "engine": engine,
+                    "chains": {k: v or "in the target" for k, v in (planned.chains or {}).items()},
                     **plan.as_dict(),
                 },
                 indent=2,
             )
         )
     else:
-        print(f"target {args.target}" + (f", drafter {drafter}" if drafter else " (no drafter)"))
+        heads = "".join(
+            f", {'MTP head ' + (v or 'in the target') if k == 'mtp' else 'EAGLE-3 drafter ' + str(v)}"
+            for k, v in (planned.chains or {}).items()
+        )
+        print(
+            f"target {args.target}" + (f", drafter {drafter}" if drafter else "" if heads else " (no drafter)") + heads
+        )
         if engine is not None:
             print(
                 "engine: "

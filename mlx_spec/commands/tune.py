@@ -1,4 +1,5 @@
-"""`mlx_spec tune`: (re-)measure the best block size for this machine and pair, store it, show it."""
+"""`mlx_spec tune`: (re-)measure the best block size (or, for a pair without a DFlash drafter, each
+chain drafter's depth) for this machine and pair, store it, show it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from ..cli import add_model_args
 def add_arguments(p) -> None:
     add_model_args(p, tuning=False)  # tuning is the point here: no --no-tune / --block-size / --tune-budget
     p.add_argument("--budget", type=float, default=None, help="time budget in seconds (default 90)")
-    p.add_argument("--candidates", default=None, help="block sizes to consider, e.g. 2,3,4,8 (default 2..max(ckpt,16))")
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help="block sizes to consider, e.g. 2,3,4,8 (default 2..max(ckpt,16)); without a DFlash drafter, "
+        "chain rows = depth + 1 (default 2..9)",
+    )
     p.add_argument("--tokens", type=int, default=24, help="tokens per timed run (the probe's and the race's)")
     p.add_argument("--json", action="store_true", help="print the stored result as JSON")
 
@@ -23,14 +29,17 @@ def _f(x, spec):
 def table(result) -> str:
     """One row per candidate: the model's speedup (what decides) and its noise first, then what
     the race measured (what calibrates and checks it)."""
+    chain = result.best_source != "dflash"  # (a pair without a DFlash drafter: its rows are chains)
+    width = max([5] + [len(c.label) + 1 for c in result.candidates])
     lines = [
-        f"{'block':>5}  {'threads':>7}  {'tau':>5}  {'model':>6}  {'noise':>5}  {'raced':>5}  "
-        f"{'tok/s':>6}  {'speedup':>7}  {'spread':>6}  {'rounds':>6}  note"
+        f"{'chain' if chain else 'block':>{width}}  {'threads':>7}  {'tau':>5}  {'model':>6}  {'noise':>5}  "
+        f"{'raced':>5}  {'tok/s':>6}  {'speedup':>7}  {'spread':>6}  {'rounds':>6}  note"
     ]
+    chosen = (result.best, result.threads) + ((result.best_source,) if chain else ())
     for c in result.candidates:
-        mark = "*" if (c.block, c.threads) == (result.best, result.threads) else " "
+        mark = "*" if c.key == (chosen if result.best > 1 else chosen[:2]) else " "
         lines.append(
-            f"{mark}{c.label:>4}  {_f(c.threads, 'd'):>7}  {_f(c.tau, '.2f'):>5}  "
+            f"{mark}{c.label:>{width - 1}}  {_f(c.threads, 'd'):>7}  {_f(c.tau, '.2f'):>5}  "
             f"{_f(c.predicted, '.3f'):>6}  {_f(c.noise, '.1%'):>5}  {'yes' if c.measured else 'no':>5}  "
             f"{_f(c.median_tps, '.2f'):>6}  {_f(c.speedup, '.3f'):>7}  {_f(c.spread, '.0%'):>6}  "
             f"{c.rounds:>6}  {c.note}"
@@ -46,6 +55,7 @@ def run(args) -> int:
     from ..progress import Bar
     from ..session import open_session
     from ..tuning import DEFAULT_BUDGET_S, save_result, tune
+    from ..tuning.store import SOURCE_NAMES
 
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
@@ -64,11 +74,10 @@ def run(args) -> int:
         raise BadRequest(f"--budget must be a positive number of seconds (got {args.budget:g})")
     budget = args.budget or DEFAULT_BUDGET_S
     pair = open_session(load, log=lambda m: print(m, file=err), tuning="none").pair
-    if pair.drafter is None:
+    if pair.drafter is None and not pair.chains:
         raise BadRequest(
-            f"tune chooses the DFlash block size, and measures the chain drafters beside it: --draft "
-            f"{load.draft} loads no DFlash drafter (add dflash to --draft; a pair without one starts its "
-            "policy from the stated priors, docs/tuner.md)"
+            f"nothing to tune: --draft {load.draft} loads no DFlash drafter and no chain drafter (lookup "
+            "drafts have no pass to time; the policy prices them from the models' sizes)"
         )
     bar = Bar(err, "tuning")
     result = tune(pair, budget_s=budget, progress=bar, tokens=args.tokens, candidates=cands)
@@ -77,27 +86,54 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result.as_dict() | {"path": str(path)}))
         return 0
+    heads = "".join(f" | {SOURCE_NAMES[k]} {v}" for k, v in pair.chain_ids.items())
     print(
-        f"target {pair.target_id} | drafter {pair.drafter_id} | prompts {', '.join(result.prompt_kinds)} | "
-        f"{result.tokens_per_run} tokens per run | {result.timing}"
+        f"target {pair.target_id}"
+        + (f" | drafter {pair.drafter_id}" if pair.drafter is not None else "")
+        + heads
+        + f" | prompts {', '.join(result.prompt_kinds)} | {result.tokens_per_run} tokens per run | {result.timing}"
     )
     print(table(result))
-    best = (
-        "off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
-        "starts DFlash resting and keeps its lookup drafts)"
-        if result.best == 1
-        else f"block size {result.best}"
-    ) + (f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else "")
-    for kind, c in result.chains.items():
-        acc = ", ".join(f"{a:.2f}" for a in c["acceptance_by_position"][: c["depth"] + 2])
-        print(
-            f"{'MTP head' if kind == 'mtp' else 'EAGLE-3'}: one pass {c['pass_ms']:.2f} ms, acceptance by "
-            f"position {acc}, ...; depth {c['depth']} (model x{c['predicted']:.2f})"
+    if pair.drafter is not None:
+        best = (
+            "off: fixed-block DFlash does not pay (--no-adaptive runs plain; the default per-cycle engine "
+            "starts DFlash resting and keeps its lookup drafts)"
+            if result.best == 1
+            else f"block size {result.best}"
         )
+    else:
+        best = (
+            "off: no chain drafter beats plain decoding here (the per-cycle engine starts its chains "
+            "resting, probing them now and then, and keeps its lookup drafts)"
+            if result.best == 1
+            else f"{result.chosen} first (the per-cycle policy starts from each drafter's line below)"
+        )
+    best += f", {result.threads} BLAS thread{'s' if result.threads != 1 else ''}" if result.threads else ""
+    for kind, c in result.chains.items():
+        print(chain_line(kind, c))
     print(f"\nchoice: {best} — {result.source}\nwhy: {result.why}")
     print(context_line(result))
     print(f"stored: {path}")
     return 0
+
+
+def chain_line(kind: str, c: dict) -> str:
+    """What the tuner chose for one chain drafter: its head pass, acceptance, depth, the model's
+    speedup and, where it raced, the race's against plain decoding."""
+    from ..tuning.store import SOURCE_NAMES
+
+    acc = ", ".join(f"{a:.2f}" for a in c["acceptance_by_position"][: c["depth"] + 2])
+    raced = (
+        f", raced x{c['speedup']:.2f} over plain ({c['rounds']} rounds)"
+        if c.get("speedup") is not None
+        else ", not raced"
+        if "speedup" in c
+        else ""
+    )
+    return (
+        f"{SOURCE_NAMES[kind]}: one pass {c['pass_ms']:.2f} ms, acceptance by position {acc}, ...; "
+        f"depth {c['depth']} (model x{c['predicted']:.2f}{raced})"
+    )
 
 
 def context_line(result) -> str:

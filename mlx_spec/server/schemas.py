@@ -333,6 +333,8 @@ def speculation(engine: EngineInfo | None, stats=None) -> dict | None:
         if engine.speculative
         else [],
         "chains": {k: p for k, p in engine.chains} if engine.speculative else {},
+        # the depth the tuner measured per chain drafter, the prior its policy starts from (none: not tuned)
+        "chain_depths": dict(engine.depths) if engine.speculative else {},
         "group": engine.group.as_dict(),
     }
     if stats is not None and engine.speculative:

@@ -1,4 +1,5 @@
-"""Block-size tuner: measure on this machine, store the best block (or "off") per machine and pair.
+"""Block-size tuner: measure on this machine, store the best block (or "off") per machine and pair
+(for a pair without a DFlash drafter: each chain drafter's depth and prior).
 
 - ``store``: the key (the machine and the models' weights, however they are spelled), the
   result (``TuneResult``, ``Candidate``), saving and loading it under ``<cache>/tuning/``.
@@ -31,7 +32,7 @@ from .decide import (
     race,
     race_check,
 )
-from .run import DEFAULT_BUDGET_S, Sweep, TuneSkipped, apply_threads, ensure_tuned, tune
+from .run import DEFAULT_BUDGET_S, ChainSweep, Sweep, TuneSkipped, apply_threads, ensure_tuned, tune
 from .store import (
     FORMAT,
     READ_FORMATS,
@@ -61,6 +62,7 @@ __all__ = [
     "NOISE_FLOOR",
     "READ_FORMATS",
     "Candidate",
+    "ChainSweep",
     "Check",
     "Decision",
     "Key",

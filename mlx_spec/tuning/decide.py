@@ -45,14 +45,16 @@ MIN_NOISE_DF = 4  # ... that noise measured with at least this many degrees of f
 # ---------------------------------------------------------------- the model and the choice
 
 
-def cycle_overhead(run, costs: Costs, spec: bool) -> float | None:
+def cycle_overhead(run, costs: Costs, spec: bool, source: str = "dflash") -> float | None:
     """A run's measured time per cycle after the first step minus its passes' model time
     (``bench.model_ms``: a drafted run's last cycle with one token of room verifies the anchor
-    alone, a Tt(1) pass, not a plain step's T1); None for a run without cycles."""
+    alone, a Tt(1) pass, not a plain step's T1; a chain's head passes at Tc each); None for a run
+    without cycles. ``source``: what drafted a ``spec`` run ("dflash", or a chain: "mtp", "eagle")."""
     n = sum(run.blocks.values())
     if not n:
         return None
-    return (run.decode_s * 1e3 - model_ms(Method("dflash" if spec else "plain"), run.blocks, costs)) / n
+    method = Method(source if spec else "plain")
+    return (run.decode_s * 1e3 - model_ms(method, run.blocks, costs, heads=run.heads)) / n
 
 
 def with_overhead(passes_ms: float, overhead_ms: float) -> float:
@@ -110,7 +112,7 @@ def _pooled_noise(cands: Sequence[Candidate]) -> list[Candidate]:
 
 
 def _block_label(c: Candidate) -> str:
-    return "plain" if c.block == 1 else f"B={c.block}"
+    return "plain" if c.block == 1 else f"B={c.block}" if c.source == "dflash" else c.label
 
 
 def join_names(xs: Sequence[str]) -> str:
@@ -178,6 +180,7 @@ def decide(
             words.append(f"{lead_t} threads (x{lead.predicted:.2f}) over {others[0]} (x{nxt.predicted:.2f})")
     spec = sorted(by_t[lead_t], key=lambda c: c.block)
     best = tops[lead_t]
+    chain = best.source != "dflash"  # (a chain's candidates: its depths, decided as blocks are)
     base = plain.predicted if plain else 1.0
     # a block must beat plain by more than its own noise (twice the standard error of the gain, at
     # least the floor): a gain within the noise does not overturn plain, the safe choice
@@ -186,7 +189,8 @@ def decide(
     if best.predicted < base * (1 + need):
         what = "its noise" if noisy >= floor else "the floor"
         why = (
-            f"off: the best block {_block_label(best)} x{best.predicted:.2f} does not beat plain"
+            f"off: the best {'block' if best.source == 'dflash' else 'chain'} {_block_label(best)} "
+            f"x{best.predicted:.2f} does not beat plain"
             f"{'' if plain is None or plain.threads is None else f' at {plain.threads} threads'} "
             f"(x{base:.2f}) by {need:.1%} ({what})"
         )
@@ -226,19 +230,23 @@ def decide(
         )
     else:
         width = max(1 - c.predicted / best.predicted for c in tied)
+
+        def lab(b: int) -> str:  # (a block, or a chain of b rows)
+            return _block_label(replace(best, block=b))
+
         names = (
             join_names([_block_label(c) for c in tied])
             if len(tied) <= 4
-            else f"B={tied[0].block} to B={tied[-1].block} ({len(tied)} blocks)"
+            else f"{lab(tied[0].block)} to {lab(tied[-1].block)} ({len(tied)} {'depths' if chain else 'blocks'})"
         )
         why = (
             f"{names} within noise ({width:.1%} apart, tolerance "
-            f"{tol:.1%}); chose {win.block}: the largest that still buys expected tokens (where E(B) stops "
-            "growing is set by the deterministic acceptance, not by timings)"
+            f"{tol:.1%}); chose {win.block if not chain else lab(win.block)}: the largest that still buys expected "
+            "tokens (where E(B) stops growing is set by the deterministic acceptance, not by timings)"
         )
         for a in dict.fromkeys(gain_of.values()):
-            bs = [f"B={b}" for b, x in gain_of.items() if x == a]
-            why += f"; {join_names(bs)} add{'s' if len(bs) == 1 else ''} no expected tokens over B={a}"
+            bs = [lab(b) for b, x in gain_of.items() if x == a]
+            why += f"; {join_names(bs)} add{'s' if len(bs) == 1 else ''} no expected tokens over {lab(a)}"
     return Decision(win.block, lead_t, "; ".join([why] + words), tuple(c.block for c in tied))
 
 
@@ -249,7 +257,9 @@ def default_candidates(checkpoint_block: int) -> list[int]:
 
 # ---------------------------------------------------------------- the race (pure but for run)
 
-Key = tuple  # (block, threads): block 1 = plain decoding; threads None = no thread knob
+Key = (
+    tuple  # (block, threads): block 1 = plain decoding; threads None = no thread knob; a chain: (rows, threads, source)
+)
 
 
 @dataclass(frozen=True)
@@ -483,8 +493,9 @@ def race(
 
 
 def key_label(key: Key) -> str:
-    B, t = key
-    return ("plain" if B == 1 else f"B={B}") + (f" {t}T" if t else "")
+    B, t, *source = key
+    what = "plain" if B == 1 else f"{source[0]} k={B - 1}" if source else f"B={B}"
+    return what + (f" {t}T" if t else "")
 
 
 def median_se(xs: Sequence[float]) -> float:

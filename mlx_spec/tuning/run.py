@@ -22,6 +22,9 @@
 5. ``decide``: ``decide.decide`` on the calibrated model; the race overrides it only on a clear
    margin (``decide.race_check``).
 
+A pair without a DFlash drafter that drafts with chain drafters (an MTP head, an EAGLE-3
+drafter) runs ``ChainSweep``: the same phases over chains of depth 1..8 instead of blocks.
+
 ``ensure_tuned`` stores the result (``store.save_result``) and is what generate, chat and serve
 call on start; it also applies the stored BLAS thread count (``apply_threads``). The sweep keeps
 to its budget: the deadline is checked before every pass-cost and race round, and the result
@@ -44,7 +47,7 @@ import mlx.core as mx
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
 from ..costs import CostMeter, Costs, Progress, context_term
-from ..errors import MlxSpecError
+from ..errors import BadRequest, MlxSpecError
 from ..policy import MAX_CHAIN_DEPTH, expected_tokens
 from ..prefix import Prefill, take
 from ..prompts import CHAT_KINDS, builtin_prompts, interleave
@@ -70,7 +73,7 @@ from .decide import (
     race,
     with_overhead,
 )
-from .store import FORMAT, Candidate, TuneResult, load_result, save_result, tune_key
+from .store import FORMAT, SOURCE_NAMES, Candidate, TuneResult, load_result, save_result, tune_key
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +172,8 @@ class Sweep:
         self.blas = blas or BLAS
         self.t0 = clock()
         self.deadline = self.t0 + (1 - BUDGET_RESERVE) * budget_s  # what the plan aims at: a round may run slow
-        self.cands = sorted(set(candidates or default_candidates(pair.drafter.args.block_size)))
+        self.chains = dict(getattr(pair, "chains", None) or {})  # chain drafters: probed and timed too
+        self.cands = self.blocks(candidates)
         prompts = prompts or interleave(builtin_prompts(CHAT_KINDS))
         self.encoded = [(p.id, p.kind, p.encode(pair.tokenizer)) for p in prompts]
         self.note = progress or (lambda d, t, m: None)
@@ -178,12 +182,26 @@ class Sweep:
         self.main_t = tlist[0] if len(tlist) == 1 else (default_threads() if default_threads() in tlist else tlist[-1])
         self.kinds = list(dict.fromkeys(k for _, k, _ in self.encoded))
         self.context = max((ids for _, _, ids in self.encoded), key=len)
-        # Probe at the trained block: more masks than the drafter saw in training lower the early
-        # positions too. Positions past it are untrained (counted as never accepted).
-        self.probe_block = min(pair.drafter.args.block_size, self.cands[-1])
+        self.probe_block = self.reference_block()
         self.phases: dict = {}
         self.runner = Runner(pair)
-        self.chains = dict(getattr(pair, "chains", None) or {})  # chain drafters: probed and timed too
+
+    def blocks(self, candidates: Sequence[int] | None) -> list[int]:
+        """The candidate blocks (rows per verify, the anchor included)."""
+        return sorted(set(candidates or default_candidates(self.pair.drafter.args.block_size)))
+
+    def reference_block(self) -> int:
+        """The block timed at every thread count (the probe's). Probe at the trained block: more
+        masks than the drafter saw in training lower the early positions too. Positions past it
+        are untrained (counted as never accepted)."""
+        return min(self.pair.drafter.args.block_size, self.cands[-1])
+
+    def method(self, key: Key) -> Method:
+        """What a candidate runs (the race, the probe)."""
+        return _method(key[0])
+
+    def source_of(self, key: Key) -> str:
+        return key[2] if len(key) > 2 else "dflash"
 
     def use(self, t: int | None) -> None:
         if t is not None:
@@ -214,6 +232,7 @@ class Sweep:
             self.chain_acc[kind] = got.acceptance_by_position + [0.0] * (MAX_CHAIN_DEPTH - len(got.reached))
         self.E = {B: expected_tokens(self.acc, B) for B in self.cands}
         self.warm = probe[1:] or probe  # the first run pays one-time costs
+        self.probe_key = (self.probe_block, self.main_t)  # what the probe's runs ran
         self.probe_run_s = statistics.median(r.total_s for r in self.warm)
         self.prefill_s = statistics.median(r.first_s for r in self.warm)
         self.t_costs = self.clock()
@@ -228,18 +247,8 @@ class Sweep:
         still fits after the next round (plain at T1 so far and the probe's block at the probe's
         run time, a warm-up and ``min_rounds`` each), and past it also only within
         ``COSTS_SHARE`` of the budget."""
-        pair, tlist, main_t, clock = self.pair, self.tlist, self.main_t, self.clock
-        meters = {
-            t: CostMeter(
-                pair.model,
-                pair.target,
-                pair.drafter,
-                self.cands if t == main_t else [self.probe_block],
-                self.context,
-                chains=self.chains if t == main_t else None,
-            )
-            for t in tlist
-        }
+        tlist, main_t, clock = self.tlist, self.main_t, self.clock
+        meters = {t: self.meter(t) for t in tlist}
         lo, hi = self.cost_rounds
         t_costs, budget_s = self.t_costs, self.budget_s
 
@@ -271,25 +280,40 @@ class Sweep:
         self.meters = meters
         self.all_costs = {t: m.costs() for t, m in meters.items()}
         self.costs = self.all_costs[main_t]
-        smooth = self.costs.smoothed()
         self.use(main_t)
-        probe_block = self.probe_block
+        self.curves = {t: self.curve(t) for t in tlist}
+        self.o_probe = statistics.median(self.residuals(self.probe_key, self.warm) or [0.0])
 
-        def curve(t) -> Costs:
-            """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the probe
-            block's cycle costs at ``t``; T1 as measured at ``t``."""
-            c = self.all_costs[t]
-            ref = self.costs.step_ms(probe_block, probe_block)
-            k = c.step_ms(probe_block, probe_block) / ref if t != main_t and ref else 1.0
-            return Costs(
-                c.t1_ms,
-                {B: v * k for B, v in smooth.td_ms.items()},
-                {B: v * k for B, v in smooth.tt_ms.items()},
-                c.context,
-            )
+    def meter(self, t) -> CostMeter:
+        """The pass-cost meter at ``t`` threads: every candidate block (and each chain drafter's
+        head pass) at the main thread count, the probe's block at the others."""
+        main = t == self.main_t
+        return CostMeter(
+            self.pair.model,
+            self.pair.target,
+            self.pair.drafter,
+            self.cands if main else [self.probe_block],
+            self.context,
+            chains=self.chains if main else None,
+        )
 
-        self.curves = {t: curve(t) for t in tlist}
-        self.o_probe = statistics.median(self.residuals(main_t, self.warm, True) or [0.0])
+    def ref_ms(self, c: Costs) -> float:
+        """The reference cycle's passes on the curve ``c`` (another thread count's is scaled by it)."""
+        return c.step_ms(self.probe_block, self.probe_block)
+
+    def curve(self, t) -> Costs:
+        """The pass costs at ``t`` threads: the main curve (smoothed), scaled by how the reference
+        cycle costs at ``t``; T1 (and a chain drafter's head pass) as measured at ``t``."""
+        c, smooth = self.all_costs[t], self.costs.smoothed()
+        ref = self.ref_ms(self.costs)
+        k = self.ref_ms(c) / ref if t != self.main_t and ref else 1.0
+        return Costs(
+            c.t1_ms,
+            {B: v * k for B, v in smooth.td_ms.items()},
+            {B: v * k for B, v in smooth.tt_ms.items()},
+            c.context,
+            tc_ms=dict(c.tc_ms),
+        )
 
     def race_core_s(self, t1_ms: float) -> float:
         """What the race's core takes: plain decoding (at T1) and the probe's block (at the
@@ -324,7 +348,10 @@ class Sweep:
         sizes = sorted({2, self.probe_block, self.cands[-1]})
         # a round there: these passes at the short context, twice over (attention grows), a warm-up and one timed
         c = self.costs
-        rounds_s = 2 * 2 * (c.t1_ms + sum(c.verify(B) + (c.draft(B) if B > 1 else 0.0) for B in (1, *sizes))) / 1e3
+        drafting = pair.drafter is not None  # (a chain-only pair: T1 and Tt alone, no draft pass)
+        rounds_s = (
+            2 * 2 * (c.t1_ms + sum(c.verify(B) + (c.draft(B) if B > 1 and drafting else 0.0) for B in (1, *sizes))) / 1e3
+        )
         if stop - t0 < rounds_s:
             self.phases |= {"context_s": 0.0, "context_tokens": 0, "context_rounds": 0, "context_term": "budget"}
             log.info("tuner: no context term (the budget leaves no time for it beside the race)")
@@ -333,14 +360,17 @@ class Sweep:
         self.use(self.main_t)
         self.frac(PROBE_SHARE + COSTS_SHARE, "pass costs at a long context (prefill)")
         ids = self.long_ids(max(LONG_CONTEXT, len(self.context) + MIN_CONTEXT_SPAN))
-        tcache, dcache = pair.target.make_cache(), pair.drafter.make_cache()
-        dview = feature_view(pair.target.taps, pair.drafter.args.target_layer_ids)  # (other drafters' taps beside)
+        tcache = pair.target.make_cache()
+        dcache = pair.drafter.make_cache() if drafting else None
+        # (the target view may tap more layers for other drafters: the DFlash drafter's slice)
+        dview = feature_view(pair.target.taps, pair.drafter.args.target_layer_ids) if drafting else None
         done = 0
         while done < len(ids) and (done == 0 or clock() < half):
             chunk = mx.array([ids[done : done + CONTEXT_CHUNK]], mx.int32)
             out = pair.target(chunk, tcache)
-            pair.drafter.add_context(dview(out.hidden), dcache)
-            mx.eval([c.state for c in tcache], [c.state for c in dcache])
+            if drafting:
+                pair.drafter.add_context(dview(out.hidden), dcache)
+            mx.eval([c.state for c in tcache], [c.state for c in dcache or ()])
             done += int(chunk.shape[1])
         span = done - len(self.context)
         self.phases |= {"context_tokens": done}
@@ -351,7 +381,7 @@ class Sweep:
         entry = Prefill(tuple(ids[:done]), tcache, dcache)
 
         def copies():
-            got = take(entry, done, drafter=True)
+            got = take(entry, done, drafter=drafting)
             return got.target, got.drafter
 
         meter = CostMeter(pair.model, pair.target, pair.drafter, sizes, ids[:done], prefilled=copies)
@@ -373,8 +403,11 @@ class Sweep:
     def cycle_ms(self, t, B: int) -> float:  # (B = 1: a plain step)
         return self.curves[t].step_ms(B, B)
 
-    def residuals(self, t, runs, spec: bool) -> list[float]:
-        return [x for x in (cycle_overhead(r, self.curves[t], spec) for r in runs) if x is not None]
+    def residuals(self, key: Key, runs) -> list[float]:
+        """Per run of ``key``, its time per cycle beyond its passes' model time (``cycle_overhead``)."""
+        B, t = key[:2]
+        src = self.source_of(key)
+        return [x for x in (cycle_overhead(r, self.curves[t], B > 1, src) for r in runs) if x is not None]
 
     def se(self, t, name: str, B: int) -> float:
         return median_se(self.meters[t].times.get((name, B)) or [])
@@ -436,7 +469,7 @@ class Sweep:
         """Which candidates the first model (the probe's overhead) puts in front, to be timed end
         to end to calibrate the overheads and to check the model; planned within what is left of
         the budget."""
-        cands, tlist, main_t, min_rounds, tokens = self.cands, self.tlist, self.main_t, self.min_rounds, self.tokens
+        cands, tlist, main_t = self.cands, self.tlist, self.main_t
         predicted = self.model({}, {})
         by_thread = sorted(tlist, key=lambda t: (-max(predicted[(B, t)] for B in [1] + cands), t != main_t))
         lead_t = by_thread[0]
@@ -452,24 +485,28 @@ class Sweep:
         first_key = (first.block, first.threads)
         keys += [first_key]  # what the tie rule would choose: the race checks it too
         keys = list(dict.fromkeys(keys))
+        self.lead_t, self.dflt, self.first_key = lead_t, dflt, first_key
+        self.afford(keys, [(1, lead_t), first_key] + [(B, lead_t) for B in ranked if (B, lead_t) in keys])
 
-        # In order of importance (plain, the model's choice, the predicted leader and runner-up,
-        # ...), a candidate is raced only if its warm-up and ``min_rounds`` rounds still fit.
-        # Without room for plain and one block, no race.
+    def afford(self, keys: Sequence[Key], first: Sequence[Key]) -> None:
+        """The race's plan: in order of importance (``first``, then ``keys``: plain, the model's
+        choice, the predicted leader and runner-up, ...), a candidate is raced only if its warm-up
+        and ``min_rounds`` rounds still fit in what is left of the budget. Without room for plain
+        and one drafting candidate, no race."""
+        min_rounds, tokens, plain = self.min_rounds, self.tokens, (1, self.lead_t)
         left = self.deadline - self.clock()
         need, planned, unaffordable = 0.0, [], []
-        for k in dict.fromkeys([(1, lead_t), first_key] + [(B, lead_t) for B in ranked if (B, lead_t) in keys] + keys):
+        for k in dict.fromkeys(list(first) + list(keys)):
             c = self.run_s(k, 8) + min_rounds * self.run_s(k, tokens)
             if need + c <= left:
                 planned.append(k)
                 need += c
             else:
                 unaffordable.append(k)
-        if len(planned) < 2 or planned[0] != (1, lead_t) or all(B == 1 for B, _ in planned):  # (a block, raced)
+        if len(planned) < 2 or planned[0] != plain or all(k[0] == 1 for k in planned):  # (one drafting, raced)
             unaffordable, planned = list(dict.fromkeys(planned + unaffordable)), []
         self.keys = [k for k in keys if k in planned]
         self.planned, self.unaffordable, self.left = planned, unaffordable, left
-        self.lead_t, self.dflt, self.first_key = lead_t, dflt, first_key
 
     def neighbours(self, key: Key) -> list[Key]:
         """The next smaller and larger block at its thread count, and its block at the next
@@ -486,16 +523,15 @@ class Sweep:
         """The planned candidates timed end to end (``decide.race``), after a discarded warm-up."""
         clock, keys, encoded, runner = self.clock, self.keys, self.encoded, self.runner
         start = clock()
-        for B, t in keys:  # warm-up, discarded
-            self.use(t)
-            runner.run(_method(B), encoded[0][2], 8)
+        for key in keys:  # warm-up, discarded
+            self.use(key[1])
+            runner.run(self.method(key), encoded[0][2], 8)
 
         runs: dict[Key, list] = {}
 
         def run(key: Key, i: int) -> Lap:
-            B, t = key
-            self.use(t)
-            r = runner.run(_method(B), encoded[i][2], self.tokens)
+            self.use(key[1])
+            r = runner.run(self.method(key), encoded[i][2], self.tokens)
             runs.setdefault(key, []).append(r)
             n = sum(r.blocks.values())
             return Lap(_decode_rate(r), r.decode_s / n if n else None)
@@ -540,8 +576,8 @@ class Sweep:
         where another has too few), the plain loop's beyond T1 likewise."""
         o, op = {}, {}
         for t in self.tlist:
-            spec_res = [x for k, rs in self.runs.items() if k[1] == t and k[0] > 1 for x in self.residuals(t, rs, True)]
-            plain_res = [x for k, rs in self.runs.items() if k == (1, t) for x in self.residuals(t, rs, False)]
+            spec_res = [x for k, rs in self.runs.items() if k[1] == t and k[0] > 1 for x in self.residuals(k, rs)]
+            plain_res = [x for k, rs in self.runs.items() if k == (1, t) for x in self.residuals(k, rs)]
             if len(spec_res) >= 3:
                 o[t] = statistics.median(spec_res)
             if plain_res:
@@ -556,18 +592,21 @@ class Sweep:
 
     # ------------------------------------------------------------ 5. the decision
 
-    def decide(self) -> TuneResult:
-        """``decide.decide`` on the calibrated model, overridden by the race only on a clear
-        margin; the result with every candidate and why."""
-        res, lead_t, predicted, tokens, min_rounds = self.res, self.lead_t, self.predicted, self.tokens, self.min_rounds
-        keys, noise_floor = self.keys, self.noise_floor
+    def rows(self) -> list[Candidate]:
+        """Every candidate as stored and shown: the model's speedup (what decides), its noise, and
+        what the race measured where it ran."""
+        res, lead_t, predicted = self.res, self.lead_t, self.predicted
         out = []
-        shown = [(B, lead_t) for B in [1] + self.cands] + [k for k in predicted if k[1] != lead_t]
-        for key in dict.fromkeys(shown):
-            B, t = key
+        for key in dict.fromkeys(self.shown()):
+            B, t = key[:2]
             other = "" if t == lead_t or t is None else _threads(t)
-            tau = round(self.E[B], 3) if B > 1 else None
-            common = dict(tau=tau, predicted=round(predicted[key], 4), threads=t, noise=round(self.noise(key), 4))
+            common = dict(
+                tau=self.tau(key),
+                predicted=round(predicted[key], 4),
+                threads=t,
+                noise=round(self.noise(key), 4),
+                source=self.source_of(key) if B > 1 else "dflash",
+            )
             if res.tps.get(key):
                 out.append(
                     Candidate(
@@ -584,47 +623,54 @@ class Sweep:
                 )
             else:
                 why_not = (
-                    "not raced: budget" if key in self.unaffordable or (key in keys and not res.rounds) else "not raced"
+                    "not raced: budget"
+                    if key in self.unaffordable or (key in self.keys and not res.rounds)
+                    else "not raced"
                 )
                 out.append(Candidate(B, False, note="; ".join(x for x in (other, why_not) if x), **common))
-        d = decide(out, default_threads=self.dflt, floor=noise_floor)
-        best, best_t, why = d.block, d.threads, d.why
+        return out
+
+    def shown(self) -> list[Key]:
+        """The rows of the result: plain and every block at the leading thread count, then the rest."""
+        lead_t = self.lead_t
+        return [(B, lead_t) for B in [1] + self.cands] + [k for k in self.predicted if k[1] != lead_t]
+
+    def tau(self, key: Key) -> float | None:
+        """E(B), the expected tokens per cycle, of a drafting candidate (None for plain)."""
+        return round(self.E[key[0]], 3) if key[0] > 1 else None
+
+    def decision(self, cands: Sequence[Candidate]) -> tuple[Key, str]:
+        """The model's choice (``decide.decide``) and why."""
+        d = decide(cands, default_threads=self.dflt, floor=self.noise_floor)
+        return (d.block, d.threads), d.why
+
+    def budget_note(self) -> str:
+        """What the budget could not afford, and why (for ``why``)."""
+        res, keys, min_rounds, tokens = self.res, self.keys, self.min_rounds, self.tokens
         unaffordable = [k for k in self.unaffordable if not res.laps.get(k)]  # (a neighbour may have joined later)
-        if unaffordable:  # what the budget could not afford, and why
+        if unaffordable:
             gone = join_names([key_label(k) for k in unaffordable])
-            why_budget = (
+            note = (
                 f"{gone} not raced: {max(0.0, self.left):.0f} s of the budget left for the race, "
                 f"{min_rounds} rounds of each would need ~"
                 f"{sum(self.run_s(k, 8) + min_rounds * self.run_s(k, tokens) for k in unaffordable):.0f}"
                 " s more"
             )
             if not self.planned:
-                why_budget = f"no race ({why_budget})"
+                note = f"no race ({note})"
         else:
-            why_budget = ""
+            note = ""
         if keys and not res.rounds:  # planned, then the warm-ups left too little for one round
             first = (
                 f"no race: its first round (~{sum(self.run_s(k, tokens) for k in keys):.0f} s: "
                 f"{join_names([key_label(k) for k in keys])}) would have ended past the budget "
                 f"({max(0.0, self.left_after):.0f} s left after the warm-ups)"
             )
-            why_budget = f"{why_budget}; {first}" if why_budget else first
-        chosen = (best, best_t)
-        every = checks(res, chosen, floor=noise_floor)
-        over = clearest(every)
-        if over is not None:
-            why = (
-                f"the race overrode the model ({d.why}): {key_label(over.key)} beat {key_label(chosen)} in every "
-                f"one of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
-                f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
-                f"noise {res.noise:.1%}, at least {noise_floor:.0%})"
-            )
-            best, best_t = over.key
-        else:  # say what the race could tell about the stored choice
-            why += _unchecked(res, chosen, every)
-        if why_budget:
-            why += f"; {why_budget}"
-        self.use(best_t)
+            note = f"{note}; {first}" if note else first
+        return note
+
+    def chain_results(self, rows: Sequence[Candidate], best: Key) -> dict:
+        """Per chain drafter: its acceptance, head pass, depth and model speedup (the policy's prior)."""
         chains = {}
         plain_ms = with_overhead(self.costs.t1_ms, 0.0)
         for kind, acc in self.chain_acc.items():
@@ -636,6 +682,32 @@ class Sweep:
                     "depth": k,
                     "predicted": round(x, 4),
                 }
+        return chains
+
+    def decide(self) -> TuneResult:
+        """The model's choice (``decision``), overridden by the race only on a clear margin; the
+        result with every candidate and why."""
+        res, noise_floor = self.res, self.noise_floor
+        out = self.rows()
+        chosen, why = self.decision(out)
+        model_why = why
+        why_budget = self.budget_note()
+        every = checks(res, chosen, floor=noise_floor)
+        over = clearest(every)
+        if over is not None:
+            why = (
+                f"the race overrode the model ({model_why}): {key_label(over.key)} beat {key_label(chosen)} in every "
+                f"one of {over.rounds} rounds, by {over.gain - 1:.1%} (a clear margin here: {over.needed - 1:.1%}, "
+                f"{CLEAR_Z:g} standard errors of a paired round, sqrt(2/{over.rounds}) x the race's run-to-run "
+                f"noise {res.noise:.1%}, at least {noise_floor:.0%})"
+            )
+            chosen = over.key
+        else:  # say what the race could tell about the stored choice
+            why += _unchecked(res, chosen, every)
+        if why_budget:
+            why += f"; {why_budget}"
+        best, best_t = chosen[:2]
+        self.use(best_t)
         return TuneResult(
             key=tune_key(self.pair),
             best=best,
@@ -644,7 +716,7 @@ class Sweep:
             costs=self.costs,
             acceptance_by_position=tuple(round(x, 4) for x in self.acc),
             prompt_kinds=tuple(self.kinds),
-            tokens_per_run=tokens,
+            tokens_per_run=self.tokens,
             budget_s=self.budget_s,
             elapsed_s=round(self.clock() - self.t0, 2),
             format=FORMAT,
@@ -652,8 +724,248 @@ class Sweep:
             why=why,
             overhead_ms=round(self.overhead[self.main_t], 3),
             phases=self.phases,
-            chains=chains,
+            chains=self.chain_results(out, chosen),
+            best_source=self.best_source(out, chosen),
         )
+
+    def best_source(self, rows: Sequence[Candidate], chosen: Key) -> str:
+        return "dflash"
+
+
+class ChainSweep(Sweep):
+    """The sweep of a pair without a DFlash drafter that drafts with chain drafters (an MTP head,
+    an EAGLE-3 drafter): the same phases, over chains instead of blocks. A chain of depth k is a
+    candidate of k + 1 rows (a verify of k + 1 rows after k head passes), keyed (rows, threads,
+    source).
+
+    1. ``measure_acceptance``: each chain drafter at the deepest chain (``MAX_CHAIN_DEPTH``) on the
+       probe prompts: its acceptance by position, E(k + 1) for every depth (deterministic at
+       greedy); the first drafter's runs say what a run costs here.
+    2. ``measure_costs``: T1, Tt(k + 1) for every candidate depth and each drafter's head pass Tc
+       at the main thread count; T1, Tc and Tt of the reference chain at the others.
+    3. ``plan_race`` and ``race``: plain decoding against each drafter at the depth the first model
+       chooses, the depth it puts first and their neighbours, within the budget, interleaved.
+    4. ``calibrate``: the per-cycle overhead over the chain runs (their head passes priced at Tc).
+    5. ``decide``: per drafter, ``decide.decide`` over its depths and plain (the rule that chooses
+       blocks: depths within noise tie, the deepest that still buys expected tokens wins; plain
+       unless a depth beats it by its noise); the drafter whose choice the model puts first is the
+       result's ``best``; the race overrules on a clear margin.
+    """
+
+    def blocks(self, candidates: Sequence[int] | None) -> list[int]:
+        top = MAX_CHAIN_DEPTH + 1
+        rows = sorted({int(c) for c in candidates if 2 <= c <= top}) if candidates else list(range(2, top + 1))
+        if not rows:
+            raise BadRequest(
+                f"the candidates {', '.join(str(c) for c in candidates or ())} hold no chain: a pair without "
+                f"a DFlash drafter tunes chains of 2..{top} rows (depth 1..{MAX_CHAIN_DEPTH})"
+            )
+        return rows
+
+    def reference_block(self) -> int:
+        return min(4, self.cands[-1])  # a chain of depth 3 (or the deepest candidate)
+
+    @property
+    def heads(self) -> list[str]:
+        return list(self.chains)
+
+    def method(self, key: Key) -> Method:
+        return Method("plain") if key[0] == 1 else Method(key[2], key[0])
+
+    def measure_acceptance(self) -> None:
+        """Each chain drafter at the deepest chain on the probe prompts (fixed work, the same every
+        run at greedy): acceptance by position, E(rows); what a run costs here."""
+        self.use(self.main_t)
+        n_probe, top = max(1, self.probe_prompts), MAX_CHAIN_DEPTH + 1
+        self.acc, self.chain_acc, self.E, first = [], {}, {}, None
+        for i, kind in enumerate(self.heads):
+            runs = []
+            for n, (_, _, ids) in enumerate(self.encoded[:n_probe]):
+                runs.append(self.runner.run(Method(kind, top), ids, self.tokens))
+                done = (i * n_probe + n + 1) / (len(self.heads) * n_probe)
+                self.frac(PROBE_SHARE * done, f"acceptance probe ({SOURCE_NAMES[kind]})")
+            got = Stats.merged([r.stats for r in runs])
+            acc = (got.acceptance_by_position + [0.0] * MAX_CHAIN_DEPTH)[:MAX_CHAIN_DEPTH]
+            self.chain_acc[kind] = acc
+            self.E[kind] = {B: expected_tokens(acc, B) for B in self.cands}
+            first = first or runs
+        self.warm = first[1:] or first  # the first run pays one-time costs
+        self.probe_key = (top, self.main_t, self.heads[0])
+        self.probe_run_s = statistics.median(r.total_s for r in self.warm)
+        self.prefill_s = statistics.median(r.first_s for r in self.warm)
+        self.t_costs = self.clock()
+        self.phases["probe_s"] = round(self.t_costs - self.t0, 2)
+
+    def meter(self, t) -> CostMeter:
+        main = t == self.main_t
+        cands = self.cands if main else [self.probe_block]
+        return CostMeter(self.pair.model, self.pair.target, None, cands, self.context, chains=self.chains)
+
+    def ref_ms(self, c: Costs) -> float:
+        pb = self.probe_block
+        return c.verify(pb) + (pb - 1) * c.tc_ms[self.heads[0]]
+
+    def chain_ms(self, t, B: int, src: str) -> float:
+        """A chain's cycle of ``B`` rows at ``t`` threads: B - 1 head passes and a B-row verify."""
+        c = self.curves[t]
+        return c.t1_ms if B == 1 else (B - 1) * c.tc_ms[src] + c.verify(B)
+
+    def noise(self, key: Key) -> float:
+        """As ``Sweep.noise``, the chain's own passes: Tt(B) and B - 1 head passes."""
+        B, t = key[:2]
+        if B == 1:
+            return super().noise(key)
+        src, se, main_t, pb = key[2], self.se, self.main_t, self.probe_block
+
+        def spread_ms(u, rows: int) -> float:
+            return math.hypot(se(u, "tt", rows), (rows - 1) * se(u, "tc:" + src, 1))
+
+        main = spread_ms(main_t, B) / with_overhead(self.chain_ms(main_t, B, src), self.o_probe)
+        if t == main_t:
+            return main
+        return math.hypot(main, spread_ms(t, pb) / self.ref_ms(self.all_costs[t]))
+
+    def model(self, o: dict, op: dict) -> dict[Key, float]:
+        """Speedup over plain at the main thread count: E(rows) * plain step / (k * Tc + Tt(k + 1) + o)."""
+
+        def step(t):
+            return with_overhead(self.all_costs[t].t1_ms, op.get(t, 0.0))
+
+        plain = step(self.main_t)
+        out = {}
+        for t in self.tlist:
+            out[(1, t)] = plain / step(t)
+            for src in self.heads:
+                for B in self.cands:
+                    cycle = with_overhead(self.chain_ms(t, B, src), o.get(t, self.o_probe))
+                    out[(B, t, src)] = self.E[src][B] * plain / cycle
+        return out
+
+    def tau(self, key: Key) -> float | None:
+        return round(self.E[key[2]][key[0]], 3) if key[0] > 1 else None
+
+    def candidates_of(self, predicted: dict[Key, float]) -> list[Candidate]:
+        return [
+            Candidate(
+                k[0],
+                False,
+                tau=self.tau(k),
+                predicted=round(x, 4),
+                threads=k[1],
+                noise=round(self.noise(k), 4),
+                source=self.source_of(k) if k[0] > 1 else "dflash",
+            )
+            for k, x in predicted.items()
+        ]
+
+    def run_s(self, key: Key, n: int) -> float:
+        B, t = key[:2]
+        if B == 1:
+            return self.prefill_s + max(0, n - 1) * self.all_costs[t].t1_ms / 1e3
+        per = with_overhead(self.chain_ms(t, B, key[2]), self.o_probe)
+        return self.prefill_s + max(0, n - 1) / self.E[key[2]][B] * per / 1e3
+
+    def per_source(self, cands: Sequence[Candidate]) -> dict[str, tuple[Key, str, Key]]:
+        """Per chain drafter: the key ``decide.decide`` chooses over its depths and plain, why,
+        and its best depth by the model alone (the one it would run were plain not safer)."""
+        out = {}
+        for src in self.heads:
+            mine = [c for c in cands if c.block == 1 or c.source == src]
+            d = decide(mine, default_threads=self.dflt, floor=self.noise_floor)
+            t = d.threads
+            own = [c for c in mine if c.block > 1 and c.threads == t] or [c for c in mine if c.block > 1]
+            top = max(own, key=lambda c: (c.predicted, -c.block))
+            out[src] = ((d.block, d.threads) if d.block == 1 else (d.block, d.threads, src), d.why, top.key)
+        return out
+
+    def decision(self, cands: Sequence[Candidate]) -> tuple[Key, str]:
+        """The drafter whose choice the model puts first (plain when none beats it by its noise)."""
+        by_key = {c.key: c for c in cands}
+        each = self.per_source(cands)
+        named = {src: f"{SOURCE_NAMES[src]}: {why.removeprefix('off: ')}" for src, (_, why, _) in each.items()}
+        drafting = [(by_key[k].predicted, src) for src, (k, _, _) in each.items() if k[0] > 1]
+        if not drafting:
+            plain = max((k for k, _, _ in each.values()), key=lambda k: by_key[k].predicted)
+            return plain, "off: no chain drafter beats plain decoding by its noise (" + "; ".join(named.values()) + ")"
+        x, src = max(drafting)
+        key = each[src][0]
+        why = named[src]
+        others = [f"{named[o]}" for o in each if o != src]
+        if others:
+            why = f"{SOURCE_NAMES[src]} first (x{x:.2f}); {why}; " + "; ".join(others)
+        return key, why
+
+    def plan_race(self) -> None:
+        """Plain decoding against each chain drafter at the depth the first model chooses (its best
+        depth where plain is chosen), the depth the model puts first and its neighbours, and at
+        the runner-up thread count plain and the leader; planned within the budget."""
+        tlist, main_t = self.tlist, self.main_t
+        predicted = self.model({}, {})
+        by_thread = sorted(tlist, key=lambda t: (-max(x for k, x in predicted.items() if k[1] == t), t != main_t))
+        lead_t = by_thread[0]
+        self.dflt = main_t if len(tlist) > 1 else None
+        self.lead_t = lead_t
+        cands = self.candidates_of(predicted)
+        first_key, _ = self.decision(cands)
+        each = self.per_source(cands)
+        chosen = [k if k[0] > 1 else top for k, _, top in each.values()]  # every drafter races plain
+        tops = [(top[0], lead_t, top[2]) for _, _, top in each.values()]
+        near = []
+        for B, _, src in tops:  # the neighbours of each drafter's predicted best depth
+            i = self.cands.index(B)
+            near += [(b, lead_t, src) for b in self.cands[max(0, i - 1) : i + 2] if b != B]
+        keys = [(1, lead_t), first_key] + chosen + tops + near
+        if len(by_thread) > 1:  # the runner-up thread count: plain and the predicted leader
+            lead = max(tops, key=lambda k: predicted[k])
+            keys += [(1, by_thread[1]), (lead[0], by_thread[1], lead[2])]
+        keys = list(dict.fromkeys(keys))
+        self.first_key = first_key
+        self.afford(keys, [(1, lead_t), first_key] + chosen + tops)
+
+    def neighbours(self, key: Key) -> list[Key]:
+        """The next shallower and deeper chain of its drafter at its thread count, and its chain at
+        the next smaller and larger thread count."""
+        B, t = key[:2]
+        j = self.tlist.index(t)
+        if B == 1:
+            return [(1, u) for u in self.tlist[max(0, j - 1) : j + 2] if u != t]
+        src = key[2]
+        out = [(B, u, src) for u in self.tlist[max(0, j - 1) : j + 2] if u != t]
+        i = self.cands.index(B)
+        return out + [(b, t, src) for b in self.cands[max(0, i - 1) : i + 2] if b != B]
+
+    def shown(self) -> list[Key]:
+        lead_t = self.lead_t
+        first = [(1, lead_t)] + [(B, lead_t, src) for src in self.heads for B in self.cands]
+        return first + [k for k in self.predicted if k[1] != lead_t]
+
+    def chain_results(self, rows: Sequence[Candidate], best: Key) -> dict:
+        """Per chain drafter: its acceptance, head pass, the depth the tuner chose for it (its
+        model's best where plain won), the model's speedup there and the race's, in rounds."""
+        res, each = self.res, self.per_source(rows)
+        by_key = {c.key: c for c in rows}
+        out = {}
+        for src, (key, _, top) in each.items():
+            if len(best) > 2 and best[2] == src:
+                key = best  # (the race may have overruled the model's depth)
+            elif key[0] == 1:
+                key = top
+            ratio = res.ratio.get(key)
+            out[src] = {
+                "acceptance_by_position": [round(a, 4) for a in self.chain_acc[src]],
+                "pass_ms": self.costs.tc_ms[src],
+                "depth": key[0] - 1,
+                "predicted": by_key[key].predicted,
+                "speedup": round(statistics.median(ratio), 4) if ratio else None,
+                "rounds": len(ratio or ()),
+            }
+        return out
+
+    def best_source(self, rows: Sequence[Candidate], chosen: Key) -> str:
+        if len(chosen) > 2:
+            return chosen[2]
+        spec = [c for c in rows if c.block > 1]
+        return max(spec, key=lambda c: c.predicted).source if spec else self.heads[0]
 
 
 def tune(
@@ -675,13 +987,19 @@ def tune(
     noise_floor: float = NOISE_FLOOR,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TuneResult:
-    """Measure and choose the block size and BLAS thread count for this pair on this machine
-    (see the module docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
+    """Measure and choose the block size and BLAS thread count for this pair on this machine (for a
+    pair without a DFlash drafter: each chain drafter's depth, ``ChainSweep``; see the module
+    docstring; nothing is stored: ``ensure_tuned`` stores). ``threads``: thread
     counts to try (default: 1, powers of two, all cores; one value where the user pinned it; None
     where there is no knob). ``cost_rounds``: timed pass-cost rounds, past the first number (and
     up to the second) only within ``COSTS_SHARE`` of the budget; ``probe_prompts``: prompts in
     the acceptance probe."""
-    sweep = Sweep(
+    if pair.drafter is None and not (getattr(pair, "chains", None) or {}):
+        raise BadRequest(
+            "nothing to tune: the pair drafts with no model (no DFlash drafter, no chain drafter; "
+            "lookup drafts have no pass to time)"
+        )
+    sweep = (Sweep if pair.drafter is not None else ChainSweep)(
         pair,
         budget_s=budget_s,
         progress=progress,

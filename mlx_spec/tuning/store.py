@@ -23,6 +23,7 @@ from ..costs import Costs
 
 log = logging.getLogger(__name__)
 
+SOURCE_NAMES = {"dflash": "DFlash", "mtp": "MTP", "eagle": "EAGLE-3"}  # (as the engine line names them)
 # 4: the curve's measured context term (ctx_ms, ctx_draft_ms) and the chain drafters' head pass
 # (Tc), acceptance prior and depth; 3: BLAS threads
 FORMAT = 4
@@ -152,19 +153,21 @@ def _weights(path_or_id: str) -> str:
 
 def tune_key(pair) -> dict:
     """What the answer depends on: the machine and, per model, the weights' identity
-    (``weights_id``) and quantization as loaded (the target's K/V quantization and the drafting
-    window where set). The ``id`` (as the command spelled it) is kept
-    for people reading the file, and is no part of the key (``identity``)."""
+    (``weights_id``) and quantization as loaded: the target (with its K/V quantization where
+    set), the DFlash drafter (with its drafting window where set; none in a pair that drafts with
+    chain drafters alone) and each chain drafter loaded. The ``id`` (as the command spelled it) is
+    kept for people reading the file, and is no part of the key (``identity``)."""
     key = {
         "machine": machine_info(),
         "target": {"id": pair.target_id, "weights": _weights(pair.target_id), "quant": quantization(pair.model)},
-        "drafter": {
+    }
+    if pair.drafter is not None:  # (a pair drafting with chain drafters alone has no DFlash entry)
+        key["drafter"] = {
             "id": pair.drafter_id,
             "weights": _weights(pair.drafter_id),
             "quant": quantization(pair.drafter),
             "draft_vocab": pair.drafter.vocab_size_drafted or "full",
-        },
-    }
+        }
     for kind, chain in sorted((getattr(pair, "chains", None) or {}).items()):  # (a chain drafter: its own)
         ref = pair.chain_ids.get(kind, kind)
         key[kind] = {"id": ref, "weights": _weights(ref), "quant": quantization(chain)}
@@ -220,14 +223,37 @@ class Candidate:
     final: bool = False  # still in the race at the end
     threads: int | None = None  # BLAS threads it ran with (None: no thread knob here)
     noise: float | None = None  # relative standard error of ``predicted`` (from the pass timings)
+    source: str = (
+        "dflash"  # what drafts: a DFlash block of ``block`` rows, or a chain ("mtp", "eagle") of depth block - 1
+    )
 
     @property
     def label(self) -> str:
-        return "off" if self.block == 1 else str(self.block)
+        if self.block == 1:
+            return "off"
+        return str(self.block) if self.source == "dflash" else f"{self.source} k={self.block - 1}"
 
     @property
-    def key(self) -> tuple[int, int | None]:
-        return self.block, self.threads
+    def what(self) -> str:
+        """The candidate in words: "DFlash B=4", "MTP k=3", "EAGLE-3 k=2", "plain"."""
+        if self.block == 1:
+            return "plain"
+        return (
+            f"DFlash B={self.block}" if self.source == "dflash" else f"{SOURCE_NAMES[self.source]} k={self.block - 1}"
+        )
+
+    @property
+    def key(self) -> tuple:
+        """(block, threads) for DFlash and plain; (rows, threads, source) for a chain."""
+        return (
+            (self.block, self.threads)
+            if self.source == "dflash" or self.block == 1
+            else (
+                self.block,
+                self.threads,
+                self.source,
+            )
+        )
 
     @property
     def score(self) -> float | None:
@@ -253,8 +279,12 @@ class TuneResult:
     overhead_ms: float | None = None  # per-cycle time beyond the two passes, pooled over the race
     phases: dict = field(default_factory=dict)  # where the time went: probe_s, costs_s, cost_rounds, race_s, ...
     # per chain drafter ("mtp", "eagle"): acceptance_by_position (its probe at the deepest chain),
-    # pass_ms (Tc, one head pass), depth (the depth the model puts first) and predicted (its speedup)
+    # pass_ms (Tc, one head pass), depth (the depth the model puts first) and predicted (its
+    # speedup); in a pair without a DFlash drafter also speedup and rounds (the race's, at that depth)
     chains: dict = field(default_factory=dict)
+    # what ``best`` drafts with: "dflash" (a block of ``best`` rows), or in a pair without a DFlash
+    # drafter the chain drafter ("mtp", "eagle") whose chain of depth best - 1 the tuner chose
+    best_source: str = "dflash"
 
     @property
     def block_size(self) -> int:
@@ -302,8 +332,15 @@ class TuneResult:
             return f"tuned {day}"
         spec = [c for c in self.candidates if c.block > 1 and c.score is not None and c.threads == self.threads]
         best = max(spec, key=lambda c: c.score, default=None)
-        why = f"; best DFlash B={best.block} x{best.score:.2f}" if best else ""
+        why = f"; best {best.what} x{best.score:.2f}" if best else ""
         return f"tuned {day}: off — plain decoding faster on this machine{why}"
+
+    @property
+    def chosen(self) -> str:
+        """What the result chose, in words: "DFlash B=4", "MTP k=3" or "off"."""
+        if self.best == 1:
+            return "off"
+        return Candidate(self.best, False, source=self.best_source).what
 
     def as_dict(self) -> dict:
         return {
@@ -314,7 +351,7 @@ class TuneResult:
             "key": self.key,
             "candidates": [
                 {
-                    "block": c.label,
+                    "block": "off" if c.block == 1 else str(c.block),  # (rows: a chain's depth + 1)
                     **{
                         k: getattr(c, k)
                         for k in (
@@ -329,6 +366,7 @@ class TuneResult:
                             "final",
                             "threads",
                             "noise",
+                            "source",
                         )
                     },
                 }
@@ -345,6 +383,7 @@ class TuneResult:
             "overhead_ms": self.overhead_ms,
             "phases": dict(self.phases),
             "chains": {k: dict(v) for k, v in self.chains.items()},
+            "best_source": self.best_source,
         }
 
     @classmethod
@@ -366,6 +405,7 @@ class TuneResult:
                 bool(c.get("final", False)),
                 _opt_int(c.get("threads")),
                 c.get("noise"),
+                str(c.get("source", "dflash")),
             )
             for c in d["candidates"]
         )
@@ -386,6 +426,7 @@ class TuneResult:
             d.get("overhead_ms"),
             dict(d.get("phases") or {}),
             {str(k): dict(v) for k, v in (d.get("chains") or {}).items()},
+            str(d.get("best_source", "dflash")),
         )
 
 

@@ -302,7 +302,7 @@ class ChatScreen(Screen):
         return SpecView(
             mode=mode,
             method=info.method,
-            block_size=info.block_size,
+            block_size=info.block_size if info.drafter is not None or not info.chains else 0,  # (no DFlash: no block)
             block_source=info.block_size_source,
             tau=s.mean_acceptance_length,
             acceptance=s.acceptance_rate,

@@ -114,14 +114,20 @@ class TunerScreen(Screen):
         table.clear()
         for r in view.rows:
             table.add_row(
-                "off (plain)" if r.block_size == 1 else str(r.block_size),
+                "off (plain)" if r.block_size == 1 else r.label or str(r.block_size),
                 "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
                 "–" if r.speedup is None else f"{r.speedup:.2f}×",
                 "–" if r.tau is None else f"{r.tau:.2f}",
                 r.note,
-                "◀ chosen" if r.block_size == view.best else "",
+                "◀ chosen" if (r.label == view.chosen if view.chosen else r.block_size == view.best) else "",
             )
-        best = f"block size {view.best}" if view.best > 1 else "off: plain decoding is faster here"
+        best = (
+            f"chain {view.chosen}"
+            if view.chosen
+            else f"block size {view.best}"
+            if view.best > 1
+            else "off: plain decoding is faster here"
+        )
         base = f"; plain decoding {view.baseline_tps:.1f} tok/s" if view.baseline_tps else ""
         self._status(f"Chosen: {best} ({view.source}){base}. Esc: back to the chat.")
 

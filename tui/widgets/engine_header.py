@@ -27,7 +27,17 @@ def describe(info: EngineInfo | None, speculate: bool) -> tuple[str, str]:
         return f"plain decoding · target {target} (--no-draft: no drafter loaded)", "PLAIN"
     if info.mode == TUNED_OFF:  # the tuner chose "off" for this machine
         return (f"plain decoding · target {target} · drafter {drafter} unused: {info.block_size_source}"), "PLAIN"
-    line = f"{info.method} · target {target} · drafter {drafter} · block {info.block_size} ({info.block_size_source})"
+    if info.drafter is None and info.chains:  # chain drafters without DFlash: their depths and where they came from
+        depths = dict(info.depths)
+        heads = " · ".join(
+            f"{'MTP head' if k == 'mtp' else 'EAGLE-3'}" + (f" depth {depths[k]}" if k in depths else "")
+            for k, _ in info.chains
+        )
+        line = f"{info.method} · target {target} · {heads} ({info.block_size_source})"
+    else:
+        line = (
+            f"{info.method} · target {target} · drafter {drafter} · block {info.block_size} ({info.block_size_source})"
+        )
     if info.draft_vocab:
         line += f" · draft vocab {info.draft_vocab}"
     if info.group.size > 1:  # the target sharded over an mlx.launch group (docs/distributed.md)

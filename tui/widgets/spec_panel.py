@@ -78,7 +78,10 @@ def render_numbers(v: SpecView) -> Text:
     t.append(modes[v.mode] + "\n", style="bold reverse" if v.mode != "spec" else "bold")
     if v.mode in ("spec", "idle") and v.method not in ("", "plain"):
         row("method", v.method)
-        row("block", str(v.block_size), v.block_source)
+        if v.block_size:
+            row("block", str(v.block_size), v.block_source)
+        else:  # chain drafters without DFlash: where their depths came from
+            row("chains", "per cycle", v.block_source)
     if v.mode == "spec":
         row("τ", f"{v.tau:.2f}", "tokens/cycle")
         row("accept", f"{v.acceptance:.1%}", "of drafts")
