@@ -1100,11 +1100,20 @@ def test_mlx_lm_server_multiplies_with_our_blas_and_keeps_a_users_preload(monkey
     assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env["LD_PRELOAD"] == "/x/libmkl_rt.so.3:/y/libjemalloc.so"
 
 
+def _rounded_apart(h: mx.array) -> mx.array:
+    """``h`` moved by about two float16 ulps (relative 2**-9), in its own dtype: what kernels that
+    sum in another order give a 16-bit pass (far below a wrong mirror's differences of order one)."""
+    return (h.astype(mx.float32) * (1 + 2**-9)).astype(h.dtype)
+
+
 @pytest.mark.parametrize("form", ["4-bit", "8-bit", "float16"])
-def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form):
+def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form, monkeypatch):
     """A quantized drafter's ``fc`` holds packed weights (its width is not the features'), and a
-    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences."""
-    from mlx_spec import quantize
+    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences. This
+    CPU's packed pass and the drafter's own agree bit for bit in float16, so the float16 case
+    rounds the packed pass apart by about two float16 ulps (as another kernel order may): the
+    check's 16-bit tolerance takes it, float32's would not."""
+    from mlx_spec import batch, quantize
 
     model, cfg = dense
     if form == "float16":  # the pair in float16: the drafter's activations too (its block's embedding is the target's)
@@ -1113,10 +1122,26 @@ def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(den
     target, d, _ = tiny_drafter(model, cfg, v2=True)
     if form == "float16":
         d.set_dtype(mx.float16)
+        real = batch.draft_hidden_many
+        monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: _rounded_apart(real(*a, **k)))
     else:
         assert quantize.quantize_module(d, int(form[0]), 32) > 0 and quantize.is_quantized(d)
     dec = BatchDecoder(target, d, block_size=4, max_batch=4)
-    assert dec.packed_drafter and dec.drafter_path == "one pass for all"
+    assert dec.packed_drafter and dec.drafter_path == "one pass for all", dec.drafter_path
+
+
+def test_a_float32_drafter_gets_no_16_bit_allowance(dense, monkeypatch):
+    """The same two-ulp-of-float16 difference in a float32 drafter's packed pass is a mirror
+    that is wrong (float32 rounds at ~1e-7): the packed pass is off, and says by how much."""
+    from mlx_spec import batch
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    real = batch.draft_hidden_many
+    monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: _rounded_apart(real(*a, **k)))
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert not dec.packed_drafter
+    assert "in mlx.core.float32 (tolerance 1e-05)" in dec.drafter_path, dec.drafter_path
 
 
 def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dense, monkeypatch, caplog):
