@@ -89,6 +89,9 @@ class Step:
     # then have verified a prefix of it or the lookup's draft: block_size is what was verified
     # points where the loop waited for the device this step (``DeviceWaits``; 0: not counted)
     host_syncs: int = 0
+    # the drafter's tokens were read in the verify's one wait (nothing to pick): ``verify_ms``
+    # times both passes, from the drafter's graph to the target's choices, and ``draft_ms`` is 0
+    draft_in_verify: bool = False
 
 
 def untimed(step: Step) -> Step:
@@ -658,10 +661,19 @@ class PackedTarget:
             out.append(SegOut(lg, hid, records[k]))
         return out
 
-    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
+    def rollback(
+        self,
+        cache: list,
+        records: dict,
+        n_verified: int,
+        n_keep: int,
+        row: Row | None = None,
+        waits: DeviceWaits | None = None,
+    ) -> None:
         """Keep the first ``n_keep`` of the last ``n_verified`` rows of one sequence's cache
         (attention trimmed, in its ``row`` of the batch's K/V for the slotted layers; GDN state
-        rebuilt from that sequence's records of the pass)."""
+        rebuilt from that sequence's records of the pass, lazily: the decoder evaluates every
+        sequence's GDN state after the step through its ``waits``)."""
         n = n_verified - n_keep
         if n <= 0:
             return
@@ -704,8 +716,23 @@ class OwnForward:
             out.append(SegOut(lg, o.hidden if taps else None, {}))
         return out
 
-    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
-        if n_verified > 1:
+    def rollback(
+        self,
+        cache: list,
+        records: dict,
+        n_verified: int,
+        n_keep: int,
+        row: Row | None = None,
+        waits: DeviceWaits | None = None,
+    ) -> None:
+        """The target's own rollback; a hybrid target's rebuilt GDN state is waited for through
+        ``waits`` (counted with the step's other waits). A stand-in target without GDN layers
+        is called as ``rollback(cache, n_verified, n_keep)``."""
+        if n_verified <= 1:
+            return
+        if waits is not None and getattr(self.t, "gdn", None):
+            self.t.rollback(cache, n_verified, n_keep, wait=waits.eval)
+        else:
             self.t.rollback(cache, n_verified, n_keep)
 
 
@@ -925,11 +952,18 @@ class BatchBudget:
         self.explore_every, self._drafted_run = 16, 0
 
     def observe(
-        self, rows: int, drafting: int, ms: float, draft_ms: float = 0.0, extra: int = 0, seqs: int | None = None
+        self,
+        rows: int,
+        drafting: int,
+        ms: float,
+        draft_ms: float | None = 0.0,
+        extra: int = 0,
+        seqs: int | None = None,
     ) -> None:
         """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
-        ``draft_ms`` of it in the drafter pass (0: none ran); ``seqs``: sequences that drafted,
-        from any source (default ``drafting``)."""
+        ``draft_ms`` of it in the drafter pass (0: none ran; None: it ran but was not timed apart,
+        its drafts read in the verify's wait); ``seqs``: sequences that drafted, from any source
+        (default ``drafting``)."""
         self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs))
         self._stale = True
 
@@ -947,9 +981,10 @@ class BatchBudget:
         drafter pass on ``[1, rows, prefill rows, drafting sequences]`` (a prefill row attends over
         a short context: cheaper than a decoding row, so it gets its own slope; a drafting
         sequence costs its own attention call and acceptance beyond its rows); the drafter pass,
-        where one ran, on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to
-        settle what the steps cannot tell apart (rows always 8: intercept vs per-row), weak enough
-        that 64 steps are not biased."""
+        where one ran and was timed apart, on ``[1, drafting]`` (a step that read its drafts in
+        the verify's wait has the last fit's drafter pass taken out). Pseudo-observations pull
+        toward the prior: enough to settle what the steps cannot tell apart (rows always 8:
+        intercept vs per-row), weak enough that 64 steps are not biased."""
         import numpy as np
 
         def ridge(X, y, p, lam):
@@ -957,11 +992,14 @@ class BatchBudget:
             return np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + np.diag(lam) @ p), p
 
         pa, pb, pc, pe = self.prior
+        last = self._costs
         X = np.array([[1.0, r, x, k] for r, _, _, _, x, k in self.obs])
-        y = np.array([ms - dm for _, _, ms, dm, _, _ in self.obs])
+        y = np.array(
+            [ms - (dm if dm is not None else last.drafter_pass + last.draft_seq * d) for _, d, ms, dm, _, _ in self.obs]
+        )
         (a, b, f, g), p = ridge(X, y, np.array([pa, pb, pb, pc]), [0.25, 1.0, 1.0, 1.0])
         a, b, f, g = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0), max(g, 0.0)
-        drew = [(d, dm) for _, d, _, dm, _, _ in self.obs if d > 0 and dm > 0]
+        drew = [(d, dm) for _, d, _, dm, _, _ in self.obs if d > 0 and dm]
         if drew:
             (e, c), _ = ridge(
                 np.array([[1.0, d] for d, _ in drew]),
@@ -1468,10 +1506,14 @@ class BatchDecoder:
                 )
         ran = len(props)  # drafter passes this step
         ids = list(props)
-        # the drafts (and the drafter's confidence) on the host: one wait for all
+        # pick decides the verify from the drafts and the drafter's confidence: where a sequence
+        # picks, every draft is read first (one wait for all). Where none does (a fixed block, a
+        # sampled cycle, a batch without lookup proposals) the verify is built on the lazy drafts
+        # and they are read with the target's choices, in its one wait.
+        lazy = bool(props) and all(props[sid].confidence is None for sid in ids)
         got = (
             self.waits.read(*[x for sid in ids for x in (props[sid].tokens, props[sid].confidence) if x is not None])
-            if props
+            if props and not lazy
             else []
         )
         td = time.perf_counter()
@@ -1480,9 +1522,11 @@ class BatchDecoder:
         ran_block: dict[int, int] = {}
         j = 0
         for sid in ids:
-            drafts[sid] = got[j]
-            conf = got[j + 1] if props[sid].confidence is not None else None
-            j += 1 + (conf is not None)
+            conf = None
+            if not lazy:  # (lazy: the drafts come with the choices)
+                drafts[sid] = got[j]
+                conf = got[j + 1] if props[sid].confidence is not None else None
+                j += 1 + (conf is not None)
             props[sid] = (props[sid], conf)
         blocks = []
         for k, (s, d) in enumerate(zip(decoding, decisions)):
@@ -1504,13 +1548,23 @@ class BatchDecoder:
                 if not s.sampling.greedy:  # a point-mass proposal
                     props[s.id] = Proposal(mx.array(drafts[s.id], mx.int32), None)
             decisions[k] = d
-            blocks.append(len(drafts.get(s.id, ())) + 1)
+            blocks.append(
+                len(drafts[s.id]) + 1 if s.id in drafts else (int(p.tokens.shape[0]) + 1 if p is not None else 1)
+            )
+        # lazy: the drafter's tokens, read with the target's choices
+        unread = [s.id for s in decoding if s.id in props and s.id not in drafts]
 
         # verify: one target pass over every decoding sequence's rows and the prefill chunks
-        ts = time.perf_counter()  # (pick and the host's work before it are the step's overhead)
+        # (from the drafter's graph when the drafts are read with the choices: both passes; else
+        # pick and the host's work before it are the step's overhead)
+        ts = tc if lazy else time.perf_counter()
         segs = []
         for s in decoding:
-            segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
+            if s.id in unread:
+                row = mx.concatenate([mx.array([s.anchor_id], mx.int32), props[s.id].tokens.astype(mx.int32)])
+            else:
+                row = mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32)
+            segs.append(Seg(row, s.cache, True, "all", s.row))
         for s, n in chunks:
             last = s.done + n == len(s.prompt)
             segs.append(
@@ -1550,8 +1604,15 @@ class BatchDecoder:
             if k not in set(greedy)
         }
         tw = time.perf_counter()
-        if decoding:  # the target's choices and the sampled acceptances: one wait (the verify pass ends here)
-            got = self.waits.read(*([] if choice is None else [choice]), *sampled.values())
+        # the target's choices, the sampled acceptances and the drafts not read yet: one wait (the
+        # verify pass ends here)
+        if decoding:
+            got = self.waits.read(
+                *([] if choice is None else [choice]), *sampled.values(), *[props[sid].tokens for sid in unread]
+            )
+            for sid, toks in zip(unread, got[len(got) - len(unread) :]):
+                drafts[sid] = toks
+            got = got[: len(got) - len(unread)]
             if choice is not None:
                 flat, r = got.pop(0), 0
                 for k in greedy:
@@ -1573,7 +1634,7 @@ class BatchDecoder:
             else:
                 a, bonus = sampled[k]
             tr0 = time.perf_counter()
-            self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
+            self.packed.rollback(s.cache, out.records, L, a + 1, s.row, self.waits)
             rollback_s += time.perf_counter() - tr0
             if s.dcache is not None:
                 s.pending.append(out.hidden[:, : a + 1])
@@ -1586,8 +1647,9 @@ class BatchDecoder:
                 L,
                 a,
                 decisions[k].source,
-                (td - tc) * 1e3 if s.id in ran_block else 0.0,
+                (td - tc) * 1e3 if s.id in ran_block and not lazy else 0.0,
                 ran_block.get(s.id, 0),
+                lazy and s.id in ran_block,
             )
             if ahead is not None:
                 self._fed_ahead(s, ahead.outs[k])
@@ -1647,7 +1709,7 @@ class BatchDecoder:
             blocks,
             extra,
             ran,
-            (td - tc) * 1e3 if ran else 0.0,
+            None if lazy else (td - tc) * 1e3 if ran else 0.0,
             verify_ms,
             rollback_s * 1e3,
             self.waits.count - waits0,
@@ -1740,10 +1802,12 @@ class BatchDecoder:
         source: str,
         draft_ms: float,
         draft_block: int = 0,
+        draft_in_verify: bool = False,
     ) -> Step:
         """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
         index, its new anchor, its acceptance and probe spacing (``draft_block``: the block its
-        drafter ran at, 0 if it did not run)."""
+        drafter ran at, 0 if it did not run; ``draft_in_verify``: its drafts were read in the
+        verify's wait)."""
         committed, reason = truncate_reply(accepted + [bonus], s.n, s.max_tokens, s.eos)
         s.n += len(committed)
         if s.index is not None:
@@ -1767,6 +1831,7 @@ class BatchDecoder:
             finish_reason=reason,
             source=source,
             draft_block=draft_block,
+            draft_in_verify=draft_in_verify,
         )
 
     def _close(
@@ -1779,7 +1844,7 @@ class BatchDecoder:
         blocks: list[int],
         extra: int,
         ran: int,
-        draft_ms: float,
+        draft_ms: float | None,
         verify_ms: float,
         rollback_ms: float,
         waits: int,

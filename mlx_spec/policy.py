@@ -507,7 +507,14 @@ class DraftPolicy:
         L = step.drafted + 1
         source = step.source or (DFLASH if step.drafted else PLAIN)
         trimmed = source == DFLASH and L == 1  # pick(trim=True) verified the anchor alone
-        if step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
+        if step.draft_in_verify and step.verify_ms > 0:
+            # one wait timed both passes (the drafts read with the verify's choices): one scale
+            # for both, from their sum (the line prices the verify alone: not fed)
+            ran = step.draft_block or L
+            r = step.verify_ms / max(self._table(L)[0] + self._table(ran)[1], 1e-6)
+            self.scale["verify"] = _ema(self.scale["verify"], r)
+            self.scale["draft"] = _ema(self.scale["draft"], r)
+        elif step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
             self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             if L > 1:  # the line prices drafts: pipelined plain steps are another regime

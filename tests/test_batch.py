@@ -638,6 +638,22 @@ def test_prefill_rows_do_not_bend_the_decoding_rows_cost():
     assert abs(pol.costs(8, 0) - 120) < 5 and abs(pol.costs(8, 0, 500) - 1120) < 60
 
 
+def test_a_step_timed_in_one_wait_has_the_drafter_pass_taken_out():
+    """A drafting step that read its drafts with the verify's choices has no drafter time of its
+    own (``draft_ms`` None): the last fit's drafter pass is taken out of it, so the rest of the
+    step keeps its cost (not the drafter's booked to the rows and the drafting sequences)."""
+    pol = _fitted(72.0, 6.0, 4.0, 12.0, steps=48)
+    timed = pol.costs
+    for k in range(48):
+        n = 1 + k % 8
+        d = 1 + k % n
+        rows = n + 3 * d
+        pol.observe(rows, d, 72 + 6 * rows + 4 * d + 12, None)
+    c = pol.costs
+    assert abs(c.base - 72) < 5 and abs(c.row - 6) < 0.5 and c.seq < 1.0
+    assert abs(c.drafter_pass - timed.drafter_pass) < 1 and abs(c(14, 2) - timed(14, 2)) < 3
+
+
 def test_step_costs_are_refitted_only_when_read():
     """A long run of plain steps (no sequence asks to draft, nothing reads the costs) pays for no
     fit; the first read after new steps refits once, and sees all of them."""

@@ -249,9 +249,10 @@ class _Script:
 
 
 def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
-    """Waits for the device per cycle, single stream: a DFlash cycle two (its drafts and the
-    drafter's confidence, which ``pick`` decides the verify from; then the target's choices), a
-    lookup cycle and a plain step one (the target's choices). ``Step.host_syncs`` says the same."""
+    """Waits for the device per cycle, single stream, with a greedy policy: a DFlash cycle two
+    (its drafts and the drafter's confidence, which ``pick`` decides the verify from; then the
+    target's choices), a lookup cycle and a plain step one (the target's choices).
+    ``Step.host_syncs`` says the same."""
     model, cfg = tiny_model("qwen3")
     target, drafter, _ = tiny_drafter(model, cfg)
     prompt = LONG + LONG[:20]  # the lookup finds the prompt's own repeat
@@ -265,3 +266,45 @@ def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
     assert per == {"dflash": {2}, "lookup": {1}, "plain": {1}}, per
     ref = greedy_reference(model, prompt, 12)
     assert _tokens(steps) == ref
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_cycle_without_a_pick_waits_once(sampled):
+    """No pick to make (a fixed block, no policy; or a sampled cycle): the verify is built on the
+    lazy drafts, and the drafts are read with the target's choices in one wait per cycle, booked
+    as one time (``draft_in_verify``: ``verify_ms`` times both passes, ``draft_ms`` is 0). The
+    output is still the target's."""
+    from mlx_spec.sampling import SamplingConfig
+
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg)
+    sampling = SamplingConfig(1.0, seed=3) if sampled else SamplingConfig()
+    waits = _CountingWaits()
+    steps = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, sampling=sampling, waits=waits))
+    cycles = [s for s in steps[1:] if s.draft_block]
+    assert cycles and sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
+    assert {s.host_syncs for s in cycles} == {1}, [s.host_syncs for s in cycles]
+    assert all(s.draft_in_verify and s.draft_ms == 0 and s.verify_ms > 0 for s in cycles)
+    if not sampled:
+        assert _tokens(steps) == greedy_reference(model, SHORT, 12)
+    else:  # the same seed, the same text (the drafts read later change no key)
+        again = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, sampling=sampling))
+        assert _tokens(again) == _tokens(steps)
+
+
+def test_a_hybrid_targets_rollback_waits_through_the_counted_waits():
+    """A hybrid (GDN) target's rollback rebuilds its state and waits for it: that wait goes
+    through ``DeviceWaits`` too, one more on every cycle that rolled back."""
+    from test_hybrid import build
+
+    model, cfg = build("qwen3_next")
+    target, drafter, _ = tiny_drafter(model, cfg)
+    waits = _CountingWaits()
+    steps = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, waits=waits))
+    cycles = [s for s in steps[1:] if s.draft_block]
+    rolled = [s for s in cycles if s.accepted < s.drafted]
+    assert rolled and sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
+    # the rollbacks' waits counted (and the prefill's caches, evaluated once)
+    assert waits.calls.count("eval") == len(rolled) + 1 and steps[0].host_syncs == 2
+    assert all(s.host_syncs == 2 for s in rolled) and all(s.host_syncs == 1 for s in cycles if s not in rolled)
+    assert _tokens(steps) == greedy_reference(model, SHORT, 12)
