@@ -99,6 +99,25 @@ def dense():
     return model, cfg
 
 
+def test_a_batch_with_nothing_to_pick_waits_once_per_step(dense):
+    """Fixed blocks (no policy, so no pick) in a batch through the packed drafter pass: every
+    sequence's drafts are read with the target's choices, one wait per step, and the output is
+    each sequence's alone."""
+    from test_decode import _CountingWaits
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    waits = _CountingWaits()
+    dec = BatchDecoder(target, d, block_size=4, max_batch=len(PROMPTS), policy=AlwaysDraft(), waits=waits)
+    assert dec.packed_drafter
+    got, steps = _run_batch(dec, [dict(prompt=p, max_tokens=N) for p in PROMPTS])
+    drafted = [s for ss in steps.values() for s in ss if s.draft_block]
+    assert drafted and all(s.host_syncs == 1 and s.draft_in_verify and s.draft_ms == 0 for s in drafted)
+    assert [got[i] for i in range(len(PROMPTS))] == [
+        _tokens(spec_steps(target, d, p, block_size=4, max_tokens=N)) for p in PROMPTS
+    ]
+
+
 @pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
 @pytest.mark.parametrize("policy", [AlwaysDraft, BatchBudget], ids=["always", "policy"])
 def test_batched_equals_alone_dense(dense, v2, policy):
