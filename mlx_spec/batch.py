@@ -385,14 +385,16 @@ class BatchKV:
                 fresh.append(b)
         mx.eval(fresh)
 
-    def join(self, cache: list) -> Row:
-        """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied)."""
+    def join(self, cache: list, more: int = 0) -> Row:
+        """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied).
+        ``more``: sequences that join right after it (room is made for all of them at once: the
+        buffers are copied once per step's joiners, not once per joiner)."""
         off = cache[self.layers[0]].offset
         if off < 1 or any(cache[i].offset != off for i in self.layers):
             raise MlxSpecError("a sequence joins the batch's K/V with its caches at one common offset")
         like = {i: cache[i].keys for i in self.layers} | {-i - 1: cache[i].values for i in self.layers}
         row = Row(len(self.rows), off)
-        self._reserve(row.slot + 1, off, like)
+        self._reserve(row.slot + 1 + max(0, more), off, like)
         for i in self.layers:
             c = cache[i]
             self.keys[i][row.slot : row.slot + 1, :, :off] = c.keys[..., :off, :]
@@ -403,35 +405,49 @@ class BatchKV:
 
     def leave(self, row: Row, cache: list | None) -> None:
         """Drop a row; with ``cache``, first hand its K/V back into those (parked) caches."""
-        j, off = row.slot, row.offset
+        self.leave_many([(row, cache)])
+
+    def leave_many(self, leaving: Sequence[tuple[Row, list | None]]) -> None:
+        """Drop rows (``leave`` for each, in order), the buffers rearranged once for all of them."""
         try:
-            if cache is not None:
-                back = []
+            back = []
+            for row, cache in leaving:
+                if cache is None:
+                    continue
+                j, off = row.slot, row.offset
                 for i in self.layers:
                     c = cache[i]
                     c.keys = mx.contiguous(self.keys[i][j : j + 1, :, :off])
                     c.values = mx.contiguous(self.values[i][j : j + 1, :, :off])
                     c.offset = off
                     back += [c.keys, c.values]
+            if back:
                 mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
-        finally:  # the row goes even when handing its K/V back failed
-            self._drop(row)
+        finally:  # the rows go even when handing their K/V back failed
+            self._drop([row for row, _ in leaving])
 
-    def _drop(self, row: Row) -> None:
-        j = row.slot
-        last = self.rows.pop()
-        if last is not row:
-            n = last.offset
-            for store in (self.keys, self.values):
-                for i in self.layers:
-                    store[i][j : j + 1, :, :n] = store[i][last.slot : last.slot + 1, :, :n]
-            last.slot = j
-            self.rows[j] = last
-        row.slot = -1
+    def _drop(self, rows: Sequence[Row]) -> None:
+        """Each leaving row's slot goes to the last row, in turn; the rows that moved are copied
+        to their new slots in one scatter (a copy per row would copy the buffers per row)."""
+        was = {id(r): r.slot for r in self.rows}
+        for row in rows:
+            j = row.slot
+            last = self.rows.pop()
+            if last is not row:
+                last.slot = j
+                self.rows[j] = last
+            row.slot = -1
         if not self.rows:
             self.keys, self.values = {}, {}
-        else:
-            self._fit()
+            return
+        moved = [r for r in self.rows if was[id(r)] != r.slot]
+        if moved:
+            dst = mx.array([r.slot for r in moved], mx.int32)
+            src = mx.array([was[id(r)] for r in moved], mx.int32)
+            for store in (self.keys, self.values):
+                for i in self.layers:
+                    store[i][dst] = store[i][src]
+        self._fit()
 
     def plan(self, blocks: Sequence[int]) -> RowsPlan:
         """This step's plan for blocks of ``blocks[b]`` query rows for row b (slot order); the
@@ -1307,11 +1323,13 @@ class BatchDecoder:
             hand_over(s.on_exit, lambda: s.final(self.drafter))
             self._drop_queued()
 
-    def _release(self, s: _Seq) -> None:
-        """Its row of the batch's K/V goes (its own caches get their K/V back if kept)."""
-        if s.row is not None:
-            self.kv.leave(s.row, s.cache if s.on_exit is not None else None)
-            s.row = None
+    def _release(self, *seqs: _Seq) -> None:
+        """Their rows of the batch's K/V go (their own caches get their K/V back if kept)."""
+        rows = [s for s in seqs if s.row is not None]
+        if rows:
+            self.kv.leave_many([(s.row, s.cache if s.on_exit is not None else None) for s in rows])
+            for s in rows:
+                s.row = None
 
     def close(self) -> None:
         for sid in list(self._seqs):
@@ -1659,7 +1677,9 @@ class BatchDecoder:
         if self.gdn and isinstance(self.packed, PackedTarget):
             self.waits.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.gdn])
 
-        # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first token
+        # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first
+        # token (every such sequence's, read in one wait)
+        firsts = []
         for k, (s, n) in enumerate(chunks, start=len(decoding)):
             out = outs[k]
             s.done += n
@@ -1670,7 +1690,9 @@ class BatchDecoder:
             if s.done < len(s.prompt):
                 continue
             s.key, sub = mx.random.split(s.key)
-            (s.anchor_id,) = self.waits.read(sample_target(out.logits, s.sampling, sub)[0])
+            firsts.append((s, sample_target(out.logits, s.sampling, sub)[0]))
+        for (s, _), first in zip(firsts, self.waits.read(*[t for _, t in firsts]) if firsts else []):
+            s.anchor_id = first
             s.fed = list(s.prompt)
             toks, reason = truncate_reply([s.anchor_id], 0, s.max_tokens, s.eos)
             s.n = len(toks)
@@ -1696,9 +1718,9 @@ class BatchDecoder:
                 [c.state for s, _ in chunks if s.dcache is not None for c in s.dcache],
             )
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
-                for s, _ in chunks:
-                    if s.anchor_id >= 0 and s not in finished:
-                        s.row = self.kv.join(s.cache)
+                joining = [s for s, _ in chunks if s.anchor_id >= 0 and s not in finished]
+                for j, s in enumerate(joining):
+                    s.row = self.kv.join(s.cache, more=len(joining) - 1 - j)
         self._queued = ahead
         out = self._close(
             t0,
@@ -1875,9 +1897,11 @@ class BatchDecoder:
                     seeded = not s.sampling.greedy and s.sampling.seed is not None
                     s.policy.observe(st if n_decoding == 1 and not prefilled and not seeded else untimed(st))
             out_steps.append((sid, st))
+        # their rows leave together, from the highest slot down (the fewest rows move into holes)
+        finished = sorted(finished, key=lambda s: -1 if s.row is None else s.row.slot, reverse=True)
+        self._release(*finished)
         for s in finished:
             self._seqs.pop(s.id, None)
-            self._release(s)
             hand_over(s.on_exit, lambda s=s: s.final(self.drafter))
         self._since_clear += sum(len(st.tokens) for _, st in out_steps)
         if self._since_clear >= 256:
