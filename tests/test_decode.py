@@ -23,8 +23,14 @@ def _tokens(steps):
     return [t for s in steps for t in s.tokens]
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
-@pytest.mark.parametrize("window", [None, 16], ids=["full", "swa16"])
+# Each drafter attention (full, sliding window) and version on each target, and each target with
+# both: every pair of the three choices once (the whole cross product repeats the pairs).
+@pytest.mark.parametrize(
+    "target_model, window, v2",
+    [("qwen3", None, False), ("qwen3", 16, True), ("llama", None, True), ("llama", 16, False)],
+    ids=["qwen3-full-dflash1", "qwen3-swa16-dflash2", "llama-full-dflash2", "llama-swa16-dflash1"],
+    indirect=["target_model"],
+)
 def test_random_drafter_matches_mlx_lm(target_model, v2, window):
     model, cfg, refs = target_model
     target, drafter, _ = tiny_drafter(model, cfg, v2=v2, window=window, layers=2)
