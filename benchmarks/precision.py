@@ -12,6 +12,10 @@ every row, so tau differences are the drafter's.
 
     python benchmarks/precision.py --prompts 6 --max-tokens 48 --out benchmarks/results/DIR/precision.json
 
+``--rows float16/4-bit-g64`` (repeatable; ``ACTIVATIONS/WEIGHTS`` with the weights written
+``float``, ``8-bit-g32``, ``4-bit-g64``, ...) measures only those settings; the float32 / float row
+is always measured too, since every tau is read against it.
+
 The table (markdown) goes to stdout; the JSON holds every row and the setting chosen: the cheapest
 (fewest drafter weight bytes, then bfloat16, float16, float32 activations) whose tau is within 2 %
 of float32-float and with no non-finite pass.
@@ -42,7 +46,26 @@ def weight_name(bits, group) -> str:
     return "float" if bits is None else f"{bits}-bit g{group}"
 
 
-def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
+def row_key(act: str, bits, group) -> str:
+    """The ``--rows`` spelling of a setting: ``float16/4-bit-g64``, ``float32/float``."""
+    return f"{act}/{weight_name(bits, group).replace(' ', '-')}"
+
+
+def settings(rows: list[str] | None) -> list[tuple[str, int | None, int]]:
+    """Every (activations, bits, group) to measure, in table order: all of them, or the float32 /
+    float baseline plus the ``--rows`` named. An unknown name is an error naming the known ones."""
+    every = [(act, bits, group) for act in ACTS for bits, group in WEIGHTS]
+    if not rows:
+        return every
+    known = {row_key(*s): s for s in every}
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise ValueError(f"unknown --rows {', '.join(unknown)}; known: {', '.join(known)}")
+    wanted = {row_key("float32", None, 0), *rows}
+    return [s for s in every if row_key(*s) in wanted]
+
+
+def run(prompts: int, max_tokens: int, block_size: int | None, only: list[str] | None = None) -> dict:
     from mlx_spec import loading
     from mlx_spec import prompts as P
     from mlx_spec.default_target import DEFAULT_TARGET_ID
@@ -73,53 +96,54 @@ def run(prompts: int, max_tokens: int, block_size: int | None) -> dict:
         runs.append((p.id, full, len(ids), out.hidden))
         print(f"  reference {p.id}: {len(reply)} tokens", file=sys.stderr, flush=True)
     rows = []
-    for act in ACTS:
+    for act, bits, group in settings(only):
         dt = getattr(mx, act)
-        for bits, group in WEIGHTS:
-            drafter, _ = loading.load_drafter(loading.DEFAULT_DRAFTER, dtype=dt, bits=bits, group_size=group or 64)
-            vocab = None
-            if drafter.shipped_vocab is not None:
-                v = mx.array(drafter.shipped_vocab)
-                vocab = DraftVocab(v, target.head_rows(v))
-            drafter.bind(target.embed, target.head, vocab)
-            drafter.act_dtype = dt
-            drafter.fallback_on_nonfinite = False
-            L = block_size or drafter.args.block_size
-            tokens = cycles = 0
-            t0 = time.perf_counter()
-            for _, full, n, hidden in runs:
-                cache, fed, pos = drafter.make_cache(), 0, n  # pos: the anchor (first reply token)
-                while pos < len(full) - 1:
-                    prop = drafter.propose(mx.array(full[pos], mx.int32), hidden[:, fed:pos], cache, L)
-                    drafts, fed = prop.tokens.tolist(), pos
-                    a = 0
-                    while a < len(drafts) and pos + 1 + a < len(full) and drafts[a] == full[pos + 1 + a]:
-                        a += 1
-                    cycles += 1
-                    tokens += min(a + 1, len(full) - pos - 1)
-                    pos += a + 1
-                drafter.settle()
-            h = drafter.health()
-            nbytes = sum(v.nbytes for _, v in drafter.own_parameters())
-            row = {
-                "activations": act,
-                "weights": weight_name(bits, group),
-                "bits": bits,
-                "group_size": group or None,
-                "tau": round(tokens / cycles, 3) if cycles else None,
-                "cycles": cycles,
-                "passes": h.passes,
-                "nonfinite_passes": h.nonfinite,
-                "drafter_bytes": nbytes,
-                "seconds": round(time.perf_counter() - t0, 1),
-            }
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+        drafter, _ = loading.load_drafter(loading.DEFAULT_DRAFTER, dtype=dt, bits=bits, group_size=group or 64)
+        vocab = None
+        if drafter.shipped_vocab is not None:
+            v = mx.array(drafter.shipped_vocab)
+            vocab = DraftVocab(v, target.head_rows(v))
+        drafter.bind(target.embed, target.head, vocab)
+        drafter.act_dtype = dt
+        drafter.fallback_on_nonfinite = False
+        L = block_size or drafter.args.block_size
+        tokens = cycles = 0
+        t0 = time.perf_counter()
+        for _, full, n, hidden in runs:
+            cache, fed, pos = drafter.make_cache(), 0, n  # pos: the anchor (first reply token)
+            while pos < len(full) - 1:
+                prop = drafter.propose(mx.array(full[pos], mx.int32), hidden[:, fed:pos], cache, L)
+                drafts, fed = prop.tokens.tolist(), pos
+                a = 0
+                while a < len(drafts) and pos + 1 + a < len(full) and drafts[a] == full[pos + 1 + a]:
+                    a += 1
+                cycles += 1
+                tokens += min(a + 1, len(full) - pos - 1)
+                pos += a + 1
+            drafter.settle()
+        h = drafter.health()
+        nbytes = sum(v.nbytes for _, v in drafter.own_parameters())
+        row = {
+            "activations": act,
+            "weights": weight_name(bits, group),
+            "bits": bits,
+            "group_size": group or None,
+            "tau": round(tokens / cycles, 3) if cycles else None,
+            "cycles": cycles,
+            "passes": h.passes,
+            "nonfinite_passes": h.nonfinite,
+            "drafter_bytes": nbytes,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     base = next(r for r in rows if r["activations"] == "float32" and r["bits"] is None)["tau"]
     ok = [r for r in rows if r["nonfinite_passes"] == 0 and r["tau"] is not None and r["tau"] >= base * (1 - TOLERANCE)]
     cheapest = min(ok, key=cost)
     return {
         "command": " ".join(["python", *sys.argv]),
+        # A --rows run: the setting chosen is the cheapest of the rows measured, not of every row.
+        "rows_selected": sorted(only) if only else "all",
         "prompts": [r[0] for r in runs],
         "max_tokens": max_tokens,
         "greedy": True,
@@ -160,8 +184,19 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter checkpoint's")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    ap.add_argument(
+        "--rows",
+        action="append",
+        default=None,
+        metavar="ACTIVATIONS/WEIGHTS",
+        help="measure only this setting (repeatable), e.g. float16/4-bit-g64; float32/float is always measured",
+    )
     a = ap.parse_args(argv)
-    result = run(a.prompts, a.max_tokens, a.block_size)
+    try:
+        settings(a.rows)
+    except ValueError as e:
+        ap.error(str(e))
+    result = run(a.prompts, a.max_tokens, a.block_size, a.rows)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")

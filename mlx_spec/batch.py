@@ -90,6 +90,9 @@ class Step:
     # points where the loop waited for the device this step (``DeviceWaits``; 0: not counted)
     host_syncs: int = 0
     head_passes: int = 0  # a chain drafter's passes this cycle (an MTP / EAGLE-3 draft of k: k)
+    # the drafter's tokens were read in the verify's one wait (nothing to pick): ``verify_ms``
+    # times both passes, from the drafter's graph to the target's choices, and ``draft_ms`` is 0
+    draft_in_verify: bool = False
 
 
 def untimed(step: Step) -> Step:
@@ -384,14 +387,16 @@ class BatchKV:
                 fresh.append(b)
         mx.eval(fresh)
 
-    def join(self, cache: list) -> Row:
-        """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied)."""
+    def join(self, cache: list, more: int = 0) -> Row:
+        """Take a prefilled sequence's K/V for these layers (its caches are parked, emptied).
+        ``more``: sequences that join right after it (room is made for all of them at once: the
+        buffers are copied once per step's joiners, not once per joiner)."""
         off = cache[self.layers[0]].offset
         if off < 1 or any(cache[i].offset != off for i in self.layers):
             raise MlxSpecError("a sequence joins the batch's K/V with its caches at one common offset")
         like = {i: cache[i].keys for i in self.layers} | {-i - 1: cache[i].values for i in self.layers}
         row = Row(len(self.rows), off)
-        self._reserve(row.slot + 1, off, like)
+        self._reserve(row.slot + 1 + max(0, more), off, like)
         for i in self.layers:
             c = cache[i]
             self.keys[i][row.slot : row.slot + 1, :, :off] = c.keys[..., :off, :]
@@ -402,35 +407,49 @@ class BatchKV:
 
     def leave(self, row: Row, cache: list | None) -> None:
         """Drop a row; with ``cache``, first hand its K/V back into those (parked) caches."""
-        j, off = row.slot, row.offset
+        self.leave_many([(row, cache)])
+
+    def leave_many(self, leaving: Sequence[tuple[Row, list | None]]) -> None:
+        """Drop rows (``leave`` for each, in order), the buffers rearranged once for all of them."""
         try:
-            if cache is not None:
-                back = []
+            back = []
+            for row, cache in leaving:
+                if cache is None:
+                    continue
+                j, off = row.slot, row.offset
                 for i in self.layers:
                     c = cache[i]
                     c.keys = mx.contiguous(self.keys[i][j : j + 1, :, :off])
                     c.values = mx.contiguous(self.values[i][j : j + 1, :, :off])
                     c.offset = off
                     back += [c.keys, c.values]
+            if back:
                 mx.eval(back)  # own copies now: the caches must not keep the batch's buffers alive
-        finally:  # the row goes even when handing its K/V back failed
-            self._drop(row)
+        finally:  # the rows go even when handing their K/V back failed
+            self._drop([row for row, _ in leaving])
 
-    def _drop(self, row: Row) -> None:
-        j = row.slot
-        last = self.rows.pop()
-        if last is not row:
-            n = last.offset
-            for store in (self.keys, self.values):
-                for i in self.layers:
-                    store[i][j : j + 1, :, :n] = store[i][last.slot : last.slot + 1, :, :n]
-            last.slot = j
-            self.rows[j] = last
-        row.slot = -1
+    def _drop(self, rows: Sequence[Row]) -> None:
+        """Each leaving row's slot goes to the last row, in turn; the rows that moved are copied
+        to their new slots in one scatter (a copy per row would copy the buffers per row)."""
+        was = {id(r): r.slot for r in self.rows}
+        for row in rows:
+            j = row.slot
+            last = self.rows.pop()
+            if last is not row:
+                last.slot = j
+                self.rows[j] = last
+            row.slot = -1
         if not self.rows:
             self.keys, self.values = {}, {}
-        else:
-            self._fit()
+            return
+        moved = [r for r in self.rows if was[id(r)] != r.slot]
+        if moved:
+            dst = mx.array([r.slot for r in moved], mx.int32)
+            src = mx.array([was[id(r)] for r in moved], mx.int32)
+            for store in (self.keys, self.values):
+                for i in self.layers:
+                    store[i][dst] = store[i][src]
+        self._fit()
 
     def plan(self, blocks: Sequence[int]) -> RowsPlan:
         """This step's plan for blocks of ``blocks[b]`` query rows for row b (slot order); the
@@ -668,10 +687,19 @@ class PackedTarget:
             out.append(SegOut(lg, hid, records[k], fin))
         return out
 
-    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
+    def rollback(
+        self,
+        cache: list,
+        records: dict,
+        n_verified: int,
+        n_keep: int,
+        row: Row | None = None,
+        waits: DeviceWaits | None = None,
+    ) -> None:
         """Keep the first ``n_keep`` of the last ``n_verified`` rows of one sequence's cache
         (attention trimmed, in its ``row`` of the batch's K/V for the slotted layers; GDN state
-        rebuilt from that sequence's records of the pass)."""
+        rebuilt from that sequence's records of the pass, lazily: the decoder evaluates every
+        sequence's GDN state after the step through its ``waits``)."""
         n = n_verified - n_keep
         if n <= 0:
             return
@@ -714,8 +742,23 @@ class OwnForward:
             out.append(SegOut(lg, o.hidden if taps else None, {}, getattr(o, "final", None) if taps else None))
         return out
 
-    def rollback(self, cache: list, records: dict, n_verified: int, n_keep: int, row: Row | None = None) -> None:
-        if n_verified > 1:
+    def rollback(
+        self,
+        cache: list,
+        records: dict,
+        n_verified: int,
+        n_keep: int,
+        row: Row | None = None,
+        waits: DeviceWaits | None = None,
+    ) -> None:
+        """The target's own rollback; a hybrid target's rebuilt GDN state is waited for through
+        ``waits`` (counted with the step's other waits). A stand-in target without GDN layers
+        is called as ``rollback(cache, n_verified, n_keep)``."""
+        if n_verified <= 1:
+            return
+        if waits is not None and getattr(self.t, "gdn", None):
+            self.t.rollback(cache, n_verified, n_keep, wait=waits.eval)
+        else:
             self.t.rollback(cache, n_verified, n_keep)
 
 
@@ -958,15 +1001,15 @@ class BatchBudget:
         rows: int,
         drafting: int,
         ms: float,
-        draft_ms: float = 0.0,
+        draft_ms: float | None = 0.0,
         extra: int = 0,
         seqs: int | None = None,
         heads: int = 0,
     ) -> None:
         """One measured step: ``rows`` decoding rows and ``extra`` prefill rows, ``ms`` in all,
-        ``draft_ms`` of it in the drafter pass and the chain passes (0: none ran); ``seqs``:
-        sequences that drafted, from any source (default ``drafting``); ``heads``: chain head
-        passes run."""
+        ``draft_ms`` of it in the drafter pass and the chain passes (0: none ran; None: they ran
+        but were not timed apart, their drafts read in the verify's wait); ``seqs``: sequences
+        that drafted, from any source (default ``drafting``); ``heads``: chain head passes run."""
         self.obs.append((rows, drafting, ms, draft_ms, extra, drafting if seqs is None else seqs, heads))
         self._stale = True
 
@@ -984,9 +1027,10 @@ class BatchBudget:
         drafter pass on ``[1, rows, prefill rows, drafting sequences]`` (a prefill row attends over
         a short context: cheaper than a decoding row, so it gets its own slope; a drafting
         sequence costs its own attention call and acceptance beyond its rows); the drafter pass,
-        where one ran, on ``[1, drafting]``. Pseudo-observations pull toward the prior: enough to
-        settle what the steps cannot tell apart (rows always 8: intercept vs per-row), weak enough
-        that 64 steps are not biased."""
+        where one ran and was timed apart, on ``[1, drafting]`` (a step that read its drafts in
+        the verify's wait has the last fit's drafter pass taken out). Pseudo-observations pull
+        toward the prior: enough to settle what the steps cannot tell apart (rows always 8:
+        intercept vs per-row), weak enough that 64 steps are not biased."""
         import numpy as np
 
         def ridge(X, y, p, lam):
@@ -994,12 +1038,19 @@ class BatchBudget:
             return np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + np.diag(lam) @ p), p
 
         pa, pb, pc, pe = self.prior
+        last = self._costs
         X = np.array([[1.0, r, x, k] for r, _, _, _, x, k, _ in self.obs])
-        y = np.array([ms - dm for _, _, ms, dm, _, _, _ in self.obs])
+        y = np.array(
+            [
+                # a step whose drafts were read in the verify's wait: its draft phase as last fitted
+                ms - (dm if dm is not None else last.drafter_pass * (d > 0) + last.draft_seq * d + last.head_pass * h)
+                for _, d, ms, dm, _, _, h in self.obs
+            ]
+        )
         (a, b, f, g), p = ridge(X, y, np.array([pa, pb, pb, pc]), [0.25, 1.0, 1.0, 1.0])
         a, b, f, g = max(a, 1e-3 * p[0]), max(b, 0.0), max(f, 0.0), max(g, 0.0)
         # the draft phase: the DFlash pass (when one ran: [1, its sequences]) and the chain passes
-        drew = [(d, h, dm) for _, d, _, dm, _, _, h in self.obs if (d > 0 or h > 0) and dm > 0]
+        drew = [(d, h, dm) for _, d, _, dm, _, _, h in self.obs if (d > 0 or h > 0) and dm]
         if drew:
             (e, c, hp), _ = ridge(
                 np.array([[float(d > 0), d, h] for d, h, _ in drew]),
@@ -1393,11 +1444,13 @@ class BatchDecoder:
             hand_over(s.on_exit, lambda: s.final(self.drafter, self.chains))
             self._drop_queued()
 
-    def _release(self, s: _Seq) -> None:
-        """Its row of the batch's K/V goes (its own caches get their K/V back if kept)."""
-        if s.row is not None:
-            self.kv.leave(s.row, s.cache if s.on_exit is not None else None)
-            s.row = None
+    def _release(self, *seqs: _Seq) -> None:
+        """Their rows of the batch's K/V go (their own caches get their K/V back if kept)."""
+        rows = [s for s in seqs if s.row is not None]
+        if rows:
+            self.kv.leave_many([(s.row, s.cache if s.on_exit is not None else None) for s in rows])
+            for s in rows:
+                s.row = None
 
     def close(self) -> None:
         for sid in list(self._seqs):
@@ -1632,10 +1685,14 @@ class BatchDecoder:
                 )
         ran = len(props) - len(heads)  # sequences in DFlash passes this step
         ids = list(props)
-        # the drafts (and the drafter's confidence) on the host: one wait for all
+        # pick decides the verify from the drafts and the drafter's confidence: where a sequence
+        # picks, every draft is read first (one wait for all). Where none does (a fixed block, a
+        # sampled cycle, a batch without lookup proposals) the verify is built on the lazy drafts
+        # and they are read with the target's choices, in its one wait.
+        lazy = bool(props) and all(props[sid].confidence is None for sid in ids)
         got = (
             self.waits.read(*[x for sid in ids for x in (props[sid].tokens, props[sid].confidence) if x is not None])
-            if props
+            if props and not lazy
             else []
         )
         td = time.perf_counter()
@@ -1644,9 +1701,11 @@ class BatchDecoder:
         ran_block: dict[int, int] = {}
         j = 0
         for sid in ids:
-            drafts[sid] = got[j]
-            conf = got[j + 1] if props[sid].confidence is not None else None
-            j += 1 + (conf is not None)
+            conf = None
+            if not lazy:  # (lazy: the drafts come with the choices)
+                drafts[sid] = got[j]
+                conf = got[j + 1] if props[sid].confidence is not None else None
+                j += 1 + (conf is not None)
             props[sid] = (props[sid], conf)
         blocks = []
         for k, (s, d) in enumerate(zip(decoding, decisions)):
@@ -1668,13 +1727,23 @@ class BatchDecoder:
                 if not s.sampling.greedy:  # a point-mass proposal
                     props[s.id] = Proposal(mx.array(drafts[s.id], mx.int32), None)
             decisions[k] = d
-            blocks.append(len(drafts.get(s.id, ())) + 1)
+            blocks.append(
+                len(drafts[s.id]) + 1 if s.id in drafts else (int(p.tokens.shape[0]) + 1 if p is not None else 1)
+            )
+        # lazy: the drafter's tokens, read with the target's choices
+        unread = [s.id for s in decoding if s.id in props and s.id not in drafts]
 
         # verify: one target pass over every decoding sequence's rows and the prefill chunks
-        ts = time.perf_counter()  # (pick and the host's work before it are the step's overhead)
+        # (from the drafter's graph when the drafts are read with the choices: both passes; else
+        # pick and the host's work before it are the step's overhead)
+        ts = tc if lazy else time.perf_counter()
         segs = []
         for s in decoding:
-            segs.append(Seg(mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32), s.cache, True, "all", s.row))
+            if s.id in unread:
+                row = mx.concatenate([mx.array([s.anchor_id], mx.int32), props[s.id].tokens.astype(mx.int32)])
+            else:
+                row = mx.array([s.anchor_id] + drafts.get(s.id, []), mx.int32)
+            segs.append(Seg(row, s.cache, True, "all", s.row))
         for s, n in chunks:
             last = s.done + n == len(s.prompt)
             segs.append(
@@ -1718,8 +1787,15 @@ class BatchDecoder:
             if k not in set(greedy)
         }
         tw = time.perf_counter()
-        if decoding:  # the target's choices and the sampled acceptances: one wait (the verify pass ends here)
-            got = self.waits.read(*([] if choice is None else [choice]), *sampled.values())
+        # the target's choices, the sampled acceptances and the drafts not read yet: one wait (the
+        # verify pass ends here)
+        if decoding:
+            got = self.waits.read(
+                *([] if choice is None else [choice]), *sampled.values(), *[props[sid].tokens for sid in unread]
+            )
+            for sid, toks in zip(unread, got[len(got) - len(unread) :]):
+                drafts[sid] = toks
+            got = got[: len(got) - len(unread)]
             if choice is not None:
                 flat, r = got.pop(0), 0
                 for k in greedy:
@@ -1741,7 +1817,7 @@ class BatchDecoder:
             else:
                 a, bonus = sampled[k]
             tr0 = time.perf_counter()
-            self.packed.rollback(s.cache, out.records, L, a + 1, s.row)
+            self.packed.rollback(s.cache, out.records, L, a + 1, s.row, self.waits)
             if s.id in heads:  # the chain's own rows go; the accepted come back with real features
                 self.chains[decisions[k].source].rollback(s.chains[decisions[k].source])
             rollback_s += time.perf_counter() - tr0
@@ -1755,9 +1831,10 @@ class BatchDecoder:
                 L,
                 a,
                 decisions[k].source,
-                (td - tc) * 1e3 if s.id in ran_block or s.id in heads else 0.0,
+                (td - tc) * 1e3 if (s.id in ran_block or s.id in heads) and not lazy else 0.0,
                 ran_block.get(s.id, 0),
                 heads.get(s.id, 0),
+                lazy and (s.id in ran_block or s.id in heads),
             )
             if ahead is not None:
                 self._fed_ahead(s, ahead.outs[k])
@@ -1767,7 +1844,9 @@ class BatchDecoder:
         if self.gdn and isinstance(self.packed, PackedTarget):
             self.waits.eval([c.cache for s in decoding for i, c in enumerate(s.cache) if i in self.gdn])
 
-        # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first token
+        # prefill chunks: the drafter's context, and a sequence whose prompt is done gets its first
+        # token (every such sequence's, read in one wait)
+        firsts = []
         for k, (s, n) in enumerate(chunks, start=len(decoding)):
             out = outs[k]
             if (
@@ -1781,7 +1860,9 @@ class BatchDecoder:
             if s.done < len(s.prompt):
                 continue
             s.key, sub = mx.random.split(s.key)
-            (s.anchor_id,) = self.waits.read(sample_target(out.logits, s.sampling, sub)[0])
+            firsts.append((s, sample_target(out.logits, s.sampling, sub)[0]))
+        for (s, _), first in zip(firsts, self.waits.read(*[t for _, t in firsts]) if firsts else []):
+            s.anchor_id = first
             s.fed = list(s.prompt)
             toks, reason = truncate_reply([s.anchor_id], 0, s.max_tokens, s.eos)
             s.n = len(toks)
@@ -1808,9 +1889,9 @@ class BatchDecoder:
                 [cc.state for s, _ in chunks for cc in s.chains.values()],
             )
             if self.kv is not None:  # prefilled: its K/V join the batch's rows
-                for s, _ in chunks:
-                    if s.anchor_id >= 0 and s not in finished:
-                        s.row = self.kv.join(s.cache)
+                joining = [s for s, _ in chunks if s.anchor_id >= 0 and s not in finished]
+                for j, s in enumerate(joining):
+                    s.row = self.kv.join(s.cache, more=len(joining) - 1 - j)
         self._queued = ahead
         out = self._close(
             t0,
@@ -1821,7 +1902,7 @@ class BatchDecoder:
             blocks,
             extra,
             ran,
-            (td - tc) * 1e3 if props else 0.0,
+            None if lazy else (td - tc) * 1e3 if props else 0.0,
             verify_ms,
             rollback_s * 1e3,
             self.waits.count - waits0,
@@ -1916,10 +1997,12 @@ class BatchDecoder:
         draft_ms: float,
         draft_block: int = 0,
         head_passes: int = 0,
+        draft_in_verify: bool = False,
     ) -> Step:
         """Count a decoding sequence's step: its committed tokens (EOS, max_tokens), its lookup
         index, its new anchor, its acceptance and probe spacing (``draft_block``: the block its
-        DFlash drafter ran at, 0 if it did not run; ``head_passes``: its chain drafter's passes)."""
+        DFlash drafter ran at, 0 if it did not run; ``head_passes``: its chain drafter's passes;
+        ``draft_in_verify``: its drafts were read in the verify's wait)."""
         committed, reason = truncate_reply(accepted + [bonus], s.n, s.max_tokens, s.eos)
         s.n += len(committed)
         if s.index is not None:
@@ -1943,6 +2026,7 @@ class BatchDecoder:
             source=source,
             draft_block=draft_block,
             head_passes=head_passes,
+            draft_in_verify=draft_in_verify,
         )
 
     def _close(
@@ -1955,7 +2039,7 @@ class BatchDecoder:
         blocks: list[int],
         extra: int,
         ran: int,
-        draft_ms: float,
+        draft_ms: float | None,
         verify_ms: float,
         rollback_ms: float,
         waits: int,
@@ -1987,9 +2071,11 @@ class BatchDecoder:
                     seeded = not s.sampling.greedy and s.sampling.seed is not None
                     s.policy.observe(st if n_decoding == 1 and not prefilled and not seeded else untimed(st))
             out_steps.append((sid, st))
+        # their rows leave together, from the highest slot down (the fewest rows move into holes)
+        finished = sorted(finished, key=lambda s: -1 if s.row is None else s.row.slot, reverse=True)
+        self._release(*finished)
         for s in finished:
             self._seqs.pop(s.id, None)
-            self._release(s)
             hand_over(s.on_exit, lambda s=s: s.final(self.drafter, self.chains))
         self._since_clear += sum(len(st.tokens) for _, st in out_steps)
         if self._since_clear >= 256:

@@ -38,10 +38,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: bool = True) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, *, tuning: bool = True, context: bool = True, sized_context: str | None = None
+) -> None:
     """Flags shared by every command that loads a pair. ``tuning=False`` (the tune command
     itself) leaves out the flags that skip or budget first-launch tuning; ``context=False``
-    (bench, whose --context lists lengths to pad prompts to) leaves out --context."""
+    (bench, whose --context lists lengths to pad prompts to) leaves out --context;
+    ``sized_context``: the help of a --context the command sizes itself when it is not given
+    (serve: from the memory plan), whose default is then None."""
     from .default_target import DEFAULT_TARGET_ID
     from .loading import DEFAULT_DRAFTER
 
@@ -123,7 +127,9 @@ def add_model_args(p: argparse.ArgumentParser, *, tuning: bool = True, context: 
         "bounded: memory and draft cost at long context); output unchanged; 0: every position "
         "(default: the bundled drafter 512, others every position; docs/context.md)",
     )
-    if context:
+    if context and sized_context is not None:
+        p.add_argument("--context", type=int, default=None, help=sized_context)
+    elif context:
         p.add_argument(
             "--context", type=int, default=4096, help="context length the memory plan must fit (default 4096)"
         )
@@ -240,13 +246,19 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, what: str = "
 DEFAULT_PREFIX_CACHE_MB = 256
 
 
-def add_prefix_cache_arg(p: argparse.ArgumentParser, default: float = DEFAULT_PREFIX_CACHE_MB) -> None:
-    """For long-lived engines (chat, serve): K/V kept between turns and requests."""
+def add_prefix_cache_arg(
+    p: argparse.ArgumentParser, default: float | None = DEFAULT_PREFIX_CACHE_MB, help: str | None = None
+) -> None:
+    """For long-lived engines (chat, serve): K/V kept between turns and requests. ``default``
+    None with its ``help``: the command sizes it when it is not given (serve)."""
+    if default is None and help is None:
+        raise ValueError("a --prefix-cache-mb without a default needs a help that says how it is sized")
     p.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=default,
-        help=f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
+        help=help
+        or f"K/V kept between turns/requests so a shared prefix is not prefilled again; "
         f"counted in the memory plan (MiB, default {default:g}; 0 = off)",
     )
 

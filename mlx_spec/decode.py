@@ -13,8 +13,10 @@ pass, whatever the source of this cycle). A run of plain steps is pipelined as m
 ``generate_step``: the next step is queued before this one's token is read.
 
 Timings are taken where each pass really finishes: ``draft_ms`` ends when the draft tokens are
-on the host, ``verify_ms`` when the target's choice is; a pipelined plain step's ``verify_ms`` is
-the wait for its token when it is read. The host's own work (the policy, ``pick``, the lookup,
+on the host, ``verify_ms`` when the target's choice is; a cycle with nothing to ``pick`` (a fixed
+block, sampling) reads its drafts with the target's choices, in one wait, and books both passes
+to ``verify_ms`` (``Step.draft_in_verify``); a pipelined plain step's ``verify_ms`` is the wait
+for its token when it is read. The host's own work (the policy, ``pick``, the lookup,
 bookkeeping) is ``elapsed_ms`` minus those. ``host_syncs``: the waits for the device the step
 took (``batch.DeviceWaits``).
 

@@ -604,7 +604,17 @@ class DraftPolicy:
         source = step.source or (DFLASH if step.drafted else PLAIN)
         trimmed = source == DFLASH and L == 1  # pick(trim=True) verified the anchor alone
         heads = getattr(step, "head_passes", 0)
-        if step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
+        if step.draft_in_verify and step.verify_ms > 0:
+            # one wait timed both passes (the drafts read with the verify's choices): one scale
+            # for both, from their sum (the line prices the verify alone: not fed); a chain's
+            # draft phase is its k head passes
+            chain = heads and source in self.chain_pass
+            ran = step.draft_block or L
+            drafted = heads * self.chain_pass[source] if chain else self._table(ran)[1]
+            r = step.verify_ms / max(self._table(L)[0] + drafted, 1e-6)
+            self.scale["verify"] = _ema(self.scale["verify"], r)
+            self.scale[source if chain else "draft"] = _ema(self.scale[source if chain else "draft"], r)
+        elif step.verify_ms > 0 and not trimmed:  # a plain step (pipelined in the loop) has its own scale
             kind = "plain" if L == 1 else "verify"
             self.scale[kind] = _ema(self.scale[kind], step.verify_ms / max(self._table(L)[0], 1e-6))
             if L > 1:  # the line prices drafts: pipelined plain steps are another regime

@@ -284,10 +284,11 @@ class Target:
             hidden = mx.concatenate([feats[order.index(j)] for j in self.taps], axis=-1)
         return TargetOut(logits, hidden, normed if final else None)
 
-    def rollback(self, cache: list[Any], n_verified: int, n_keep: int) -> None:
+    def rollback(self, cache: list[Any], n_verified: int, n_keep: int, wait: Callable = mx.eval) -> None:
         """Keep the first ``n_keep`` positions of the last ``n_verified``-token pass, drop the rest.
 
-        Attention caches are trimmed; GDN caches are rebuilt from the ``record=True`` pass's tape.
+        Attention caches are trimmed; GDN caches are rebuilt from the ``record=True`` pass's tape
+        and evaluated by ``wait`` (the decode loop's ``DeviceWaits.eval``, so the wait is counted).
         """
         tape, self._tape = self._tape, None
         n = n_verified - n_keep
@@ -309,4 +310,4 @@ class Target:
         self.restore(
             [cache[i] for i in gdn], [tape.records[i] for i in gdn], [self.layers[i].linear_attn for i in gdn], n_keep
         )
-        mx.eval([cache[i].cache for i in gdn])
+        wait([cache[i].cache for i in gdn])

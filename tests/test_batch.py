@@ -115,6 +115,11 @@ def test_batched_equals_alone_dense(dense, v2, policy):
     assert max(dec.batch_sizes) >= 4
     if policy is AlwaysDraft:
         assert dec.steps["drafted"] > 0
+        # fixed blocks, nothing to pick: the drafts are read with the target's choices, one wait
+        # per step (a step carrying a prefill chunk waits for that chunk's caches too)
+        drafted = [s for ss in steps.values() for s in ss if s.draft_block]
+        assert all(s.draft_in_verify and s.draft_ms == 0 for s in drafted)
+        assert sum(s.host_syncs == 1 for s in drafted) > len(drafted) / 2, [s.host_syncs for s in drafted]
 
 
 ARCHS = ("qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe")
@@ -242,6 +247,37 @@ def test_batch_kv_rows_hand_back_exactly_their_positions():
     kv.leave(rows[1], None)
     kv.leave(rows[2], None)
     assert len(kv) == 0 and kv.nbytes == 0
+
+
+def test_rows_joining_or_leaving_together_copy_the_buffers_once():
+    """A step's joiners make room for all of them at once (the first join reserves their slots,
+    the others copy nothing), and rows that leave in one step move into the holes in one scatter,
+    each row left with exactly its K/V and each leaver's caches given back theirs."""
+    from mlx_spec.batch import BatchKV
+
+    from mlx_lm.models.cache import KVCache
+
+    kv, caches, want = BatchKV([0]), [], []
+    for j, n in enumerate((3, 7, 5, 6, 4)):
+        c = KVCache()
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(n))
+        c.update_and_fetch(k, k + 1)
+        want.append(k)
+        caches.append([c])
+        kv.join(caches[-1], more=4 - j)
+        if j == 0:
+            first = kv.keys[0]
+            assert kv.slots == 5
+    assert kv.keys[0] is first  # the later joins wrote into the reserved slots
+    rows = list(kv.rows)
+    kv.leave_many([(rows[0], caches[0]), (rows[2], None), (rows[4], caches[4])])
+    for i in (0, 4):
+        assert mx.array_equal(caches[i][0].keys, want[i]) and mx.array_equal(caches[i][0].values, want[i] + 1)
+    assert [r.slot for r in kv.rows] == [0, 1] and all(rows[i].slot == -1 for i in (0, 2, 4))
+    for r in kv.rows:
+        i = rows.index(r)
+        assert mx.array_equal(kv.keys[0][r.slot : r.slot + 1, :, : r.offset], want[i])
+        assert mx.array_equal(kv.values[0][r.slot : r.slot + 1, :, : r.offset], want[i] + 1)
 
 
 def test_a_batched_attention_mismatch_is_reported(dense, monkeypatch, caplog):
@@ -636,6 +672,22 @@ def test_prefill_rows_do_not_bend_the_decoding_rows_cost():
     a, b = pol.costs.base, pol.costs.row
     assert abs(a - 72) < 5 and abs(b - 6) < 0.5
     assert abs(pol.costs(8, 0) - 120) < 5 and abs(pol.costs(8, 0, 500) - 1120) < 60
+
+
+def test_a_step_timed_in_one_wait_has_the_drafter_pass_taken_out():
+    """A drafting step that read its drafts with the verify's choices has no drafter time of its
+    own (``draft_ms`` None): the last fit's drafter pass is taken out of it, so the rest of the
+    step keeps its cost (not the drafter's booked to the rows and the drafting sequences)."""
+    pol = _fitted(72.0, 6.0, 4.0, 12.0, steps=48)
+    timed = pol.costs
+    for k in range(48):
+        n = 1 + k % 8
+        d = 1 + k % n
+        rows = n + 3 * d
+        pol.observe(rows, d, 72 + 6 * rows + 4 * d + 12, None)
+    c = pol.costs
+    assert abs(c.base - 72) < 5 and abs(c.row - 6) < 0.5 and c.seq < 1.0
+    assert abs(c.drafter_pass - timed.drafter_pass) < 1 and abs(c(14, 2) - timed(14, 2)) < 3
 
 
 def test_step_costs_are_refitted_only_when_read():
@@ -1100,11 +1152,20 @@ def test_mlx_lm_server_multiplies_with_our_blas_and_keeps_a_users_preload(monkey
     assert loadtest.mlx_lm_server("m", "/x/libmkl_rt.so.3").env["LD_PRELOAD"] == "/x/libmkl_rt.so.3:/y/libjemalloc.so"
 
 
+def _rounded_apart(h: mx.array) -> mx.array:
+    """``h`` moved by about two float16 ulps (relative 2**-9), in its own dtype: what kernels that
+    sum in another order give a 16-bit pass (far below a wrong mirror's differences of order one)."""
+    return (h.astype(mx.float32) * (1 + 2**-9)).astype(h.dtype)
+
+
 @pytest.mark.parametrize("form", ["4-bit", "8-bit", "float16"])
-def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form):
+def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(dense, form, monkeypatch):
     """A quantized drafter's ``fc`` holds packed weights (its width is not the features'), and a
-    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences."""
-    from mlx_spec import quantize
+    float16 drafter rounds at 16 bits: both still get one drafter pass for all sequences. This
+    CPU's packed pass and the drafter's own agree bit for bit in float16, so the float16 case
+    rounds the packed pass apart by about two float16 ulps (as another kernel order may): the
+    check's 16-bit tolerance takes it, float32's would not."""
+    from mlx_spec import batch, quantize
 
     model, cfg = dense
     if form == "float16":  # the pair in float16: the drafter's activations too (its block's embedding is the target's)
@@ -1113,10 +1174,26 @@ def test_the_packed_drafter_pass_checks_out_on_quantized_and_16_bit_drafters(den
     target, d, _ = tiny_drafter(model, cfg, v2=True)
     if form == "float16":
         d.set_dtype(mx.float16)
+        real = batch.draft_hidden_many
+        monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: _rounded_apart(real(*a, **k)))
     else:
         assert quantize.quantize_module(d, int(form[0]), 32) > 0 and quantize.is_quantized(d)
     dec = BatchDecoder(target, d, block_size=4, max_batch=4)
-    assert dec.packed_drafter and dec.drafter_path == "one pass for all"
+    assert dec.packed_drafter and dec.drafter_path == "one pass for all", dec.drafter_path
+
+
+def test_a_float32_drafter_gets_no_16_bit_allowance(dense, monkeypatch):
+    """The same two-ulp-of-float16 difference in a float32 drafter's packed pass is a mirror
+    that is wrong (float32 rounds at ~1e-7): the packed pass is off, and says by how much."""
+    from mlx_spec import batch
+
+    model, cfg = dense
+    target, d, _ = tiny_drafter(model, cfg, v2=True)
+    real = batch.draft_hidden_many
+    monkeypatch.setattr(batch, "draft_hidden_many", lambda *a, **k: _rounded_apart(real(*a, **k)))
+    dec = BatchDecoder(target, d, block_size=4, max_batch=4)
+    assert not dec.packed_drafter
+    assert "in mlx.core.float32 (tolerance 1e-05)" in dec.drafter_path, dec.drafter_path
 
 
 def test_a_failing_drafter_self_check_is_said_at_warning_and_in_the_decoder(dense, monkeypatch, caplog):

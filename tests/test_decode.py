@@ -23,18 +23,27 @@ def _tokens(steps):
     return [t for s in steps for t in s.tokens]
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["dflash1", "dflash2"])
-@pytest.mark.parametrize("window", [None, 16], ids=["full", "swa16"])
+# Each drafter attention (full, sliding window) and version on each target, and each target with
+# both: every pair of the three choices once (the whole cross product repeats the pairs).
+@pytest.mark.parametrize(
+    "target_model, window, v2",
+    [("qwen3", None, False), ("qwen3", 16, True), ("llama", None, True), ("llama", 16, False)],
+    ids=["qwen3-full-dflash1", "qwen3-swa16-dflash2", "llama-full-dflash2", "llama-swa16-dflash1"],
+    indirect=["target_model"],
+)
 def test_random_drafter_matches_mlx_lm(target_model, v2, window):
     model, cfg, refs = target_model
     target, drafter, _ = tiny_drafter(model, cfg, v2=v2, window=window, layers=2)
+    n = 24  # (SHORT's context passes the window of 16 too; a random drafter: ~n cycles a run)
     for prompt in (SHORT, LONG):
         for B in (2, 3, 4, 8, 16):
-            steps = list(spec_steps(target, drafter, prompt, block_size=B, max_tokens=N))
-            assert _tokens(steps) == refs[tuple(prompt)], (B, prompt[:3])
+            steps = list(spec_steps(target, drafter, prompt, block_size=B, max_tokens=n))
+            assert _tokens(steps) == refs[tuple(prompt)][:n], (B, prompt[:3])
             assert steps[1].drafted == B - 1 and all(s.drafted <= B - 1 for s in steps)
 
 
+# (acceptance is counted by the loop, the same over any target: on one target, every block size)
+@pytest.mark.parametrize("target_model", ["qwen3"], indirect=True)
 @pytest.mark.parametrize("B", [2, 3, 4, 8, 16])
 def test_oracle_accepts_everything_and_wrong_accepts_nothing(target_model, B):
     model, cfg, refs = target_model
@@ -175,25 +184,28 @@ def test_pipelined_plain_runs_sample_the_targets_law():
     target, drafter, _ = tiny_drafter(model, cfg, v2=True)
     costs = Costs(1.0, {2: 0.1, 4: 0.12}, {1: 1.0, 2: 1.06, 4: 1.18}, 0)
     n = 240
-    for pos in (1, 2):
-        counts, expect = np.zeros(VOCAB), np.zeros(VOCAB)
-        for seed in range(n):
-            sc = SamplingConfig(1.0, top_k=5, seed=1000 * pos + seed)
-            toks = _tokens(
-                spec_steps(
-                    target,
-                    drafter,
-                    SHORT,
-                    block_size=4,
-                    max_tokens=3,
-                    sampling=sc,
-                    policy=DraftPolicy(costs, 4, sources=()),
-                )
+    # one run per seed gives both positions (each position's test is against its own runs' exact
+    # conditionals, so the two tests may share the runs)
+    counts, expect = {pos: np.zeros(VOCAB) for pos in (1, 2)}, {pos: np.zeros(VOCAB) for pos in (1, 2)}
+    for seed in range(n):
+        sc = SamplingConfig(1.0, top_k=5, seed=1000 + seed)
+        toks = _tokens(
+            spec_steps(
+                target,
+                drafter,
+                SHORT,
+                block_size=4,
+                max_tokens=3,
+                sampling=sc,
+                policy=DraftPolicy(costs, 4, sources=()),
             )
-            counts[toks[pos]] += 1
+        )
+        for pos in (1, 2):
+            counts[pos][toks[pos]] += 1
             logits = model(mx.array([SHORT + toks[:pos]]))[0, -1:]
-            expect += np.array(target_probs(logits, sc)[0])
-        assert gof_pvalue(counts, expect / n) > 0.001, pos
+            expect[pos] += np.array(target_probs(logits, sc)[0])
+    for pos in (1, 2):
+        assert gof_pvalue(counts[pos], expect[pos] / n) > 0.001, pos
 
 
 class _CountingWaits:
@@ -249,9 +261,10 @@ class _Script:
 
 
 def test_host_syncs_per_cycle_are_pinned_and_counted_through_the_wrapper():
-    """Waits for the device per cycle, single stream: a DFlash cycle two (its drafts and the
-    drafter's confidence, which ``pick`` decides the verify from; then the target's choices), a
-    lookup cycle and a plain step one (the target's choices). ``Step.host_syncs`` says the same."""
+    """Waits for the device per cycle, single stream, with a greedy policy: a DFlash cycle two
+    (its drafts and the drafter's confidence, which ``pick`` decides the verify from; then the
+    target's choices), a lookup cycle and a plain step one (the target's choices).
+    ``Step.host_syncs`` says the same."""
     model, cfg = tiny_model("qwen3")
     target, drafter, _ = tiny_drafter(model, cfg)
     prompt = LONG + LONG[:20]  # the lookup finds the prompt's own repeat
@@ -353,3 +366,45 @@ def test_a_drafting_window_bounds_the_drafters_cache_and_keeps_the_output(target
     assert all(c.offset == len(pre.tokens) and c.keys.shape[2] == 3 for c in pre.drafter)
     fresh = _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8))
     assert _tokens(spec_steps(target, drafter, edited, block_size=4, max_tokens=8, prefill=pre)) == fresh
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_cycle_without_a_pick_waits_once(sampled):
+    """No pick to make (a fixed block, no policy; or a sampled cycle): the verify is built on the
+    lazy drafts, and the drafts are read with the target's choices in one wait per cycle, booked
+    as one time (``draft_in_verify``: ``verify_ms`` times both passes, ``draft_ms`` is 0). The
+    output is still the target's."""
+    from mlx_spec.sampling import SamplingConfig
+
+    model, cfg = tiny_model("qwen3")
+    target, drafter, _ = tiny_drafter(model, cfg)
+    sampling = SamplingConfig(1.0, seed=3) if sampled else SamplingConfig()
+    waits = _CountingWaits()
+    steps = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, sampling=sampling, waits=waits))
+    cycles = [s for s in steps[1:] if s.draft_block]
+    assert cycles and sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
+    assert {s.host_syncs for s in cycles} == {1}, [s.host_syncs for s in cycles]
+    assert all(s.draft_in_verify and s.draft_ms == 0 and s.verify_ms > 0 for s in cycles)
+    if not sampled:
+        assert _tokens(steps) == greedy_reference(model, SHORT, 12)
+    else:  # the same seed, the same text (the drafts read later change no key)
+        again = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, sampling=sampling))
+        assert _tokens(again) == _tokens(steps)
+
+
+def test_a_hybrid_targets_rollback_waits_through_the_counted_waits():
+    """A hybrid (GDN) target's rollback rebuilds its state and waits for it: that wait goes
+    through ``DeviceWaits`` too, one more on every cycle that rolled back."""
+    from test_hybrid import build
+
+    model, cfg = build("qwen3_next")
+    target, drafter, _ = tiny_drafter(model, cfg)
+    waits = _CountingWaits()
+    steps = list(spec_steps(target, drafter, SHORT, block_size=4, max_tokens=12, waits=waits))
+    cycles = [s for s in steps[1:] if s.draft_block]
+    rolled = [s for s in cycles if s.accepted < s.drafted]
+    assert rolled and sum(s.host_syncs for s in steps) == waits.count == len(waits.calls)
+    # the rollbacks' waits counted (and the prefill's caches, evaluated once)
+    assert waits.calls.count("eval") == len(rolled) + 1 and steps[0].host_syncs == 2
+    assert all(s.host_syncs == 2 for s in rolled) and all(s.host_syncs == 1 for s in cycles if s not in rolled)
+    assert _tokens(steps) == greedy_reference(model, SHORT, 12)

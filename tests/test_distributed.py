@@ -33,6 +33,9 @@ HERE = Path(__file__).resolve().parent
 PROMPT = [1, 5, 9, 17, 33, 2, 8, 40, 77]
 N = 20
 BLOCKS = (2, 4, 8)
+# each block size on two ranks for each target, each drafter at some of them: the sharded part is
+# the target's verify pass (the drafter is replicated, the same on every rank)
+DRAFTER_BLOCKS = {"dflash1": (2, 8), "dflash2": (4,)}
 LAUNCH_S = 90  # one launch of two ranks, all its cases included
 
 
@@ -143,17 +146,19 @@ def _single(pair: dict, name: str, block: int, **sampling) -> list[int]:
 
 
 def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
-    """One launch: for each target and drafter, plain (block 1) and blocks 2/4/8 on 2 ranks."""
+    """One launch: for each target, plain (block 1) and blocks 2/4/8 on 2 ranks (DFlash 1 at 2
+    and 8, DFlash 2 at 4 and with the adaptive policy)."""
     phases = []
     for kind, pair in pairs.items():
         for name in ("dflash1", "dflash2"):
-            blocks = (1,) + BLOCKS if name == "dflash1" else BLOCKS
+            blocks = (1,) + DRAFTER_BLOCKS[name] if name == "dflash1" else DRAFTER_BLOCKS[name]
             cases = [{"prompt": PROMPT, "block": b, "max_tokens": N} for b in blocks]
             if name == "dflash2":  # the adaptive draft policy (DFlash + lookup): rank 0 decides
                 cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": True})
                 # and one whose costs make it stay plain: rank 0's stays_plain answers are shared
                 cases.append({"prompt": PROMPT, "block": 8, "max_tokens": N, "policy": "plain"})
             phases.append({"target": pair["target"], "drafter": pair[name], "kind": kind, "name": name, "cases": cases})
+    assert sorted(b for blocks in DRAFTER_BLOCKS.values() for b in blocks) == list(BLOCKS)  # every size runs
     got, codes, took, logs = launch(tmp_path, {"phases": phases})
     assert codes == [0, 0], logs
     assert got["group"] == {"size": 2, "rank": 0, "backend": "ring", "sharded": True}
@@ -180,11 +185,11 @@ def test_greedy_two_ranks_equal_single_process(pairs, tmp_path):
         sent = mine["wire"]["messages"] - before["wire"]["messages"]
         other = len(src) - src.count("plain")
         assert 2 * len(src) <= sent <= 2 * len(src) + 3 * other + 4, (sent, src)
-        for name in ("dflash1", "dflash2"):
-            for b in BLOCKS:
+        for name, blocks in DRAFTER_BLOCKS.items():
+            for b in blocks:
                 assert by[(kind, name, b, False)] == plain, (kind, name, b)
-                if b == 4:  # one block size per drafter against 1-process speculation too
-                    assert _single(pair, name, b) == plain, (kind, name, b)
+            # one block size per drafter against 1-process speculation too
+            assert _single(pair, name, blocks[0]) == plain, (kind, name, blocks[0])
 
 
 def test_chain_drafters_on_two_ranks_equal_plain_decoding(pairs, tmp_path):

@@ -1,8 +1,10 @@
 """One load path: flags -> LoadConfig -> session -> EngineInfo.mode, and the CLI around it.
 
 Every flag and name is checked before anything loads; every command that names a block size
-uses the one the engine would run and says where it came from. The CLI checks run the real
-``mlx_spec`` in a subprocess (as a user would), with a private cache folder.
+uses the one the engine would run and says where it came from. The CLI checks call
+``cli.main`` with a command line, as the console script does (tests/test_cli.py runs the console
+script itself), with a private cache folder; a refusal that must come before anything loads has
+the loading functions replaced by ones that fail the test.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ import argparse
 import dataclasses
 import http.server
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -44,16 +43,6 @@ def cache(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("MLX_SPEC_CACHE_DIR", str(d))
     return d
-
-
-def cli(*args, env=None, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_spec", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 # -- the configuration ----------------------------------------------------------------------------
@@ -246,19 +235,33 @@ def test_no_code_parses_the_provenance_text():
 # -- the CLI, as a user runs it ----------------------------------------------------------------------
 
 
-def test_generate_names_a_missing_target_not_a_missing_drafter(cache):
-    r = cli("generate", "--target", "/does/not/exist", "--prompt", "x")
-    assert r.returncode == 1
-    assert "target '/does/not/exist' does not exist" in r.stderr and "no drafter" not in r.stderr
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a pair fails the test (a refusal must come first)."""
+    from mlx_spec import session
+
+    def loaded(*a, **k):
+        raise AssertionError("the command loaded the pair before refusing")
+
+    monkeypatch.setattr(session, "load", loaded)
 
 
-def test_a_bad_drafter_is_refused_before_planning_or_loading(pair_dirs, cache, tmp_path, capsys):
+def test_generate_names_a_missing_target_not_a_missing_drafter(cache, capsys):
+    from mlx_spec.cli import main
+
+    assert main(["generate", "--target", "/does/not/exist", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "target '/does/not/exist' does not exist" in err and "no drafter" not in err
+
+
+def test_a_bad_drafter_is_refused_before_planning_or_loading(pair_dirs, cache, tmp_path, capsys, nothing_loads):
     from mlx_spec.cli import main
 
     t, _ = pair_dirs
-    r = cli("generate", "--target", str(t), "--drafter", "/no/such/drafter", "--prompt", "x")
-    assert r.returncode == 1 and "drafter '/no/such/drafter' does not exist" in r.stderr, r.stderr
-    assert not any(s in r.stderr for s in LOADING) and "unavailable" not in r.stderr, r.stderr
+    assert main(["generate", "--target", str(t), "--drafter", "/no/such/drafter", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "drafter '/no/such/drafter' does not exist" in err, err
+    assert not any(s in err for s in LOADING) and "unavailable" not in err, err
     empty, broken = tmp_path / "empty", tmp_path / "broken"
     empty.mkdir()
     broken.mkdir()
@@ -270,11 +273,21 @@ def test_a_bad_drafter_is_refused_before_planning_or_loading(pair_dirs, cache, t
 
 
 @pytest.mark.parametrize("command, block", [("generate", "1"), ("serve", "0"), ("chat", "1")])
-def test_block_size_0_or_1_is_refused_before_any_model_loads(pair_dirs, cache, command, block):
+def test_block_size_0_or_1_is_refused_before_any_model_loads(
+    pair_dirs, cache, command, block, capsys, monkeypatch, nothing_loads
+):
+    from mlx_spec import session
+    from mlx_spec.cli import main
+
+    def checked(cfg):  # every command checks the pair's names before it plans, listens or starts the UI
+        raise AssertionError("the pair was checked before the block size was refused")
+
+    monkeypatch.setattr(session, "check", checked)
     t, d = pair_dirs
-    r = cli(command, "--target", str(t), "--drafter", str(d), "--block-size", block, timeout=60)
-    assert r.returncode == 1 and "--block-size must be >= 2" in r.stderr, r.stderr
-    assert not any(s in r.stderr for s in LOADING) and "listening" not in r.stderr, r.stderr
+    assert main([command, "--target", str(t), "--drafter", str(d), "--block-size", block]) == 1
+    err = capsys.readouterr().err
+    assert "--block-size must be >= 2" in err, err
+    assert not any(s in err for s in LOADING) and "listening" not in err, err
 
 
 @pytest.mark.parametrize("command", ["verify", "bench", "plan"])
@@ -309,15 +322,16 @@ def test_plan_verify_and_generate_name_the_block_the_engine_runs(pair, pair_dirs
     save_result(_stored(tune_key(pair), 6), cache)
     assert "block size 6 (tuned 2026-11-29)" in plan()
     assert json.loads(plan("--block-size", "3", "--json"))["engine"]["block_size_source"] == "flag"
-    got = json.loads(cli("plan", *flags, "--json").stdout)
+    got = json.loads(plan("--json"))
     assert got["engine"] == {"block_size": 6, "block_size_source": "tuned 2026-11-29", "plain": False}
     assert got["block_size"] == 6  # the memory plan is made for that block too
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    v = cli("verify", *flags, "--prompts", str(prompts), "--max-tokens", "4")
-    assert v.returncode == 0, v.stderr
-    assert "verify: block size 6: the engine's block size (tuned 2026-11-29)" in v.stderr
-    g = json.loads(cli("generate", *flags, "--prompt", "hello", "--max-tokens", "4", "--json").stdout)
+    assert main(["verify", *flags, "--prompts", str(prompts), "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "verify: block size 6: the engine's block size (tuned 2026-11-29)" in err, err
+    assert main(["generate", *flags, "--prompt", "hello", "--max-tokens", "4", "--json"]) == 0
+    g = json.loads(capsys.readouterr().out)
     assert g["engine"]["block_size"] == 6 and g["engine"]["block_size_source"] == "tuned 2026-11-29"
     assert g["engine"]["mode"] == "speculative"
 
@@ -335,7 +349,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_status_names_the_drafter_the_server_runs(tmp_path):
+def test_status_names_the_drafter_the_server_runs(tmp_path, monkeypatch, capsys):
     """A server started without --drafter runs the bundled one: status's top-level drafter is the
     one its /health reports, not the (empty) flag."""
     from mlx_spec.server import process
@@ -367,8 +381,11 @@ def test_status_names_the_drafter_the_server_runs(tmp_path):
             time.time(),
         )
         process.write_state(state, tmp_path / "state")
-        r = cli("status", "--json", env={"MLX_SPEC_STATE_DIR": str(tmp_path / "state")}, timeout=60)
+        monkeypatch.setenv("MLX_SPEC_STATE_DIR", str(tmp_path / "state"))
+        from mlx_spec.cli import main
+
+        assert main(["status", "--json"]) == 0
     finally:
         server.shutdown()
-    s = json.loads(r.stdout)["servers"][0]
+    s = json.loads(capsys.readouterr().out)["servers"][0]
     assert s["drafter"] == s["speculation"]["drafter"] == spec["drafter"] and s["health"] == "ready"

@@ -246,8 +246,9 @@ ACCURACY = dict(
 
 
 def test_planned_peak_within_15_percent_of_measured():
-    """Prefill 256 + 256 generated tokens, block 8, random DFlash 2 drafter (small case of
-    benchmarks/plan_accuracy.py)."""
+    """Prefill 256 + 64 generated tokens, block 8, random DFlash 2 drafter (small case of
+    benchmarks/plan_accuracy.py; the peak is the prefill's: 64 tokens take the caches past their
+    first growth, and 256 measured the same within 0.5 %)."""
     from mlx_spec.decode import spec_steps
     from mlx_spec.target import Target
 
@@ -268,7 +269,7 @@ def test_planned_peak_within_15_percent_of_measured():
     mx.clear_cache()
     mx.reset_peak_memory()
     prompt = [(7 * i + 3) % 8000 + 1 for i in range(256)]
-    n = sum(len(s.tokens) for s in spec_steps(target, drafter, prompt, block_size=8, max_tokens=256))
-    assert n == 256
+    n = sum(len(s.tokens) for s in spec_steps(target, drafter, prompt, block_size=8, max_tokens=64))
+    assert n == 64
     measured = mx.get_peak_memory()
     assert abs(plan.peak / measured - 1) < 0.15, (plan.peak / MiB, measured / MiB)

@@ -236,8 +236,11 @@ def test_greedy_is_lossless_across_sources_and_blocks(dense, sources, pinned):
             assert all(L <= pinned for L in blocks) and blocks.count(pinned) >= len(blocks) - 1  # (room at the end)
 
 
-def test_hybrid_uses_both_sources_and_oracle_drafter_mixes_cleanly(dense):
+def test_hybrid_uses_both_sources_and_oracle_drafter_mixes_cleanly(dense, monkeypatch):
+    """(On a clock that stands still: the policy decides from its prior costs, not from this
+    machine's load, which could otherwise price the lookup out of a short run.)"""
     model, target, drafter, refs = dense
+    _clocked(monkeypatch, Clock())
     prompt = PROMPTS["repeat"]
     toks, stats = _run(target, drafter, prompt, _policy(SOURCE_SETS["hybrid"]))
     assert toks == refs["repeat"] and stats.sources.get(LOOKUP, {}).get("accepted", 0) > 0
@@ -532,16 +535,34 @@ def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
 
 
 def test_overlapped_draft_timings(dense, monkeypatch):
-    """A fixed block (no policy: nothing to trim or switch) builds the verify graph while the
-    drafter runs; still the drafter's pass is booked to draft_ms, the target's to verify_ms."""
+    """A fixed block (no policy: nothing to trim or switch) builds the verify graph on the lazy
+    drafts and reads them with the target's choices, in one wait: both passes are booked to
+    verify_ms (``draft_in_verify``), draft_ms is 0."""
     steps = _clocked_run(dense, monkeypatch, None, right=1, max_tokens=12)
     assert len(steps) > 2
     for s in steps[1:]:
         if s.block_size == 1:  # the room left allowed no draft
             continue
         assert s.source == DFLASH and s.draft_block == s.block_size <= 4  # (the last: the room left)
-        assert s.draft_ms == pytest.approx(10.0) and s.verify_ms == pytest.approx(100 + 5 * (s.block_size - 1))
+        assert s.draft_in_verify and s.draft_ms == 0
+        assert s.verify_ms == pytest.approx(10 + 100 + 5 * (s.block_size - 1))
     assert steps[1].block_size == 4
+
+
+def test_a_policy_learns_one_scale_from_a_cycle_timed_in_one_wait():
+    """A cycle whose drafts were read with the verify's choices times both passes at once: the
+    policy scales its verify and draft costs by their sum (the drafter's share is not booked
+    to the verify), and leaves its per-length verify line alone."""
+    p = DraftPolicy(CPU, 8, sources=(DFLASH,))
+    p.observe(Step((1,), prefill=True, prompt_tokens=8))
+    tt, td = p._table(4)
+    both = 2 * (tt + td)
+    p.observe(
+        Step((1, 2), 3, 1, 4, verify_ms=both, elapsed_ms=both, source=DFLASH, draft_block=4, draft_in_verify=True)
+    )
+    assert p.scale["verify"] == pytest.approx(p.scale["draft"]) and p.scale["verify"] > 1.0
+    assert p.verify_ms(4) + p.draft_ms(4) == pytest.approx(p.scale["verify"] * (tt + td))
+    assert p.line.at(4) is None
 
 
 def test_pick_trims_the_block_to_what_the_drafter_is_sure_of():

@@ -298,13 +298,14 @@ def test_disconnect_cancels_generation(engine, url):
 
 
 def test_load_many_clients(engine, url):
-    """8 clients x 25 requests against a queue of 4: each completes or gets a clean 503."""
+    """8 clients x 10 requests against a queue of 4: each completes or gets a clean 503, and the
+    counters add up to what the clients saw."""
     m0, s0 = _metrics(url), engine.snapshot()
     results, lock = [], threading.Lock()
 
     def worker(k):
         with httpx.Client(base_url=url, timeout=60) as c:
-            for i in range(25):
+            for i in range(10):
                 stream = (k + i) % 3 == 0
                 body = {
                     "messages": [{"role": "user", "content": f"q{k}-{i}"}],
@@ -337,7 +338,7 @@ def test_load_many_clients(engine, url):
         t.start()
     for t in threads:
         t.join(120)
-    assert len(results) == 200
+    assert len(results) == 80
     ok = [r for r in results if r[0] == "ok"]
     busy = [r for r in results if r[0] != "ok"]
     for status, retry, body in busy:

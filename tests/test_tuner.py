@@ -786,6 +786,12 @@ def test_a_tiny_budget_skips_the_race_and_says_so(pair):
     assert "the probe and the minimum pass-cost rounds alone took" in r.timing
 
 
+# tune() on the real tiny pair with a clock that stands still: nothing ends its pass-cost rounds
+# but their cap, so these tests cap them at three timed rounds (the tiny random drafter accepts
+# ~nothing: the model says off however precise its costs; the race under test is scripted)
+FAKE_CLOCK_COSTS = (3, 3)
+
+
 def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
     """tune() on a tiny pair with a fake clock and scripted runs: which candidates it times."""
     import mlx_spec.tuning.run as T
@@ -805,8 +811,18 @@ def test_tune_races_runner_up_neighbours_and_thread_counts(pair, monkeypatch):
     seen = []
     fake_blas = type("B", (), {"settable": True, "pinned": None})()
     monkeypatch.setattr(T, "set_threads", lambda b, n: seen.append(n) or n)
-    # (the fake clock stands still while the real tiny pair runs: a budget wide enough for every plan)
-    r = tune(pair, budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[1, 2], blas=fake_blas, clock=clock)
+    # (the fake clock stands still while the real tiny pair runs: a budget wide enough for every plan,
+    # and the pass costs would run to their cap of rounds: FAKE_CLOCK_COSTS keeps them to three)
+    r = tune(
+        pair,
+        budget_s=100.0,
+        tokens=4,
+        candidates=[2, 3, 4],
+        threads=[1, 2],
+        blas=fake_blas,
+        clock=clock,
+        cost_rounds=FAKE_CLOCK_COSTS,
+    )
     keys = timed[0]
     lead_t = keys[0][1]
     assert keys[0][0] == 1  # plain at the leading thread count is the baseline
@@ -843,7 +859,15 @@ def test_the_race_overrules_the_model_on_a_clear_margin_in_three_rounds(pair, mo
         )
 
     monkeypatch.setattr(T, "race", fake_race)
-    kw = dict(budget_s=100.0, tokens=4, candidates=[2, 3, 4], threads=[None], clear_margin=0.9, clock=FakeClock())
+    kw = dict(
+        budget_s=100.0,
+        tokens=4,
+        candidates=[2, 3, 4],
+        threads=[None],
+        clear_margin=0.9,
+        clock=FakeClock(),
+        cost_rounds=FAKE_CLOCK_COSTS,
+    )
     script.update(noise=0.02)
     r = tune(pair, max_rounds=3, **kw)
     assert decide(r.candidates).block == 1 and r.best == 4 and r.phases["race_rounds"] == 3
@@ -877,7 +901,15 @@ def test_a_race_stopped_before_its_first_round_says_so(pair, monkeypatch):
 
     planned = []
     monkeypatch.setattr(T, "race", late)
-    r = tune(pair, budget_s=100.0, tokens=4, candidates=[2, 3], threads=[None], clock=FakeClock())
+    r = tune(
+        pair,
+        budget_s=100.0,
+        tokens=4,
+        candidates=[2, 3],
+        threads=[None],
+        clock=FakeClock(),
+        cost_rounds=FAKE_CLOCK_COSTS,
+    )
     assert planned and r.phases["race_rounds"] == 0 and r.phases["race_stop"] == "budget"
     assert "; no race: its first round (~" in r.why and "would have ended past the budget (" in r.why, r.why
     assert all(c.note == "not raced: budget" for c in r.candidates if (c.block, c.threads) in planned)

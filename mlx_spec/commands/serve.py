@@ -33,7 +33,7 @@ from ..errors import BadRequest, MlxSpecError
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 
 
-SIZED_HELP = {  # serve sizes these from the memory plan when they are not given (session.serve_sizing)
+SIZED_HELP = {  # serve sizes these from the memory plan when they are not given (session.serve_sizing): default None
     "context": "max prompt + completion tokens per request (default: the target's trained context, "
     "capped by the memory plan so that one whole context of K/V still fits in the prefix cache)",
     "prefix_cache_mb": "K/V kept between requests so a shared prefix (an agent's system prompt and "
@@ -43,11 +43,8 @@ SIZED_HELP = {  # serve sizes these from the memory plan when they are not given
 
 
 def add_arguments(p) -> None:
-    add_model_args(p)
-    add_prefix_cache_arg(p)
-    for action in p._actions:
-        if action.dest in SIZED_HELP:
-            action.default, action.help = None, SIZED_HELP[action.dest]
+    add_model_args(p, sized_context=SIZED_HELP["context"])
+    add_prefix_cache_arg(p, None, SIZED_HELP["prefix_cache_mb"])
     p.add_argument(
         "--served-model-name",
         dest="served_model_names",

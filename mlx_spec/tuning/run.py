@@ -350,7 +350,10 @@ class Sweep:
         c = self.costs
         drafting = pair.drafter is not None  # (a chain-only pair: T1 and Tt alone, no draft pass)
         rounds_s = (
-            2 * 2 * (c.t1_ms + sum(c.verify(B) + (c.draft(B) if B > 1 and drafting else 0.0) for B in (1, *sizes))) / 1e3
+            2
+            * 2
+            * (c.t1_ms + sum(c.verify(B) + (c.draft(B) if B > 1 and drafting else 0.0) for B in (1, *sizes)))
+            / 1e3
         )
         if stop - t0 < rounds_s:
             self.phases |= {"context_s": 0.0, "context_tokens": 0, "context_rounds": 0, "context_term": "budget"}
