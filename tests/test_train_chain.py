@@ -284,3 +284,26 @@ def test_chain_acceptance_counts_an_anchor_only_while_every_earlier_depth_was_ri
     # (step 1, row 1) and is not counted at depth 3 though step 2 is right at its row 2
     counts, anchors = chain_counts(hits, mask)
     assert anchors == 2 and counts.tolist() == [2, 1, 0]
+
+
+def test_an_interrupted_feature_build_resumes_to_the_same_store(tmp_path):
+    (a, _), _ = _two_files(tmp_path)
+    model, cfg = tiny_model("llama")
+    full = Target(model, eagle_taps(cfg["num_hidden_layers"]), final_hidden=True)
+    build_features(full, [a], tmp_path / "whole", batch_size=2, log=lambda _: None)
+
+    def stop_after_first_flush(msg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_features(full, [a], tmp_path / "cut", batch_size=2, flush_every=2, log=stop_after_first_flush)
+    data = Tokens(a, held_out=1)
+    with pytest.raises(BadRequest, match="incomplete"):
+        FeatureStore(tmp_path / "cut", data.files, final=True)
+    said = []
+    build_features(full, [a], tmp_path / "cut", batch_size=2, flush_every=2, log=said.append)
+    assert said[0].startswith(f"features: {a}: 4/6")  # continued after the first two
+    for name in ("final.npy", "taps.npy"):
+        (d,) = (tmp_path / "whole").iterdir()
+        np.testing.assert_array_equal(np.load(d / name), np.load(tmp_path / "cut" / d.name / name))
+    FeatureStore(tmp_path / "cut", data.files, final=False, taps=eagle_taps(cfg["num_hidden_layers"]))

@@ -243,6 +243,7 @@ def add_arguments(p) -> None:
     f.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the tokens came from")
     f.add_argument("--tokens", required=True, help="token-id .npz files, comma-separated")
     f.add_argument("--out", required=True, help="feature store directory (one folder per token file)")
+    f.add_argument("--batch-size", type=int, default=8, help="sequences per target pass (similar lengths)")
     f.add_argument(
         "--taps",
         default=None,
@@ -475,7 +476,9 @@ def _features(args) -> int:
     n_layers = len(getattr(model, "language_model", model).model.layers)
     taps = [int(x) for x in args.taps.split(",")] if args.taps else eagle_taps(n_layers)
     target = Target(model, taps, final_hidden=True)
-    summary = build_features(target, split_paths(args.tokens), args.out, target_id=target_id, log=_log)
+    summary = build_features(
+        target, split_paths(args.tokens), args.out, target_id=target_id, batch_size=args.batch_size, log=_log
+    )
     print(json.dumps(summary))
     return 0
 

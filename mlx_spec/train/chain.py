@@ -214,14 +214,17 @@ def build_features(
     out: str | Path,
     *,
     target_id: str = "",
+    batch_size: int = 8,
     log: Callable[[str], None] = print,
     flush_every: int = 64,
 ) -> dict:
     """One target pass over every sequence of each token file; writes, per file, ``final.npy``
     (n_tokens, H) the final-normed last hidden (MTP) and ``taps.npy`` (n_tokens, len(taps) * H)
-    the tapped layers' outputs (EAGLE-3), float16, row i = the features at token i of the file
-    (each sequence run alone from its first token). Resumable: a file's ``meta.json`` records
-    the sequences done; a finished file is skipped."""
+    the tapped layers' outputs (EAGLE-3), float16, row i = the features at token i of the file.
+    Each sequence is run from its first token; ``batch_size`` sequences of similar length run
+    together, padded on the right (causal attention: the padding is after every real row, so it
+    changes none). Resumable: a file's ``meta.json`` records how many sequences (in length order)
+    are done; a finished file is skipped."""
     if not target.final_hidden or not target.taps:
         raise BadRequest("build_features needs a target built with taps and final_hidden=True")
     out = Path(out)
@@ -238,30 +241,37 @@ def build_features(
         want |= {"taps": list(target.taps), "hidden": H, "target": target_id, "dtype": "float16"}
         if meta and any(meta.get(k) != v for k, v in want.items()):
             raise BadRequest(f"{d} holds features of another token file, target or taps; use another --out")
-        done = int(meta.get("done_seqs", 0))
         if meta.get("complete"):
             log(f"features: {path}: done before ({d})")
             summary["files"].append(str(d))
             continue
+        done = int(meta.get("done_seqs", 0))
+        order = np.argsort([len(q.tokens) for q in seqs], kind="stable")  # similar lengths share a batch
         mode = "r+" if done else "w+"
         final = np.lib.format.open_memmap(d / "final.npy", mode, FEATURE_DTYPE, (tf.n_tokens, H))
         taps = np.lib.format.open_memmap(d / "taps.npy", mode, FEATURE_DTYPE, (tf.n_tokens, len(target.taps) * H))
-        t0, n_tok = time.perf_counter(), 0
-        for i in range(done, len(seqs)):
-            s = seqs[i]
-            o = target(mx.array(s.tokens[None]), target.make_cache(), last_only=True)
-            f, h = o.final[0].astype(mx.float16), o.hidden[0].astype(mx.float16)
+        t0, n_tok, since = time.perf_counter(), 0, 0
+        for i in range(done, len(seqs), batch_size):
+            part = [seqs[k] for k in order[i : i + batch_size]]
+            T = max(len(q.tokens) for q in part)
+            ids = np.zeros((len(part), T), np.int32)
+            for r, q in enumerate(part):
+                ids[r, : len(q.tokens)] = q.tokens
+            o = target(mx.array(ids), target.make_cache(), last_only=True)
+            f, h = o.final.astype(mx.float16), o.hidden.astype(mx.float16)
             mx.eval(f, h)
-            final[s.start : s.start + len(s.tokens)] = np.array(f)
-            taps[s.start : s.start + len(s.tokens)] = np.array(h)
-            n_tok += len(s.tokens)
-            if (i + 1) % flush_every == 0 or i + 1 == len(seqs):
+            f, h = np.array(f), np.array(h)
+            for r, q in enumerate(part):
+                final[q.start : q.start + len(q.tokens)] = f[r, : len(q.tokens)]
+                taps[q.start : q.start + len(q.tokens)] = h[r, : len(q.tokens)]
+                n_tok += len(q.tokens)
+            n_done, since = i + len(part), since + len(part)
+            if since >= flush_every or n_done == len(seqs):
+                since = 0
                 final.flush()
                 taps.flush()
-                meta = dict(want, done_seqs=i + 1, complete=i + 1 == len(seqs))
-                meta_path.write_text(json.dumps(meta, indent=2))
-                el = time.perf_counter() - t0
-                log(f"features: {path}: {i + 1}/{len(seqs)} sequences, {n_tok / el:.0f} tok/s")
+                meta_path.write_text(json.dumps(dict(want, done_seqs=n_done, complete=n_done == len(seqs)), indent=2))
+                log(f"features: {path}: {n_done}/{len(seqs)} sequences, {n_tok / (time.perf_counter() - t0):.0f} tok/s")
         del final, taps
         summary["files"].append(str(d))
     return summary
