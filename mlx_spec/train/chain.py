@@ -557,7 +557,7 @@ def held_out_eval(
     store: FeatureStore | None = None,
     target: Target | None = None,
     n: int = EVAL_SEQS,
-    chunk: int = 8,
+    chunk: int = 4,
 ) -> dict:
     """Held-out top-1 agreement with the target's committed tokens by chain depth, over the
     whole of the first ``n`` held-out sequences (full head, teacher forcing): ``acc`` per depth
