@@ -307,3 +307,32 @@ def test_an_interrupted_feature_build_resumes_to_the_same_store(tmp_path):
         (d,) = (tmp_path / "whole").iterdir()
         np.testing.assert_array_equal(np.load(d / name), np.load(tmp_path / "cut" / d.name / name))
     FeatureStore(tmp_path / "cut", data.files, final=False, taps=eagle_taps(cfg["num_hidden_layers"]))
+
+
+def test_a_run_grows_its_pool_with_a_store_still_being_built(tmp_path):
+    (a, _), (sa, _) = _two_files(tmp_path)
+    ev = _token_file(tmp_path / "heldout.npz", [np.arange(3, 30) % VOCAB], 5, ["h0"])
+    model, cfg = tiny_model("llama")
+    full = Target(model, eagle_taps(cfg["num_hidden_layers"]), final_hidden=True)
+    build_features(full, [ev], tmp_path / "feats", log=lambda _: None)
+
+    def stop(msg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a third of the file stored
+        build_features(full, [a], tmp_path / "feats", batch_size=2, flush_every=2, log=stop)
+    data = Tokens(a, eval_path=ev)
+    store = FeatureStore(tmp_path / "feats", data.files, final=True, partial=True)
+    ready = [s.index for s in data.train if store.ready(s)]
+    (d,) = [p for p in (tmp_path / "feats").iterdir() if p.name.startswith("a-")]
+    assert sorted(ready) == sorted(np.load(d / "order.npy")[:2].tolist())  # the first block of a seeded order
+    with pytest.raises(BadRequest, match="incomplete"):
+        FeatureStore(tmp_path / "feats", data.files, final=True)
+    c = ChainTrainConfig(
+        kind="mtp", tokens=a, eval_tokens=ev, features=str(tmp_path / "feats"), grow=True,
+        out=str(tmp_path / "run"), steps=3, batch_size=2, seq_len=16, eval_every=100,
+    )  # fmt: skip
+    summary = train_chain(c, Target(model, (), final_hidden=True), cfg, log=lambda _: None)
+    assert summary["last"]["pool"] == 2
+    with pytest.raises(BadRequest, match="give --features"):
+        ChainTrainConfig(kind="mtp", tokens=a, out=str(tmp_path / "x"), grow=True)

@@ -187,6 +187,12 @@ def add_arguments(p) -> None:
             "recomputes each batch's features)",
         )
         c.add_argument(
+            "--grow",
+            action="store_true",
+            help="with --features: train on the sequences stored so far while `train features` is still "
+            "writing the store (the pool grows; the log's 'pool' says how many)",
+        )
+        c.add_argument(
             "--eval-tokens",
             default=None,
             help="token file of held-out sequences (e.g. the target's responses to held-out prompts); "

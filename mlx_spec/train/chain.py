@@ -82,6 +82,7 @@ class ChainTrainConfig:
     held_out: int | None = None  # the files' last N sequences (default 64; none with eval_tokens)
     eval_tokens: str | None = None  # a token file of held-out sequences instead
     features: str | None = None  # a feature store (build_features); None: the target recomputes
+    grow: bool = False  # train on the stored sequences while the store is still being built
     checkpoint_every: int = 100
     eval_every: int = 100
     layout: str = "eagle"  # EAGLE-3 output layout: eagle | speculators
@@ -121,6 +122,8 @@ class ChainTrainConfig:
         for f in files:
             if not Path(f).is_file():
                 raise BadRequest(f"{f}: no such file (a token-id .npz from `train export --tokens`)")
+        if self.grow and self.features is None:
+            raise BadRequest("--grow reads a feature store still being built: give --features")
         if self.features is not None and not Path(self.features).is_dir():
             raise BadRequest(f"--features {self.features}: no such directory (build it with `train features`)")
 
@@ -130,13 +133,15 @@ class ChainTrainConfig:
 
 
 class Seq(NamedTuple):
-    """One sequence: its token ids, prompt length, and where it sits (file index, first token)."""
+    """One sequence: its token ids, prompt length, and where it sits (file index, first token,
+    index in its file)."""
 
     tokens: np.ndarray
     prompt_len: int
     file: int
     start: int
     id: str
+    index: int
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,7 @@ def read_token_file(path: str | Path, index: int) -> tuple[TokenFile, list[Seq]]
     if len(offs) != len(plens) + 1 or offs[-1] != len(toks):
         raise BadRequest(f"{path}: offsets and prompt_lens disagree with the tokens (a damaged token file)")
     seqs = [
-        Seq(toks[offs[i] : offs[i + 1]].astype(np.int32), int(plens[i]), index, int(offs[i]), str(names[i]))
+        Seq(toks[offs[i] : offs[i + 1]].astype(np.int32), int(plens[i]), index, int(offs[i]), str(names[i]), i)
         for i in range(len(plens))
     ]
     return TokenFile(str(path), file_sha256(path), len(toks)), seqs
@@ -223,8 +228,11 @@ def build_features(
     the tapped layers' outputs (EAGLE-3), float16, row i = the features at token i of the file.
     Each sequence is run from its first token; ``batch_size`` sequences of similar length run
     together, padded on the right (causal attention: the padding is after every real row, so it
-    changes none). Resumable: a file's ``meta.json`` records how many sequences (in length order)
-    are done; a finished file is skipped."""
+    changes none). The sequences go in a seeded random order (``order.npy``; sorted by length
+    within each block of ``flush_every``), so the part done at any point is a fair sample of the
+    file: a trainer may read a store still being built (``FeatureStore(partial=True)``).
+    Resumable: a file's ``meta.json`` records how many sequences of that order are done; a
+    finished file is skipped."""
     if not target.final_hidden or not target.taps:
         raise BadRequest("build_features needs a target built with taps and final_hidden=True")
     out = Path(out)
@@ -246,13 +254,22 @@ def build_features(
             summary["files"].append(str(d))
             continue
         done = int(meta.get("done_seqs", 0))
-        order = np.argsort([len(q.tokens) for q in seqs], kind="stable")  # similar lengths share a batch
+        order = feature_order([len(q.tokens) for q in seqs], flush_every)
+        if done:
+            order = np.load(d / "order.npy")
+        else:
+            np.save(d / "order.npy", order)
         mode = "r+" if done else "w+"
         final = np.lib.format.open_memmap(d / "final.npy", mode, FEATURE_DTYPE, (tf.n_tokens, H))
         taps = np.lib.format.open_memmap(d / "taps.npy", mode, FEATURE_DTYPE, (tf.n_tokens, len(target.taps) * H))
-        t0, n_tok, since = time.perf_counter(), 0, 0
-        for i in range(done, len(seqs), batch_size):
-            part = [seqs[k] for k in order[i : i + batch_size]]
+        t0, n_tok = time.perf_counter(), 0
+        starts = [
+            b
+            for a in range(done, len(seqs), flush_every)
+            for b in range(a, min(a + flush_every, len(seqs)), batch_size)
+        ]
+        for i in starts:  # batches never straddle a block
+            part = [seqs[k] for k in order[i : min(i + batch_size, (i // flush_every + 1) * flush_every)]]
             T = max(len(q.tokens) for q in part)
             ids = np.zeros((len(part), T), np.int32)
             for r, q in enumerate(part):
@@ -265,9 +282,8 @@ def build_features(
                 final[q.start : q.start + len(q.tokens)] = f[r, : len(q.tokens)]
                 taps[q.start : q.start + len(q.tokens)] = h[r, : len(q.tokens)]
                 n_tok += len(q.tokens)
-            n_done, since = i + len(part), since + len(part)
-            if since >= flush_every or n_done == len(seqs):
-                since = 0
+            n_done = i + len(part)
+            if n_done % flush_every == 0 or n_done == len(seqs):
                 final.flush()
                 taps.flush()
                 meta_path.write_text(json.dumps(dict(want, done_seqs=n_done, complete=n_done == len(seqs)), indent=2))
@@ -277,28 +293,74 @@ def build_features(
     return summary
 
 
+def feature_order(lengths: Sequence[int], block: int, seed: int = 0) -> np.ndarray:
+    """The order ``build_features`` runs a file's sequences in: a seeded permutation, sorted by
+    length within each block of ``block`` (similar lengths share a batch; any prefix of whole
+    blocks is a fair sample of the file)."""
+    perm = np.random.default_rng(seed).permutation(len(lengths))
+    lengths = np.asarray(lengths)
+    return np.concatenate(
+        [
+            perm[a : a + block][np.argsort(lengths[perm[a : a + block]], kind="stable")]
+            for a in range(0, len(perm), block)
+        ]
+        or [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+
+
 class FeatureStore:
     """The stored features of ``data``'s token files (memory-mapped), checked against them: each
-    file's store must exist, be complete, match the file's sha256 and hold what ``kind`` reads."""
+    file's store must exist, match the file's sha256, hold what ``kind`` reads and be complete.
+    ``partial=True`` reads a store still being built: ``ready`` says which sequences are done
+    (``refresh`` re-reads the builder's progress), and a file not started yet has none."""
 
-    def __init__(self, root: str | Path, files: Sequence[TokenFile], *, final: bool, taps: Sequence[int] = ()):
-        root = Path(root)
-        self.final, self.arrays = final, []
-        for f in files:
-            d = root / store_name(f)
-            hint = f"build it with `mlx_spec train features --tokens {f.path} --out {root}`"
+    def __init__(
+        self,
+        root: str | Path,
+        files: Sequence[TokenFile],
+        *,
+        final: bool,
+        taps: Sequence[int] = (),
+        partial: bool = False,
+    ):
+        self.root, self.files, self.final, self.taps, self.partial = Path(root), list(files), final, list(taps), partial
+        self.arrays: list[np.ndarray | None] = [None] * len(self.files)
+        self.done: list[np.ndarray] = [np.zeros(0, bool)] * len(self.files)
+        self.width = 0
+        self.refresh()
+        if not self.width:
+            raise BadRequest(f"{self.root}: no features of these token files yet")
+
+    def refresh(self) -> None:
+        for i, f in enumerate(self.files):
+            if self.done[i].size and self.done[i].all():
+                continue
+            d = self.root / store_name(f)
+            hint = f"build it with `mlx_spec train features --tokens {f.path} --out {self.root}`"
             try:
                 meta = json.loads((d / "meta.json").read_text())
             except (OSError, ValueError):
-                raise BadRequest(f"{f.path}: no features in {root} ({d.name}); {hint}") from None
+                if self.partial:
+                    continue
+                raise BadRequest(f"{f.path}: no features in {self.root} ({d.name}); {hint}") from None
             if meta.get("sha256") != f.sha256 or meta.get("n_tokens") != f.n_tokens:
                 raise BadRequest(f"{d}: features of another token file than {f.path}; {hint}")
-            if not meta.get("complete"):
-                raise BadRequest(f"{d}: features incomplete ({meta.get('done_seqs', 0)} sequences); {hint} (resumes)")
-            if not final and list(meta.get("taps", [])) != list(taps):
-                raise BadRequest(f"{d}: features tap layers {meta.get('taps')}, the EAGLE-3 layer reads {list(taps)}")
-            self.arrays.append(np.load(d / ("final.npy" if final else "taps.npy"), mmap_mode="r"))
-        self.width = self.arrays[0].shape[1]
+            if not self.final and list(meta.get("taps", [])) != self.taps:
+                raise BadRequest(f"{d}: features tap layers {meta.get('taps')}, the EAGLE-3 layer reads {self.taps}")
+            n = int(meta.get("done_seqs", 0))
+            if not meta.get("complete") and not self.partial:
+                raise BadRequest(f"{d}: features incomplete ({n} sequences); {hint} (resumes)")
+            done = np.zeros(int(meta["n_seqs"]), bool)
+            done[np.load(d / "order.npy")[:n]] = True
+            if self.arrays[i] is None:
+                self.arrays[i] = np.load(d / ("final.npy" if self.final else "taps.npy"), mmap_mode="r")
+                self.width = self.arrays[i].shape[1]
+            self.done[i] = done
+
+    def ready(self, s: Seq) -> bool:
+        """Whether the features of ``s`` are stored."""
+        done = self.done[s.file]
+        return bool(done.size and done[s.index])
 
     def window(self, s: Seq, start: int, length: int) -> np.ndarray:
         a = s.start + start
@@ -591,6 +653,26 @@ def held_out_eval(
     }
 
 
+GROW_EVERY = 50  # steps between looks at a store still being built (--grow)
+GROW_WAIT_S = 7200  # how long --grow waits for the first stored sequence
+
+
+def grown_pool(store: FeatureStore, train: Sequence[Seq], log: Callable[[str], None], poll_s: float = 30.0) -> list:
+    """The training sequences whose features are stored; waits (bounded) while there are none."""
+    waited = 0.0
+    while True:
+        pool = [s for s in train if store.ready(s)]
+        if pool:
+            return pool
+        if waited >= GROW_WAIT_S:
+            raise BadRequest(f"{store.root}: no training sequence's features stored after {waited / 60:.0f} min")
+        if waited == 0:
+            log(f"--grow: no training features stored yet in {store.root}; waiting")
+        time.sleep(poll_s)
+        waited += poll_s
+        store.refresh()
+
+
 def _schedule(cfg: ChainTrainConfig):
     warm = max(1, int(cfg.warmup * cfg.steps))
     return optim.join_schedules(
@@ -618,8 +700,12 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         head.bind(target)
         target = Target(target.model, head.taps)
     store = None
+    pool = data.train
     if cfg.features:
-        store = FeatureStore(cfg.features, data.files, final=cfg.kind == "mtp", taps=head.taps)
+        store = FeatureStore(cfg.features, data.files, final=cfg.kind == "mtp", taps=head.taps, partial=cfg.grow)
+        if not all(store.ready(s) for s in data.test):
+            raise BadRequest(f"{cfg.features}: the held-out sequences' features are not all stored yet")
+        pool = grown_pool(store, data.train, log) if cfg.grow else pool
     base = frequent_ids(data, cfg.softmax_vocab, target.vocab_size) if cfg.softmax_vocab else None
     ckpt = out / "ckpt"
     state = {"step": 0, "log": []}
@@ -645,7 +731,10 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
     t_steps, n_timed = 0.0, 0
     evaluate = {"store": store, "target": target}
     while state["step"] < cfg.steps:
-        ids, mask, spans = make_batch(data.train, rng, cfg.batch_size, cfg.seq_len)
+        if cfg.grow and state["step"] % GROW_EVERY == 0 and len(pool) < len(data.train):
+            store.refresh()
+            pool = grown_pool(store, data.train, log)
+        ids, mask, spans = make_batch(pool, rng, cfg.batch_size, cfg.seq_len)
         t0 = time.perf_counter()
         feats = span_features(spans, cfg.seq_len, store=store, target=target, head=head)
         sm = None
@@ -666,6 +755,8 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         n_pos = int(sum(float(mask[:, j:].sum()) for j in range(cfg.ttt)))
         row = {"step": s, "loss": round(float(lv), 4), "acc": [round(float(a), 4) for a in accs], "sec": round(dt, 3)}
         row["positions"] = n_pos
+        if cfg.grow:
+            row["pool"] = len(pool)
         if s % cfg.eval_every == 0 or s == cfg.steps or s == 1:
             row["held_out"] = held_out_eval(head, data, cfg, **evaluate)
         state["log"].append(row)
