@@ -203,6 +203,8 @@ def add_arguments(p) -> None:
         c.add_argument("--batch-size", type=int, default=8, help="sequences per step")
         c.add_argument("--seq-len", type=int, default=256, help="tokens per sequence window")
         c.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (linear warm-up, cosine decay)")
+        c.add_argument("--warmup", type=float, default=0.04, help="warm-up share of the steps")
+        c.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
         c.add_argument("--ttt", type=int, default=3, help="training-time-test steps (the head on its own outputs)")
         c.add_argument("--decay", type=float, default=0.8, help="loss weight decay per training-time-test step")
         c.add_argument(
