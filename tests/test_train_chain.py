@@ -1,8 +1,12 @@
 """`train mtp` / `train eagle`: the trainer's forward is the inference forward, and a short run on
 a tiny target lowers the loss and writes a head its loader reads back."""
 
+import json
+import struct
+
 from mlx_spec.eagle import load_eagle
 from mlx_spec.errors import BadRequest
+from mlx_spec.loading import MODELS_DIR
 from mlx_spec.mtp import load_mtp
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.target import Target
@@ -25,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import VOCAB, tiny_model
+from mlx_lm.models import llama
 from test_chain import reference
 
 
@@ -105,7 +110,6 @@ def test_a_short_run_lowers_the_loss_and_writes_a_loadable_head(tmp_path, kind, 
     )
     target = Target(model, (), final_hidden=kind == "mtp")
     summary = train_chain(c, target, cfg, log=lambda _: None)
-    import json
 
     log = json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["log"]
     assert log[-1]["loss"] < 0.5 * log[0]["loss"]
@@ -134,7 +138,6 @@ def test_a_short_run_lowers_the_loss_and_writes_a_loadable_head(tmp_path, kind, 
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):
-    import json
 
     model, cfg = tiny_model("llama")
     seqs = [(s + 3 * np.arange(40)) % VOCAB for s in range(8)]
@@ -165,8 +168,6 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     assert [r["step"] for r in log] == list(range(1, 9))
     assert log[:4] == first_log  # continued, not restarted
     assert (tmp_path / "run" / "head" / "model.safetensors").read_bytes() != first
-    from mlx_spec.errors import BadRequest
-
     with pytest.raises(BadRequest, match="no checkpoint"):
         train_chain(
             ChainTrainConfig(steps=8, resume=True, **dict(base, out=str(tmp_path / "none"))),
@@ -336,3 +337,42 @@ def test_a_run_grows_its_pool_with_a_store_still_being_built(tmp_path):
     assert summary["last"]["pool"] == 2
     with pytest.raises(BadRequest, match="give --features"):
         ChainTrainConfig(kind="mtp", tokens=a, out=str(tmp_path / "x"), grow=True)
+
+
+# The embedded target's architecture (SmolLM2-135M-Instruct's config.json): built lazily, so no
+# weight is materialized, to check the shipped heads fit it.
+EMBEDDED = dict(
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def _float_dtypes(path):
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {v["dtype"] for k, v in header.items() if k not in ("__metadata__", "d2t", "t2d")}
+
+
+def test_the_shipped_heads_load_strictly_against_the_embedded_target():
+    model = llama.Model(llama.ModelArgs.from_dict(EMBEDDED))
+    eagle_dir, mtp_dir = MODELS_DIR / "smollm2-135m-eagle3", MODELS_DIR / "smollm2-135m-mtp"
+    d, cfg = load_eagle(eagle_dir)
+    d.bind(Target(model, ()))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and d.args.layout == "eagle"
+    assert d.taps == (1, 14, 26) and d.draft_ids.shape == (8192,)  # EAGLE layer ids 2, 15, 27
+    head = load_mtp(mtp_dir, Target(model, (), final_hidden=True))
+    assert head.kind == "mtp" and head.vocab_size == 49152
+    for folder in (eagle_dir, mtp_dir):
+        (weights,) = folder.glob("*.safetensors")
+        assert _float_dtypes(weights) == {"F16"} and weights.stat().st_size < 40 << 20
+        assert (folder / "README.md").is_file()
