@@ -376,3 +376,24 @@ def test_the_shipped_heads_load_strictly_against_the_embedded_target():
         (weights,) = folder.glob("*.safetensors")
         assert _float_dtypes(weights) == {"F16"} and weights.stat().st_size < 40 << 20
         assert (folder / "README.md").is_file()
+
+
+def test_a_feature_build_advances_its_files_together(tmp_path):
+    """What is stored at any point is a fair sample of all the files (for --grow)."""
+    (a, b), _ = _two_files(tmp_path)
+    model, cfg = tiny_model("llama")
+    full = Target(model, eagle_taps(cfg["num_hidden_layers"]), final_hidden=True)
+    said = []
+
+    def stop_after_three_blocks(msg):
+        said.append(msg)
+        if len(said) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_features(full, [a, b], tmp_path / "feats", batch_size=2, flush_every=2, log=stop_after_three_blocks)
+    assert [m.split(" sequences")[0] for m in said] == [
+        f"features: {a}: 2/6",
+        f"features: {b}: 2/6",
+        f"features: {a}: 4/6",
+    ]

@@ -213,6 +213,61 @@ def store_name(f: TokenFile) -> str:
     return f"{Path(f.path).stem}-{f.sha256[:12]}"
 
 
+class _FileJob:
+    """One token file's part of a feature build: its store folder, order, progress, arrays."""
+
+    def __init__(self, path: str, out: Path, target: Target, target_id: str, block: int):
+        self.path = path
+        tf, self.seqs = read_token_file(path, 0)
+        self.n = len(self.seqs)
+        self.dir = out / store_name(tf)
+        self.dir.mkdir(exist_ok=True)
+        self.meta_path = self.dir / "meta.json"
+        meta = json.loads(self.meta_path.read_text()) if self.meta_path.exists() else {}
+        self.want = {"tokens": Path(path).name, "sha256": tf.sha256, "n_tokens": tf.n_tokens, "n_seqs": self.n}
+        self.want |= {"taps": list(target.taps), "hidden": target.hidden_size, "target": target_id, "dtype": "float16"}
+        if meta and any(meta.get(k) != v for k, v in self.want.items()):
+            raise BadRequest(f"{self.dir} holds features of another token file, target or taps; use another --out")
+        self.done = self.n if meta.get("complete") else int(meta.get("done_seqs", 0))
+        self.was_done = self.done == self.n
+        if self.was_done:
+            return
+        if self.done:
+            self.order = np.load(self.dir / "order.npy")
+        else:
+            self.order = feature_order([len(q.tokens) for q in self.seqs], block)
+            np.save(self.dir / "order.npy", self.order)
+        mode = "r+" if self.done else "w+"
+        shape = (tf.n_tokens, target.hidden_size)
+        self.final = np.lib.format.open_memmap(self.dir / "final.npy", mode, FEATURE_DTYPE, shape)
+        shape = (tf.n_tokens, len(target.taps) * target.hidden_size)
+        self.taps = np.lib.format.open_memmap(self.dir / "taps.npy", mode, FEATURE_DTYPE, shape)
+
+    def run_block(self, target: Target, block: int, batch_size: int) -> int:
+        """Run the next block of sequences (batches of similar length), store it; tokens run."""
+        n_tok = 0
+        end = min(self.done + block, self.n)
+        for i in range(self.done, end, batch_size):
+            part = [self.seqs[k] for k in self.order[i : min(i + batch_size, end)]]
+            ids = np.zeros((len(part), max(len(q.tokens) for q in part)), np.int32)
+            for r, q in enumerate(part):
+                ids[r, : len(q.tokens)] = q.tokens
+            o = target(mx.array(ids), target.make_cache(), last_only=True)
+            f, h = o.final.astype(mx.float16), o.hidden.astype(mx.float16)
+            mx.eval(f, h)
+            f, h = np.array(f), np.array(h)
+            for r, q in enumerate(part):
+                self.final[q.start : q.start + len(q.tokens)] = f[r, : len(q.tokens)]
+                self.taps[q.start : q.start + len(q.tokens)] = h[r, : len(q.tokens)]
+                n_tok += len(q.tokens)
+        self.final.flush()
+        self.taps.flush()
+        self.done = end
+        meta = dict(self.want, done_seqs=end, complete=end == self.n)
+        self.meta_path.write_text(json.dumps(meta, indent=2))
+        return n_tok
+
+
 def build_features(
     target: Target,
     token_paths: Sequence[str],
@@ -228,69 +283,28 @@ def build_features(
     the tapped layers' outputs (EAGLE-3), float16, row i = the features at token i of the file.
     Each sequence is run from its first token; ``batch_size`` sequences of similar length run
     together, padded on the right (causal attention: the padding is after every real row, so it
-    changes none). The sequences go in a seeded random order (``order.npy``; sorted by length
-    within each block of ``flush_every``), so the part done at any point is a fair sample of the
-    file: a trainer may read a store still being built (``FeatureStore(partial=True)``).
-    Resumable: a file's ``meta.json`` records how many sequences of that order are done; a
-    finished file is skipped."""
+    changes none).
+
+    A store may be read while it is being built (``FeatureStore(partial=True)``, ``--grow``),
+    so what is done at any point is a fair sample of the data: each file's sequences go in a
+    seeded random order (``order.npy``; sorted by length within each block of
+    ``flush_every``), and the files advance together, the next block always from the file with
+    the smallest share done. Resumable: a file's ``meta.json`` records how many sequences of
+    its order are done; a finished file is skipped."""
     if not target.final_hidden or not target.taps:
         raise BadRequest("build_features needs a target built with taps and final_hidden=True")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    H = target.hidden_size
-    summary = {"files": [], "taps": list(target.taps)}
-    for path in token_paths:
-        tf, seqs = read_token_file(path, 0)
-        d = out / store_name(tf)
-        d.mkdir(exist_ok=True)
-        meta_path = d / "meta.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        want = {"tokens": Path(path).name, "sha256": tf.sha256, "n_tokens": tf.n_tokens, "n_seqs": len(seqs)}
-        want |= {"taps": list(target.taps), "hidden": H, "target": target_id, "dtype": "float16"}
-        if meta and any(meta.get(k) != v for k, v in want.items()):
-            raise BadRequest(f"{d} holds features of another token file, target or taps; use another --out")
-        if meta.get("complete"):
-            log(f"features: {path}: done before ({d})")
-            summary["files"].append(str(d))
-            continue
-        done = int(meta.get("done_seqs", 0))
-        order = feature_order([len(q.tokens) for q in seqs], flush_every)
-        if done:
-            order = np.load(d / "order.npy")
-        else:
-            np.save(d / "order.npy", order)
-        mode = "r+" if done else "w+"
-        final = np.lib.format.open_memmap(d / "final.npy", mode, FEATURE_DTYPE, (tf.n_tokens, H))
-        taps = np.lib.format.open_memmap(d / "taps.npy", mode, FEATURE_DTYPE, (tf.n_tokens, len(target.taps) * H))
-        t0, n_tok = time.perf_counter(), 0
-        starts = [
-            b
-            for a in range(done, len(seqs), flush_every)
-            for b in range(a, min(a + flush_every, len(seqs)), batch_size)
-        ]
-        for i in starts:  # batches never straddle a block
-            part = [seqs[k] for k in order[i : min(i + batch_size, (i // flush_every + 1) * flush_every)]]
-            T = max(len(q.tokens) for q in part)
-            ids = np.zeros((len(part), T), np.int32)
-            for r, q in enumerate(part):
-                ids[r, : len(q.tokens)] = q.tokens
-            o = target(mx.array(ids), target.make_cache(), last_only=True)
-            f, h = o.final.astype(mx.float16), o.hidden.astype(mx.float16)
-            mx.eval(f, h)
-            f, h = np.array(f), np.array(h)
-            for r, q in enumerate(part):
-                final[q.start : q.start + len(q.tokens)] = f[r, : len(q.tokens)]
-                taps[q.start : q.start + len(q.tokens)] = h[r, : len(q.tokens)]
-                n_tok += len(q.tokens)
-            n_done = i + len(part)
-            if n_done % flush_every == 0 or n_done == len(seqs):
-                final.flush()
-                taps.flush()
-                meta_path.write_text(json.dumps(dict(want, done_seqs=n_done, complete=n_done == len(seqs)), indent=2))
-                log(f"features: {path}: {n_done}/{len(seqs)} sequences, {n_tok / (time.perf_counter() - t0):.0f} tok/s")
-        del final, taps
-        summary["files"].append(str(d))
-    return summary
+    jobs = [_FileJob(p, out, target, target_id, flush_every) for p in token_paths]
+    for j in jobs:
+        if j.was_done:
+            log(f"features: {j.path}: done before ({j.dir})")
+    t0, n_tok = time.perf_counter(), 0
+    while live := [j for j in jobs if j.done < j.n]:
+        j = min(live, key=lambda j: j.done / j.n)
+        n_tok += j.run_block(target, flush_every, batch_size)
+        log(f"features: {j.path}: {j.done}/{j.n} sequences, {n_tok / (time.perf_counter() - t0):.0f} tok/s")
+    return {"files": [str(j.dir) for j in jobs], "taps": list(target.taps)}
 
 
 def feature_order(lengths: Sequence[int], block: int, seed: int = 0) -> np.ndarray:
