@@ -768,6 +768,7 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         s = state["step"]
         n_pos = int(sum(float(mask[:, j:].sum()) for j in range(cfg.ttt)))
         row = {"step": s, "loss": round(float(lv), 4), "acc": [round(float(a), 4) for a in accs], "sec": round(dt, 3)}
+        row["time"] = round(time.time())
         row["positions"] = n_pos
         if cfg.grow:
             row["pool"] = len(pool)
