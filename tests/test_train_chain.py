@@ -397,3 +397,34 @@ def test_a_feature_build_advances_its_files_together(tmp_path):
         f"features: {b}: 2/6",
         f"features: {a}: 4/6",
     ]
+
+
+@pytest.mark.slow
+def test_the_shipped_heads_draft_the_real_targets_held_out_responses():
+    """The shipped heads on the real embedded target, through the inference path (add_context,
+    propose, rollback): 3-deep greedy chains along held-out responses the target wrote."""
+    from mlx_spec.default_target import DEFAULT_TARGET_ID
+    from mlx_spec.loading import load_target_model
+
+    model, _ = load_target_model(DEFAULT_TARGET_ID)
+    data = Tokens(
+        str(MODELS_DIR / "smollm2-135m-dflash2" / "data" / "tokens-v2.npz"),
+        eval_path=str(MODELS_DIR / "smollm2-135m-dflash2" / "data" / "eval_tokens.npz"),
+    )
+    d, _ = load_eagle(MODELS_DIR / "smollm2-135m-eagle3")
+    d.bind(Target(model, ()))
+    mtp_target = Target(model, (), final_hidden=True)
+    heads = [(Target(model, d.taps), d), (mtp_target, load_mtp(MODELS_DIR / "smollm2-135m-mtp", mtp_target))]
+    for target, head in heads:
+        first = []
+        for s in data.test[:4]:
+            feats = target_features(target, head, mx.array(s.tokens[None]))
+            cache = head.make_cache()
+            P = s.prompt_len
+            head.add_context(feats[:, :P], mx.array(s.tokens[:P]), cache)
+            for t in range(P, len(s.tokens) - 4):  # anchor t: the committed token at t, drafts t + 1..
+                prop = head.propose(mx.array(int(s.tokens[t])), 3, cache)
+                first.append(int(prop.tokens[0]) == int(s.tokens[t + 1]))
+                head.rollback(cache)
+                head.add_context(feats[:, t : t + 1], mx.array(s.tokens[t : t + 1]), cache)
+        assert np.mean(first) > 0.3, (head.kind, np.mean(first))
