@@ -14,7 +14,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import CheckpointError, PlanError
 
@@ -819,12 +818,12 @@ def plan_for(
     draft_vocab: str = "auto",
     ranks: int = 1,
     sources: tuple | None = None,
-    chain: tuple = (),
+    chains: dict | None = None,
 ) -> MemoryPlan:
     """The plan of a pair, from its configs and safetensors headers (nothing loads; a hub repo
     not downloaded yet is planned from the hub's metadata, see ``model_source``). ``sources``:
-    the ``model_source`` of the target and drafter when the caller has them already. ``chain``:
-    the chain drafters loaded beside it, as (kind, folder) pairs (``chain_inputs``).
+    the ``model_source`` of the target and drafter when the caller has them already. ``chains``:
+    the chain drafters loaded beside it (kind -> folder or reference, ``chain_inputs``).
 
     ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``; ``ranks``
     > 1: one rank's plan with the target sharded over that many machines (notes say how many
@@ -855,10 +854,10 @@ def plan_for(
         prefix_cache=prefix_cache,
         draft_vocab=0 if ids is None else len(ids),
     )
-    if chain:
+    if chains:
         from dataclasses import replace
 
-        inputs = replace(inputs, chain=chain_inputs(chain, tcfg, quant, metal=metal))
+        inputs = replace(inputs, chain=chain_inputs(chains, tcfg, quant, metal=metal))
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
@@ -947,12 +946,12 @@ def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
 
 
 def plan_for_config(
-    cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None, chain: tuple = ()
+    cfg, drafter_id: str | None, block_size: int | None = None, sources: tuple | None = None, chains: dict | None = None
 ):
     """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
     ``block_size`` (None: the drafter checkpoint's). ``sources``: ``config_sources``' answer, when
-    the caller plans the same pair more than once; ``chain``: the chain drafters loaded beside it,
-    (kind, folder) pairs."""
+    the caller plans the same pair more than once; ``chains``: the chain drafters loaded beside it
+    (kind -> folder or reference; None for an MTP head in the target's own folder)."""
     sources = sources or config_sources(cfg, drafter_id)
     if drafter_id is not None:
         _check_remote_architecture(cfg.target, sources[0][0])
@@ -970,7 +969,7 @@ def plan_for_config(
         budget=(cfg.budget, "--budget-gb") if cfg.budget else None,
         draft_vocab=cfg.draft_vocab,
         ranks=cfg.ranks,
-        chain=chain,
+        chains=chains,
     )
     return quant, plan
 
@@ -998,23 +997,23 @@ def chain_head(kind: str, target_config: dict, drafter_config: dict | None = Non
     return Eagle3(Eagle3Args.from_config(drafter_config or {}))
 
 
-def chain_inputs(chain, target_config: dict, quant, *, metal: bool, depth: int = 4) -> tuple[ChainDims, ...]:
-    """``ChainDims`` of each (kind, folder) pair: an EAGLE-3 checkpoint folder (its config.json),
-    or an MTP head's folder (its config.json; None: the target's own checkpoint, whose config is
-    ``target_config``). Quantized like the target, as ``load_mtp`` quantizes a float head; float
-    weights count 4 bytes on the CPU backend (cast to float32), as stored (float16) on Metal."""
+def chain_inputs(chains: dict, target_config: dict, quant, *, metal: bool, depth: int = 4) -> tuple[ChainDims, ...]:
+    """``ChainDims`` of each chain drafter (kind -> reference): an EAGLE-3 checkpoint (a folder,
+    or a hub repo planned from its metadata; its config.json), or an MTP head (a folder with its
+    config.json; None: the target's own checkpoint, whose config is ``target_config``).
+    Quantized like the target, as ``load_mtp`` quantizes a float head; float weights count 4
+    bytes on the CPU backend (cast to float32), as stored (float16) on Metal."""
     out = []
-    for kind, folder in chain:
+    for kind, ref in chains.items():
         if kind not in ("mtp", "eagle"):
             raise CheckpointError(f"chain drafter kind must be mtp or eagle, not {kind!r}")
-        if folder is None and kind == "eagle":
-            raise CheckpointError("an EAGLE-3 drafter is planned from its checkpoint folder: none given")
-        dcfg = _read_json(Path(folder)) if folder is not None else None
-        tcfg = dcfg if kind == "mtp" and dcfg is not None else target_config
+        if ref is None and kind == "eagle":
+            raise CheckpointError("an EAGLE-3 drafter is planned from its checkpoint: none given")
+        dcfg = model_source(str(ref), "EAGLE-3 drafter" if kind == "eagle" else "MTP head")[0] if ref else None
         out.append(
             chain_dims(
                 kind,
-                tcfg,
+                dcfg if kind == "mtp" and dcfg is not None else target_config,
                 dcfg if kind == "eagle" else None,
                 depth=depth,
                 bits=quant.target_bits,

@@ -175,21 +175,18 @@ def check(cfg: LoadConfig) -> str | None:
 # -- the plan ------------------------------------------------------------------------------------
 
 
-def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = True, chain: tuple = ()) -> Planned:
+def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = True) -> Planned:
     """Check the names, choose the quantization and make the memory plan, from files only.
 
     ``enforce``: refuse a plan over budget (PlanError) unless ``cfg.force``; the ``plan`` command
-    passes False and reports instead. ``chain``: the chain drafters loaded beside the pair, as
-    (kind, folder) pairs (``memory.chain_inputs``)."""
+    passes False and reports instead."""
     from . import memory
 
     drafter = check(cfg)
     block = stored_block(cfg, drafter)
     why = None
     try:
-        quant, plan = memory.plan_for_config(
-            cfg, drafter, block.block_size if block and not block.off else None, chain=chain
-        )
+        quant, plan = memory.plan_for_config(cfg, drafter, block.block_size if block and not block.off else None)
     except (HubError, UnsupportedModel, IncompatiblePair):  # cannot be fetched, run or paired: say so now
         raise
     except (OSError, ValueError, KeyError, TypeError, MlxSpecError) as e:

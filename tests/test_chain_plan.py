@@ -3,13 +3,16 @@
 import json
 
 from mlx_spec import catalog, memory
-from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config
+from mlx_spec.config import LoadConfig
+from mlx_spec.eagle import Eagle3, Eagle3Args, eagle_config, load_eagle, save_eagle
 from mlx_spec.mtp import MTP_TYPES, MTPHead
+from mlx_spec.quantize import QuantChoice
 from mlx_spec.target import SUPPORTED, Target
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from helpers import tiny_model
+from helpers import save_tiny_pair, tiny_model
 from mlx.utils import tree_flatten
 from test_hybrid import CONFIGS
 
@@ -78,13 +81,7 @@ def test_models_lists_the_chain_drafters(capsys):
     assert chain["llama3.1-8b-instruct-eagle3"]["layout"] == "eagle"
 
 
-def test_plan_for_counts_the_loaded_chain_drafters_at_their_loaded_size(tmp_path, capsys):
-    from mlx_spec.eagle import load_eagle, save_eagle
-    from mlx_spec.quantize import QuantChoice
-
-    import numpy as np
-    from helpers import save_tiny_pair
-
+def test_plan_for_counts_the_loaded_chain_drafters_at_their_loaded_size(tmp_path):
     tdir, _ = save_tiny_pair(tmp_path)
     tcfg = json.loads((tdir / "config.json").read_text())
     cfg = eagle_config(tcfg, draft_vocab_size=32)
@@ -94,15 +91,8 @@ def test_plan_for_counts_the_loaded_chain_drafters_at_their_loaded_size(tmp_path
     quant = QuantChoice(None, None, 64, False, "")
     budget = (8 << 20, "test")
     base = memory.plan_for(str(tdir), None, quant, context=1024, metal=False, budget=budget)
-    plan = memory.plan_for(
-        str(tdir),
-        None,
-        quant,
-        context=1024,
-        metal=False,
-        budget=budget,
-        chain=(("mtp", None), ("eagle", tmp_path / "eagle")),
-    )
+    chains = {"mtp": None, "eagle": str(tmp_path / "eagle")}  # the head in the target's folder; a folder
+    plan = memory.plan_for(str(tdir), None, quant, context=1024, metal=False, budget=budget, chains=chains)
     rows = {i.name: i.bytes for i in plan.items}
     loaded, _ = load_eagle(tmp_path / "eagle", dtype=mx.float32)  # float32 on the CPU backend
     assert rows["EAGLE-3 weights"] == _real_bytes(loaded)
@@ -120,18 +110,10 @@ def test_plan_for_counts_the_loaded_chain_drafters_at_their_loaded_size(tmp_path
     others = {j.name: j.bytes for j in base.items}
     assert all(rows[n] == b for n, b in others.items())  # nothing else moved
     assert plan.total == base.total + sum(i.bytes for i in added)
-    assert plan.max_context < base.max_context
+    assert plan.max_context < base.max_context  # the largest context that fits counts them too
     # a batch's sequences each hold their chain caches and EAGLE-3's prompt features
     assert memory.batch_room(plan).need(1024) > memory.batch_room(base).need(1024)
-    # `mlx_spec plan --eagle PATH --mtp PATH` shows the rows
-    from mlx_spec import cli
-
-    mtp_dir = tmp_path / "mtp"
-    mtp_dir.mkdir()
-    (mtp_dir / "config.json").write_text(json.dumps(dict(tcfg, num_nextn_predict_layers=1)))
-    argv = ["plan", "--target", str(tdir), "--no-draft", "--budget-gb", "1", "--json"]
-    assert cli.main([*argv, "--eagle", str(tmp_path / "eagle"), "--mtp", str(mtp_dir)]) == 0
-    shown = {i["name"]: i["bytes"] for i in json.loads(capsys.readouterr().out)["items"]}
-    assert shown["EAGLE-3 weights"] == rows["EAGLE-3 weights"] and shown["MTP head weights"] == rows["MTP head weights"]
-    assert cli.main(argv) == 0
-    assert "EAGLE-3 weights" not in capsys.readouterr().out
+    # the loader's call site: a LoadConfig's plan with the chain drafters it loads
+    lc = LoadConfig(target=str(tdir), no_draft=True, context=1024, tune=False, budget=8 << 20)
+    _, via_config = memory.plan_for_config(lc, None, chains=chains)
+    assert [i.name for i in via_config.items] == [i.name for i in plan.items]

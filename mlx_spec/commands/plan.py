@@ -26,15 +26,6 @@ def add_arguments(p) -> None:
         help="plan one machine of a group of N the target is sharded over (mlx.launch; "
         "docs/distributed.md); the notes say how many machines of this budget the pair needs",
     )
-    p.add_argument(
-        "--mtp",
-        default=None,
-        metavar="PATH",
-        help="count an MTP head loaded beside the pair: a folder with its mtp.* tensors and config",
-    )
-    p.add_argument(
-        "--eagle", default=None, metavar="PATH", help="count an EAGLE-3 drafter loaded beside the pair: its folder"
-    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -44,8 +35,7 @@ def run(args) -> int:
     from ..errors import MlxSpecError
     from ..session import plan_session
 
-    chain = tuple((k, getattr(args, k)) for k in ("mtp", "eagle") if getattr(args, k, None))
-    planned = plan_session(load_config(args), enforce=False, chain=chain)
+    planned = plan_session(load_config(args), enforce=False)
     plan, drafter, block = planned.plan, planned.drafter, planned.block
     if plan is None:
         raise MlxSpecError(f"no memory plan for target {args.target}: {planned.plan_error}")
