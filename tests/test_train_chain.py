@@ -10,6 +10,7 @@ from mlx_spec.loading import MODELS_DIR
 from mlx_spec.mtp import load_mtp
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.target import Target
+from mlx_spec.train import chain
 from mlx_spec.train.chain import (
     ChainTrainConfig,
     FeatureStore,
@@ -18,6 +19,7 @@ from mlx_spec.train.chain import (
     build_head,
     chain_counts,
     eagle_taps,
+    grown_pool,
     loss_fn,
     make_batch,
     span_features,
@@ -310,7 +312,7 @@ def test_an_interrupted_feature_build_resumes_to_the_same_store(tmp_path):
     FeatureStore(tmp_path / "cut", data.files, final=False, taps=eagle_taps(cfg["num_hidden_layers"]))
 
 
-def test_a_run_grows_its_pool_with_a_store_still_being_built(tmp_path):
+def test_a_run_grows_its_pool_with_a_store_still_being_built(tmp_path, monkeypatch):
     (a, _), (sa, _) = _two_files(tmp_path)
     ev = _token_file(tmp_path / "heldout.npz", [np.arange(3, 30) % VOCAB], 5, ["h0"])
     model, cfg = tiny_model("llama")
@@ -335,6 +337,11 @@ def test_a_run_grows_its_pool_with_a_store_still_being_built(tmp_path):
     )  # fmt: skip
     summary = train_chain(c, Target(model, (), final_hidden=True), cfg, log=lambda _: None)
     assert summary["last"]["pool"] == 2
+    # the run keeps pace with the store: a step past the stored share (+2 %) waits for it
+    assert len(grown_pool(store, data.train, print, step=1, steps=3)) == 2  # 1/3 <= 2/6 + 0.02
+    monkeypatch.setattr(chain, "GROW_WAIT_S", 0)
+    with pytest.raises(BadRequest, match="did not grow"):
+        grown_pool(store, data.train, print, step=2, steps=3, poll_s=0)
     with pytest.raises(BadRequest, match="give --features"):
         ChainTrainConfig(kind="mtp", tokens=a, out=str(tmp_path / "x"), grow=True)
 

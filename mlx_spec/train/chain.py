@@ -668,20 +668,35 @@ def held_out_eval(
 
 
 GROW_EVERY = 50  # steps between looks at a store still being built (--grow)
-GROW_WAIT_S = 7200  # how long --grow waits for the first stored sequence
+GROW_SLACK = 0.02  # --grow: step s runs once s / steps <= the stored share of the training sequences + this
+GROW_WAIT_S = 7200  # how long --grow waits for the store to grow, at most, before it gives up
 
 
-def grown_pool(store: FeatureStore, train: Sequence[Seq], log: Callable[[str], None], poll_s: float = 30.0) -> list:
-    """The training sequences whose features are stored; waits (bounded) while there are none."""
+def grown_pool(
+    store: FeatureStore,
+    train: Sequence[Seq],
+    log: Callable[[str], None],
+    *,
+    step: int = 0,
+    steps: int = 1,
+    poll_s: float = 30.0,
+) -> list:
+    """The training sequences whose features are stored, once there are enough for ``step`` of
+    ``steps``: the run keeps pace with the store (step s waits until the stored share of the
+    training sequences is at least s / steps - ``GROW_SLACK``), so its last steps draw from all
+    the data. Waits (bounded) while the store is behind."""
     waited = 0.0
     while True:
         pool = [s for s in train if store.ready(s)]
-        if pool:
+        if pool and (len(pool) == len(train) or step / steps <= len(pool) / len(train) + GROW_SLACK):
             return pool
         if waited >= GROW_WAIT_S:
-            raise BadRequest(f"{store.root}: no training sequence's features stored after {waited / 60:.0f} min")
+            raise BadRequest(
+                f"{store.root}: the store did not grow in {waited / 60:.0f} min ({len(pool)} of "
+                f"{len(train)} training sequences stored, step {step} of {steps}); is `train features` running?"
+            )
         if waited == 0:
-            log(f"--grow: no training features stored yet in {store.root}; waiting")
+            log(f"--grow: step {step} of {steps} waits for the store ({len(pool)} of {len(train)} sequences)")
         time.sleep(poll_s)
         waited += poll_s
         store.refresh()
@@ -719,7 +734,7 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         store = FeatureStore(cfg.features, data.files, final=cfg.kind == "mtp", taps=head.taps, partial=cfg.grow)
         if not all(store.ready(s) for s in data.test):
             raise BadRequest(f"{cfg.features}: the held-out sequences' features are not all stored yet")
-        pool = grown_pool(store, data.train, log) if cfg.grow else pool
+        pool = None if cfg.grow else pool  # read at the first step, once the step is known
     base = frequent_ids(data, cfg.softmax_vocab, target.vocab_size) if cfg.softmax_vocab else None
     ckpt = out / "ckpt"
     state = {"step": 0, "log": []}
@@ -745,9 +760,9 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
     t_steps, n_timed = 0.0, 0
     evaluate = {"store": store, "target": target}
     while state["step"] < cfg.steps:
-        if cfg.grow and state["step"] % GROW_EVERY == 0 and len(pool) < len(data.train):
+        if cfg.grow and (pool is None or state["step"] % GROW_EVERY == 0 and len(pool) < len(data.train)):
             store.refresh()
-            pool = grown_pool(store, data.train, log)
+            pool = grown_pool(store, data.train, log, step=state["step"], steps=cfg.steps)
         ids, mask, spans = make_batch(pool, rng, cfg.batch_size, cfg.seq_len)
         t0 = time.perf_counter()
         feats = span_features(spans, cfg.seq_len, store=store, target=target, head=head)
