@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .errors import PlanError
+from .errors import CheckpointError, PlanError
 from .loading import draft_window
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,32 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class ChainDims:
+    """What the plan needs from a loaded chain drafter (``chain_dims``): an MTP head or an
+    EAGLE-3 layer."""
+
+    kind: str  # "mtp" | "eagle"
+    weights: int  # its own weights (the embedding and head are the target's, except EAGLE-3's lm_head)
+    kv_heads: int
+    head_dim: int
+    target_hidden: int
+    depth: int = 4  # chain passes past the context whose K/V rows it holds before rollback
+    bits: int | None = None
+
+    @property
+    def label(self) -> str:
+        return "MTP head" if self.kind == "mtp" else "EAGLE-3"
+
+    def kv_bytes(self, act_bytes: int) -> int:
+        """K/V bytes per position of its one layer."""
+        return 2 * self.kv_heads * self.head_dim * act_bytes
+
+    def feature_bytes(self, act_bytes: int) -> int:
+        """Bytes per prompt position of the target features it waits for (EAGLE-3: 3 taps)."""
+        return 3 * self.target_hidden * act_bytes if self.kind == "eagle" else 0
+
+
+@dataclass(frozen=True, slots=True)
 class PlanInputs:
     """Everything but the context: model shapes, loaded weight bytes, backend facts."""
 
@@ -151,6 +177,7 @@ class PlanInputs:
     kv_bits: int | None = None  # --kv-bits: the target's K/V quantized (QuantizedKVCache); None: as computed
     kv_group_size: int = 64
     draft_window: int | None = None  # --draft-window: drafter context rows kept (None: every position)
+    chain: tuple[ChainDims, ...] = ()  # loaded chain drafters (MTP head, EAGLE-3 layer)
 
 
 def act_bytes(tensors, *, cast_float32: bool) -> int:
@@ -265,6 +292,8 @@ def items(p: PlanInputs, context: int, block: int, prompt: int | None = None) ->
                 f"{d.taps} taps x {d.target_hidden} x {prompt} prompt positions (held until the first draft)",
             )
         )
+    for c in p.chain:
+        rows += chain_rows(c, context, prompt, ab)
     C = min(prompt, p.prefill_step)
     prefill, verify = _phases(p, context, B, prompt, C)
     rows.append(
@@ -449,6 +478,9 @@ PER_SEQUENCE = (
     "chain draft KV cache",
     "target features for the drafter",
     "verify / prefill scratch",
+    "MTP head draft KV cache",
+    "EAGLE-3 draft KV cache",
+    "target features for EAGLE-3",
 )
 DEFAULT_MAX_BATCH = 8  # the default --max-batch where memory allows more
 
@@ -483,6 +515,10 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
         by.get("recurrent state", 0)
         + by.get("verify / prefill scratch", 0)
         + by.get("target features for the drafter", 0)
+        + by.get("target features for EAGLE-3", 0)
+        # a chain cache holds context + depth rows; counted per sequence at its planned size
+        + by.get("MTP head draft KV cache", 0)
+        + by.get("EAGLE-3 draft KV cache", 0)
     )
     shared = plan.total - sum(by.get(n, 0) for n in PER_SEQUENCE)
     return BatchRoom(per_pos / max(1, positions), fixed, plan.budget - shared, plan.block_size)
@@ -803,10 +839,12 @@ def plan_for(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     draft_window: int | None = None,
+    chains: dict | None = None,
 ) -> MemoryPlan:
     """The plan of a pair, from its configs and safetensors headers (nothing loads; a hub repo
     not downloaded yet is planned from the hub's metadata, see ``model_source``). ``sources``:
-    the ``model_source`` of the target and drafter when the caller has them already.
+    the ``model_source`` of the target and drafter when the caller has them already. ``chains``:
+    the chain drafters loaded beside it (kind -> folder or reference, ``chain_inputs``).
 
     ``quant`` is a ``quantize.QuantChoice``; ``budget`` overrides ``device_budget()``; ``ranks``
     > 1: one rank's plan with the target sharded over that many machines (notes say how many
@@ -838,6 +876,8 @@ def plan_for(
         draft_vocab=0 if ids is None else len(ids),
     )
     inputs = replace(inputs, kv_bits=kv_bits, kv_group_size=kv_group_size, draft_window=draft_window)
+    if chains:
+        inputs = replace(inputs, chain=chain_inputs(chains, tcfg, quant, metal=metal))
     block = (block_size or inputs.drafter.block_size) if inputs.drafter else 1
     budget = budget or device_budget()
     notes = (quant.describe() + (f" ({quant.reason})" if quant.reason else ""),)
@@ -928,9 +968,8 @@ def plan_for_config(
 ):
     """(QuantChoice, MemoryPlan) for a ``config.LoadConfig`` and the drafter it resolved to, at
     ``block_size`` (None: the drafter checkpoint's). ``sources``: ``config_sources``' answer, when
-    the caller plans the same pair more than once. ``chains``: the chain drafters to load (kind ->
-    their folder or catalog reference; None for an MTP head in the target's own folder), counted
-    by ``chain_items``."""
+    the caller plans the same pair more than once; ``chains``: the chain drafters loaded beside it
+    (kind -> folder or reference; None for an MTP head in the target's own folder)."""
     sources = sources or config_sources(cfg, drafter_id)
     if drafter_id is not None:
         _check_remote_architecture(cfg.target, sources[0][0])
@@ -951,35 +990,9 @@ def plan_for_config(
         kv_bits=cfg.kv_bits,
         kv_group_size=cfg.kv_group_size,
         draft_window=draft_window(cfg.draft_window, drafter_id),
+        chains=chains,
     )
-    if chains:
-        plan = with_chains(plan, chains, sources[0][0], quant, prompt=cfg.prompt_tokens)
     return quant, plan
-
-
-def with_chains(plan: MemoryPlan, chains: dict, target_config: dict, quant, *, prompt: int | None = None):
-    """``plan`` with the rows of the chain drafters ``chains`` (kind -> reference; an EAGLE-3
-    drafter's config is read from its folder or the hub's metadata) at the plan's context."""
-    from dataclasses import replace
-
-    from . import backend
-
-    metal = backend.current().gpu
-    rows: list[Item] = []
-    for kind, ref in chains.items():
-        dcfg = model_source(str(ref), "EAGLE-3 drafter")[0] if kind == "eagle" else None
-        rows += chain_items(
-            kind,
-            target_config,
-            dcfg,
-            context=plan.context,
-            prompt=prompt,
-            bits=quant.target_bits,
-            group_size=quant.group_size,
-            float_bytes=2 if metal else 4,
-            act_bytes=2 if metal else 4,
-        )
-    return replace(plan, items=plan.items + tuple(rows))
 
 
 def config_sources(cfg, drafter_id: str | None) -> tuple:
@@ -1005,6 +1018,91 @@ def chain_head(kind: str, target_config: dict, drafter_config: dict | None = Non
     return Eagle3(Eagle3Args.from_config(drafter_config or {}))
 
 
+def chain_inputs(chains: dict, target_config: dict, quant, *, metal: bool, depth: int = 4) -> tuple[ChainDims, ...]:
+    """``ChainDims`` of each chain drafter (kind -> reference): an EAGLE-3 checkpoint (a folder,
+    or a hub repo planned from its metadata; its config.json), or an MTP head (a folder with its
+    config.json; None: the target's own checkpoint, whose config is ``target_config``).
+    Quantized like the target, as ``load_mtp`` quantizes a float head; float weights count 4
+    bytes on the CPU backend (cast to float32), as stored (float16) on Metal."""
+    out = []
+    for kind, ref in chains.items():
+        if kind not in ("mtp", "eagle"):
+            raise CheckpointError(f"chain drafter kind must be mtp or eagle, not {kind!r}")
+        if ref is None and kind == "eagle":
+            raise CheckpointError("an EAGLE-3 drafter is planned from its checkpoint: none given")
+        dcfg = model_source(str(ref), "EAGLE-3 drafter" if kind == "eagle" else "MTP head")[0] if ref else None
+        out.append(
+            chain_dims(
+                kind,
+                dcfg if kind == "mtp" and dcfg is not None else target_config,
+                dcfg if kind == "eagle" else None,
+                depth=depth,
+                bits=quant.target_bits,
+                group_size=quant.group_size,
+                float_bytes=2 if metal else 4,
+            )
+        )
+    return tuple(out)
+
+
+def chain_dims(
+    kind: str,
+    target_config: dict,
+    drafter_config: dict | None = None,
+    *,
+    depth: int = 4,
+    bits: int | None = None,
+    group_size: int = 64,
+    float_bytes: int = 2,
+) -> ChainDims:
+    """A chain drafter's plan inputs, from configs (its tensors counted on a lazily built head:
+    nothing is allocated)."""
+    from mlx.utils import tree_flatten
+
+    from .quantize import Tensor, loaded_nbytes
+
+    head = chain_head(kind, target_config, drafter_config)
+    tensors = [Tensor(k, tuple(v.shape), "BF16") for k, v in tree_flatten(head.parameters())]
+    w = loaded_nbytes(tensors, bits=bits, group_size=group_size, float_bytes=float_bytes)
+    if kind == "mtp":
+        attn = head.layers[0].self_attn
+        n_kv = getattr(attn, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", None)
+        hd = getattr(attn, "head_dim", None) or target_config.get("head_dim")
+        if hd is None:
+            hd = target_config["hidden_size"] // target_config["num_attention_heads"]
+        th = target_config["hidden_size"]
+    else:
+        n_kv, hd, th = head.args.num_key_value_heads, head.args.hd, head.args.target_hidden_size
+    return ChainDims(kind, w, int(n_kv), int(hd), int(th), depth, bits)
+
+
+def chain_rows(c: ChainDims, context: int, prompt: int | None, act_bytes: int) -> list[Item]:
+    """The plan's rows for one chain drafter at ``context`` (a ``prompt``-long prefill)."""
+    detail = (
+        "mtp.* tensors beside the target; embedding and head shared"
+        if c.kind == "mtp"
+        else "fc, one layer, norm, lm_head over the draft vocabulary; embedding shared"
+    )
+    rows = [
+        Item(f"{c.label} weights", c.weights, detail + (f"; {c.bits}-bit like the target" if c.bits else "")),
+        Item(
+            f"{c.label} draft KV cache",
+            c.kv_bytes(act_bytes) * _round_up(context + c.depth, KV_STEP),
+            f"1 layer x {c.kv_heads} kv heads x {c.head_dim} x {context + c.depth} positions",
+        ),
+    ]
+    if c.kind == "eagle":
+        prompt = context if prompt is None else min(prompt, context)
+        rows.append(
+            Item(
+                "target features for EAGLE-3",
+                c.feature_bytes(act_bytes) * prompt,
+                f"3 taps x {c.target_hidden} x {prompt} prompt positions (held until the first draft)",
+            )
+        )
+    return rows
+
+
 def chain_items(
     kind: str,
     target_config: dict,
@@ -1022,38 +1120,7 @@ def chain_items(
     target's, except an EAGLE-3 drafter's lm_head over its draft vocabulary), its one-layer K/V
     cache over ``context`` + ``depth`` positions and, for EAGLE-3, the three tapped target
     layers of a ``prompt``-long prefill."""
-    from mlx.utils import tree_flatten
-
-    from .quantize import Tensor, loaded_nbytes
-
-    head = chain_head(kind, target_config, drafter_config)
-    tensors = [Tensor(k, tuple(v.shape), "BF16") for k, v in tree_flatten(head.parameters())]
-    w = loaded_nbytes(tensors, bits=bits, group_size=group_size, float_bytes=float_bytes)
-    what = "MTP head weights" if kind == "mtp" else "EAGLE-3 weights"
-    detail = (
-        "mtp.* tensors, kept beside the target (mlx-lm drops them); embedding and head shared"
-        if kind == "mtp"
-        else "fc, one layer, norm, lm_head over the draft vocabulary; embedding shared"
+    c = chain_dims(
+        kind, target_config, drafter_config, depth=depth, bits=bits, group_size=group_size, float_bytes=float_bytes
     )
-    if kind == "mtp":
-        attn = head.layers[0].self_attn
-        n_kv = getattr(attn, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", None)
-        hd = getattr(attn, "head_dim", None) or target_config.get("head_dim")
-    else:
-        n_kv, hd = head.args.num_key_value_heads, head.args.hd
-    kv = 2 * n_kv * hd * act_bytes * _round_up(context + depth, KV_STEP)
-    rows = [
-        Item(what, w, detail + (f"; {bits}-bit like the target" if bits else "")),
-        Item("chain draft KV cache", kv, f"1 layer x {n_kv} kv heads x {hd} x {context + depth} positions"),
-    ]
-    if kind == "eagle":
-        prompt = context if prompt is None else min(prompt, context)
-        th = head.args.target_hidden_size
-        rows.append(
-            Item(
-                "target features for the drafter",
-                3 * th * act_bytes * prompt,
-                f"3 taps x {th} x {prompt} prompt positions (held until the first draft)",
-            )
-        )
-    return rows
+    return chain_rows(c, context, prompt, act_bytes)

@@ -97,9 +97,10 @@ def print_chain(chain: list[dict]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
     print(
         "\nchain drafters: MTP heads ship inside the target's original repo (conversions that strip mtp.* are "
-        "refused); SIZE is the target's, estimated from its parameter count ('~'); the head's own weights and "
-        "K/V are counted in the plan from its config. Run one by name: --model NAME (the target and its "
-        "head; `mlx_spec plan --model NAME` first). See docs/chain-drafters.md."
+        "refused); SIZE is the target's, estimated from its parameter count; '~' marks what is as published, "
+        "unchecked (no repo here was opened); the head's own weights and K/V are counted in the plan from its "
+        "config. Run one by name: --model NAME (the target and its head; `mlx_spec plan --model NAME` first). "
+        "See docs/chain-drafters.md."
     )
 
 
@@ -109,7 +110,7 @@ def chain_cell(r: dict, key: str) -> str:
         return v or "(in the target)"
     if key == "size":
         return f"~{v / GiB:.1f} GiB"
-    if key == "layout" and "layout" in r["approximate"]:
+    if key in ("layout", "architecture", "license") and key in r["approximate"]:
         return f"~{v}"
     return str(v)
 

@@ -70,7 +70,7 @@ def _add_eval(p) -> None:
 def add_arguments(p) -> None:
     from ..default_target import DEFAULT_TARGET_ID
 
-    sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,mtp,eagle,export,eval}")
+    sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,mtp,eagle,features,export,eval}")
     r = sub.add_parser(
         "run",
         formatter_class=p.formatter_class,
@@ -177,16 +177,43 @@ def add_arguments(p) -> None:
         c.add_argument(
             "--tokens",
             required=True,
-            help="token-id .npz (`train export --tokens`; e.g. models/smollm2-135m-dflash2/data/tokens.npz)",
+            help="token-id .npz files, comma-separated (`train export --tokens`; e.g. "
+            "models/smollm2-135m-dflash2/data/tokens.npz,models/smollm2-135m-dflash2/data/tokens-v2.npz)",
+        )
+        c.add_argument(
+            "--features",
+            default=None,
+            help="feature store from `train features` over the same token files (default: the target "
+            "recomputes each batch's features)",
+        )
+        c.add_argument(
+            "--grow",
+            action="store_true",
+            help="with --features: train on the sequences stored so far while `train features` is still "
+            "writing the store (the pool grows; the log's 'pool' says how many)",
+        )
+        c.add_argument(
+            "--eval-tokens",
+            default=None,
+            help="token file of held-out sequences (e.g. the target's responses to held-out prompts); "
+            "training sequences with one of its prompts are dropped, by name",
         )
         c.add_argument("--out", required=True, help="run directory (checkpoint, log; the head in OUT/head)")
         c.add_argument("--steps", type=int, default=6000, help="optimizer steps")
         c.add_argument("--batch-size", type=int, default=8, help="sequences per step")
         c.add_argument("--seq-len", type=int, default=256, help="tokens per sequence window")
         c.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (linear warm-up, cosine decay)")
+        c.add_argument("--warmup", type=float, default=0.04, help="warm-up share of the steps")
+        c.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
         c.add_argument("--ttt", type=int, default=3, help="training-time-test steps (the head on its own outputs)")
         c.add_argument("--decay", type=float, default=0.8, help="loss weight decay per training-time-test step")
-        c.add_argument("--held-out", type=int, default=64, help="sequences held out of training (the file's last)")
+        c.add_argument(
+            "--held-out",
+            type=int,
+            default=None,
+            help="sequences held out of training, the files' last (default 64; not with --eval-tokens)",
+        )
+        c.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
         c.add_argument("--checkpoint-every", type=int, default=100, help="optimizer steps between checkpoints")
         c.add_argument("--eval-every", type=int, default=100, help="optimizer steps between held-out evals")
         c.add_argument("--seed", type=int, default=0, help="random seed (init, batches)")
@@ -204,6 +231,33 @@ def add_arguments(p) -> None:
                 default=0,
                 help="draft over the N most frequent response tokens (written as d2t/t2d); 0: the full vocabulary",
             )
+        else:
+            c.add_argument(
+                "--softmax-vocab",
+                type=int,
+                default=0,
+                help="train the softmax over the N most frequent response ids + labels + negatives "
+                "(the head drafts over the full vocabulary); 0: the full head",
+            )
+            c.add_argument(
+                "--vocab-negatives", type=int, default=1024, help="random other ids per step with --softmax-vocab"
+            )
+
+    f = sub.add_parser(
+        "features",
+        formatter_class=p.formatter_class,
+        help="store the target's features of token files for `train mtp|eagle --features` (float16, resumable)",
+    )
+    f.add_argument("--target", default=DEFAULT_TARGET_ID, help="target model the tokens came from")
+    f.add_argument("--tokens", required=True, help="token-id .npz files, comma-separated")
+    f.add_argument("--out", required=True, help="feature store directory (one folder per token file)")
+    f.add_argument("--batch-size", type=int, default=8, help="sequences per target pass (similar lengths)")
+    f.add_argument(
+        "--taps",
+        default=None,
+        help="comma-separated target layers stored for EAGLE-3 (default: the layers `train eagle` reads, "
+        "EAGLE layer ids 2, N/2, N-3)",
+    )
 
     e = sub.add_parser(
         "export",
@@ -420,6 +474,23 @@ def _run(args) -> int:
     return 130 if summary["stopped"] else 0
 
 
+def _features(args) -> int:
+    from ..loading import load_target_model
+    from ..target import Target
+    from ..train.chain import build_features, eagle_taps, split_paths
+
+    target_id = _catalog_target(args.target)
+    model, _ = load_target_model(target_id)
+    n_layers = len(getattr(model, "language_model", model).model.layers)
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else eagle_taps(n_layers)
+    target = Target(model, taps, final_hidden=True)
+    summary = build_features(
+        target, split_paths(args.tokens), args.out, target_id=target_id, batch_size=args.batch_size, log=_log
+    )
+    print(json.dumps(summary))
+    return 0
+
+
 def _chain(args) -> int:
     from ..loading import load_target_model
     from ..target import Target
@@ -476,11 +547,12 @@ def run(args) -> int:
         "drafter": _drafter,
         "mtp": _chain,
         "eagle": _chain,
+        "features": _features,
         "export": _export,
         "eval": _eval,
     }
     if getattr(args, "train_command", None) not in commands:
         raise BadRequest(
-            "choose a train command: run, data, drafter, mtp, eagle, export or eval (see `mlx_spec train -h`)"
+            "choose a train command: run, data, drafter, mtp, eagle, features, export or eval (see `mlx_spec train -h`)"
         )
     return commands[args.train_command](args)
