@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import MlxSpecError
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
+from .memory import MemoryPlan, RssBound, rss, rss_bound
 from .stats import Stats, StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
@@ -200,6 +201,11 @@ class Engine:
         self._prefill_timeout = prefill_timeout
         self._memory: dict = {}  # MLX allocator figures, sampled on the engine thread
         self._cache_limit: int | None = None  # mx.set_cache_limit from the memory plan's allowance
+        # the process's RSS and MLX's figures once loaded, and the resident memory bound they
+        # give with the plan (memory.rss_bound; None without a plan); in snapshot() and /metrics
+        self._loaded: dict = {}
+        self.rss_bound: RssBound | None = None
+        self._reserved = 0  # bytes the plan counts for the sequences in the batch now (admission)
         # where the OS lists this process's threads (None or missing, as on macOS: not probed;
         # see _wait_native_exit)
         self._proc_tasks = proc_tasks
@@ -377,6 +383,7 @@ class Engine:
                 self._prefix.attach(_open_store(self._prefix_disk, session.pair))
             self._bound_cache(session)
             self._decoder = self._make_decoder(session)
+            self._measure_loaded(session)
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
             self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
@@ -603,6 +610,7 @@ class Engine:
             for sid, lv in list(self._live.items()):
                 if lv.handle.cancelled.is_set():
                     reserved -= self._leave(sid, "cancelled")
+            self._reserved = reserved
             if not self._live:
                 continue
             try:
@@ -636,6 +644,7 @@ class Engine:
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)
             reserved -= self._expire_prefills()
+            self._reserved = reserved
 
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
@@ -749,6 +758,25 @@ class Engine:
         if allowance is not None:
             mx.set_cache_limit(int(allowance))
         self._cache_limit = allowance
+        self._sample_memory()
+
+    def _measure_loaded(self, session) -> None:
+        """The measured terms of the resident memory bound, once the pair (and the batch decoder)
+        have loaded: the process's RSS and MLX's active and cached bytes, after a garbage
+        collection and with MLX's cache emptied, so that what loading left behind is not counted
+        as the runtime. With the session's plan they give ``rss_bound`` for this engine's batch."""
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+        active, cache, now = mx.get_active_memory(), mx.get_cache_memory(), rss()
+        self._loaded = {"rss": now, "active": active, "cache": cache}
+        plan = getattr(session, "plan", None)
+        if isinstance(plan, MemoryPlan):
+            self.rss_bound = rss_bound(plan, rss=now, mlx_active=active, mlx_cache=cache, batch=self.max_batch)
+            log.info("%s", self.rss_bound.describe())
         self._sample_memory()
 
     def _sample_memory(self) -> None:
@@ -876,6 +904,12 @@ class Engine:
             }
         with self._lock:
             memory = dict(self._memory)
+        memory["rss"] = rss()  # (the process's: any thread may read it)
+        memory["reserved"] = self._reserved
+        if self._loaded:
+            memory["loaded"] = dict(self._loaded)
+        if self.rss_bound is not None:
+            memory["bound"] = {**self.rss_bound.terms(), "total": self.rss_bound.total}
         return {
             **c,
             **cycles,
