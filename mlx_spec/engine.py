@@ -206,6 +206,7 @@ class Engine:
         self._loaded: dict = {}
         self.rss_bound: RssBound | None = None
         self._reserved = 0  # bytes the plan counts for the sequences in the batch now (admission)
+        self._reserved_max = 0  # the most admission counted the batch's sequences at once
         # where the OS lists this process's threads (None or missing, as on macOS: not probed;
         # see _wait_native_exit)
         self._proc_tasks = proc_tasks
@@ -669,11 +670,10 @@ class Engine:
                     f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
                     f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences"
                 )
-            if (
-                self._room is not None
-                and self._live
-                and self._batch_need(len(ids) + cfg.max_tokens, reserved, need) > self._room.room
-            ):
+            # what the plan counts the batch's sequences at once with this one in it
+            batched = self._room is not None and bool(self._live)
+            held = self._batch_need(len(ids) + cfg.max_tokens, reserved, need) if batched else need
+            if batched and held > self._room.room:
                 return None
         except Exception as e:
             self._finish(None, 0)
@@ -708,6 +708,7 @@ class Engine:
             return 0
         with self._lock:
             self._live[sid] = _Live(handle, rid, info, ids, cfg, pair.tokenizer, need)
+        self._reserved_max = max(self._reserved_max, held)
         return need
 
     # -- bounds: prefill time, the allocator's cache --------------------------------------------
@@ -905,7 +906,7 @@ class Engine:
         with self._lock:
             memory = dict(self._memory)
         memory["rss"] = rss()  # (the process's: any thread may read it)
-        memory["reserved"] = self._reserved
+        memory["reserved"], memory["reserved_max"] = self._reserved, self._reserved_max
         if self._loaded:
             memory["loaded"] = dict(self._loaded)
         if self.rss_bound is not None:

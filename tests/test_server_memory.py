@@ -69,6 +69,7 @@ def test_metrics_state_the_resident_memory_bound_and_its_terms(pair_dirs):
     assert _metric(text, "memory_rss_loaded_bytes") >= terms["runtime"] + terms["weights"]
     assert _metric(text, "memory_rss_bytes") > 0
     assert _metric(text, "memory_sequences_reserved_bytes") == 0  # (the request has finished)
+    assert 0 < _metric(text, "memory_sequences_reserved_max_bytes") <= terms["sequences"] / 2  # (one request)
 
 
 def test_per_request_objects_do_not_accumulate_over_requests(pair_dirs):

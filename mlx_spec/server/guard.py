@@ -413,6 +413,13 @@ def metrics_text(counters: Counters, snap: dict) -> str:
             "Bytes the memory plan counts for the sequences in the batch now (what admission reserved).",
             [("", mem["reserved"])],
         )
+        metric(
+            "memory_sequences_reserved_max_bytes",
+            "gauge",
+            "The most the memory plan counted for the batch's sequences at once, at an admission, since start "
+            "(with the batch's shared K/V: every row as long as the longest).",
+            [("", mem["reserved_max"])],
+        )
     if "bound" in mem:
         terms = {k: v for k, v in mem["bound"].items() if k != "total"}
         metric(
