@@ -295,7 +295,9 @@ def main() -> int:
     # the same bound with the sequences counted as admission counted them at most during this run
     reserved_max = metric(text, "memory_sequences_reserved_max_bytes") or 0
     accounted = bound - (terms["sequences"] or 0) + reserved_max
-    mlx_high = max((s["active"] or 0) + (s["cache"] or 0) for s in samples)
+    # MLX's high-water mark: its peak of active bytes (the samples, read after each engine step,
+    # miss what a long step allocates meanwhile) + its buffer cache at its largest
+    mlx_high = max(s["peak"] or 0 for s in samples) + max(s["cache"] or 0 for s in samples)
     runtime = terms["runtime"] or 0
     summary = {
         "requests_sent": args.requests - len(jobs),
@@ -322,8 +324,10 @@ def main() -> int:
         "reserved_max_mib": round(reserved_max / MiB, 1),
         "accounted_bound_mib": round(accounted / MiB, 1),
         "within_accounted_bound": max(s["rss"] for s in samples) <= accounted,
+        "heap_releases": metric(text, "memory_heap_releases_total"),
+        "heap_released_mib": round((metric(text, "memory_heap_released_bytes_total") or 0) / MiB, 1),
         # RSS beyond the runtime and MLX's own high-water mark: what the heaps (Python objects,
-        # malloc's free lists) added, to compare with the heap allowance
+        # malloc's free lists between releases) added, to compare with the heap allowance
         "heap_growth_mib": round((max(s["rss"] for s in samples) - runtime - mlx_high) / MiB, 1),
         **v,
     }

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import MlxSpecError
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
-from .memory import MemoryPlan, RssBound, rss, rss_bound
+from .memory import MemoryPlan, RssBound, release_free_heap, rss, rss_bound
 from .stats import Stats, StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
@@ -207,6 +207,10 @@ class Engine:
         self.rss_bound: RssBound | None = None
         self._reserved = 0  # bytes the plan counts for the sequences in the batch now (admission)
         self._reserved_max = 0  # the most admission counted the batch's sequences at once
+        # requests ended since the C heap's free pages were last handed back (_release_heap), and
+        # what handing them back freed: releases, bytes of RSS
+        self._ended = 0
+        self._heap = {"releases": 0, "released": 0}
         # where the OS lists this process's threads (None or missing, as on macOS: not probed;
         # see _wait_native_exit)
         self._proc_tasks = proc_tasks
@@ -523,6 +527,7 @@ class Engine:
             handle._put(Failed(rid, str(e), type(e).__name__))
         finally:
             self._current = None
+            self._release_heap()
 
     def _begin(self, handle: Handle, pair, info, ids) -> Callable | None:
         """A prepared request starts: Started goes out; returns the drafting policy's factory
@@ -579,6 +584,7 @@ class Engine:
         waiting: list[Handle] = []  # taken from the queue; admitted when memory allows
         reserved = 0
         while True:
+            self._release_heap()  # (after the requests that ended in the last round, before waiting)
             while True:  # take jobs: block only when there is nothing to do
                 if len(self._live) + len(waiting) >= self.max_batch:
                     break
@@ -780,6 +786,19 @@ class Engine:
             log.info("%s", self.rss_bound.describe())
         self._sample_memory()
 
+    def _release_heap(self) -> None:
+        """Once requests have ended: hand the C heap's free pages back to the OS
+        (``memory.release_free_heap``), counting what that took off the RSS."""
+        if not self._ended:
+            return
+        self._ended = 0
+        before = rss()
+        if release_free_heap():
+            freed = max(0, before - rss())
+            with self._lock:
+                self._heap["releases"] += 1
+                self._heap["released"] += freed
+
     def _sample_memory(self) -> None:
         """MLX's allocator figures for /metrics, read on the engine thread."""
         import mlx.core as mx
@@ -842,6 +861,7 @@ class Engine:
 
     def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
         """Fold a finished request's stats into the engine's totals."""
+        self._ended += 1  # (its buffers are freed: _release_heap hands the pages back)
         drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
         if hasattr(drafter, "settle"):  # the request's last drafter passes: their tokens were read
             drafter.settle()
@@ -907,6 +927,8 @@ class Engine:
             memory = dict(self._memory)
         memory["rss"] = rss()  # (the process's: any thread may read it)
         memory["reserved"], memory["reserved_max"] = self._reserved, self._reserved_max
+        with self._lock:
+            memory["heap_releases"], memory["heap_released"] = self._heap["releases"], self._heap["released"]
         if self._loaded:
             memory["loaded"] = dict(self._loaded)
         if self.rss_bound is not None:

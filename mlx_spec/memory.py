@@ -10,6 +10,9 @@ Activation coefficients are measured on mlx 0.32 (benchmarks/plan_accuracy.py, d
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -552,6 +555,31 @@ def rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)
+    except OSError:
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``). MLX's CPU
+    buffers come from malloc, and glibc keeps what is freed in its arenas (a freed large buffer
+    raises its mmap threshold, so later ones come from the arenas too): without this a server's
+    RSS climbs to its largest working set plus the arenas' fragmentation and stays there, far
+    above what MLX holds. Returns False where there is nothing to call (not glibc)."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
 
 
 # -- serving: the context and prefix cache `serve` runs with by default ----------------------------

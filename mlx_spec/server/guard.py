@@ -420,6 +420,19 @@ def metrics_text(counters: Counters, snap: dict) -> str:
             "(with the batch's shared K/V: every row as long as the longest).",
             [("", mem["reserved_max"])],
         )
+    if "heap_releases" in mem:
+        metric(
+            "memory_heap_releases_total",
+            "counter",
+            "Times the engine handed the C heap's free pages back to the OS after requests ended (glibc).",
+            [("", mem["heap_releases"])],
+        )
+        metric(
+            "memory_heap_released_bytes_total",
+            "counter",
+            "RSS those releases took off (malloc keeps freed MLX buffers otherwise).",
+            [("", mem["heap_released"])],
+        )
     if "bound" in mem:
         terms = {k: v for k, v in mem["bound"].items() if k != "total"}
         metric(
