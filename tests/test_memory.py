@@ -299,3 +299,29 @@ def test_the_resident_memory_bound_adds_the_plans_growth_to_what_was_measured_at
     shared = plan.total - one
     tight = memory.make_plan(p, context=1000, block_size=8, budget=shared + 2 * one + 7, budget_source="test")
     assert memory.rss_bound(tight, rss=500 * MiB, mlx_active=300 * MiB, batch=4).sequences == 2 * one + 7
+
+
+@pytest.mark.skipif(memory._malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
+def test_releasing_the_free_heap_hands_mallocs_free_pages_back_to_the_os():
+    """Freed blocks in the middle of malloc's heap stay in the process (what freed MLX buffers
+    do on Linux); release_free_heap gives their pages back."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 96 << 10  # below any mmap threshold: these come from malloc's heap
+    blocks = [libc.malloc(size) for _ in range(1600)]
+    assert all(blocks)
+    try:
+        for b in blocks:
+            ctypes.memset(b, 1, size)  # (touched: resident)
+        for i, b in enumerate(blocks):
+            if i % 8:  # every 8th kept, so the freed runs lie inside the heap, not at its top
+                libc.free(b)
+        held = memory.rss()
+        assert memory.release_free_heap()
+        assert held - memory.rss() > 64 * MiB  # of the ~131 MiB freed
+    finally:
+        for b in blocks[::8]:
+            libc.free(b)

@@ -106,3 +106,23 @@ def test_per_request_objects_do_not_accumulate_over_requests(pair_dirs):
                 later = alive()
         assert e.snapshot()["memory"]["reserved"] == 0
     assert later == first, (first, later)
+
+
+def test_the_engine_hands_the_free_heap_back_once_requests_end(pair_dirs, monkeypatch):
+    """Freed MLX buffers stay in malloc's arenas until something releases them: the engine does
+    once requests have ended (one release for the requests that ended together), and counts it."""
+    import mlx_spec.engine
+
+    calls = []
+    monkeypatch.setattr(mlx_spec.engine, "release_free_heap", lambda: calls.append(1) or True)
+    for batch in (1, 2):
+        calls.clear()
+        with running_engine(planned_loader(pair_dirs), max_batch=batch) as e:
+            handles = [e.submit(Request(messages=MSG, max_tokens=3)) for _ in range(2)]
+            for h in handles:
+                h.result()
+            deadline = time.monotonic() + 20
+            while not e.snapshot()["memory"]["heap_releases"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert 1 <= len(calls) <= 2, (batch, calls)
+            assert e.snapshot()["memory"]["heap_releases"] == len(calls)
