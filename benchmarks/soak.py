@@ -326,8 +326,8 @@ def main() -> int:
         "within_accounted_bound": max(s["rss"] for s in samples) <= accounted,
         "heap_releases": metric(text, "memory_heap_releases_total"),
         "heap_released_mib": round((metric(text, "memory_heap_released_bytes_total") or 0) / MiB, 1),
-        # RSS beyond the runtime and MLX's own high-water mark: what the heaps (Python objects,
-        # malloc's free lists between releases) added, to compare with the heap allowance
+        # RSS beyond the runtime and MLX's own high-water mark: what malloc and the Python heap
+        # held beyond MLX at worst (freed buffers not yet handed back to the OS included)
         "heap_growth_mib": round((max(s["rss"] for s in samples) - runtime - mlx_high) / MiB, 1),
         **v,
     }
