@@ -179,6 +179,7 @@ class Engine:
     context length, tool-call and reasoning formats). ``prefix_cache``: bytes of K/V (target +
     drafter context) kept between requests so a conversation's next turn, or a request sharing a
     system prompt, prefills only its new tokens (0 = off; the memory plan counts it).
+    ``release_heap``: once requests end, hand malloc's free pages back to the OS (glibc).
 
     What a request runs (validation, prompt, steps) is ``generation``'s; the engine only orders
     the work, fans events out and keeps the counters (``snapshot``)."""
@@ -193,6 +194,7 @@ class Engine:
         prefix_disk=None,
         prefill_timeout: float = PREFILL_TIMEOUT_S,
         proc_tasks: Path | None = PROC_TASKS,
+        release_heap: bool = True,
     ):
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
@@ -210,6 +212,7 @@ class Engine:
         # requests ended since the C heap's free pages were last handed back (_release_heap), and
         # what handing them back freed: releases, bytes of RSS
         self._ended = 0
+        self._release_heap_on = release_heap  # False: keep malloc's free pages (benchmarks/heap_release.py)
         self._heap = {"releases": 0, "released": 0}
         # where the OS lists this process's threads (None or missing, as on macOS: not probed;
         # see _wait_native_exit)
@@ -789,7 +792,7 @@ class Engine:
     def _release_heap(self) -> None:
         """Once requests have ended: hand the C heap's free pages back to the OS
         (``memory.release_free_heap``), counting what that took off the RSS."""
-        if not self._ended:
+        if not self._ended or not self._release_heap_on:
             return
         self._ended = 0
         before = rss()
