@@ -479,8 +479,9 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
 # -- a serving process's resident memory: measured at start + planned growth + allowance ---------
 
 # What the process's own heaps may add over a server's life, beyond what the plan counts: Python
-# objects of requests in flight and the HTTP stack's buffers, the tokenizer's caches, and malloc's
-# free lists. A stated allowance, checked by benchmarks/soak.py (docs/memory.md, "A server's RSS").
+# objects of requests in flight, the HTTP stack's buffers, the tokenizer's caches. A stated
+# allowance, checked by benchmarks/soak.py (docs/memory.md, "A server's resident memory"). Freed
+# MLX buffers that malloc holds until the engine releases them are scratch the plan counts.
 HEAP_ALLOWANCE = 64 * MiB
 
 
