@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import MlxSpecError, PrefillTimeout  # noqa: F401  (PrefillTimeout: re-exported for the server)
 from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
+from .memory import MemoryPlan, RssBound, release_free_heap, rss, rss_bound
 from .stats import Stats, StatsSnapshot
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
@@ -181,6 +182,7 @@ class Engine:
     context length, tool-call and reasoning formats). ``prefix_cache``: bytes of K/V (target +
     drafter context) kept between requests so a conversation's next turn, or a request sharing a
     system prompt, prefills only its new tokens (0 = off; the memory plan counts it).
+    ``release_heap``: once requests end, hand malloc's free pages back to the OS (glibc).
 
     What a request runs (validation, prompt, steps) is ``generation``'s; the engine only orders
     the work, fans events out and keeps the counters (``snapshot``)."""
@@ -195,6 +197,7 @@ class Engine:
         prefix_disk=None,
         prefill_timeout: float = PREFILL_TIMEOUT_S,
         proc_tasks: Path | None = PROC_TASKS,
+        release_heap: bool = True,
     ):
         self._loader = loader
         self._prefix_disk = prefix_disk  # prefix_store.DiskConfig: long prefixes kept on disk too
@@ -203,6 +206,17 @@ class Engine:
         self._prefill_timeout = prefill_timeout
         self._memory: dict = {}  # MLX allocator figures, sampled on the engine thread
         self._cache_limit: int | None = None  # mx.set_cache_limit from the memory plan's allowance
+        # the process's RSS and MLX's figures once loaded, and the resident memory bound they
+        # give with the plan (memory.rss_bound; None without a plan); in snapshot() and /metrics
+        self._loaded: dict = {}
+        self.rss_bound: RssBound | None = None
+        self._reserved = 0  # bytes the plan counts for the sequences in the batch now (admission)
+        self._reserved_max = 0  # the most admission counted the batch's sequences at once
+        # requests ended since the C heap's free pages were last handed back (_release_heap), and
+        # what handing them back freed: releases, bytes of RSS
+        self._ended = 0
+        self._release_heap_on = release_heap  # False: keep malloc's free pages (benchmarks/heap_release.py)
+        self._heap = {"releases": 0, "released": 0}
         # where the OS lists this process's threads (None or missing, as on macOS: not probed;
         # see _wait_native_exit)
         self._proc_tasks = proc_tasks
@@ -381,6 +395,7 @@ class Engine:
                 self._prefix.attach(_open_store(self._prefix_disk, session.pair))
             self._bound_cache(session)
             self._decoder = self._make_decoder(session)
+            self._measure_loaded(session)
             self.state = READY
         except BaseException as e:  # the UI/server must see why loading failed
             self.state, self.error = FAILED, f"{type(e).__name__}: {e}"
@@ -525,6 +540,7 @@ class Engine:
             handle._put(Failed(rid, str(e), type(e).__name__))
         finally:
             self._current = None
+            self._release_heap()
 
     def _begin(self, handle: Handle, pair, info, ids) -> Callable | None:
         """A prepared request starts: Started goes out; returns the drafting policy's factory
@@ -588,6 +604,7 @@ class Engine:
         waiting: list[Handle] = []  # taken from the queue; admitted when memory allows
         reserved = 0
         while True:
+            self._release_heap()  # (after the requests that ended in the last round, before waiting)
             while True:  # take jobs: block only when there is nothing to do
                 if len(self._live) + len(waiting) >= self.max_batch:
                     break
@@ -620,6 +637,7 @@ class Engine:
             for sid, lv in list(self._live.items()):
                 if lv.handle.cancelled.is_set():
                     reserved -= self._leave(sid, "cancelled")
+            self._reserved = reserved
             if not self._live:
                 continue
             try:
@@ -653,6 +671,7 @@ class Engine:
                 if chunk.finish_reason:
                     reserved -= self._leave(sid, chunk.finish_reason)
             reserved -= self._expire_prefills()
+            self._reserved = reserved
 
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
@@ -677,11 +696,10 @@ class Engine:
                     f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
                     f"{max(0, self._room.room) / 2**20:.0f} MiB for sequences"
                 )
-            if (
-                self._room is not None
-                and self._live
-                and self._batch_need(len(ids) + cfg.max_tokens, reserved, need) > self._room.room
-            ):
+            # what the plan counts the batch's sequences at once with this one in it
+            batched = self._room is not None and bool(self._live)
+            held = self._batch_need(len(ids) + cfg.max_tokens, reserved, need) if batched else need
+            if batched and held > self._room.room:
                 return None
         except Exception as e:
             self._finish(None, 0)
@@ -726,6 +744,7 @@ class Engine:
             return 0
         with self._lock:
             self._live[sid] = _Live(handle, rid, info, ids, cfg, pair.tokenizer, need)
+        self._reserved_max = max(self._reserved_max, held)
         return need
 
     # -- bounds: prefill time, the allocator's cache --------------------------------------------
@@ -778,6 +797,38 @@ class Engine:
             mx.set_cache_limit(int(allowance))
         self._cache_limit = allowance
         self._sample_memory()
+
+    def _measure_loaded(self, session) -> None:
+        """The measured terms of the resident memory bound, once the pair (and the batch decoder)
+        have loaded: the process's RSS and MLX's active and cached bytes, after a garbage
+        collection and with MLX's cache emptied, so that what loading left behind is not counted
+        as the runtime. With the session's plan they give ``rss_bound`` for this engine's batch."""
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+        active, cache, now = mx.get_active_memory(), mx.get_cache_memory(), rss()
+        self._loaded = {"rss": now, "active": active, "cache": cache}
+        plan = getattr(session, "plan", None)
+        if isinstance(plan, MemoryPlan):
+            self.rss_bound = rss_bound(plan, rss=now, mlx_active=active, mlx_cache=cache, batch=self.max_batch)
+            log.info("%s", self.rss_bound.describe())
+        self._sample_memory()
+
+    def _release_heap(self) -> None:
+        """Once requests have ended: hand the C heap's free pages back to the OS
+        (``memory.release_free_heap``), counting what that took off the RSS."""
+        if not self._ended or not self._release_heap_on:
+            return
+        self._ended = 0
+        before = rss()
+        if release_free_heap():
+            freed = max(0, before - rss())
+            with self._lock:
+                self._heap["releases"] += 1
+                self._heap["released"] += freed
 
     def _sample_memory(self) -> None:
         """MLX's allocator figures for /metrics, read on the engine thread."""
@@ -841,6 +892,7 @@ class Engine:
 
     def _finish(self, stats, prompt_tokens: int, cancelled: bool = False) -> None:
         """Fold a finished request's stats into the engine's totals."""
+        self._ended += 1  # (its buffers are freed: _release_heap hands the pages back)
         drafter = getattr(getattr(self._session, "pair", None), "drafter", None)
         if hasattr(drafter, "settle"):  # the request's last drafter passes: their tokens were read
             drafter.settle()
@@ -907,6 +959,14 @@ class Engine:
             }
         with self._lock:
             memory = dict(self._memory)
+        memory["rss"] = rss()  # (the process's: any thread may read it)
+        memory["reserved"], memory["reserved_max"] = self._reserved, self._reserved_max
+        with self._lock:
+            memory["heap_releases"], memory["heap_released"] = self._heap["releases"], self._heap["released"]
+        if self._loaded:
+            memory["loaded"] = dict(self._loaded)
+        if self.rss_bound is not None:
+            memory["bound"] = {**self.rss_bound.terms(), "total": self.rss_bound.total}
         return {
             **c,
             **cycles,

@@ -10,6 +10,9 @@ Activation coefficients are measured on mlx 0.32 (benchmarks/plan_accuracy.py, d
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -475,7 +478,6 @@ PER_SEQUENCE = (
     "target KV cache",
     "recurrent state",
     "drafter context cache",
-    "chain draft KV cache",
     "target features for the drafter",
     "verify / prefill scratch",
     "MTP head draft KV cache",
@@ -509,7 +511,7 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
     by: dict[str, int] = {}
     for i in plan.items:  # (several chain drafters: rows of one name)
         by[i.name] = by.get(i.name, 0) + i.bytes
-    per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0) + by.get("chain draft KV cache", 0)
+    per_pos = by.get("target KV cache", 0) + by.get("drafter context cache", 0)
     positions = _round_up(plan.context + plan.block_size, KV_STEP)
     fixed = (
         by.get("recurrent state", 0)
@@ -522,6 +524,113 @@ def batch_room(plan: MemoryPlan) -> BatchRoom:
     )
     shared = plan.total - sum(by.get(n, 0) for n in PER_SEQUENCE)
     return BatchRoom(per_pos / max(1, positions), fixed, plan.budget - shared, plan.block_size)
+
+
+# -- a serving process's resident memory: measured at start + planned growth + allowance ---------
+
+# What the process's own heaps may add over a server's life, beyond what the plan counts: Python
+# objects of requests in flight, the HTTP stack's buffers, the tokenizer's caches. A stated
+# allowance, checked by benchmarks/soak.py (docs/memory.md, "A server's resident memory"). Freed
+# MLX buffers that malloc holds until the engine releases them are scratch the plan counts.
+HEAP_ALLOWANCE = 64 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class RssBound:
+    """The resident memory a serving process may reach: what it holds once the pair has loaded
+    (measured), what the memory plan lets it add (the sequences' K/V, drafter context, features
+    and scratch, for the batch the engine admits; the prefix cache; MLX's bounded buffer cache)
+    and ``heap`` for its own heaps' growth. The terms add up to ``total``."""
+
+    rss_loaded: int  # the process's RSS once the pair had loaded (measured)
+    mlx_active: int  # MLX's active bytes then: the weights (measured)
+    mlx_cache_loaded: int  # MLX's buffer cache then (measured; counted in mlx_cache below)
+    sequences: int  # the plan's per-sequence rows x the sequences the engine admits at once
+    prefix_cache: int  # the plan's prefix cache budget
+    mlx_cache: int  # the plan's MLX cache allowance (the buffer cache's bound)
+    heap: int = HEAP_ALLOWANCE  # stated allowance for the process's own heaps
+
+    @property
+    def runtime(self) -> int:
+        """RSS outside MLX once loaded: the interpreter, the libraries (BLAS, tokenizer, HTTP
+        stack), the tokenizer's vocabulary and the Python objects loading left."""
+        return self.rss_loaded - self.mlx_active - self.mlx_cache_loaded
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.mlx_active + self.sequences + self.prefix_cache + self.mlx_cache + self.heap
+
+    def terms(self) -> dict[str, int]:
+        """The terms of ``total`` by name (measured: runtime, weights; planned: sequences,
+        prefix_cache, mlx_cache; stated: heap)."""
+        return {
+            "runtime": self.runtime,
+            "weights": self.mlx_active,
+            "sequences": self.sequences,
+            "prefix_cache": self.prefix_cache,
+            "mlx_cache": self.mlx_cache,
+            "heap": self.heap,
+        }
+
+    def describe(self) -> str:
+        t = ", ".join(f"{k} {_gib(v)}" for k, v in self.terms().items())
+        return f"resident memory bound {_gib(self.total)} ({t})"
+
+
+def rss_bound(
+    plan: MemoryPlan, *, rss: int, mlx_active: int, mlx_cache: int = 0, batch: int = 1, heap: int = HEAP_ALLOWANCE
+) -> RssBound:
+    """Pure: the ``RssBound`` of a process that measured ``rss`` and MLX's ``mlx_active`` and
+    ``mlx_cache`` bytes once it had loaded the pair of ``plan``, serving up to ``batch``
+    sequences at once. Each sequence counts the plan's per-sequence rows at the plan's context
+    (what the engine's admission counts, ``BatchRoom.need``), never more in all than the room
+    admission leaves them."""
+    by = {i.name: i.bytes for i in plan.items}
+    one = sum(by.get(n, 0) for n in PER_SEQUENCE)
+    seqs = one * max(1, batch)
+    if batch > 1:
+        seqs = min(seqs, max(one, batch_room(plan).room))
+    return RssBound(
+        rss_loaded=rss,
+        mlx_active=mlx_active,
+        mlx_cache_loaded=mlx_cache,
+        sequences=seqs,
+        prefix_cache=by.get("prefix cache", 0),
+        mlx_cache=by.get("MLX cache allowance", 0),
+        heap=heap,
+    )
+
+
+def rss() -> int:
+    """This process's resident set size in bytes (psutil; any thread)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)
+    except OSError:
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``). MLX's CPU
+    buffers come from malloc, and glibc keeps what is freed in its arenas (a freed large buffer
+    raises its mmap threshold, so later ones come from the arenas too): without this a server's
+    RSS climbs to its largest working set plus the arenas' fragmentation and stays there, far
+    above what MLX holds. Returns False where there is nothing to call (not glibc)."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
 
 
 # -- serving: the context and prefix cache `serve` runs with by default ----------------------------

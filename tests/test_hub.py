@@ -275,7 +275,7 @@ def test_a_chain_entry_by_name_is_planned_from_the_hub_before_any_download(chain
     out = json.loads(r.stdout)
     assert out["target"] == MTP_REPO and out["drafter"] is None and out["chains"] == {"mtp": "in the target"}
     names = [i["name"] for i in out["items"]]
-    assert "MTP head weights" in names and "chain draft KV cache" in names
+    assert "MTP head weights" in names and "MTP head draft KV cache" in names
     assert chain_hub.weight_hits() and all(h.range and h.range.startswith("bytes=0-") for h in chain_hub.weight_hits())
     assert not [n for n in snapshot_files(hf_home, MTP_REPO) if n.endswith(".safetensors")]
     r = run(chain_hub, hf_home, "-m", "mlx_spec", "plan", "--model", "qwen3.5-27b-mtp")

@@ -273,3 +273,56 @@ def test_planned_peak_within_15_percent_of_measured():
     assert n == 64
     measured = mx.get_peak_memory()
     assert abs(plan.peak / measured - 1) < 0.15, (plan.peak / MiB, measured / MiB)
+
+
+def test_the_resident_memory_bound_adds_the_plans_growth_to_what_was_measured_at_start():
+    """RSS once loaded (measured) + the plan's per-sequence rows for the batch, its prefix cache
+    and MLX cache allowance + the stated heap allowance; the runtime is the RSS outside MLX."""
+    p = _inputs(DENSE, drafter_config(DENSE, layers=2), prefix_cache=5 * MiB)
+    plan = memory.make_plan(p, context=1000, block_size=8, budget=1 << 40, budget_source="test")
+    rows = {i.name: i.bytes for i in plan.items}
+    one = (
+        rows["target KV cache"]
+        + rows["drafter context cache"]
+        + rows["target features for the drafter"]
+        + rows["verify / prefill scratch"]
+    )
+    b = memory.rss_bound(plan, rss=500 * MiB, mlx_active=300 * MiB, mlx_cache=2 * MiB, heap=10 * MiB)
+    assert b.runtime == 198 * MiB  # RSS - MLX active - MLX cache, once loaded
+    assert b.sequences == one == memory.batch_room(plan).need(1000)  # what admission counts a sequence
+    assert (b.prefix_cache, b.mlx_cache, b.heap) == (5 * MiB, rows["MLX cache allowance"], 10 * MiB)
+    assert b.total == 498 * MiB + one + 5 * MiB + rows["MLX cache allowance"] + 10 * MiB
+    assert sum(b.terms().values()) == b.total
+    assert memory.rss_bound(plan, rss=500 * MiB, mlx_active=300 * MiB).heap == memory.HEAP_ALLOWANCE
+    # a batch of 4 counts four sequences; never more than the room admission leaves them
+    four = memory.rss_bound(plan, rss=500 * MiB, mlx_active=300 * MiB, batch=4)
+    assert four.sequences == 4 * one
+    shared = plan.total - one
+    tight = memory.make_plan(p, context=1000, block_size=8, budget=shared + 2 * one + 7, budget_source="test")
+    assert memory.rss_bound(tight, rss=500 * MiB, mlx_active=300 * MiB, batch=4).sequences == 2 * one + 7
+
+
+@pytest.mark.skipif(memory._malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
+def test_releasing_the_free_heap_hands_mallocs_free_pages_back_to_the_os():
+    """Freed blocks in the middle of malloc's heap stay in the process (what freed MLX buffers
+    do on Linux); release_free_heap gives their pages back."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 96 << 10  # below any mmap threshold: these come from malloc's heap
+    blocks = [libc.malloc(size) for _ in range(1600)]
+    assert all(blocks)
+    try:
+        for b in blocks:
+            ctypes.memset(b, 1, size)  # (touched: resident)
+        for i, b in enumerate(blocks):
+            if i % 8:  # every 8th kept, so the freed runs lie inside the heap, not at its top
+                libc.free(b)
+        held = memory.rss()
+        assert memory.release_free_heap()
+        assert held - memory.rss() > 64 * MiB  # of the ~131 MiB freed
+    finally:
+        for b in blocks[::8]:
+            libc.free(b)

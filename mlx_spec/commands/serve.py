@@ -333,6 +333,8 @@ def _serve(args, cfg, api_key: str | None) -> int:
             server.should_exit = True
             return
         say(engine.info.describe())
+        if engine.rss_bound is not None:  # what /metrics compares the process's RSS with
+            say(engine.rss_bound.describe())
         say(
             f"ready: {url}/v1 (context {engine.context_length} tokens, batch {engine.max_batch}, queue {args.max_queue}"
             f"{', API key required' if api_key else ''})"

@@ -397,4 +397,56 @@ def metrics_text(counters: Counters, snap: dict) -> str:
     ):
         if key in mem:
             metric(f"mlx_memory_{key}_bytes", "gauge", help_, [("", mem[key])])
+    if "rss" in mem:
+        metric("memory_rss_bytes", "gauge", "The server process's resident set size now.", [("", mem["rss"])])
+    if "loaded" in mem:
+        metric(
+            "memory_rss_loaded_bytes",
+            "gauge",
+            "The process's resident set size once the pair had loaded.",
+            [("", mem["loaded"]["rss"])],
+        )
+    if "reserved" in mem:
+        metric(
+            "memory_sequences_reserved_bytes",
+            "gauge",
+            "Bytes the memory plan counts for the sequences in the batch now (what admission reserved).",
+            [("", mem["reserved"])],
+        )
+        metric(
+            "memory_sequences_reserved_max_bytes",
+            "gauge",
+            "The most the memory plan counted for the batch's sequences at once, at an admission, since start "
+            "(with the batch's shared K/V: every row as long as the longest).",
+            [("", mem["reserved_max"])],
+        )
+    if "heap_releases" in mem:
+        metric(
+            "memory_heap_releases_total",
+            "counter",
+            "Times the engine handed the C heap's free pages back to the OS after requests ended (glibc).",
+            [("", mem["heap_releases"])],
+        )
+        metric(
+            "memory_heap_released_bytes_total",
+            "counter",
+            "RSS those releases took off (malloc keeps freed MLX buffers otherwise).",
+            [("", mem["heap_released"])],
+        )
+    if "bound" in mem:
+        terms = {k: v for k, v in mem["bound"].items() if k != "total"}
+        metric(
+            "memory_bound_bytes",
+            "gauge",
+            "The resident memory the process may reach: the sum of memory_bound_term_bytes.",
+            [("", mem["bound"]["total"])],
+        )
+        metric(
+            "memory_bound_term_bytes",
+            "gauge",
+            "Terms of memory_bound_bytes: runtime and weights (measured once loaded: RSS outside MLX, "
+            "MLX's active bytes), sequences, prefix_cache and mlx_cache (the memory plan's), heap (a "
+            "stated allowance).",
+            [(f'{{term="{k}"}}', v) for k, v in terms.items()],
+        )
     return "\n".join(out) + "\n"
