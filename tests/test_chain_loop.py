@@ -742,7 +742,7 @@ def test_the_memory_plan_counts_the_chain_drafters_asked_for(family):
         "EAGLE-3 draft KV cache",
     } <= set(names)
     assert not {"MTP head weights", "EAGLE-3 weights"} & {i.name for i in plain.items}
-    assert both.total > plain.total and batch_room(both).per_token > batch_room(plain).per_token
+    assert both.total > plain.total and batch_room(both).per_sequence > batch_room(plain).per_sequence
 
 
 def test_a_batched_server_with_chain_drafters_answers_as_plain_decoding_and_says_so(family):
