@@ -189,8 +189,8 @@ def add_arguments(p) -> None:
         c.add_argument(
             "--grow",
             action="store_true",
-            help="with --features: train on the sequences stored so far while `train features` is still "
-            "writing the store (the pool grows; the log's 'pool' says how many)",
+            help="with --features: a store `train features` is still writing (or stopped part-way): "
+            "sequences it holds are read, the target recomputes the rest (the log's 'stored' says how many)",
         )
         c.add_argument(
             "--eval-tokens",

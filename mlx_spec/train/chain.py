@@ -82,7 +82,7 @@ class ChainTrainConfig:
     held_out: int | None = None  # the files' last N sequences (default 64; none with eval_tokens)
     eval_tokens: str | None = None  # a token file of held-out sequences instead
     features: str | None = None  # a feature store (build_features); None: the target recomputes
-    grow: bool = False  # train on the stored sequences while the store is still being built
+    grow: bool = False  # a store still being built: read what it holds, the target computes the rest
     checkpoint_every: int = 100
     eval_every: int = 100
     layout: str = "eagle"  # EAGLE-3 output layout: eagle | speculators
@@ -421,15 +421,16 @@ def span_features(
     spans: Sequence[Span], T: int, *, store: FeatureStore | None = None, target: Target | None = None, head=None
 ) -> mx.array:
     """(n, T, F) float32 features of the spans, each row computed over its sequence from the
-    first token (as at inference): read from ``store``, or recomputed by ``target``."""
-    if store is not None:
-        out = np.zeros((len(spans), T, store.width), FEATURE_DTYPE)
-        for r, (s, start, n) in enumerate(spans):
-            out[r, :n] = store.window(s, start, n)
-        return mx.array(out).astype(mx.float32)
+    first token (as at inference): read from ``store`` where it holds the sequence, else
+    recomputed by ``target`` (a store still being built, ``--grow``, serves what it has)."""
     rows = []
     for s, start, n in spans:
-        f = target_features(target, head, mx.array(s.tokens[None, : start + n]))[:, start:]
+        if store is not None and store.ready(s):
+            f = mx.array(store.window(s, start, n)).astype(mx.float32)[None]
+        elif target is not None:
+            f = target_features(target, head, mx.array(s.tokens[None, : start + n]))[:, start:].astype(mx.float32)
+        else:
+            raise BadRequest(f"{store.root if store else 'no feature store'}: no features of sequence {s.index}")
         rows.append(mx.pad(f, [(0, 0), (0, T - n), (0, 0)]) if n < T else f)
     return mx.concatenate(rows, axis=0)
 
@@ -668,38 +669,6 @@ def held_out_eval(
 
 
 GROW_EVERY = 50  # steps between looks at a store still being built (--grow)
-GROW_SLACK = 0.02  # --grow: step s runs once s / steps <= the stored share of the training sequences + this
-GROW_WAIT_S = 7200  # how long --grow waits for the store to grow, at most, before it gives up
-
-
-def grown_pool(
-    store: FeatureStore,
-    train: Sequence[Seq],
-    log: Callable[[str], None],
-    *,
-    step: int = 0,
-    steps: int = 1,
-    poll_s: float = 30.0,
-) -> list:
-    """The training sequences whose features are stored, once there are enough for ``step`` of
-    ``steps``: the run keeps pace with the store (step s waits until the stored share of the
-    training sequences is at least s / steps - ``GROW_SLACK``), so its last steps draw from all
-    the data. Waits (bounded) while the store is behind."""
-    waited = 0.0
-    while True:
-        pool = [s for s in train if store.ready(s)]
-        if pool and (len(pool) == len(train) or step / steps <= len(pool) / len(train) + GROW_SLACK):
-            return pool
-        if waited >= GROW_WAIT_S:
-            raise BadRequest(
-                f"{store.root}: the store did not grow in {waited / 60:.0f} min ({len(pool)} of "
-                f"{len(train)} training sequences stored, step {step} of {steps}); is `train features` running?"
-            )
-        if waited == 0:
-            log(f"--grow: step {step} of {steps} waits for the store ({len(pool)} of {len(train)} sequences)")
-        time.sleep(poll_s)
-        waited += poll_s
-        store.refresh()
 
 
 def _schedule(cfg: ChainTrainConfig):
@@ -734,7 +703,6 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         store = FeatureStore(cfg.features, data.files, final=cfg.kind == "mtp", taps=head.taps, partial=cfg.grow)
         if not all(store.ready(s) for s in data.test):
             raise BadRequest(f"{cfg.features}: the held-out sequences' features are not all stored yet")
-        pool = None if cfg.grow else pool  # read at the first step, once the step is known
     base = frequent_ids(data, cfg.softmax_vocab, target.vocab_size) if cfg.softmax_vocab else None
     ckpt = out / "ckpt"
     state = {"step": 0, "log": []}
@@ -757,12 +725,12 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         return loss_fn(m, f, i, k, cfg.ttt, cfg.decay, softmax=sm)
 
     grad = nn.value_and_grad(head, loss)
-    t_steps, n_timed = 0.0, 0
+    t_steps, n_timed, stored = 0.0, 0, None
     evaluate = {"store": store, "target": target}
     while state["step"] < cfg.steps:
-        if cfg.grow and (pool is None or state["step"] % GROW_EVERY == 0 and len(pool) < len(data.train)):
-            store.refresh()
-            pool = grown_pool(store, data.train, log, step=state["step"], steps=cfg.steps)
+        if cfg.grow and (stored is None or state["step"] % GROW_EVERY == 0):
+            store.refresh()  # the builder's progress since
+            stored = sum(store.ready(q) for q in pool)
         ids, mask, spans = make_batch(pool, rng, cfg.batch_size, cfg.seq_len)
         t0 = time.perf_counter()
         feats = span_features(spans, cfg.seq_len, store=store, target=target, head=head)
@@ -786,7 +754,7 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         row["time"] = round(time.time())
         row["positions"] = n_pos
         if cfg.grow:
-            row["pool"] = len(pool)
+            row["stored"] = stored  # training sequences read from the store; the rest are recomputed
         if s % cfg.eval_every == 0 or s == cfg.steps or s == 1:
             row["held_out"] = held_out_eval(head, data, cfg, **evaluate)
         state["log"].append(row)
