@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import catalog, distributed, memory, tuning
-from . import tuning as tuner  # (``tuning`` is this function's parameter)
+from . import tuning as tuner  # (in _chain_choice, whose parameter is named ``tuning``)
 from .config import LoadConfig
 from .default_target import DEFAULT_TARGET_ID, cache_dir
 from .distributed import follow_session, shard_target
