@@ -18,12 +18,17 @@ Tests (and people reproducing a Mac report on another machine) replace the answe
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Literal
+
+from .errors import MlxSpecError
 
 Kind = Literal["metal", "gpu", "cpu"]
 KINDS = ("metal", "gpu", "cpu")
@@ -68,7 +73,7 @@ class Backend:
 
     def default_dtype(self):
         """The dtype float weights load in: float32 on the CPU backend, None (keep) elsewhere."""
-        import mlx.core as mx
+        import mlx.core as mx  # (optional: no MLX on an Intel Mac, which cli checks first; startup: --help)
 
         return mx.float32 if self.cast_float32 else None
 
@@ -90,9 +95,6 @@ class Backend:
 def unsupported_platform(system: str | None = None, machine: str | None = None) -> str | None:
     """Why this machine cannot run mlx_spec, or None. MLX has no build for Intel Macs (nor for a
     Python running under Rosetta on an Apple Silicon Mac, which reports x86_64)."""
-    import platform
-    import sys
-
     system = system or sys.platform
     machine = machine or platform.machine()
     if system == "darwin" and machine != "arm64":
@@ -105,14 +107,14 @@ def unsupported_platform(system: str | None = None, machine: str | None = None) 
 
 
 def _physical_memory() -> int:
-    import psutil
+    import psutil  # (startup: --help loads this module)
 
     return int(psutil.virtual_memory().total)
 
 
 def detect() -> Backend:
     """The real backend, read from MLX (no override)."""
-    import mlx.core as mx
+    import mlx.core as mx  # (optional: no MLX on an Intel Mac, which cli checks first; startup: --help)
 
     info = {}
     try:
@@ -138,8 +140,6 @@ def as_kind(kind: str, real: Backend | None = None) -> Backend:
     """The real backend with its kind replaced (``faked``): a Metal backend gets a faked working
     set (3/4 of the real budget) as budget and wired limit, as on an Apple Silicon Mac."""
     if kind not in KINDS:
-        from .errors import MlxSpecError
-
         raise MlxSpecError(f"{ENV}={kind!r}: must be one of {', '.join(KINDS)}")
     real = real or detect()
     if kind == real.kind and not real.faked:
@@ -192,9 +192,7 @@ def use(value: Backend | str) -> Iterator[Backend]:
 def set_wired_limit(b: Backend | None = None) -> int | None:
     """Wire up to the backend's wired limit (Metal), as mlx-lm's ``wired_limit`` does. Returns the
     previous limit, or None where there is nothing to set (CPU, CUDA, a faked Metal)."""
-    import logging
-
-    import mlx.core as mx
+    import mlx.core as mx  # (optional: no MLX on an Intel Mac, which cli checks first; startup: --help)
 
     b = b or current()
     if b.wired_limit is None or b.faked:  # a faked Metal has no Metal allocator to wire

@@ -12,13 +12,20 @@ target's argmax given the committed prefix.
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import mlx.core as mx
+from mlx_lm.generate import speculative_generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from . import backend
 from .batch import Step, truncate_reply
+from .errors import MlxSpecError
+from .loading import load_target_model, resolve
 from .sampling import accept_greedy
 
 
@@ -47,8 +54,6 @@ def lookup_steps(
     prefill_step: int = 2048,
 ) -> Iterator[Step]:
     """Greedy speculative decoding of an mlx-lm model with prompt-lookup drafts."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-
     if not prompt:
         raise ValueError("empty prompt")
     eos = frozenset(eos_ids)
@@ -106,8 +111,6 @@ def ar_draft_steps(
     mlx-lm has no separate first token: its first round drafts straight after prefill, so the
     first Step's time includes the prefill.
     """
-    from mlx_lm.generate import speculative_generate_step
-
     eos = frozenset(eos_ids)
     gen = speculative_generate_step(
         mx.array(list(prompt), mx.uint32),
@@ -157,13 +160,8 @@ class Peer(NamedTuple):
 
 def load_peer(pair) -> Peer:
     """Load ``dflash==0.1.0`` (``pip install --no-deps dflash==0.1.0``) on the pair's files."""
-    import json
-
-    from .errors import MlxSpecError
-    from .loading import load_target_model, resolve
-
     try:
-        from dflash import model_mlx as dm
+        from dflash import model_mlx as dm  # (optional: the official dflash package, a peer bench compares against)
     except ImportError as e:
         raise MlxSpecError(
             f"the official dflash package is not importable ({e}); install it with: pip install --no-deps dflash==0.1.0"
@@ -210,7 +208,6 @@ def load_peer(pair) -> Peer:
     draft = (dm.DFlash2DraftModel if v2 else dm.DFlashDraftModel)(config)
     draft.eval()
     draft.load_weights(list(weights.items()))
-    from . import backend
 
     if backend.current().cast_float32:
         draft.set_dtype(mx.float32)
@@ -266,8 +263,6 @@ def peer_steps(
 def layer_skip_draft(model, n_layers: int):
     """An AR draft made of the target's first ``n_layers`` layers, final norm and head (shared,
     no copy): the only small draft model a lone target ships with (self-speculation)."""
-    import copy
-
     lm = getattr(model, "language_model", model)
     if not 0 < n_layers < len(lm.model.layers):
         raise ValueError(f"layer-skip draft needs 0 < layers < {len(lm.model.layers)} (got {n_layers})")

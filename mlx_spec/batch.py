@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -1031,7 +1032,6 @@ class BatchBudget:
         the verify's wait has the last fit's drafter pass taken out). Pseudo-observations pull
         toward the prior: enough to settle what the steps cannot tell apart (rows always 8:
         intercept vs per-row), weak enough that 64 steps are not biased."""
-        import numpy as np
 
         def ridge(X, y, p, lam):
             p = p * float(y.mean() / (X @ p).mean())

@@ -21,13 +21,20 @@ ceiling = tau * T1 / (Td + Tt(B)), in general committed tokens * T1 / sum over c
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
 from .analysis import copy_max_draft, copy_oracle, copy_share, oracle_ceiling
+from .baselines import ar_draft_steps, load_peer, lookup_steps, peer_steps
+from .blas import set_threads
 from .costs import CostMeter, Costs, Progress, ceiling, efficiency
 from .decode import Step, plain_steps, spec_steps
 from .policy import PolicyFactory
@@ -205,16 +212,10 @@ class Runner:
                 chains=chains,
             )
         if method.kind == "lookup":
-            from .baselines import lookup_steps
-
             return lookup_steps(p.model, ids, num_draft=B - 1, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind == "ar-draft":
-            from .baselines import ar_draft_steps
-
             return ar_draft_steps(p.model, self.ar_model, ids, num_draft=B - 1, max_tokens=max_tokens, eos_ids=self.eos)
         if method.kind == "peer":
-            from .baselines import load_peer, peer_steps
-
             if self._peer is None:
                 self._peer = load_peer(p)
             return peer_steps(self._peer, ids, block_size=B, max_tokens=max_tokens, eos_ids=self.eos)
@@ -222,8 +223,6 @@ class Runner:
 
     def run(self, method: Method, ids: Sequence[int], max_tokens: int) -> Run:
         if self.blas is not None and self.blas.settable:
-            from .blas import set_threads
-
             set_threads(self.blas, self.blas.pinned if method.kind == "mlx-lm" else self.threads)
         if not method.full_vocab:
             return self._run(method, ids, max_tokens)
@@ -257,12 +256,6 @@ def mlx_lm_steps(
     """mlx-lm's own ``stream_generate`` (greedy), one Step per token it yields: what a user would
     run instead of us. Its final response repeats the last token (EOS or the max_tokens-th).
     ``kv`` (``target.KVQuant``): its prompt cache quantized from the first row, as ours is."""
-    import copy
-
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     if not stop_at_eos:
         tokenizer = copy.copy(tokenizer)
         tokenizer.eos_token_ids = []

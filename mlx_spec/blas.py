@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .errors import BadRequest
+
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -110,8 +112,6 @@ def set_threads(info: BlasInfo, n: int | None) -> int | None:
     if n is None:
         n = default_threads()
     if not isinstance(n, int) or n < 1:
-        from .errors import BadRequest
-
         raise BadRequest(f"BLAS thread count must be an integer >= 1 (got {n!r})")
     getattr(lib, _KNOBS[info.name][0])(ctypes.c_int(n))
     return get_threads(info)

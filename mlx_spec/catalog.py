@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from .errors import BadRequest, CheckpointError, UnsupportedModel
+from .target import SUPPORTED
 
 FILE = "catalog.json"
 FIELDS = ("target", "drafter", "architecture", "dflash", "block_size", "thinks", "think_switch", "license", "params_b")
@@ -39,8 +40,6 @@ class Entry:
 
     @property
     def supported(self) -> bool:
-        from .target import SUPPORTED
-
         return self.architecture in SUPPORTED
 
     def weight_bytes(self, bits: int | None) -> int:
@@ -91,8 +90,6 @@ def find(name: str) -> Entry | ChainEntry:
 def check_supported(entry: Entry | ChainEntry) -> None:
     """Refuse an entry whose target architecture this build cannot run (before any download)."""
     if not entry.supported:
-        from .target import SUPPORTED
-
         raise UnsupportedModel(
             f"model '{entry.name}': target architecture '{entry.architecture}' "
             f"({entry.target}) is not supported for speculative decoding here "
@@ -125,8 +122,6 @@ class ChainEntry:
 
     @property
     def supported(self) -> bool:
-        from .target import SUPPORTED
-
         return self.architecture in SUPPORTED
 
 
@@ -157,7 +152,7 @@ def check_chain(entry: ChainEntry) -> None:
     """Refuse, by name and before any download, a chain entry that lacks what the loader needs:
     a target architecture this build runs; for MTP, one MTP layer of a family whose head it
     loads, in the target's own checkpoint; for EAGLE-3, a drafter repo in a layout it reads."""
-    from .mtp import DEEPSEEK_TYPES, MTP_TYPES
+    from .mtp import DEEPSEEK_TYPES, MTP_TYPES  # (startup: models)
 
     check_supported(entry)
     where = f"model '{entry.name}'"

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
-from .errors import MlxSpecError
+from . import __version__
+from .backend import unsupported_platform
+from .errors import BadRequest, MlxSpecError
 
 COMMANDS = {
     "generate": "generate text with speculative decoding (or --no-draft)",
@@ -46,8 +49,8 @@ def add_model_args(
     (bench, whose --context lists lengths to pad prompts to) leaves out --context;
     ``sized_context``: the help of a --context the command sizes itself when it is not given
     (serve: from the memory plan), whose default is then None."""
-    from .default_target import DEFAULT_TARGET_ID
-    from .loading import DEFAULT_DRAFTER
+    from .default_target import DEFAULT_TARGET_ID  # (startup: --help loads no MLX)
+    from .loading import DEFAULT_DRAFTER  # (startup: --help loads no MLX)
 
     p.add_argument(
         "--model",
@@ -62,7 +65,7 @@ def add_model_args(
         help=f"DFlash / DFlash 2 drafter: path or HF repo id (default: bundled {DEFAULT_DRAFTER} with the default target)",  # noqa: E501
     )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target (no speculation)")
-    from .config import DEFAULT_DRAFT
+    from .config import DEFAULT_DRAFT  # (startup: --help loads no MLX)
 
     p.add_argument(
         "--draft",
@@ -168,9 +171,8 @@ def apply_model_name(args: argparse.Namespace) -> None:
     name = getattr(args, "model", None)
     if not name:
         return
-    from . import catalog
-    from .default_target import DEFAULT_TARGET_ID
-    from .errors import BadRequest
+    from . import catalog  # (startup: --help loads no MLX)
+    from .default_target import DEFAULT_TARGET_ID  # (startup: --help loads no MLX)
 
     entry = catalog.find(name)
     if isinstance(entry, catalog.ChainEntry):
@@ -195,10 +197,9 @@ def _apply_chain(args: argparse.Namespace, entry) -> None:
     from its repo (--eagle). --draft defaults to that source and lookup (dflash first when a
     --drafter is given); one given must draft with it. Refused by name before any download: an
     entry the loader cannot run (``catalog.check_chain``), a different --target, --mtp or --eagle."""
-    from . import catalog
-    from .config import parse_draft
-    from .default_target import DEFAULT_TARGET_ID
-    from .errors import BadRequest
+    from . import catalog  # (startup: --help loads no MLX)
+    from .config import parse_draft  # (startup: --help loads no MLX)
+    from .default_target import DEFAULT_TARGET_ID  # (startup: --help loads no MLX)
 
     catalog.check_chain(entry)
     name, kind = entry.name, entry.kind
@@ -286,7 +287,6 @@ def add_prefix_disk_args(p: argparse.ArgumentParser) -> None:
 
 def prefix_disk_of(args: argparse.Namespace):
     """The ``prefix_store.DiskConfig`` of --prefix-disk-mb / --prefix-disk-min-tokens (None: off)."""
-    from .errors import BadRequest
 
     mb, least = getattr(args, "prefix_disk_mb", 0) or 0, getattr(args, "prefix_disk_min_tokens", 1)
     if mb < 0:
@@ -295,7 +295,7 @@ def prefix_disk_of(args: argparse.Namespace):
         raise BadRequest(f"--prefix-disk-min-tokens must be >= 1 (got {least})")
     if not mb:
         return None
-    from .prefix_store import DiskConfig, default_root
+    from .prefix_store import DiskConfig, default_root  # (startup: --help loads no MLX)
 
     return DiskConfig(default_root(), int(mb * 2**20), least)
 
@@ -338,7 +338,7 @@ def add_launch_args(p: argparse.ArgumentParser, what: str) -> None:
 
 def launch_of(args: argparse.Namespace):
     """The group ``add_launch_args`` flags ask for (``distributed.Launch``), None for one process."""
-    from .distributed import launch_plan
+    from .distributed import launch_plan  # (startup: --help loads no MLX)
 
     return launch_plan(
         getattr(args, "ranks", None),
@@ -379,8 +379,7 @@ def load_config(args: argparse.Namespace):
     """The command's model flags as a ``config.LoadConfig``: the one place flags become the
     loading configuration (it checks its values, so bad flags fail before anything loads).
     Flags a command does not have take LoadConfig's defaults."""
-    from .config import DEFAULT_CONTEXT, DEFAULT_DRAFT, LoadConfig
-    from .errors import BadRequest
+    from .config import DEFAULT_CONTEXT, DEFAULT_DRAFT, LoadConfig  # (startup: --help loads no MLX)
 
     def flag(name, default=None):
         return getattr(args, name, default)
@@ -421,9 +420,6 @@ def load_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import __version__
-    from .backend import unsupported_platform
-
     if (why := unsupported_platform()) is not None:  # an Intel Mac: no MLX was installed
         print(f"mlx_spec: {why}", file=sys.stderr)
         return 1
@@ -451,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    import logging
-
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -29,8 +29,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .costs import CostMeter, Costs
+from .costs import context_term as term
+from .decode import Step, plain_steps, spec_steps
+from .default_target import cache_dir
 from .errors import BadRequest
+from .prefix import PrefixCache, take
+from .prefix_store import DiskConfig, PrefixStore
 from .prompts import BUILTIN, Prompt
+from .stats import Stats
+from .text import encode_prompt
 
 PACKAGE = Path(__file__).resolve().parent
 
@@ -142,8 +154,6 @@ class ContextRow:
 
 def _first_token(pair, ids, policy, prefix) -> tuple[float, int]:
     """Time to the first token (prefix lookup included) and the prompt tokens reused."""
-    from .decode import spec_steps
-
     t0 = time.perf_counter()
     pre = prefix.lookup(ids, drafter=True)
     gen = spec_steps(
@@ -156,8 +166,6 @@ def _first_token(pair, ids, policy, prefix) -> tuple[float, int]:
 
 
 def _decode(steps) -> tuple[list[int], float, object]:
-    from .stats import Stats
-
     stats, tokens, first = Stats(), [], None
     for s in steps:
         stats.add(s)
@@ -169,13 +177,6 @@ def _decode(steps) -> tuple[list[int], float, object]:
 
 
 def _mlx_lm(pair, entry, ids, max_tokens):
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from .decode import Step
-    from .prefix import take
-
     cache = take(entry, len(entry.tokens), drafter=False).target
     for r in stream_generate(
         pair.model,
@@ -201,10 +202,6 @@ def measure(
     threads: Callable[[str], None] = lambda who: None,
 ) -> ContextRow:
     """One padded prompt: cold, warm and disk first tokens, then the decode rows."""
-    from .decode import plain_steps, spec_steps
-    from .prefix import PrefixCache, take
-    from .prefix_store import DiskConfig, PrefixStore
-
     ids = list(ids)
     threads("ours")
     disk = DiskConfig(root, 1 << 40, 1)
@@ -266,7 +263,6 @@ def measure(
         if label == "default engine":
             tau = stats.mean_acceptance_length
     threads("ours")
-    from .costs import CostMeter
 
     def copies():
         got = take(entry, len(entry.tokens), drafter=True)
@@ -301,9 +297,6 @@ COST_SIZES = (2, 4, 8, 16)
 def context_term(rows: Sequence[ContextRow]):
     """The context term (``costs.context_term``) read off the shortest and longest contexts' pass
     costs, or None with fewer than two lengths."""
-    from .costs import Costs
-    from .costs import context_term as term
-
     by = sorted({r.prompt_tokens: r for r in rows}.values(), key=lambda r: r.prompt_tokens)
     if len(by) < 2:
         return None
@@ -321,9 +314,6 @@ def run(
     threads=lambda who: None,
     log=lambda msg: None,
 ) -> list[ContextRow]:
-    from .default_target import cache_dir
-    from .text import encode_prompt
-
     def count(messages):
         return len(encode_prompt(pair.tokenizer, messages=messages))
 

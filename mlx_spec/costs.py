@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .target import feature_view, make_cache
 
@@ -254,8 +255,6 @@ class CostMeter:
         """``prefilled``: fresh copies of (target caches, drafter context caches) already holding
         ``context`` (from the prefix cache), instead of prefilling it here. ``chains``: chain
         drafters (kind -> ``chain.ChainDrafter``) whose one head pass is timed too (Tc)."""
-        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
         self.context = len(context)
         x = mx.array([list(context)], mx.int32)
         if prefilled is not None:

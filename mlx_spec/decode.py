@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .batch import BatchDecoder, DeviceWaits, Step, hand_over, lookup_context, prefix_start, untimed
 from .drafter import Drafter
@@ -198,9 +200,6 @@ def plain_steps(
     ``generate_step`` runs them, so the budget is checked between them. ``kv``: the K/V cache
     quantized from its first row (``--kv-bits``), as the speculative loop's target caches are.
     """
-    from mlx_lm.generate import generate_step, generation_stream
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
     eos = frozenset(eos_ids)
     done = prefix_start(prefill, prompt)
     cache = prefill.target if prefill else make_cache(model, kv)

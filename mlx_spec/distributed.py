@@ -22,18 +22,27 @@ running request with ``GroupFailed`` and refuses new ones, while its server stay
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import shutil
+import socket
+import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
+from mlx._distributed_utils.common import Hostfile
 
-from .errors import MlxSpecError, UnsupportedModel
+from .errors import BadRequest, MlxSpecError, UnsupportedModel
 from .generation import SINGLE, GenConfig, GroupInfo, for_request, token_steps
+from .policy import PLAIN as PLAIN_SOURCE  # policy's "plain" source (PLAIN here: the wire code)
+from .policy import Decision
+from .sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +330,6 @@ class RankSharedPolicy:
         return getattr(inner, name)
 
     def _share(self, decision):
-        from .policy import Decision
-
         ints = None if decision is None else [SOURCE_CODES.index(decision.source), decision.length, int(decision.probe)]
         (src, length, probe), _ = self.wire.exchange(ints, 3, what="draft decision")
         if decision is not None:
@@ -336,10 +343,8 @@ class RankSharedPolicy:
     def choose(self, ctx):
         mine = self.inner.choose(ctx) if self.inner is not None else None
         if self.queued:  # already agreed (plain): no message
-            from .policy import PLAIN, Decision
-
             self.queued = False
-            return mine if mine is not None else Decision(PLAIN, 1)
+            return mine if mine is not None else Decision(PLAIN_SOURCE, 1)
         return self._share(mine)
 
     def stays_plain(self, ctx) -> bool:
@@ -489,8 +494,6 @@ def follow(
 
     If rank 0 is silent for ``timeout`` seconds (it died or hangs), ``exit_fn(3)`` ends this
     process: its collectives could otherwise block forever."""
-    from .sampling import SamplingConfig
-
     timeout = timeout_s() if timeout is None else timeout
     check = bool(os.environ.get(CHECK_ENV)) if check is None else check
 
@@ -560,8 +563,6 @@ def follow_session(session, *, timeout: float | None = None) -> int:
 
 def timed_ms(fn: Callable[[], None], reps: int) -> float:
     """Median wall time of ``fn`` in ms over ``reps`` calls after one warm-up call."""
-    import statistics
-
     fn()
     out = []
     for _ in range(reps):
@@ -655,9 +656,6 @@ class Launch:
 
 def launcher() -> str:
     """The ``mlx.launch`` of this Python environment (the mlx package installs it)."""
-    import shutil
-    from pathlib import Path
-
     here = Path(sys.executable).parent / "mlx.launch"
     found = str(here) if here.exists() else shutil.which("mlx.launch")
     if not found:
@@ -667,8 +665,6 @@ def launcher() -> str:
 
 def _free_run(n: int, tries: int = 50) -> int:
     """A first port P with P .. P+n-1 free on 127.0.0.1 (a local ring needs one per rank)."""
-    import socket
-
     for _ in range(tries):
         with socket.socket() as s:
             s.bind((LOCAL, 0))
@@ -700,8 +696,6 @@ def launch_plan(
 ) -> Launch | None:
     """The group ``--ranks/--hosts/--hostfile/--backend/--ring-port`` ask for (None: none of them,
     one process). Checked before anything loads; a local ring gets free ports."""
-    from .errors import BadRequest
-
     if ranks is None and hosts is None and hostfile is None:
         if backend is not None or port is not None:
             raise BadRequest(
@@ -720,10 +714,6 @@ def launch_plan(
         raise BadRequest(f"--ring-port must be in 1024..65535 (got {port})")
     names: tuple[str, ...] = (LOCAL,)
     if hostfile is not None:
-        from pathlib import Path
-
-        from mlx._distributed_utils.common import Hostfile
-
         if not Path(hostfile).is_file():
             raise BadRequest(f"--hostfile {hostfile}: no such file")
         try:
@@ -760,8 +750,6 @@ def launch_plan(
             f'"ssh": "{LOCAL}" for the first entry and keep its ring "ips"'
         )
     if backend == "ring" and hostfile is None:
-        import ipaddress
-
         for h in names:
             try:
                 ipaddress.ip_address(h)

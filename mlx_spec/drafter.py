@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .sampling import SamplingConfig, sample_proposal
@@ -564,15 +565,11 @@ class Drafter(nn.Module):
     def own_parameters(self) -> list[tuple[str, mx.array]]:
         """The drafter's own parameters, flat: not the target's embedding and head it borrows
         (``bind`` stores those modules as attributes, so ``parameters()`` lists them too)."""
-        from mlx.utils import tree_flatten
-
         return [(k, v) for k, v in tree_flatten(self.parameters()) if not k.startswith(("_", "vocab"))]
 
     def use_float32(self) -> None:
         """float32 activations and float weights (quantized weights keep their bits; their scales
         become float32) from now on. The target's borrowed embedding and head are left as they are."""
-        from mlx.utils import tree_unflatten
-
         cast = [(k, v.astype(mx.float32)) for k, v in self.own_parameters() if mx.issubdtype(v.dtype, mx.floating)]
         self.update(tree_unflatten(cast))
         self.act_dtype = mx.float32
@@ -739,8 +736,6 @@ class Drafter(nn.Module):
 
 
 def parameter_names(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    from mlx.utils import tree_flatten
-
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 

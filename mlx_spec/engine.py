@@ -8,6 +8,7 @@ MLX streams are thread-local (mlx >= 0.31.2), so the TUI and the server never to
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -18,10 +19,35 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import MlxSpecError, PrefillTimeout  # noqa: F401  (PrefillTimeout: re-exported for the server)
-from .generation import EngineInfo, Request  # noqa: F401  (Request: re-exported for the front ends)
-from .memory import MemoryPlan, RssBound, release_free_heap, rss, rss_bound
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .batch import BatchDecoder
+from .distributed import HEARTBEAT_S, Leader
+from .errors import (
+    MlxSpecError,
+    PlanError,
+    PrefillTimeout,  # noqa: F401  (re-exported for the server)
+    UnsupportedModel,
+)
+from .generation import (
+    EngineInfo,
+    Request,  # noqa: F401  (re-exported for the front ends)
+    Result,
+    chain_kinds,
+    for_request,
+    generate,
+    policies,
+    prepare,
+)
+from .memory import MemoryPlan, RssBound, batch_room, release_free_heap, rss, rss_bound
+from .prefix import PrefixCache
+from .prefix_store import PrefixStore, identity_of
 from .stats import Stats, StatsSnapshot
+from .target import Target
+from .text import stream_text
+from .thinking import prompt_opens_reasoning
+from .tuning import machine_info, quantization, weights_id
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
 log = logging.getLogger(__name__)
@@ -151,9 +177,6 @@ def _open_store(config, pair):
     """The disk prefix store for ``pair``, keyed by both models' weights and quantization, the
     drafting window and the machine (what a stored K/V row depends on); None, said, when that
     cannot be worked out."""
-    from .prefix_store import PrefixStore, identity_of
-    from .tuning import machine_info, quantization, weights_id
-
     try:
         key = {
             "machine": machine_info(),
@@ -380,13 +403,9 @@ class Engine:
     # -- the thread ----------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            from .prefix import PrefixCache
-
             self._prefix = PrefixCache(self._prefix_budget)
             session = self._loader()
             if getattr(session, "group", None) is not None:
-                from .distributed import Leader
-
                 if session.group.rank() != 0:
                     raise MlxSpecError("an engine runs on rank 0 only; other ranks follow (distributed.follow_session)")
                 self._leader = Leader(session.group)
@@ -432,7 +451,6 @@ class Engine:
         """The next job; in a group, heartbeats to the other ranks while waiting for it."""
         if self._leader is None:
             return self._jobs.get()
-        from .distributed import HEARTBEAT_S
 
         while True:
             try:
@@ -446,8 +464,6 @@ class Engine:
         self._session = None
         if self._prefix is not None:
             self._prefix.clear()
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
 
         mx.synchronize()
         mx.synchronize(generation_stream)  # (a batched step may still be queued there)
@@ -457,8 +473,6 @@ class Engine:
             self._streams_cleared = True
 
     def _generate(self, handle: Handle) -> None:
-        from .generation import Result, for_request, generate, prepare
-
         req = handle.request
         rid = req.id
         self._add("requests")
@@ -545,8 +559,6 @@ class Engine:
     def _begin(self, handle: Handle, pair, info, ids) -> Callable | None:
         """A prepared request starts: Started goes out; returns the drafting policy's factory
         (built once per engine: re-tuning changes ``info``)."""
-        from .generation import policies
-
         handle._put(Started(handle.request.id, len(ids), info, reasoning=self._opens_reasoning(pair, ids)))
         if self._policy_factory[0] is not info:
             self._policy_factory = (info, policies(pair, info))
@@ -558,13 +570,8 @@ class Engine:
         asked = self._max_batch_asked
         if asked == 1 or getattr(session, "group", None) is not None:
             return None  # (a sharded target runs the group's single-stream protocol)
-        from .batch import BatchDecoder
-        from .errors import UnsupportedModel
-        from .target import Target
 
         if session.plan is not None:
-            from .memory import batch_room
-
             self._room = batch_room(session.plan)
         if asked is None:
             if self._room is None:
@@ -676,8 +683,6 @@ class Engine:
     def _join(self, handle: Handle, reserved: int) -> int | None:
         """Admit one request into the batch: the bytes it reserves, 0 if it ended at once (bad
         request, cancelled), None if the plan's memory cannot hold it next to the batch now."""
-        from .generation import for_request, prepare
-
         req = handle.request
         rid = req.id
         if handle.cancelled.is_set():
@@ -689,8 +694,6 @@ class Engine:
             ids, cfg = prepare(pair, req, self.context_length)
             need = self._room.need(len(ids) + cfg.max_tokens) if self._room is not None else 0
             if self._room is not None and need > self._room.room:
-                from .errors import PlanError
-
                 raise PlanError(
                     f"this request (prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens) needs "
                     f"{need / 2**20:.0f} MiB of caches; the memory plan leaves "
@@ -712,8 +715,6 @@ class Engine:
             dec.block_size = max(1, info.block_size)
         prefix = self._prefix
         try:
-            from .generation import chain_kinds
-
             policy = make() if make and info.speculative else None
             kw = (
                 dict(
@@ -789,8 +790,6 @@ class Engine:
 
     def _bound_cache(self, session) -> None:
         """Bound MLX's buffer cache by the memory plan's allowance for it (on this thread)."""
-        import mlx.core as mx
-
         plan = getattr(session, "plan", None)
         allowance = next((i.bytes for i in getattr(plan, "items", ()) if i.name == "MLX cache allowance"), None)
         if allowance is not None:
@@ -803,10 +802,6 @@ class Engine:
         have loaded: the process's RSS and MLX's active and cached bytes, after a garbage
         collection and with MLX's cache emptied, so that what loading left behind is not counted
         as the runtime. With the session's plan they give ``rss_bound`` for this engine's batch."""
-        import gc
-
-        import mlx.core as mx
-
         gc.collect()
         mx.clear_cache()
         active, cache, now = mx.get_active_memory(), mx.get_cache_memory(), rss()
@@ -832,8 +827,6 @@ class Engine:
 
     def _sample_memory(self) -> None:
         """MLX's allocator figures for /metrics, read on the engine thread."""
-        import mlx.core as mx
-
         mem = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
         if self._cache_limit is not None:
             mem["cache_limit"] = self._cache_limit
@@ -882,7 +875,6 @@ class Engine:
     def _opens_reasoning(self, pair, ids) -> bool:
         if self.think_format is None:
             return False
-        from .thinking import prompt_opens_reasoning
 
         return prompt_opens_reasoning(self.think_format, pair.tokenizer.decode(list(ids[-8:])))
 
@@ -994,9 +986,6 @@ class _Live:
     """A request in the batch: its handle and its own text stream over the steps it gets."""
 
     def __init__(self, handle: Handle, rid: str, info: EngineInfo, ids, cfg, tokenizer, need: int):
-        from .generation import Result
-        from .text import stream_text
-
         self.handle, self.rid, self.info, self.ids, self.cfg, self.need = handle, rid, info, ids, cfg, need
         self.joined = time.monotonic()  # for the prefill budget
         self.result = Result()

@@ -14,10 +14,12 @@ from dataclasses import asdict, dataclass, field, replace
 from .decode import Step, plain_steps, spec_steps
 from .errors import BadRequest, ContextTooLong, InvalidPrompt
 from .loading import Pair
+from .policy import MAX_CHAIN_DEPTH, PolicyFactory
 from .prefix import PrefixCache
 from .sampling import SamplingConfig
 from .stats import Stats
 from .text import Chunk, encode_prompt, stream_text
+from .tuning import load_result, tune_key
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +231,6 @@ def engine_info(
     if pair.drafter is None or "dflash" not in sources:  # chain and lookup drafts: the policy's alone
         if not adaptive:
             raise BadRequest("--no-adaptive drafts a fixed DFlash block every cycle: it needs a DFlash drafter")
-        from .policy import MAX_CHAIN_DEPTH
 
         method = next((s for s in sources if s != "lookup"), sources[0])
         if not chains:
@@ -316,8 +317,6 @@ def policies(pair: Pair, info: EngineInfo):
     (``--no-adaptive``) or nothing is drafted."""
     if not info.adaptive_max or not info.speculative:
         return None
-    from .policy import PolicyFactory
-    from .tuning import load_result, tune_key
 
     pinned = info.block_size if info.pinned else None
     # a pair without a DFlash drafter starts its chains from the tuner's priors exactly when its

@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import mlx.core as mx
 import numpy as np
+from gguf import GGUFReader
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .errors import CheckpointError, UnsupportedModel
+from .modelfiles import check_gguf
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -91,10 +94,6 @@ def _value(v: Any) -> Any:
 
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Load tensors (MLX quantized layout) and metadata, refusing what we cannot convert."""
-    from gguf import GGUFReader  # lazy: it takes ~0.5 s to import
-
-    from .modelfiles import check_gguf
-
     check_gguf(path)  # counts, lengths and offsets checked against the file before any reader sees it
     # mx.load reads block types it does not know (Q4_K, ...) as garbage, so check types first
 
@@ -199,8 +198,6 @@ def make_config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[
 
 def make_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     """A `tokenizers.Tokenizer` (byte-level BPE) rebuilt from GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":

@@ -20,6 +20,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+from huggingface_hub import errors as hf
+
 from .errors import HubError
 from .quantize import Tensor
 
@@ -35,8 +39,6 @@ def is_repo_id(ref: str) -> bool:
 
 
 def offline() -> bool:
-    from huggingface_hub import constants
-
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -59,8 +61,6 @@ def _wanted(name: str) -> bool:
 
 def _hub_error(repo: str, e: BaseException, what: str = "") -> HubError:
     """A huggingface-hub exception -> HubError naming the repo (and file) and what went wrong."""
-    from huggingface_hub import errors as hf
-
     where = f"{repo}" + (f" ({what})" if what else "")
     if isinstance(e, hf.GatedRepoError):
         return HubError(f"{where}: gated repo; accept its license on the hub and log in (`hf auth login`)")
@@ -83,8 +83,6 @@ def _hub_error(repo: str, e: BaseException, what: str = "") -> HubError:
 
 def fetch_meta(repo: str, revision: str | None = None) -> RepoMeta:
     """Config, small files and safetensors headers of ``repo``; no weight file is downloaded."""
-    from huggingface_hub import HfApi, hf_hub_download
-
     if offline():
         raise HubError(f"{repo}: not downloaded yet and HF_HUB_OFFLINE=1 forbids asking the hub")
     api = HfApi()
@@ -125,8 +123,6 @@ def fetch_meta(repo: str, revision: str | None = None) -> RepoMeta:
 def local_snapshot(repo: str) -> Path | None:
     """The cached snapshot of ``repo`` if it holds a whole checkpoint (config and every weight
     file the index names); never touches the network."""
-    from huggingface_hub import snapshot_download
-
     try:
         path = Path(snapshot_download(repo, allow_patterns=list(ALLOW), local_files_only=True))
     except Exception:
@@ -153,9 +149,6 @@ def clear_partials(repo: str) -> int:
     writes each download to its own ``<etag>.<id>.incomplete`` file under the lock
     ``.locks/<repo>/<etag>.lock``; a partial whose lock nobody holds belongs to no live download.
     Returns how many were removed."""
-    from filelock import FileLock, Timeout
-    from huggingface_hub import constants
-
     folder = f"models--{repo.replace('/', '--')}"
     blobs = Path(constants.HF_HUB_CACHE) / folder / "blobs"
     removed = 0
@@ -175,8 +168,6 @@ def clear_partials(repo: str) -> int:
 def download(repo: str, revision: str | None = None) -> Path:
     """The repo's files (``ALLOW``) in the local cache, with huggingface-hub's progress bars;
     resumes an interrupted download; offline: the cached copy or a HubError naming the repo."""
-    from huggingface_hub import snapshot_download
-
     cached = local_snapshot(repo)
     if cached is not None and revision is None:
         return cached

@@ -15,12 +15,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm import load
 
-from . import quantize
+from . import backend, catalog, default_target, hub, quantize
 from .drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs, DraftVocab, parameter_names
-from .errors import CheckpointError, IncompatiblePair, MlxSpecError, UnsupportedModel
+from .errors import BadModelFile, CheckpointError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .integrity import check_model_dir
+from .modelfiles import read_json, safetensors_header
 from .target import KVQuant, Target, kv_problem, union_taps
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -66,7 +69,6 @@ def resolve(path_or_id: str, what: str) -> Path:
         return bundled
     if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
         raise MlxSpecError(f"{what} '{path_or_id}' not found (not a directory, not a repo id)")
-    from . import hub
 
     # a complete earlier download is used offline; else huggingface-hub fetches (resumable, with
     # its progress bars) after the memory plan has been checked from metadata (memory.model_source)
@@ -76,14 +78,10 @@ def resolve(path_or_id: str, what: str) -> Path:
 def default_dtype():
     """float32 on the CPU backend (its fp16/bf16 kernels are slow); the file's dtype on a GPU
     backend (Metal, CUDA). See backend.Backend.cast_float32."""
-    from . import backend
-
     return backend.current().default_dtype()
 
 
 def _read_config(path: Path) -> dict:
-    from .modelfiles import read_json
-
     try:
         return read_json(path / "config.json")  # bounded size and depth (BadModelFile)
     except FileNotFoundError:
@@ -95,7 +93,6 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
     weights = {}
-    from .modelfiles import safetensors_header
 
     for f in files:
         safetensors_header(f)  # every range inside the file, no overlaps, before MLX reads it
@@ -118,8 +115,6 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"
 def read_draft_vocab(path: Path, vocab_size: int):
     """The sorted ids of a checkpoint's reduced draft vocabulary (``draft_vocab.json``: {"ids":
     [...]}) as an int32 numpy array, or None without the file. A bad file is refused by name."""
-    import numpy as np
-
     f = Path(path) / DRAFT_VOCAB_FILE
     if not f.exists():
         return None
@@ -142,8 +137,6 @@ def read_draft_vocab(path: Path, vocab_size: int):
 def write_draft_vocab(path: str | Path, ids, note: str = "") -> None:
     """Write ``draft_vocab.json`` (sorted unique ids) beside a checkpoint. The official layout is
     untouched: loaders that do not know the file draft over the full head."""
-    import numpy as np
-
     ids = np.unique(np.asarray(ids, np.int64))
     body = {"format": "mlx_spec draft vocabulary 1", "note": note, "size": int(len(ids)), "ids": [int(i) for i in ids]}
     Path(path).mkdir(parents=True, exist_ok=True)
@@ -251,7 +244,6 @@ MAX_SIZE = 1 << 24  # no dimension of a drafter comes near this
 def _check_drafter_config(config: dict, f: Path) -> None:
     """The types and ranges of a drafter's config.json, before any of it builds a module: a
     crafted value is refused by name (BadModelFile), never a traceback from deep inside."""
-    from .errors import BadModelFile
 
     def is_size(v, least=1) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and least <= v <= MAX_SIZE
@@ -382,10 +374,6 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
     (distributed.shard_target over a group) splits it before materializing, so a rank only ever
     holds its shard.
     """
-    from mlx_lm import load
-
-    from . import default_target
-
     if path_or_id == default_target.DEFAULT_TARGET_ID:
         path = default_target.ensure_default_target().path
     else:
@@ -413,8 +401,6 @@ def load_target_model(path_or_id: str, *, dtype=None, bits: int | None = None, g
 def _check_untrusted(path: Path) -> None:
     """A downloaded target folder's configs and weight headers, checked before mlx-lm and
     transformers parse them (``modelfiles``: sizes, depth, offsets; BadModelFile)."""
-    from .modelfiles import read_json, safetensors_header
-
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         if (path / name).is_file():
             read_json(path / name)
@@ -429,8 +415,6 @@ def _is_quantized(model) -> bool:
 def target_dir(target_id: str) -> Path:
     """The folder a target loads from (the default target's converted copy, a local folder or a
     downloaded repo): where its own MTP head is."""
-    from . import default_target
-
     if target_id == default_target.DEFAULT_TARGET_ID:
         return default_target.ensure_default_target().path
     return resolve(target_id, "target")
@@ -438,8 +422,6 @@ def target_dir(target_id: str) -> Path:
 
 def has_mtp_tensors(folder: str | Path) -> bool:
     """Whether a checkpoint folder holds ``mtp.*`` tensors (from the safetensors headers only)."""
-    from .modelfiles import safetensors_header
-
     for f in sorted(Path(folder).glob("*.safetensors")):
         try:
             if any(k.startswith("mtp.") for k in safetensors_header(f)):
@@ -452,8 +434,6 @@ def has_mtp_tensors(folder: str | Path) -> bool:
 def resolve_eagle(ref: str | Path) -> Path:
     """An EAGLE-3 drafter: a folder, a bundled name under models/, a catalog chain entry's name
     or a Hugging Face repo id."""
-    from . import catalog
-
     entries = catalog.load_chain()
     entry = entries.get(str(ref))
     if entry is not None:
@@ -520,7 +500,7 @@ def load_pair(
     heads, ids = {}, {}
     eagle_d = None
     if EAGLE in want and eagle is not None:
-        from .eagle import load_eagle
+        from .eagle import load_eagle  # (startup: models)
 
         epath = resolve_eagle(eagle)
         eagle_d, _ = load_eagle(epath, dtype=default_dtype())
@@ -535,7 +515,7 @@ def load_pair(
     taps = union_taps(drafter.args.target_layer_ids if drafter is not None else (), eagle_d.taps if eagle_d else ())
     target = Target(model, taps, final_hidden=mtp_dir is not None, kv=kv)
     if mtp_dir is not None:
-        from .mtp import load_mtp
+        from .mtp import load_mtp  # (startup: models)
 
         heads[MTP] = load_mtp(mtp_dir, target, dtype=default_dtype(), hint=mtp_hint)
         ids[MTP] = str(mtp_dir)

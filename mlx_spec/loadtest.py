@@ -78,7 +78,7 @@ class Server:
             del self.log[:-40]
 
     def wait_ready(self, deadline: float) -> None:
-        import httpx
+        import httpx  # (optional: httpx, a test extra)
 
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -150,7 +150,7 @@ def mlx_lm_server(model_dir: str, blas: str | None = None) -> Server:
 
 
 def _ask(url: str, messages: list[dict], max_tokens: int, timeout: float) -> int:
-    import httpx
+    import httpx  # (optional: httpx, a test extra)
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)

@@ -16,10 +16,20 @@ import functools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 
-from .errors import CheckpointError, PlanError
-from .loading import draft_window
+import mlx.core as mx
+import psutil
+from mlx.utils import tree_flatten
+
+from . import backend, default_target, hub
+from . import quantize as q
+from .drafter import DrafterArgs
+from .errors import CheckpointError, IncompatiblePair, PlanError, UnsupportedModel
+from .loading import draft_window, read_draft_vocab, resolve
+from .modelfiles import read_json
+from .quantize import DTYPE_BYTES, Tensor, loaded_nbytes, module_tensors, safetensors_tensors
+from .target import SUPPORTED
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +120,6 @@ def target_dims(config: dict) -> ModelDims:
 
 
 def drafter_dims(config: dict) -> DrafterDims:
-    from .drafter import DrafterArgs
-
     a = DrafterArgs.from_config(config)
     return DrafterDims(
         layers=a.num_hidden_layers,
@@ -191,7 +199,6 @@ def act_bytes(tensors, *, cast_float32: bool) -> int:
     float32 norms, and those promote the activations, and its cache, to float32."""
     if cast_float32:
         return 4
-    from .quantize import DTYPE_BYTES
 
     seen = {
         t.dtype
@@ -325,7 +332,6 @@ def per_rank(t: ModelDims, ranks: int) -> ModelDims:
     attention and linear-attention heads, MLP width; hidden size and vocabulary stay whole."""
     if ranks <= 1:
         return t
-    from dataclasses import replace
 
     return replace(
         t,
@@ -344,8 +350,6 @@ def ranks_needed(
 ) -> int | None:
     """The fewest machines of ``budget`` bytes each that hold the pair at ``context`` with the
     target sharded over them (the head count must split evenly); None if more than ``limit``."""
-    from dataclasses import replace
-
     for n in range(1, limit + 1):
         if n > 1 and (p.target.heads % n or p.target.intermediate % n):
             continue
@@ -603,8 +607,6 @@ def rss_bound(
 
 def rss() -> int:
     """This process's resident set size in bytes (psutil; any thread)."""
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 
@@ -751,8 +753,6 @@ def check(plan: MemoryPlan, *, force: bool = False, warn: Callable[[str], None] 
 def device_budget() -> tuple[int, str]:
     """Metal's recommended working set on Apple Silicon, a GPU's memory, else physical memory
     (backend.current())."""
-    from . import backend
-
     b = backend.current()
     return b.budget, b.budget_source
 
@@ -760,8 +760,6 @@ def device_budget() -> tuple[int, str]:
 def set_wired_limit() -> int | None:
     """Wire up to the recommended working set, as mlx-lm's ``wired_limit`` does (Metal only).
     Returns the previous limit, or None where there is nothing to set (CPU)."""
-    from . import backend
-
     return backend.set_wired_limit()
 
 
@@ -771,9 +769,6 @@ def live(plan: MemoryPlan | None = None) -> dict:
     Call it on the engine thread (``engine.call(lambda pair: memory.live(plan))``): the MLX
     counters belong to the thread that runs the models. Swap and RAM come from psutil.
     """
-    import mlx.core as mx
-    import psutil
-
     budget, source = (plan.budget, plan.budget_source) if plan else device_budget()
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
@@ -807,14 +802,9 @@ def loaded_sizes(pair) -> LoadedSizes:
     """Weights and K/V per token of a loaded ``loading.Pair``, by the plan's own arithmetic (the
     K/V element size is the weights' float size, as the plan's activation bytes). Call it on the
     engine thread."""
-    from dataclasses import asdict, is_dataclass
-
-    from mlx.utils import tree_flatten
 
     def nbytes(module) -> int:
         return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-    from .quantize import module_tensors
 
     ab = act_bytes(module_tensors(pair.model), cast_float32=False)  # the loaded dtypes, whatever the backend
     args = getattr(pair.model, "args", None)
@@ -833,8 +823,6 @@ def loaded_sizes(pair) -> LoadedSizes:
 
 
 def _float_dtypes():
-    import mlx.core as mx
-
     return (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -842,17 +830,12 @@ def _float_dtypes():
 
 
 def _target_path(target_id: str):
-    from . import default_target
-    from .loading import resolve
-
     if target_id == default_target.DEFAULT_TARGET_ID:
         return default_target.ensure_default_target().path
     return resolve(target_id, "target")
 
 
 def _read_json(path) -> dict:
-    from .modelfiles import read_json
-
     return read_json(path / "config.json")
 
 
@@ -861,10 +844,6 @@ def model_source(ref: str, what: str):
     downloading weights: from its files when it is on disk (a path, a bundled model, the default
     target, a hub repo downloaded before), else from the hub's metadata (hub.fetch_meta: config,
     small files and safetensors headers only; the folder then holds just the small files)."""
-    from . import default_target, hub
-    from .loading import resolve
-    from .quantize import safetensors_tensors
-
     if ref != default_target.DEFAULT_TARGET_ID and hub.is_repo_id(ref):
         local = hub.local_snapshot(ref)
         if local is None:
@@ -888,8 +867,6 @@ def inputs_for(
     """Plan inputs from configs and tensor lists (``quantize.safetensors_tensors`` of the files,
     or ``quantize.module_tensors`` of unevaluated modules). ``quant`` is a ``QuantChoice``;
     ``draft_vocab`` the size of a reduced draft vocabulary (its head rows are a copy)."""
-    from . import quantize as q
-
     float_bytes = None if metal else 4  # float32 on the CPU backend; as stored on Metal
     ttensors = list(ttensors)
     tw = q.loaded_nbytes(ttensors, bits=quant.target_bits, group_size=quant.group_size, float_bytes=float_bytes)
@@ -959,8 +936,6 @@ def plan_for(
     > 1: one rank's plan with the target sharded over that many machines (notes say how many
     machines of this budget the pair needs at this context).
     """
-    from . import backend
-
     metal = backend.current().gpu if metal is None else metal
     tcfg, ttensors, _ = sources[0] if sources else model_source(target_id, "target")
     dcfg, dtensors, dpath = (
@@ -970,9 +945,6 @@ def plan_for(
     )
     ids = None
     if dpath and draft_vocab == "auto":
-        from .drafter import DrafterArgs
-        from .loading import read_draft_vocab
-
         ids = read_draft_vocab(dpath, DrafterArgs.from_config(dcfg).vocab_size)
     inputs = inputs_for(
         tcfg,
@@ -1009,9 +981,6 @@ def plan_for(
 
 def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
     """The ``QuantChoice`` for a ``config.LoadConfig``'s target bits, drafter bits and group size."""
-    from . import backend
-    from . import quantize as q
-
     return q.choose(
         cfg.target_bits,
         cfg.drafter_bits,
@@ -1025,10 +994,6 @@ def quant_for(cfg, drafter_id: str | None, target_config: dict | None):
 def _check_remote_architecture(ref: str, config: dict) -> None:
     """A hub target not downloaded yet whose architecture cannot be drafted for is refused by name
     from its config, before its weights are fetched (a downloaded one is refused at load)."""
-    from . import hub
-    from .errors import UnsupportedModel
-    from .target import SUPPORTED
-
     if not hub.is_repo_id(ref) or hub.local_snapshot(ref) is not None:
         return
     kind = config.get("model_type")
@@ -1044,10 +1009,6 @@ def _check_remote_fit(tref: str, dref: str, tcfg: dict, dcfg: dict) -> None:
     """When either side is a hub repo not downloaded yet: refuse a drafter whose hidden size,
     vocabulary or target depth does not fit the target, from the configs (loading.check_pair
     makes the same checks on loaded models)."""
-    from . import hub
-    from .drafter import DrafterArgs
-    from .errors import CheckpointError, IncompatiblePair
-
     if not any(hub.is_repo_id(r) and hub.local_snapshot(r) is None for r in (tref, dref)):
         return
     try:
@@ -1118,11 +1079,11 @@ def config_sources(cfg, drafter_id: str | None) -> tuple:
 def chain_head(kind: str, target_config: dict, drafter_config: dict | None = None):
     """A lazily built chain head (nothing is allocated until evaluated): for counting its tensors."""
     if kind == "mtp":
-        from .mtp import MTPHead, text_config
+        from .mtp import MTPHead, text_config  # (startup: models)
 
         c = text_config(target_config)
         return MTPHead(c["model_type"], target_config)
-    from .eagle import Eagle3, Eagle3Args
+    from .eagle import Eagle3, Eagle3Args  # (startup: models)
 
     return Eagle3(Eagle3Args.from_config(drafter_config or {}))
 
@@ -1166,10 +1127,6 @@ def chain_dims(
 ) -> ChainDims:
     """A chain drafter's plan inputs, from configs (its tensors counted on a lazily built head:
     nothing is allocated)."""
-    from mlx.utils import tree_flatten
-
-    from .quantize import Tensor, loaded_nbytes
-
     head = chain_head(kind, target_config, drafter_config)
     tensors = [Tensor(k, tuple(v.shape), "BF16") for k, v in tree_flatten(head.parameters())]
     w = loaded_nbytes(tensors, bits=bits, group_size=group_size, float_bytes=float_bytes)

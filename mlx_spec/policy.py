@@ -45,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mlx.utils import tree_flatten
+
 from .costs import Costs
 
 PLAIN, DFLASH, LOOKUP, MTP, EAGLE = "plain", "dflash", "lookup", "mtp", "eagle"
@@ -681,8 +683,6 @@ def _cumprod(xs: Sequence[float]) -> list[float]:
 
 
 def _params(m) -> int:
-    from mlx.utils import tree_flatten
-
     return sum(v.size for _, v in tree_flatten(m.parameters()))
 
 

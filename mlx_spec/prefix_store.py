@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from .default_target import cache_dir
 from .drafter import ContextCache
 from .integrity import safetensors_problem
 from .prefix import Prefill, common_prefix
@@ -70,8 +71,6 @@ class DiskConfig:
 
 
 def default_root() -> Path:
-    from .default_target import cache_dir
-
     return cache_dir() / "prefix"
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadRequest
+from .text import encode_prompt
 
 CHAT_KINDS = ("code", "math", "prose")
 KINDS = CHAT_KINDS + ("agent",)
@@ -36,8 +37,6 @@ class Prompt:
     chat: bool = True  # apply the chat template
 
     def encode(self, tokenizer) -> list[int]:
-        from .text import encode_prompt
-
         if self.messages is not None:
             return encode_prompt(tokenizer, messages=list(self.messages))
         return encode_prompt(tokenizer, self.text, chat=self.chat)

@@ -18,6 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from .errors import BadRequest
+from .modelfiles import safetensors_header
+
 log = logging.getLogger(__name__)
 
 BITS_CHOICES = ("4", "8", "none")
@@ -98,8 +106,6 @@ def parse_bits(text: str | None) -> int | None:
     if text is None:
         return None
     if text not in BITS_CHOICES:
-        from .errors import BadRequest
-
         raise BadRequest(f"bits must be one of {', '.join(BITS_CHOICES)} (got {text!r})")
     return 0 if text == "none" else int(text)
 
@@ -186,8 +192,6 @@ def loaded_nbytes(tensors: Iterable[Tensor], *, bits: int | None, group_size: in
 
 def safetensors_tensors(path: str | Path) -> list[Tensor]:
     """Shapes and dtypes of every tensor in a checkpoint folder, read from the file headers."""
-    from .modelfiles import safetensors_header
-
     out = []
     for f in sorted(Path(path).glob("*.safetensors")):
         header = safetensors_header(f)  # checked against the file (BadModelFile)
@@ -197,17 +201,12 @@ def safetensors_tensors(path: str | Path) -> list[Tensor]:
 
 def module_tensors(module) -> list[Tensor]:
     """Parameter shapes of a (possibly lazy, never evaluated) nn.Module."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     names = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
     return [Tensor(k, tuple(v.shape), names.get(v.dtype, "F32")) for k, v in tree_flatten(module.parameters())]
 
 
 def skeleton(config: dict):
     """An mlx-lm model built from a config without evaluating its weights (shapes only)."""
-    from mlx_lm.utils import _get_classes
-
     model_cls, args_cls = _get_classes(config)
     return model_cls(args_cls.from_dict(config))
 
@@ -216,8 +215,6 @@ def skeleton(config: dict):
 
 
 def is_quantized(module) -> bool:
-    import mlx.nn as nn
-
     return any(
         isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "scales" in m for _, m in module.named_modules()
     )
@@ -226,8 +223,6 @@ def is_quantized(module) -> bool:
 def quantize_module(module, bits: int, group_size: int) -> int:
     """Quantize, in place and lazily, every layer nn.quantize can, honouring an mlx-lm
     ``quant_predicate``. Returns the number of layers quantized."""
-    import mlx.nn as nn
-
     special = getattr(module, "quant_predicate", None)
     count = 0
 
@@ -246,9 +241,6 @@ def quantize_module(module, bits: int, group_size: int) -> int:
 def materialize(module) -> None:
     """Evaluate parameters one tensor at a time: with lazily loaded weights, each float source is
     freed as soon as its quantized copy exists, so the peak stays near the final size."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     for _, v in tree_flatten(module.parameters()):
         mx.eval(v)
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +45,6 @@ class SamplingConfig:
 
     def mlx_sampler(self):
         """The equivalent mlx-lm sampler, for the plain-decoding path."""
-        from mlx_lm.sample_utils import make_sampler
-
         return make_sampler(self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, top_k=self.top_k)
 
 

@@ -18,17 +18,28 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from . import catalog, distributed, memory, tuning
+from . import tuning as tuner  # (in _chain_choice, whose parameter is named ``tuning``)
 from .config import LoadConfig
-from .default_target import DEFAULT_TARGET_ID
+from .default_target import DEFAULT_TARGET_ID, cache_dir
+from .distributed import follow_session, shard_target
+from .drafter import DrafterArgs
 from .errors import BadRequest, CheckpointError, HubError, IncompatiblePair, MlxSpecError, UnsupportedModel
 from .generation import EngineInfo, engine_info
-from .loading import draft_window
+from .loading import DEFAULT_DRAFTER, DEFAULT_EAGLE, DEFAULT_MTP, MODELS_DIR, draft_window, has_mtp_tensors, load_pair
+from .mtp import PREFIX, STRIPPED
+from .policy import MAX_CHAIN_DEPTH
+from .progress import Bar
 from .target import KVQuant
+from .text import tool_format
+from .thinking import think_format
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +92,6 @@ class Session:
 
     @classmethod
     def of(cls, pair, info: EngineInfo, *, context: int | None = None, plan=None, group=None) -> Session:
-        from .text import tool_format
-        from .thinking import think_format
-
         trained = model_context_length(getattr(pair, "model", None))
         limits = [x for x in (context, trained) if x]
         tokenizer = getattr(pair, "tokenizer", None)
@@ -107,8 +115,6 @@ def _is_repo_id(ref: str) -> bool:
 
 
 def _local_dir(ref: str) -> Path | None:
-    from .loading import MODELS_DIR
-
     p = Path(ref).expanduser()
     if p.exists():
         return p
@@ -138,8 +144,6 @@ def check_names(cfg: LoadConfig) -> None:
 
 
 def _check_drafter_config(ref: str, path: Path) -> None:
-    from .drafter import DrafterArgs
-
     try:
         DrafterArgs.from_config(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -152,8 +156,6 @@ def drafter_for(cfg: LoadConfig) -> str | None:
     """The DFlash drafter to load: the flag's, the bundled one with the default target, None for
     ``no_draft`` or a ``--draft`` without dflash; any other target without a drafter is refused
     (``--draft auto``: no DFlash drafter then)."""
-    from .loading import DEFAULT_DRAFTER, MODELS_DIR
-
     if cfg.no_draft:
         return None
     sources = cfg.draft_sources
@@ -190,10 +192,6 @@ def chain_refs(cfg: LoadConfig) -> dict[str, str | None]:
     without a checkpoint, mtp on a local folder without ``mtp.*`` tensors (the stripped-conversion
     message), ``--mtp`` / ``--eagle`` given without their source in ``--draft``. With ``auto``
     only what exists is returned (an MTP head in a target folder is looked for at load)."""
-    from . import catalog
-    from .loading import DEFAULT_EAGLE, DEFAULT_MTP, MODELS_DIR, has_mtp_tensors
-    from .mtp import STRIPPED
-
     if cfg.no_draft:
         return {}
     sources = cfg.draft_sources
@@ -274,8 +272,6 @@ def plan_session(cfg: LoadConfig, log: Log = lambda m: None, *, enforce: bool = 
 
     ``enforce``: refuse a plan over budget (PlanError) unless ``cfg.force``; the ``plan`` command
     passes False and reports instead."""
-    from . import memory
-
     drafter = check(cfg)
     chains = chain_refs(cfg)
     block = stored_block(cfg, drafter)
@@ -303,9 +299,6 @@ def _check_mtp_tensors(target: str, tensors) -> None:
     """A target whose own checkpoint must carry the MTP head (a hub repo: from the safetensors
     headers the plan read, before any weight is downloaded) but has no ``mtp.*`` tensors is
     refused by name (a local folder is checked by ``chain_refs``)."""
-    from . import catalog
-    from .mtp import PREFIX, STRIPPED
-
     if any(t.name.startswith(PREFIX) for t in tensors):
         return
     hint = next((e.target for e in catalog.load_chain().values() if e.target == target), None)
@@ -323,10 +316,6 @@ def serve_sizing(cfg: LoadConfig, *, context: bool, prefix_cache: bool) -> tuple
     --prefix-cache-mb) a prefix cache sized from the plan's headroom. Returns the config to load
     and the sentence that says what was chosen and why (None when both were given). Without a plan
     (a config it cannot read) ``cfg``'s own values stay, and the sentence says so."""
-    from dataclasses import replace
-
-    from . import memory
-
     if not (context or prefix_cache):
         return cfg, None
     drafter = check(cfg)
@@ -373,8 +362,6 @@ def stored_block(cfg: LoadConfig, drafter: str | None) -> BlockChoice | None:
 
 
 def _checkpoint_block(path: Path) -> int | None:
-    from .drafter import DrafterArgs
-
     try:
         return DrafterArgs.from_config(json.loads((path / "config.json").read_text())).block_size
     except (OSError, ValueError, KeyError, TypeError):
@@ -385,9 +372,6 @@ def _stored_result(cfg: LoadConfig, drafter: str):
     """The newest stored tuning result whose machine, target and drafter match (the weights'
     identity, however the command spells them: ``tuning.same_models``); quantization and draft
     vocabulary are checked where they are known before loading."""
-    from . import tuning
-    from .default_target import cache_dir
-
     folder = cache_dir() / "tuning"
     if not folder.is_dir():
         return None
@@ -426,9 +410,6 @@ def _chain_choice(pair, cfg: LoadConfig, progress, *, tuning: str, root, kw) -> 
     """``choose_block`` for a pair without a DFlash drafter that drafts with chain drafters: the
     tuner's stored result for this machine and pair (tuned once, now, if there is none, as a
     DFlash pair is), else the stated default prior; ``block_size`` is the chosen chain's rows."""
-    from . import tuning as tuner
-    from .policy import MAX_CHAIN_DEPTH
-
     rows = MAX_CHAIN_DEPTH + 1
     if not cfg.tune or tuning == "none":
         if tuning != "none":
@@ -443,10 +424,6 @@ def _chain_choice(pair, cfg: LoadConfig, progress, *, tuning: str, root, kw) -> 
         return from_tuning(result)
     bar = None
     if progress is None:
-        import sys
-
-        from .progress import Bar
-
         progress = bar = Bar(sys.stderr, "tuning the chain drafters (first launch; --no-tune skips it)")
     try:
         result = tuner.ensure_tuned(pair, cfg.tune_budget_s, progress, root=root, **kw)
@@ -478,8 +455,6 @@ def choose_block(
     tuner at all (bench and tune measure for themselves). A pair without a DFlash drafter that
     drafts with chain drafters is tuned the same way (``_chain_choice``: the chain depths and
     their priors)."""
-    from . import tuning as tuner  # (``tuning`` is this function's parameter)
-
     if tuning not in TUNING:
         raise ValueError(f"tuning must be one of {TUNING}, not {tuning!r}")
     kw = {"tune_fn": tune_fn} if tune_fn is not None else {}
@@ -506,10 +481,6 @@ def choose_block(
         )
     bar = None
     if progress is None:
-        import sys
-
-        from .progress import Bar
-
         progress = bar = Bar(sys.stderr, "tuning block size (first launch; --block-size N or --no-tune skip it)")
     try:
         result = tuner.ensure_tuned(pair, cfg.tune_budget_s, progress, root=root, **kw)
@@ -530,9 +501,6 @@ def info_for(pair, choice: BlockChoice | None, adaptive: bool = False) -> Engine
 
 def load(planned: Planned, log: Log = lambda m: None, *, group=None):
     """Load the planned pair (``loading.Pair``); with ``group``, the target sharded over it."""
-    from . import memory
-    from .loading import load_pair
-
     cfg, quant = planned.cfg, planned.quant
     memory.set_wired_limit()
     chains = planned.chains or {}
@@ -544,10 +512,6 @@ def load(planned: Planned, log: Log = lambda m: None, *, group=None):
     )
     shard = None
     if group is not None:
-        from functools import partial
-
-        from .distributed import shard_target
-
         shard = partial(shard_target, group=group)
     return load_pair(
         cfg.target,
@@ -583,10 +547,6 @@ def open_session(
     Started by ``mlx.launch`` (docs/distributed.md), the process joins its group: the plan is one
     rank's, the target is sharded over the group, and the block size is the flag's or the
     checkpoint's (tuning measures one process; rank 0's choice is what every rank runs)."""
-    from dataclasses import replace
-
-    from . import distributed
-
     if distributed.launched() and not group_aware:  # every rank refuses alike, before joining
         raise BadRequest(
             "this command does not run under mlx.launch: `chat` reads one terminal (serve the "
@@ -615,8 +575,6 @@ def run_follower(cfg: LoadConfig, log: Log) -> int:
     """A front end's whole job on a rank other than 0 of an ``mlx.launch`` group: load this
     rank's shard of the pair, then follow rank 0 until it shuts the group down (or is lost: the
     process then exits)."""
-    from .distributed import follow_session
-
     session = open_session(cfg, log=log, group_aware=True)
     n = follow_session(session)
     log(f"rank {session.group.rank()}: rank 0 shut the group down after {n} requests")

@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 
+from . import backend as seam
 from .decode import plain_steps, spec_steps
 from .errors import BadRequest
 from .prompts import BUILTIN, Prompt
@@ -58,8 +60,6 @@ def tolerance(dtype: str, magnitude: float, backend: str | None = None) -> float
     up to ``magnitude`` on ``backend`` ("metal" | "gpu" | "cpu"; None: the one in use, see
     backend.current()). Unknown dtypes get the bfloat16 allowance."""
     if backend is None:
-        from . import backend as seam
-
         backend = seam.current().kind
     ulps = ULPS if backend == "cpu" else ULPS_GPU
     return ulps.get(dtype, ulps["bfloat16"]) * EPS.get(dtype, 2.0**-7) * max(1.0, magnitude)
@@ -367,8 +367,6 @@ def classify(
 
 def _plain_row(model, ids, i: int, max_tokens: int) -> mx.array:
     """Replay plain decoding exactly (mlx-lm's generate_step) and return step i's log-probs."""
-    from mlx_lm.generate import generate_step
-
     gen = generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens, prefill_step_size=PREFILL_STEP)
     try:
         for k, (_, logprobs) in enumerate(gen):

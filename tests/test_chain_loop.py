@@ -483,6 +483,7 @@ def test_a_requested_source_that_cannot_run_is_refused_by_name(family, tmp_path,
     with pytest.raises(BadRequest, match="--mtp .* but --draft dflash does not draft with mtp"):
         session.check(LoadConfig(target=t, drafter=d, draft="dflash", mtp=str(dirs["mtp"])))
     monkeypatch.setattr(loading, "MODELS_DIR", tmp_path)  # an install without the embedded heads
+    monkeypatch.setattr(session, "MODELS_DIR", tmp_path)  # (the name chain_refs reads)
     with pytest.raises(BadRequest, match="embedded default target carries no MTP head"):
         session.chain_refs(LoadConfig(target=DEFAULT_TARGET_ID, draft="mtp"))
     assert session.chain_refs(LoadConfig(target=DEFAULT_TARGET_ID, draft="auto")) == {}

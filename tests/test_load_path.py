@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import http.server
+import importlib
 import json
 import threading
 import time
@@ -283,6 +284,8 @@ def test_block_size_0_or_1_is_refused_before_any_model_loads(
         raise AssertionError("the pair was checked before the block size was refused")
 
     monkeypatch.setattr(session, "check", checked)
+    for name in ("serve", "chat"):  # the commands that call check themselves
+        monkeypatch.setattr(importlib.import_module(f"mlx_spec.commands.{name}"), "check", checked)
     t, d = pair_dirs
     assert main([command, "--target", str(t), "--drafter", str(d), "--block-size", block]) == 1
     err = capsys.readouterr().err

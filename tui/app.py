@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.tuning import TuneSkipped
 
 from textual import on, work
 from textual.app import App, SystemCommand
@@ -64,8 +65,6 @@ class SpecChatApp(App):
     def _tuning_progress(self, fraction: float, text: str) -> None:
         """First-launch tuning progress (engine thread); stops the tuner once the user skipped it."""
         if self.skip_tuning.is_set():
-            from mlx_spec.tuning import TuneSkipped
-
             raise TuneSkipped("tuning skipped from the TUI")
         self.post_message(TuneProgress(fraction, text))
 

@@ -14,9 +14,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mlx_spec import session, tuning
 from mlx_spec.engine import Delta, Done, Engine, Failed, Request, Started
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.generation import EngineInfo
+from mlx_spec.memory import live, loaded_sizes
+from mlx_spec.session import open_session
+from mlx_spec.text import encode_prompt
+from mlx_spec.tuning import DEFAULT_BUDGET_S
+from mlx_spec.verify import IDENTICAL, check
+
+import mlx.core as mx
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -130,22 +139,16 @@ def request_for(messages: list[dict], settings: Settings) -> Request:
 
 # -- MLX-side probes: each runs on the engine thread via Engine.call ---------------------------
 def _live_memory(pair) -> dict:
-    from mlx_spec.memory import live
-
     return live()
 
 
 def _reset_peak(pair) -> None:
-    import mlx.core as mx
-
     mx.reset_peak_memory()
 
 
 def read_memory(engine: Engine, sizes, context_tokens: int, timeout: float = 5.0) -> Memory:
     """The one place the UI's memory numbers come from: ``mlx_spec.memory`` (``live`` read on the
     engine thread; ``sizes`` is its ``LoadedSizes`` of the pair)."""
-    import psutil
-
     m = engine.call(_live_memory).result(timeout)
     kv = (sizes.target_kv_per_token + sizes.drafter_kv_per_token) * context_tokens
     return Memory(
@@ -192,8 +195,6 @@ def tune_view(result) -> TuneView:
 
 
 def _stored_tune(pair) -> TuneView | None:
-    from mlx_spec import tuning
-
     result = tuning.load_result(tuning.tune_key(pair))
     return tune_view(result) if result is not None else None
 
@@ -202,8 +203,6 @@ def _retune(engine: Engine, budget_s: float, progress: Progress):
     """An engine-thread job: tune, store, and switch the engine to the new block size."""
 
     def job(pair) -> TuneView:
-        from mlx_spec import session, tuning
-
         # tune() keys its result by tuning.tune_key(pair) itself.
         result = tuning.tune(pair, budget_s=budget_s, progress=lambda d, t, m: progress(d / t if t else 0.0, m))
         tuning.save_result(result)
@@ -221,9 +220,6 @@ def _verify_last(engine: Engine, messages: list[dict], max_tokens: int):
     """An engine-thread job: mlx_spec.verify on the conversation so far, at the block size in use."""
 
     def job(pair) -> CheckResult:
-        from mlx_spec.text import encode_prompt
-        from mlx_spec.verify import IDENTICAL, check
-
         info = engine.info
         block = info.block_size if info.speculative else pair.drafter.args.block_size
         ids = encode_prompt(pair.tokenizer, messages=messages)
@@ -264,8 +260,6 @@ class LocalBackend:
         """Load what a ``config.LoadConfig`` names, as generate and serve do (``session.open_session``)."""
 
         def loader(progress: Progress):
-            from mlx_spec.session import open_session
-
             # First launch tunes here, as generate and serve do; progress goes to the UI.
             return open_session(cfg, lambda d, t, m: progress(d / t if t else 0.0, m), log=log.info)
 
@@ -276,7 +270,6 @@ class LocalBackend:
             self._progress = progress
         self.engine.start()
         self.engine.wait_ready()  # raises MlxSpecError with the loader's error
-        from mlx_spec.memory import loaded_sizes
 
         self._sizes = self.engine.call(loaded_sizes).result()
         return self.info
@@ -329,7 +322,6 @@ class LocalBackend:
         reason = self.tuner_unavailable()
         if reason:
             raise MlxSpecError(reason)
-        from mlx_spec.tuning import DEFAULT_BUDGET_S
 
         job = _retune(self.engine, self.tune_budget_s or DEFAULT_BUDGET_S, progress)
         return self.engine.call(job).result()

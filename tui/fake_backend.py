@@ -11,6 +11,7 @@ from mlx_spec.engine import Delta, Done, Started
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.generation import PLAIN, SPECULATIVE, TUNED_OFF, EngineInfo
 from mlx_spec.stats import StatsSnapshot
+from mlx_spec.tuning import TuneSkipped
 
 from .backend import CheckResult, Event, Memory, Progress, Settings, TuneRow, TuneView
 
@@ -72,8 +73,6 @@ class FakeBackend:
         if self.load_error:
             raise MlxSpecError(self.load_error)
         if self.tune_on_start and self.tuner:
-            from mlx_spec.tuning import TuneSkipped
-
             try:
                 self.retune(progress or (lambda f, m: None))
             except TuneSkipped:  # as the real loader: the checkpoint's block, nothing stored

@@ -10,13 +10,50 @@ single prompt; for agent prompts also how much of the reply repeats the prompt. 
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import math
+import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..cli import LAUNCH_DESTS, add_model_args
+import mlx_spec
+
+import mlx.core as mx
+from mlx_lm.utils import load_tokenizer
+
+from .. import contextbench, distributed, loadtest, policy
+from ..analysis import COPY_SUBSET, reach_table
+from ..baselines import layer_skip_draft
+from ..bench import (
+    METHOD_KINDS,
+    POLICY_SOURCES,
+    CostMeter,
+    Method,
+    Runner,
+    bench,
+    pooled_ceiling,
+    prompt_report,
+    subset_speedups,
+    summarize,
+)
+from ..blas import default_threads, set_threads
+from ..cli import LAUNCH_DESTS, add_launch_args, add_model_args, flags_of, launch_of, load_config
+from ..contextbench import padded, parse_contexts
+from ..costs import measure_costs
+from ..default_target import resolve_target_id
+from ..distributed import group_info, link_costs
+from ..errors import BadRequest, MlxSpecError
+from ..loading import load_target_model, resolve
+from ..policy import PolicyFactory
+from ..progress import Bar as ProgressBar
+from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
+from ..server import process
+from ..session import open_session
+from ..text import encode_prompt
+from ..tuning import apply_threads, load_result, machine_info, tune_key
 
 
 def _ints(text: str) -> list[int]:
@@ -25,8 +62,6 @@ def _ints(text: str) -> list[int]:
     except ValueError:
         out = []
     if not out or min(out) < 2:
-        from ..errors import BadRequest
-
         raise BadRequest(f"--block-sizes wants block sizes >= 2 separated by commas (got '{text}')")
     return out
 
@@ -85,7 +120,6 @@ def add_arguments(p) -> None:
         "--repeats rounds), no generation rows; what bench measures on a group (a group "
         "started with --ranks must finish within --time-budget)",
     )
-    from ..cli import add_launch_args
 
     add_launch_args(p, "the group's pass costs beside one process's; under mlx.launch bench measures the group's alone")
     p.set_defaults(bench_parser=p)  # --ranks rebuilds the ranks' flags from it
@@ -140,8 +174,6 @@ def _worst(w) -> str:
 
 
 def table(rows, kinds) -> str:
-    from ..bench import POLICY_SOURCES
-
     head = [
         "method",
         "dec tok/s",
@@ -229,8 +261,6 @@ def copy_table(prompt_rows, rows, subset, ceilings=None) -> str:
     (the copy ceiling), next to every drafting method's tau and speedups (vs our plain / vs
     mlx-lm) and its share of the ceiling; then the speedups over the replies that do repeat their
     prompt. ``ceilings``: {"agent": pooled ceiling of all agent prompts, "copying": of those}."""
-    from ..analysis import COPY_SUBSET
-
     ceilings = ceilings or {}
     labels = [r.label for r in rows if r.status == "ok" and r.tau is not None]
     head = ["prompt", "prompt tok", "reply tok", "copy share", "ceiling", *[f"{m} tau x/x-mlx %ceil" for m in labels]]
@@ -319,12 +349,6 @@ def reach_lines(reach, rows, kinds) -> str:
 
 def concurrency(args) -> int:
     """``--concurrency``: mlx_spec serve and mlx_lm.server under 1..N concurrent clients."""
-    from .. import loadtest
-    from ..default_target import resolve_target_id
-    from ..errors import BadRequest
-    from ..loading import resolve
-    from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
-
     try:
         levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
     except ValueError:
@@ -351,7 +375,6 @@ def concurrency(args) -> int:
     if getattr(args, "draft_window", None):
         extra += ["--draft-window", str(args.draft_window)]
     servers = [loadtest.ours(args.target, args.drafter, args.max_batch or max(levels), extra)]
-    import mlx_spec
 
     if not args.no_mlx_lm:
         servers.append(loadtest.mlx_lm_server(target, mlx_spec.BLAS.path))
@@ -382,9 +405,6 @@ def concurrency(args) -> int:
 def _method_names(args) -> list[str]:
     """``--methods``' names (checked), and ``--draft`` set to the sources they need when not
     given (auto: every source the pair has)."""
-    from ..bench import METHOD_KINDS, POLICY_SOURCES
-    from ..errors import BadRequest
-
     if not args.methods:
         return []
     names = [x.strip() for x in args.methods.split(",") if x.strip()]
@@ -405,43 +425,15 @@ def _method_names(args) -> list[str]:
 
 
 def run(args) -> int:
-    import mlx_spec
-
     if args.time_budget <= 0:
-        from ..errors import BadRequest
-
         raise BadRequest(f"--time-budget must be > 0 seconds (got {args.time_budget:g})")
     if args.concurrency:
         return concurrency(args)
     if args.context:
         return context_run(args)
-    from .. import distributed
-    from ..cli import launch_of
 
     if distributed.launched() or args.costs_only or launch_of(args) is not None:
         return costs_run(args)
-
-    from .. import policy
-    from ..analysis import COPY_SUBSET, reach_table
-    from ..bench import (
-        METHOD_KINDS,
-        POLICY_SOURCES,
-        CostMeter,
-        Method,
-        Runner,
-        bench,
-        pooled_ceiling,
-        prompt_report,
-        subset_speedups,
-        summarize,
-    )
-    from ..blas import default_threads
-    from ..cli import load_config
-    from ..errors import BadRequest
-    from ..progress import Bar as ProgressBar
-    from ..prompts import WORKLOADS, builtin_prompts, interleave, load_prompts
-    from ..session import open_session
-    from ..tuning import apply_threads, load_result, machine_info, tune_key
 
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")
@@ -459,15 +451,11 @@ def run(args) -> int:
 
     ar_model = None
     if args.ar_draft and args.ar_draft.startswith("skip:"):
-        from ..baselines import layer_skip_draft
-
         try:
             ar_model = layer_skip_draft(pair.model, int(args.ar_draft[5:]))
         except ValueError as e:
             raise BadRequest(f"--ar-draft {args.ar_draft}: {e}") from None
     elif args.ar_draft:
-        from ..loading import load_target_model
-
         ar_model, _ = load_target_model(args.ar_draft)
     methods = ([] if args.no_mlx_lm else [Method("mlx-lm")]) + [Method("plain")]
     if args.lookup_block >= 2:
@@ -638,14 +626,10 @@ CONTEXT_KINDS = ("agent", "prose")
 
 def _plan_context(args) -> int:
     """The memory plan's context for ``--context SIZES``: the longest padded prompt and its reply."""
-    from ..contextbench import parse_contexts
-
     return max(parse_contexts(args.context)) + args.max_tokens + 64
 
 
 def _context_prompts(args):
-    from ..prompts import builtin_prompts, interleave, load_prompts
-
     if args.prompts:
         return load_prompts(args.prompts)
     kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else CONTEXT_KINDS
@@ -654,11 +638,6 @@ def _context_prompts(args):
 
 def context_messages(args, prompts, target: str) -> list[list[dict]]:
     """``--concurrency`` with ``--context``: every prompt padded to each size (the target's tokenizer counts)."""
-    from mlx_lm.utils import load_tokenizer
-
-    from ..contextbench import padded, parse_contexts
-    from ..text import encode_prompt
-
     tok = load_tokenizer(Path(target))
     sizes = parse_contexts(args.context)
     out = []
@@ -672,18 +651,6 @@ def context_messages(args, prompts, target: str) -> list[list[dict]]:
 
 def context_run(args) -> int:
     """``--context``: prefill, first token cold / warm / from disk, decode speed by context length."""
-    import argparse
-
-    import mlx_spec
-
-    from .. import contextbench
-    from ..blas import set_threads
-    from ..cli import launch_of, load_config
-    from ..errors import BadRequest
-    from ..policy import PolicyFactory
-    from ..session import open_session
-    from ..tuning import apply_threads, load_result, tune_key
-
     if args.repeats < 1 or args.max_tokens < 1:
         raise BadRequest("--repeats and --max-tokens must be >= 1")
     if args.costs_only or launch_of(args) is not None:
@@ -768,8 +735,6 @@ GROUP_SKIP = {"json", "json_out", "costs_only", "concurrency", *LAUNCH_DESTS}
 
 def _costs_prompts(args, tokenizer) -> list[int]:
     """The context the passes are timed at: the longest prompt of the set bench would run."""
-    from ..prompts import WORKLOADS, builtin_prompts, load_prompts
-
     if args.prompts:
         prompts = load_prompts(args.prompts)
     else:
@@ -783,9 +748,6 @@ def _pass_costs(pair, sizes: list[int], context: list[int], reps: int, group=Non
     Tt(B) at ``context`` tokens, medians of ``reps`` rounds. With ``group`` (every rank calls
     this at the same point, the target sharded over it) also what the link adds on its own:
     the all-reduce chain of one verify pass and the per-step message (``distributed.link_costs``)."""
-    from ..costs import measure_costs
-    from ..distributed import group_info, link_costs
-
     costs = measure_costs(pair.model, pair.target, pair.drafter, sizes, context, reps=reps)
     out = {
         "group": group_info(group).as_dict(),
@@ -801,8 +763,6 @@ def _pass_costs(pair, sizes: list[int], context: list[int], reps: int, group=Non
 
 
 def _measure(args, cfg, sizes, group_aware: bool = False) -> dict:
-    from ..session import open_session
-
     session = open_session(cfg, log=lambda m: print(m, file=sys.stderr), tuning="none", group_aware=group_aware)
     pair = session.pair
     return _pass_costs(pair, sizes, _costs_prompts(args, pair.tokenizer), max(args.repeats, 1), session.group)
@@ -812,15 +772,7 @@ def costs_run(args) -> int:
     """``--costs-only``, under mlx.launch (every rank measures its sharded passes; rank 0
     reports), or ``--ranks/--hosts/--hostfile`` (one process here, then the group through
     mlx.launch, side by side)."""
-    from dataclasses import replace
-
-    from .. import distributed
-    from ..cli import launch_of, load_config
-    from ..errors import MlxSpecError
-
     if args.repeats < 1:
-        from ..errors import BadRequest
-
         raise BadRequest("--repeats must be >= 1")
     sizes = _ints(args.block_sizes)
     launch = launch_of(args)
@@ -840,9 +792,6 @@ def costs_run(args) -> int:
     if launch is None:
         _report(args, single)
         return 0
-    import gc
-
-    import mlx.core as mx
 
     gc.collect()
     mx.clear_cache()
@@ -854,11 +803,6 @@ def costs_run(args) -> int:
 
 def _launch_costs(args, launch) -> dict:
     """Run ``bench --costs-only --json`` on the group with mlx.launch; rank 0's JSON (or why not)."""
-    import subprocess
-
-    from ..cli import flags_of
-    from ..server import process
-
     child = [sys.executable, "-m", "mlx_spec", "bench", "--costs-only", "--json"]
     child += flags_of(args, args.bench_parser, GROUP_SKIP)
     cmd = launch.command(child)

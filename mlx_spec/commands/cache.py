@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..prefix_store import clear, default_root, list_entries
+
 
 def add_arguments(p) -> None:
     p.add_argument("action", choices=("list", "clear"), help="list the stored prefixes, or delete them all")
@@ -26,8 +28,6 @@ def _size(n: int) -> str:
 
 
 def run(args) -> int:
-    from ..prefix_store import clear, default_root, list_entries
-
     root = args.dir if args.dir is not None else default_root()
     if args.action == "clear":
         n, size = clear(root)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import sys
 
+from tui.app import SpecChatApp
+from tui.backend import LocalBackend, Settings
+
 from ..cli import add_model_args, add_prefix_cache_arg, add_sampling_args, load_config
+from ..default_target import DEFAULT_TARGET_ID, ensure_default_target
+from ..errors import BadRequest
+from ..sampling import SamplingConfig
+from ..session import check
 
 
 def add_arguments(p) -> None:
@@ -16,10 +23,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..errors import BadRequest
-    from ..sampling import SamplingConfig
-    from ..session import check
-
     cfg = load_config(args)
     check(cfg)  # flags and names are checked before the UI starts or anything loads
     if args.max_tokens < 1:
@@ -28,12 +31,9 @@ def run(args) -> int:
         SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    from ..default_target import DEFAULT_TARGET_ID, ensure_default_target
 
     if cfg.target == DEFAULT_TARGET_ID:  # first launch: fetch + convert with progress bars, before the UI
         ensure_default_target()
-    from tui.app import SpecChatApp
-    from tui.backend import LocalBackend, Settings
 
     settings = Settings(
         max_tokens=args.max_tokens,

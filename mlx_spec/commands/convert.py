@@ -6,6 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import BadRequest
+from ..gguf import convert_gguf
+from ..progress import Bar
+
 
 def add_arguments(p) -> None:
     p.add_argument("gguf", type=Path, help="the .gguf file (Q4_0/Q4_1/Q8_0/F16/BF16/F32 llama)")
@@ -19,10 +23,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..errors import BadRequest
-    from ..gguf import convert_gguf
-    from ..progress import Bar
-
     if not args.gguf.is_file():
         raise BadRequest(f"{args.gguf}: no such file")
     t = time.perf_counter()

@@ -14,7 +14,12 @@ import platform
 import sys
 import time
 
-from ..cli import add_model_args
+import mlx.core as mx
+import mlx_lm
+
+from .. import backend, costs, decode, prompts
+from ..cli import add_model_args, load_config
+from ..session import load, plan_session, stored_block
 
 SIZES = (2, 4, 8, 12, 16)
 PROMPT_IDS = ("code-1", "math-1", "prose-1")
@@ -36,13 +41,6 @@ def _host_syncs(steps) -> float | None:
 
 
 def report(args) -> dict:
-    import mlx.core as mx
-    import mlx_lm
-
-    from .. import backend, costs, decode, prompts
-    from ..cli import load_config
-    from ..session import load, plan_session, stored_block
-
     t0 = time.perf_counter()
     b = backend.current()
     cfg = load_config(args)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
-from ..cli import add_model_args, add_sampling_args
+from .. import distributed
+from ..cli import add_model_args, add_sampling_args, load_config, think_kwargs
+from ..errors import BadRequest
+from ..generation import GenConfig, Result, generate, policies
+from ..sampling import SamplingConfig
+from ..session import open_session, run_follower
+from ..text import encode_prompt
 
 
 def add_arguments(p) -> None:
@@ -18,14 +24,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import distributed
-    from ..cli import load_config, think_kwargs
-    from ..errors import BadRequest
-    from ..generation import GenConfig, Result, generate, policies
-    from ..sampling import SamplingConfig
-    from ..session import open_session, run_follower
-    from ..text import encode_prompt
-
     load = load_config(args)  # every flag is checked before anything is read or loaded
     if distributed.follower_process():  # under mlx.launch: rank 0 prints, the others follow it
         return run_follower(load, lambda m: print(m, file=sys.stderr))

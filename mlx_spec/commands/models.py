@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import json
 
+from .. import catalog, hub, memory
+from ..config import LoadConfig
+from ..default_target import cache_dir
+from ..errors import BadRequest, MlxSpecError
+from ..loading import MODELS_DIR
+
 GiB = 2**30
 
 
@@ -26,9 +32,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import catalog, memory
-    from ..errors import BadRequest
-
     if args.context < 2:
         raise BadRequest(f"--context must be >= 2 (got {args.context})")
     if args.budget_gb is not None and not args.budget_gb > 0:
@@ -186,12 +189,7 @@ def row(e, args, budget) -> dict:
 def downloaded(e) -> dict:
     """{"status": "yes" | "no" | "target only" | "drafter only" | "bundled", "target", "drafter"}: local
     folders of a complete download (huggingface-hub's cache; no network)."""
-    from .. import hub
-    from ..loading import MODELS_DIR
-
     if e.bundled:
-        from ..default_target import cache_dir
-
         targets = sorted((cache_dir() / "models").glob(f"{e.target}-*/config.json"))
         drafter = MODELS_DIR / e.drafter
         t = targets[0].parent if targets else None
@@ -210,10 +208,6 @@ def downloaded(e) -> dict:
 def planned(target, drafter, args):
     """The memory plan of a pair on disk at the listing's bits, context and budget (None if its
     files cannot be read: then the estimate stands)."""
-    from .. import memory
-    from ..config import LoadConfig
-    from ..errors import MlxSpecError
-
     cfg = LoadConfig(
         target=str(target),
         drafter=str(drafter),

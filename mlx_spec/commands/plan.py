@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ..cli import add_model_args
+from ..cli import add_model_args, load_config
+from ..errors import MlxSpecError
+from ..session import plan_session
 
 
 def add_arguments(p) -> None:
@@ -31,10 +33,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     """Print the plan; exit 1 when it does not fit the budget."""
-    from ..cli import load_config
-    from ..errors import MlxSpecError
-    from ..session import plan_session
-
     planned = plan_session(load_config(args), enforce=False)
     plan, drafter, block = planned.plan, planned.drafter, planned.block
     if plan is None:

@@ -16,6 +16,10 @@ import threading
 import time
 from dataclasses import replace
 
+import psutil
+import uvicorn
+
+from .. import distributed
 from ..cli import (
     DEFAULT_PREFIX_CACHE_MB,
     LAUNCH_DESTS,
@@ -27,8 +31,14 @@ from ..cli import (
     launch_of,
     load_config,
     prefix_disk_of,
+    think_kwargs,
 )
+from ..engine import Engine
 from ..errors import BadRequest, MlxSpecError
+from ..server import guard, process
+from ..server.app import create_app
+from ..server.schemas import ModelNames, RequestDefaults
+from ..session import check, open_session, run_follower, serve_sizing
 
 DETACH_WAIT_S = 900.0  # how long `serve --detach` waits for the model to load
 
@@ -170,7 +180,6 @@ def run(args) -> int:
     check_bounds(args)
     # a bad --allowed-origins is refused before loading
     guard_policy(args, args.host, args.port, args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None)
-    from ..session import check, run_follower
 
     launch = launch_of(args)  # --ranks/--hosts/--hostfile: mlx_spec runs mlx.launch itself
     cfg = load_config(args)
@@ -178,7 +187,6 @@ def run(args) -> int:
         cfg = replace(cfg, prefix_cache=int(DEFAULT_PREFIX_CACHE_MB * 2**20))
     drafter = check(cfg)  # a missing target or drafter is refused before listening (or detaching)
     api_key = args.api_key or os.environ.get("MLX_SPEC_API_KEY") or None
-    from .. import distributed
 
     if distributed.launched():  # under mlx.launch: rank 0 serves, the others follow it
         if args.detach:
@@ -199,8 +207,6 @@ def run(args) -> int:
 def sized(args, cfg):
     """The config with the context and prefix cache the memory plan chose for those not given
     (--context, --prefix-cache-mb); says what it chose and why."""
-    from ..session import serve_sizing
-
     cfg, why = serve_sizing(
         cfg, context=getattr(args, "context", None) is None, prefix_cache=getattr(args, "prefix_cache_mb", None) is None
     )
@@ -211,8 +217,6 @@ def sized(args, cfg):
 
 def model_names(args):
     """``schemas.ModelNames`` from --served-model-name (repeatable, comma lists) and --strict-model-name."""
-    from ..server.schemas import ModelNames
-
     aliases = [n.strip() for v in getattr(args, "served_model_names", None) or () for n in v.split(",")]
     if any(not n for n in aliases):
         raise BadRequest(f"--served-model-name needs non-empty names (got {args.served_model_names})")
@@ -221,9 +225,6 @@ def model_names(args):
 
 def request_defaults(args):
     """``schemas.RequestDefaults`` from --temp/--top-p/--top-k/--max-tokens/--think (checked)."""
-    from ..cli import think_kwargs
-    from ..server.schemas import RequestDefaults
-
     t, p, k, n = (getattr(args, f"default_{x}", None) for x in ("temperature", "top_p", "top_k", "max_tokens"))
     if t is not None and not 0 <= t <= 2:
         raise BadRequest(f"--temp must be in [0, 2] (got {t:g})")
@@ -249,8 +250,6 @@ def check_bounds(args) -> None:
 
 def guard_policy(args, host: str, port: int, api_key: str | None):
     """The server's ``guard.Policy`` from the flags (and $MLX_SPEC_ALLOWED_ORIGINS)."""
-    from ..server import guard
-
     if args.allowed_origins is not None:
         origins = guard.parse_origins(args.allowed_origins, api_key=api_key is not None)
     else:
@@ -290,12 +289,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _serve(args, cfg, api_key: str | None) -> int:
-    import uvicorn
-
-    from ..engine import Engine
-    from ..server.app import create_app
-    from ..session import open_session
-
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
@@ -360,8 +353,6 @@ def _serve(args, cfg, api_key: str | None) -> int:
 
 
 def _server_class():
-    import uvicorn
-
     class Server(uvicorn.Server):
         """uvicorn, but a stop signal first ends running generations, so open streams close
         cleanly instead of holding the graceful shutdown until its timeout."""
@@ -402,8 +393,6 @@ def _launch(args, api_key: str | None, launch) -> int:
     """``serve --ranks/--hosts/--hostfile`` in the foreground: mlx.launch runs the group (in
     its own session, so Ctrl-C reaches this process only) until Ctrl-C, SIGTERM or SIGHUP,
     which stop it as `mlx_spec stop` does: rank 0 first (it shuts the group down), then the rest."""
-    from ..server import process
-
     cmd, env = _child(args, args.port, api_key, launch)
     print(f"starting {launch.describe()}: {launch.shown(cmd)}", file=sys.stderr, flush=True)
     asked: list[int] = []  # handlers first: a signal right after the spawn still stops the group
@@ -434,10 +423,6 @@ def _detach(args, api_key: str | None, drafter: str | None, launch=None) -> int:
     """``drafter``: the one the child will load (the bundled one filled in), as status shows it.
     ``launch``: a group: mlx.launch runs in the background, the state file holds its pid and
     every rank it started on this machine (``mlx_spec stop`` stops them all)."""
-    import psutil
-
-    from ..server import process
-
     port = args.port or _free_port(args.host)
     directory = process.state_dir()
     for _, state, _ in process.scan(directory).running:

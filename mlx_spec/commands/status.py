@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import time
 
+from ..server import process
+
 
 def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object: servers and removed stale files")
 
 
 def run(args) -> int:
-    from ..server import process
-
     directory = process.state_dir()
     found = process.scan(directory)
     servers = []
@@ -89,8 +89,6 @@ def _group(state, body: dict, proc) -> dict:
     error) over what it was started with (the launch, mlx.launch's pid, the ranks started on
     this machine, each alive or not; whether mlx.launch, ``proc`` from ``scan``, still runs).
     One process: size 1."""
-    from ..server import process
-
     said = body.get("group") or {}
     if state.group is None:
         return {"size": 1, "sharded": False, **said}

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import sys
 
+import psutil
+
+from ..server import process
+
 
 def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=None, help="only the server on this port")
@@ -20,10 +24,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import psutil
-
-    from ..server import process
-
     found = process.scan(process.state_dir())
     for path, reason in found.stale:
         print(f"removed stale state file {path.name}: {reason}")

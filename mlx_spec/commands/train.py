@@ -6,7 +6,26 @@ of a checkpoint, and measure a drafter's held-out tau by block size and prompt k
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+import time
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+
+from .. import catalog
+from ..default_target import DEFAULT_TARGET_ID
+from ..drafter import build_target_layer_ids
+from ..errors import BadRequest
+from ..loading import load_pair, load_target_model
+from ..progress import clock
+from ..prompts import interleave, load_prompts
+from ..target import Target
+from ..train.chain import ChainTrainConfig, build_features, eagle_taps, split_paths, train_chain
+from ..train.data import DataConfig, build_dataset, export_tokens, featurize_tokens
+from ..train.prompts import builtin_prompts, split_held_out, wide_prompts
+from ..train.stream import StreamConfig, run_stream
+from ..train.trainer import EVAL_MAX_TOKENS, EVAL_PROMPTS, Recipe, TrainConfig, evaluate_tau, export_checkpoint, train
 
 
 def _add_recipe(t) -> None:
@@ -61,15 +80,11 @@ def _add_generation(p, batch_size: int) -> None:
 
 def _add_eval(p) -> None:
     """The held-out tau evaluation at each checkpoint (`train drafter` and `train run`)."""
-    from ..train.trainer import EVAL_MAX_TOKENS, EVAL_PROMPTS
-
     p.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS, help="held-out prompts in each tau eval (0 = off)")
     p.add_argument("--eval-max-tokens", type=int, default=EVAL_MAX_TOKENS, help="tokens per prompt in the tau eval")
 
 
 def add_arguments(p) -> None:
-    from ..default_target import DEFAULT_TARGET_ID
-
     sub = p.add_subparsers(dest="train_command", metavar="{run,data,drafter,mtp,eagle,features,export,eval}")
     r = sub.add_parser(
         "run",
@@ -294,14 +309,6 @@ def _log(msg: str) -> None:
 
 
 def _data(args) -> int:
-    from ..drafter import build_target_layer_ids
-    from ..errors import BadRequest
-    from ..loading import load_target_model
-    from ..prompts import load_prompts
-    from ..target import Target
-    from ..train.data import DataConfig, build_dataset, featurize_tokens
-    from ..train.prompts import builtin_prompts, split_held_out, wide_prompts
-
     model, tokenizer = load_target_model(args.target)
     n_layers = len(getattr(model, "language_model", model).model.layers)
     taps = [int(x) for x in args.taps.split(",")] if args.taps else build_target_layer_ids(n_layers, 5)
@@ -322,7 +329,6 @@ def _data(args) -> int:
         prompts = prompts[: args.limit]
     if not prompts:
         raise BadRequest("no prompts")
-    from pathlib import Path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,8 +352,6 @@ def _data(args) -> int:
 
 
 def _drafter(args) -> int:
-    from ..train.trainer import Recipe, TrainConfig, train
-
     cfg = train_config(TrainConfig, args, recipe=train_config(Recipe, args))
     result = train(cfg, progress=_log)
     print(json.dumps(result))
@@ -355,10 +359,6 @@ def _drafter(args) -> int:
 
 
 def _export(args) -> int:
-    from ..errors import BadRequest
-    from ..train.data import export_tokens
-    from ..train.trainer import export_checkpoint
-
     if not (args.run and args.out) and not (args.data and args.tokens):
         raise BadRequest("give --run and --out (drafter) and/or --data and --tokens (token ids)")
     if args.run and args.out:
@@ -369,11 +369,6 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from ..errors import BadRequest
-    from ..loading import load_pair
-    from ..prompts import interleave, load_prompts
-    from ..train.trainer import evaluate_tau
-
     try:
         blocks = [int(b) for b in args.blocks.split(",") if b]
     except ValueError:
@@ -419,8 +414,6 @@ def _eval(args) -> int:
 
 def _bar(p) -> str:
     """One progress line: budget share, generated tokens/s, steps/s, ETA, loss, latest tau."""
-    from ..progress import clock
-
     width = 24
     fill = int(round(p.fraction * width))
     eta_s = "?" if p.eta_s is None else clock(p.eta_s)
@@ -434,12 +427,6 @@ def _bar(p) -> str:
 
 
 def _run(args) -> int:
-    import signal
-    import threading
-
-    from ..train.stream import StreamConfig, run_stream
-    from ..train.trainer import Recipe
-
     cfg = train_config(StreamConfig, args, target=_catalog_target(args.target), recipe=train_config(Recipe, args))
     stop = threading.Event()
     tty = sys.stderr.isatty()
@@ -454,8 +441,6 @@ def _run(args) -> int:
     last = [0.0]
 
     def progress(p) -> None:
-        import time
-
         now = time.monotonic()
         if tty:
             print("\r" + _bar(p), end="", file=sys.stderr, flush=True)
@@ -475,10 +460,6 @@ def _run(args) -> int:
 
 
 def _features(args) -> int:
-    from ..loading import load_target_model
-    from ..target import Target
-    from ..train.chain import build_features, eagle_taps, split_paths
-
     target_id = _catalog_target(args.target)
     model, _ = load_target_model(target_id)
     n_layers = len(getattr(model, "language_model", model).model.layers)
@@ -492,10 +473,6 @@ def _features(args) -> int:
 
 
 def _chain(args) -> int:
-    from ..loading import load_target_model
-    from ..target import Target
-    from ..train.chain import ChainTrainConfig, train_chain
-
     cfg = train_config(ChainTrainConfig, args, kind=args.train_command)
     target_id = _catalog_target(args.target)
     model, _ = load_target_model(target_id)
@@ -508,8 +485,6 @@ def _chain(args) -> int:
 
 def _target_config(model) -> dict:
     """The text model's config as a dict (the fields a head's config copies)."""
-    from dataclasses import asdict, is_dataclass
-
     lm = getattr(model, "language_model", model)
     args = lm.args
     return asdict(args) if is_dataclass(args) else dict(vars(args))
@@ -517,10 +492,6 @@ def _target_config(model) -> dict:
 
 def _catalog_target(name: str) -> str:
     """A catalog name (`mlx_spec models`) stands for its target; paths and repo ids pass through."""
-    from pathlib import Path
-
-    from .. import catalog
-
     if Path(name).expanduser().exists() or name.lower() not in {k.lower() for k in catalog.load()}:
         return name
     entry = catalog.get(name)
@@ -532,15 +503,11 @@ def train_config(cls, args, **changes):
     """The flags that name ``cls``'s fields (a Recipe, TrainConfig or StreamConfig), with ``changes``
     on top: the one place training flags become a config (nothing below commands/ reads an
     argparse Namespace)."""
-    from dataclasses import fields
-
     given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     return cls(**{**given, **changes})
 
 
 def run(args) -> int:
-    from ..errors import BadRequest
-
     commands = {
         "run": _run,
         "data": _data,

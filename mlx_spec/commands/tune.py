@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 import sys
 
-from ..cli import add_model_args
+import mlx_spec
+
+from ..cli import add_model_args, load_config
+from ..errors import BadRequest
+from ..progress import Bar
+from ..session import open_session
+from ..tuning import DEFAULT_BUDGET_S, save_result, tune
+from ..tuning.store import SOURCE_NAMES
 
 
 def add_arguments(p) -> None:
@@ -48,15 +55,6 @@ def table(result) -> str:
 
 
 def run(args) -> int:
-    import mlx_spec
-
-    from ..cli import load_config
-    from ..errors import BadRequest
-    from ..progress import Bar
-    from ..session import open_session
-    from ..tuning import DEFAULT_BUDGET_S, save_result, tune
-    from ..tuning.store import SOURCE_NAMES
-
     err = sys.stderr
     print(f"BLAS: {mlx_spec.BLAS.describe()}", file=err)
     load = load_config(args)
@@ -120,8 +118,6 @@ def run(args) -> int:
 def chain_line(kind: str, c: dict) -> str:
     """What the tuner chose for one chain drafter: its head pass, acceptance, depth, the model's
     speedup and, where it raced, the race's against plain decoding."""
-    from ..tuning.store import SOURCE_NAMES
-
     acc = ", ".join(f"{a:.2f}" for a in c["acceptance_by_position"][: c["depth"] + 2])
     raced = (
         f", raced x{c['speedup']:.2f} over plain ({c['rounds']} rounds)"

@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import sys
 
-from ..cli import add_model_args
+from ..cli import add_model_args, load_config
+from ..errors import BadRequest
+from ..prompts import BUILTIN, load_prompts
+from ..session import open_session
+from ..verify import check
 
 
 def add_arguments(p) -> None:
@@ -37,8 +41,6 @@ def add_arguments(p) -> None:
 
 
 def _sizes(args) -> tuple[int, ...] | None:
-    from ..errors import BadRequest
-
     if args.block_sizes is None:
         return None
     try:
@@ -48,12 +50,6 @@ def _sizes(args) -> tuple[int, ...] | None:
 
 
 def run(args) -> int:
-    from ..cli import load_config
-    from ..errors import BadRequest
-    from ..prompts import BUILTIN, load_prompts
-    from ..session import open_session
-    from ..verify import check
-
     load = load_config(args)
     if load.no_draft:
         raise BadRequest("verify compares speculative with plain decoding; it cannot run with --no-draft")

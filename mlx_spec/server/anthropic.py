@@ -27,6 +27,8 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 
 from ..engine import Done, Failed, Request, Started
+from ..errors import BadRequest
+from ..text import encode_prompt
 from ..thinking import REASONING
 from . import errors, output, schemas
 from .errors import InvalidField
@@ -542,9 +544,6 @@ async def count_tokens(request: HTTPRequest):
     prompt = body.prompt(s.defaults)
 
     def count(pair) -> int:
-        from ..errors import BadRequest
-        from ..text import encode_prompt
-
         try:
             return len(
                 encode_prompt(

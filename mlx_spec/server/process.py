@@ -8,10 +8,14 @@ removed by whoever finds them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -192,9 +196,6 @@ def spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, *, qui
     ``quiet_stdin``: stdin is a pipe that never ends (the child holds its write end) instead of
     /dev/null: mlx.launch forwards stdin to its ranks in a select() loop that would spin on an
     always-readable /dev/null."""
-    import contextlib
-    import subprocess
-
     r = w = None
     if quiet_stdin:
         r, w = os.pipe()
@@ -288,9 +289,6 @@ def stop_launched(child, timeout: float = 10.0) -> list[psutil.Process]:
 
 def health(url: str, timeout: float = 2.0) -> tuple[int | None, dict]:
     """(HTTP status, JSON body) of ``url``/health; (None, {}) if nothing answers."""
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")

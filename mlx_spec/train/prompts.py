@@ -20,6 +20,7 @@ import inspect
 import json
 import random
 import re
+from pydoc_data.topics import topics as language_topics
 
 from ..prompts import Prompt
 
@@ -464,8 +465,6 @@ def stdlib_methods(modules=STDLIB_MODULES + EXTRA_MODULES) -> list[tuple[str, st
 
 
 def _pools() -> dict[str, list[str]]:
-    from pydoc_data.topics import topics as language_topics
-
     code = [f"Write a Python function `{sig}` that does the following: {doc}" for _, sig, doc in stdlib_functions()]
     code += [
         f"Implement the method `{sig}` of a Python class. It should do the following: {doc}"
@@ -608,8 +607,6 @@ def _source_snippets(max_lines: int = 40) -> list[tuple[str, str]]:
 
 def _passages(max_chars: int = 900) -> list[str]:
     """Short given texts to summarize: paragraphs of the Python reference topics and module docs."""
-    from pydoc_data.topics import topics as language_topics
-
     out = []
     docs = list(language_topics.values()) + [mod.__doc__ or "" for _, mod in _modules(STDLIB_MODULES + EXTRA_MODULES)]
     for doc in docs:

@@ -31,9 +31,14 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..drafter import build_target_layer_ids
 from ..errors import BadRequest, CheckpointError, PlanError
-from ..prompts import Prompt, interleave
+from ..loading import load_drafter, load_target_model
+from ..memory import device_budget
+from ..prompts import Prompt, interleave, load_prompts
+from ..target import Target
 from .data import DataConfig, generate_batch
+from .prompts import broad_prompts, builtin_prompts, prompt_key, wide_prompts
 from .replay import REPLAY_FILE, ReplayBuffer, bytes_per_token
 from .trainer import (
     EVAL_MAX_TOKENS,
@@ -180,8 +185,6 @@ def lr_at(recipe: Recipe, frac: float) -> float:
 def _chat_dir_prompts(path: Path) -> list[Prompt]:
     """``{"messages": [...]}`` lines of every *.jsonl in a directory; a conversation's trailing
     assistant turns are dropped (the target writes the reply)."""
-    from ..prompts import load_prompts
-
     files = sorted(path.glob("*.jsonl"))
     if not files:
         raise BadRequest(f"{path}: no *.jsonl chat-data files")
@@ -205,8 +208,6 @@ def _chat_dir_prompts(path: Path) -> list[Prompt]:
 def held_out_by_kind(prompts: list[Prompt], per_kind: int) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, held-out prompts): the last ``per_kind`` prompts of each kind are held
     out, and no training prompt has the content of a held-out one (or repeats another)."""
-    from .prompts import prompt_key
-
     by_kind: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_kind.setdefault(p.kind, []).append(p)
@@ -222,9 +223,6 @@ def held_out_by_kind(prompts: list[Prompt], per_kind: int) -> tuple[list[Prompt]
 
 def stream_prompts(cfg: StreamConfig) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts in order, held-out prompts) for a prompt source. Deterministic."""
-    from ..prompts import load_prompts
-    from .prompts import broad_prompts, builtin_prompts, wide_prompts
-
     n = cfg.num_prompts + 8 * cfg.eval_per_kind
     if cfg.prompts in MIXES:
         make = {"broad": broad_prompts, "wide": wide_prompts, "narrow": builtin_prompts}[cfg.prompts]
@@ -343,11 +341,6 @@ def run_stream(
     say: Callable[[str], None] | None = None,
 ) -> dict:
     """Generate-and-train until the budget is spent (or ``stop`` is set). Returns a summary."""
-    from ..drafter import build_target_layer_ids
-    from ..loading import load_drafter, load_target_model
-    from ..memory import device_budget
-    from ..target import Target
-
     say = say or log.info
     if not cfg.tokens and not cfg.minutes:
         raise BadRequest("give a budget: --tokens N and/or --minutes M")

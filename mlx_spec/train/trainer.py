@@ -28,9 +28,15 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..decode import spec_steps
 from ..drafter import DFLASH1, DFLASH2, Drafter, DrafterArgs
 from ..errors import BadRequest, CheckpointError
+from ..loading import DRAFT_VOCAB_FILE, load_drafter, load_target_model, save_drafter, write_draft_vocab
+from ..prompts import interleave, load_prompts
+from ..stats import Stats
+from ..target import Target
 from .data import Dataset, load_datasets
+from .plot import line_chart_png
 
 log = logging.getLogger(__name__)
 
@@ -517,8 +523,6 @@ def save_checkpoint(
     """Atomically replace ``run/ckpt`` with weights, optimizer state and trainer state (and the
     reduced draft vocabulary ``vocab``, if any, as ``draft_vocab.json``; ``extra(dir)`` writes
     more files into the new checkpoint before it replaces the old one)."""
-    from ..loading import save_drafter, write_draft_vocab
-
     tmp = run / "ckpt.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(drafter, tmp, config)
@@ -559,8 +563,6 @@ def load_checkpoint(run: Path, drafter: Drafter, opt: optim.Optimizer) -> dict:
 
 def export_checkpoint(run: str | Path, out: str | Path, card: str | None = None) -> dict:
     """float16 copy of ``run/ckpt`` in the official layout (+ README.md model card if given)."""
-    from ..loading import DRAFT_VOCAB_FILE, load_drafter, save_drafter
-
     run, out = Path(run), Path(out)
     drafter, config = load_drafter(run / "ckpt", dtype=mx.float32)
     tmp = out.with_name(out.name + ".tmp")
@@ -586,8 +588,6 @@ def export_checkpoint(run: str | Path, out: str | Path, card: str | None = None)
 def eval_prompts(source: Path, n: int) -> list:
     """The first ``n`` held-out prompts (interleaved by kind) of a JSONL file, or of the
     ``eval_prompts.jsonl`` that ``train data`` wrote into a data directory."""
-    from ..prompts import interleave, load_prompts
-
     path = source / "eval_prompts.jsonl" if source.is_dir() else source
     if n <= 0 or not path.exists():
         return []
@@ -607,9 +607,6 @@ def drop_trained(prompts: list, data: Dataset, tokenizer) -> tuple[list, list]:
 def evaluate_tau(target, drafter: Drafter, tokenizer, prompts: list, block_size: int, max_tokens: int) -> dict:
     """Real greedy speculative decoding on held-out prompts (``prompts.Prompt``s): tau,
     acceptance by position, and tau per prompt kind."""
-    from ..decode import spec_steps
-    from ..stats import Stats
-
     total = Stats()
     by_kind: dict[str, Stats] = {}
     eos = sorted(set(tokenizer.eos_token_ids or []) | {tokenizer.eos_token_id} - {None})
@@ -643,9 +640,6 @@ def build_drafter(config: dict, target) -> Drafter:
 
 def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     """Train (or resume) into ``cfg.out``. Returns the last metrics."""
-    from ..loading import load_drafter, load_target_model
-    from ..target import Target
-
     say = progress or log.info
     r = cfg.recipe
     run = Path(cfg.out)
@@ -766,8 +760,6 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
 
 
 def write_curves(run: Path, state: dict, block_size: int) -> None:
-    from .plot import line_chart_png
-
     (run / "metrics.json").write_text(json.dumps({"history": state["history"], "evals": state["evals"]}))
     h = state["history"]
     if h:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import BLAS  # the process's BLAS, loaded by the package root before MLX
 from ..bench import Method, Runner, spread
 from ..blas import default_threads, set_threads, thread_candidates
 from ..costs import CostMeter, Costs, Progress, context_term
@@ -163,8 +164,6 @@ class Sweep:
         noise_floor: float,
         clock: Callable[[], float],
     ):
-        from .. import BLAS  # (the process's BLAS, loaded by the package root before MLX)
-
         self.pair, self.budget_s, self.tokens, self.finalists = pair, budget_s, tokens, finalists
         self.min_rounds, self.max_rounds, self.clear_margin = min_rounds, max_rounds, clear_margin
         self.probe_prompts, self.cost_rounds = probe_prompts, cost_rounds
@@ -1082,8 +1081,6 @@ def apply_threads(result: TuneResult | None, blas=None) -> int | None:
     """Set the BLAS thread count the engine runs with: the user's pin (OPENBLAS_NUM_THREADS or
     MKL_NUM_THREADS) if set, else the stored choice, else the default (all cores). The count in
     effect; None: no knob."""
-    from .. import BLAS  # (the process's BLAS, loaded by the package root before MLX)
-
     blas = blas or BLAS
     if not blas.settable:
         return None

@@ -18,8 +18,17 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from huggingface_hub import snapshot_download
+from mlx.utils import tree_flatten
+
+from .. import BLAS, backend
 from ..blas import cpuinfo
 from ..costs import Costs
+from ..default_target import DEFAULT_TARGET_ID, cache_dir
+from ..loading import DRAFT_VOCAB_FILE
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +44,6 @@ READ_FORMATS = (FORMAT,)  # results of other formats are tuned again
 
 def cpu_name() -> str:
     try:
-        from .. import backend
-
         b = backend.current()
         if b.gpu and not b.faked:
             return b.device
@@ -46,11 +53,6 @@ def cpu_name() -> str:
 
 
 def machine_info() -> dict:
-    import mlx.core as mx
-    import mlx_lm
-
-    from .. import BLAS, backend
-
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -69,8 +71,6 @@ def machine_info() -> dict:
 
 
 def _model_dir(path_or_id: str) -> Path | None:
-    from ..default_target import DEFAULT_TARGET_ID, cache_dir
-
     p = Path(path_or_id).expanduser()
     if p.is_dir():
         return p
@@ -78,8 +78,6 @@ def _model_dir(path_or_id: str) -> Path | None:
         found = sorted((cache_dir() / "models").glob(f"{DEFAULT_TARGET_ID}-*"))
         return found[0] if found else None
     try:
-        from huggingface_hub import snapshot_download
-
         return Path(snapshot_download(path_or_id, local_files_only=True))  # path holds the revision
     except Exception:
         return None
@@ -123,7 +121,6 @@ def weights_id(path_or_id: str) -> str | None:
     d = _model_dir(path_or_id)
     if d is None:
         return None
-    from ..loading import DRAFT_VOCAB_FILE
 
     d = d.resolve()
     h = hashlib.sha256()
@@ -137,9 +134,6 @@ def weights_id(path_or_id: str) -> str | None:
 
 
 def quantization(model) -> str:
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return f"q{m.bits}g{m.group_size}"
@@ -435,8 +429,6 @@ def _opt_int(x) -> int | None:
 
 
 def result_path(key: dict, root: Path | None = None) -> Path:
-    from ..default_target import cache_dir
-
     return (root or cache_dir()) / "tuning" / f"{key_hash(key)}.json"
 
 
