@@ -66,12 +66,12 @@ def spread(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- one generation
 
-# kind -> the per-cycle policy's draft sources (policy.PolicyFactory); "hybrid" is the default engine,
+# kind -> the per-cycle policy's draft sources (policy.PolicyFactory); "default" is the default engine,
 # "auto" every source the loaded pair has (its ``draft_sources``)
 POLICY_SOURCES = {
     "adaptive": ("dflash",),
     "lookup-policy": ("lookup",),
-    "hybrid": ("dflash", "lookup"),
+    "default": ("dflash", "lookup"),
     "mtp-policy": ("mtp",),
     "eagle-policy": ("eagle",),
     "auto": ("dflash", "lookup", "mtp", "eagle"),
@@ -110,8 +110,8 @@ class Method:
             return "dflash per-cycle"
         if self.kind == "lookup-policy":
             return "lookup per-cycle"
-        if self.kind == "hybrid":
-            return "hybrid (default)"
+        if self.kind == "default":
+            return "default engine"
         if self.kind in ("mtp-policy", "eagle-policy"):
             return f"{self.kind[:-7]} per-cycle"
         if self.kind == "auto":

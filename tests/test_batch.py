@@ -811,7 +811,7 @@ def test_the_batch_drafts_where_a_sequence_alone_would_not(dense):
     assert got1[0] == refs[0] and sum(st.drafted for st in steps1[0] if not st.prefill) <= 3  # probes at most
 
 
-@pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["hybrid", "lookup"])
+@pytest.mark.parametrize("sources", [("dflash", "lookup"), ("lookup",)], ids=["default", "lookup"])
 def test_per_sequence_draft_policies_with_lookup(dense, sources):
     """Each sequence brings its own DraftPolicy (DFlash and/or lookup drafts): still plain greedy."""
     from mlx_spec.costs import Costs

@@ -146,7 +146,7 @@ def test_a_policy_rows_model_time_charges_the_draft_pass_only_where_the_drafter_
 
     costs = Costs(100.0, {4: 20.0, 8: 30.0}, {1: 100.0, 4: 130.0, 8: 160.0}, 32)
     blocks, drafter = {1: 2, 4: 3, 8: 1}, {4: 2}  # 2 plain steps, 3 + 1 drafted cycles, 2 of them by DFlash
-    assert model_ms(Method("hybrid", 8), blocks, costs, drafter) == pytest.approx(2 * 100 + 3 * 130 + 160 + 2 * 20)
+    assert model_ms(Method("default", 8), blocks, costs, drafter) == pytest.approx(2 * 100 + 3 * 130 + 160 + 2 * 20)
     assert model_ms(Method("lookup-policy", 8), blocks, costs, {}) == pytest.approx(2 * 100 + 3 * 130 + 160)
     assert model_ms(Method("dflash", 4), {4: 3}, costs) == pytest.approx(3 * 150)
 
@@ -179,10 +179,10 @@ def test_a_switched_cycle_charges_the_draft_pass_at_the_drafters_block(monkeypat
         Step((1, 2), drafted=3, accepted=1, block_size=4, source="lookup"),
     ]
     monkeypatch.setattr(runner, "steps", lambda method, ids, n: iter(steps))
-    run = runner.run(Method("hybrid", 8), [1], 40)
+    run = runner.run(Method("default", 8), [1], 40)
     assert run.blocks == {1: 1, 33: 1, 8: 1, 4: 1} and run.drafter_blocks == {8: 2}
     costs = Costs(100.0, {8: 30.0, 33: 90.0}, {1: 100.0, 4: 130.0, 8: 160.0, 33: 300.0}, 32)
-    assert model_ms(Method("hybrid", 8), run.blocks, costs, run.drafter_blocks) == pytest.approx(
+    assert model_ms(Method("default", 8), run.blocks, costs, run.drafter_blocks) == pytest.approx(
         100 + 300 + 160 + 130 + 2 * 30
     )
 
@@ -191,7 +191,7 @@ def test_copy_table_shows_the_ceiling_and_each_rows_share():
     from mlx_spec.bench import Row
     from mlx_spec.commands.bench import copy_table
 
-    rows = [Row("plain (ours)", "plain", 1), Row("hybrid (default)", "hybrid", 8, tau=5.0)]
+    rows = [Row("plain (ours)", "plain", 1), Row("default engine", "default", 8, tau=5.0)]
     prompts = [
         PromptRow(
             "agent-1",
@@ -199,20 +199,20 @@ def test_copy_table_shows_the_ceiling_and_each_rows_share():
             150,
             100,
             0.9,
-            tau={"hybrid (default)": 5.0},
-            speedup={"hybrid (default)": 3.0},
-            speedup_mlx={"hybrid (default)": 3.1},
+            tau={"default engine": 5.0},
+            speedup={"default engine": 3.0},
+            speedup_mlx={"default engine": 3.1},
             ceiling=6.0,
             oracle=(99, 1000.0),
-            of_ceiling={"hybrid (default)": 0.5},
+            of_ceiling={"default engine": 0.5},
         ),
         PromptRow("agent-5", "agent", 120, 60, 0.2, ceiling=1.1, oracle=(59, 5000.0)),
     ]
-    text = copy_table(prompts, rows, {"hybrid (default)": (3.0, 3.1)}, {"agent": 2.0, "copying": 6.0})
-    assert "ceiling" in text.splitlines()[1] and "hybrid (default) tau x/x-mlx %ceil" in text
+    text = copy_table(prompts, rows, {"default engine": (3.0, 3.1)}, {"agent": 2.0, "copying": 6.0})
+    assert "ceiling" in text.splitlines()[1] and "default engine tau x/x-mlx %ceil" in text
     assert "5.00 3.00/3.10 50%" in text and "6.00" in text
     assert (
-        "copy share >= 50%: agent-1; ceiling x6.00): hybrid (default) x3.00 / x3.10 mlx-lm (50% of the ceiling)"
+        "copy share >= 50%: agent-1; ceiling x6.00): default engine x3.00 / x3.10 mlx-lm (50% of the ceiling)"
     ) in text
     assert "all agent prompts: ceiling x2.00" in text
 
@@ -417,7 +417,7 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
     policy = (
-        ["lookup per-cycle", "hybrid (default)"]
+        ["lookup per-cycle", "default engine"]
         if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory")
         else []
     )

@@ -192,7 +192,7 @@ def test_suffix_index_match_length_and_periodic_copy():
 N = 40
 BASE = [(7 * i + 3) % 50 + 4 for i in range(24)]
 PROMPTS = {"repeat": BASE + BASE[:8], "plain": [1, 5, 9, 17, 33, 2, 8]}
-SOURCE_SETS = {"dflash": (DFLASH,), "lookup": (LOOKUP,), "hybrid": (DFLASH, LOOKUP)}
+SOURCE_SETS = {"dflash": (DFLASH,), "lookup": (LOOKUP,), "default": (DFLASH, LOOKUP)}
 
 
 @pytest.fixture(scope="module")
@@ -242,18 +242,18 @@ def test_hybrid_uses_both_sources_and_oracle_drafter_mixes_cleanly(dense, monkey
     model, target, drafter, refs = dense
     _clocked(monkeypatch, Clock())
     prompt = PROMPTS["repeat"]
-    toks, stats = _run(target, drafter, prompt, _policy(SOURCE_SETS["hybrid"]))
+    toks, stats = _run(target, drafter, prompt, _policy(SOURCE_SETS["default"]))
     assert toks == refs["repeat"] and stats.sources.get(LOOKUP, {}).get("accepted", 0) > 0
     oracle = ScriptedDrafter(list(prompt) + refs["repeat"], VOCAB)  # always right
     t0 = Target(model, [0])
-    toks, stats = _run(t0, oracle, prompt, _policy(SOURCE_SETS["hybrid"]))
+    toks, stats = _run(t0, oracle, prompt, _policy(SOURCE_SETS["default"]))
     assert toks == refs["repeat"]
     assert stats.sources[DFLASH]["accepted"] > 0
 
 
 def test_stats_add_up(dense):
     _, target, drafter, _ = dense
-    _, st = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]))
+    _, st = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["default"]))
     d = st.as_dict(trace=True)
     assert d["plain_cycles"] + d["drafted_cycles"] == d["cycles"] == len(d["cycle_trace"])
     assert sum(d["block_sizes"].values()) == d["cycles"] and d["block_sizes"].get("1", 0) == d["plain_cycles"]
@@ -271,7 +271,7 @@ def test_prefix_cache_with_the_policy(dense):
 
     def run(prompt, prefix):
         kw = dict(prefill=prefix.lookup(prompt, drafter=True), on_exit=prefix.store) if prefix is not None else {}
-        return _run(target, drafter, prompt, _policy(SOURCE_SETS["hybrid"]), n=24, **kw)
+        return _run(target, drafter, prompt, _policy(SOURCE_SETS["default"]), n=24, **kw)
 
     reply, _ = run(turn1, cache)
     prompt2 = turn1 + reply + [2, 11, 13] + BASE[:6]
@@ -391,15 +391,15 @@ def test_top_k_1_sampling_through_lookup_is_greedy(dense):
     rejection sampling and must give the greedy tokens."""
     _, target, drafter, refs = dense
     cfg = SamplingConfig(0.9, top_k=1, seed=3)
-    toks, stats = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
+    toks, stats = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["default"]), sampling=cfg)
     assert toks == refs["repeat"] and stats.sources.get(LOOKUP, {}).get("accepted", 0) > 0
 
 
 def test_sampled_runs_with_the_policy_are_seed_reproducible(dense):
     _, target, drafter, _ = dense
     cfg = SamplingConfig(1.0, seed=7)
-    a, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
-    b, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["hybrid"]), sampling=cfg)
+    a, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["default"]), sampling=cfg)
+    b, _ = _run(target, drafter, PROMPTS["repeat"], _policy(SOURCE_SETS["default"]), sampling=cfg)
     assert a == b
 
 
@@ -494,14 +494,14 @@ def _clocked_run(dense, monkeypatch, policy, right: int, max_tokens: int = N) ->
     return list(spec_steps(target, drafter, prompt, block_size=4, max_tokens=max_tokens, policy=policy))
 
 
-@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "dflash"])
+@pytest.mark.parametrize("lookup", [True, False], ids=["default", "dflash"])
 def test_timings_are_booked_to_their_phase(dense, monkeypatch, lookup):
     """A greedy DFlash pass is waited for before the verify graph is built (pick() may trim the
     block or switch to the lookup): the drafter's pass is booked to draft_ms and the target's to
     verify_ms (a fixed block's overlap: test_overlapped_draft_timings). A pipelined plain step
     books the wait at its read (0 here: a fake pass is paid when it is queued), and the step
     that queued the next one before reading its own token paid for both passes."""
-    steps = _clocked_run(dense, monkeypatch, _policy(SOURCE_SETS["hybrid" if lookup else "dflash"]), right=1)
+    steps = _clocked_run(dense, monkeypatch, _policy(SOURCE_SETS["default" if lookup else "dflash"]), right=1)
     seen = set()
     plain = [s for s in steps[1:] if s.source == PLAIN]
     for s in steps[1:]:
@@ -847,10 +847,10 @@ def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_b
     tokens, oracle = copy_oracle(prompt, reply, FLAT)
     share = {
         name: sum(oracle / _replay(prompt, reply, src, drafter_right=0.6, seed=seed)[0] for seed in range(4)) / 4
-        for name, src in (("lookup", (LOOKUP,)), ("dflash", (DFLASH,)), ("hybrid", (DFLASH, LOOKUP)))
+        for name, src in (("lookup", (LOOKUP,)), ("dflash", (DFLASH,)), ("default", (DFLASH, LOOKUP)))
     }
-    assert share["hybrid"] >= 0.6  # of the ceiling (mean over drafter seeds)
-    assert share["hybrid"] > share["lookup"] and share["hybrid"] > 3 * share["dflash"]
+    assert share["default"] >= 0.6  # of the ceiling (mean over drafter seeds)
+    assert share["default"] > share["lookup"] and share["default"] > 3 * share["dflash"]
     _, trace = _replay(prompt, reply, (DFLASH, LOOKUP), drafter_right=0.6)
     long_ = [i for i, (s, L, a, m) in enumerate(trace) if s == LOOKUP and L >= 26]
     assert len(long_) >= 3  # (near) full-length copies: 32 drafts at most, less where the copy runs out

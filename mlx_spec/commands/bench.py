@@ -98,7 +98,7 @@ def add_arguments(p) -> None:
     p.add_argument("--ar-draft-tokens", type=int, default=3, help="draft tokens per round for --ar-draft")
     p.add_argument("--lookup-block", type=int, default=8, help="prompt-lookup block (drafts + 1); 0 = skip")
     # --no-adaptive comes from add_model_args: here it also skips the per-cycle rows (dflash
-    # per-cycle, lookup per-cycle, hybrid default engine)
+    # per-cycle, lookup per-cycle, the default engine)
     p.add_argument(
         "--no-mlx-lm",
         action="store_true",
@@ -495,7 +495,7 @@ def run(args) -> int:
             methods += [
                 Method("adaptive", adaptive_max),
                 Method("lookup-policy", adaptive_max),
-                Method("hybrid", adaptive_max),
+                Method("default", adaptive_max),
             ]
         if args.peer:
             methods += [Method("peer", B) for B in sizes]
@@ -609,7 +609,7 @@ def run(args) -> int:
         if best_fixed:
             by = {r.label: r for r in rows}
             line = f"\nbest fixed block: {best_fixed} (e2e x{_fmt(by[best_fixed].e2e_speedup)})"
-            for ad in (r for r in rows if r.kind in ("hybrid", "adaptive")):
+            for ad in (r for r in rows if r.kind in ("default", "adaptive")):
                 line += f" | {ad.label}: " + (
                     f"e2e x{_fmt(ad.e2e_speedup)}, mean L {_fmt(ad.mean_block)}" if ad.status == "ok" else ad.status
                 )
