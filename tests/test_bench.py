@@ -417,9 +417,7 @@ def test_bench_json_smoke(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "bench.json").read_text()) == out
     labels = [r["label"] for r in out["rows"]]
     policy = (
-        ["lookup per-cycle", "default engine"]
-        if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory")
-        else []
+        ["lookup per-cycle", "default engine"] if hasattr(__import__("mlx_spec.policy").policy, "PolicyFactory") else []
     )
     assert labels == [
         "mlx-lm plain",
