@@ -285,8 +285,9 @@ def build_features(
     together, padded on the right (causal attention: the padding is after every real row, so it
     changes none).
 
-    A store may be read while it is being built (``FeatureStore(partial=True)``, ``--grow``),
-    so what is done at any point is a fair sample of the data: each file's sequences go in a
+    A store may be read while it is being built (``FeatureStore(partial=True)``, ``--grow``:
+    what it holds is read, the rest recomputed), and what is done at any point is a fair sample
+    of the data: each file's sequences go in a
     seeded random order (``order.npy``; sorted by length within each block of
     ``flush_every``), and the files advance together, the next block always from the file with
     the smallest share done. Resumable: a file's ``meta.json`` records how many sequences of
@@ -370,6 +371,10 @@ class FeatureStore:
                 self.arrays[i] = np.load(d / ("final.npy" if self.final else "taps.npy"), mmap_mode="r")
                 self.width = self.arrays[i].shape[1]
             self.done[i] = done
+
+    def n_ready(self, seqs: Sequence[Seq]) -> int:
+        """How many of ``seqs`` have their features stored (as of the last ``refresh``)."""
+        return sum(map(self.ready, seqs))
 
     def ready(self, s: Seq) -> bool:
         """Whether the features of ``s`` are stored."""
@@ -698,7 +703,6 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         head.bind(target)
         target = Target(target.model, head.taps)
     store = None
-    pool = data.train
     if cfg.features:
         store = FeatureStore(cfg.features, data.files, final=cfg.kind == "mtp", taps=head.taps, partial=cfg.grow)
         if not all(store.ready(s) for s in data.test):
@@ -725,13 +729,12 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         return loss_fn(m, f, i, k, cfg.ttt, cfg.decay, softmax=sm)
 
     grad = nn.value_and_grad(head, loss)
-    t_steps, n_timed, stored = 0.0, 0, None
+    t_steps, n_timed = 0.0, 0
     evaluate = {"store": store, "target": target}
     while state["step"] < cfg.steps:
-        if cfg.grow and (stored is None or state["step"] % GROW_EVERY == 0):
+        if cfg.grow and state["step"] % GROW_EVERY == 0:
             store.refresh()  # the builder's progress since
-            stored = sum(store.ready(q) for q in pool)
-        ids, mask, spans = make_batch(pool, rng, cfg.batch_size, cfg.seq_len)
+        ids, mask, spans = make_batch(data.train, rng, cfg.batch_size, cfg.seq_len)
         t0 = time.perf_counter()
         feats = span_features(spans, cfg.seq_len, store=store, target=target, head=head)
         sm = None
@@ -754,7 +757,7 @@ def train_chain(cfg: ChainTrainConfig, target: Target, tcfg: dict, log: Callable
         row["time"] = round(time.time())
         row["positions"] = n_pos
         if cfg.grow:
-            row["stored"] = stored  # training sequences read from the store; the rest are recomputed
+            row["stored"] = store.n_ready(data.train)  # read from the store; the rest are recomputed
         if s % cfg.eval_every == 0 or s == cfg.steps or s == 1:
             row["held_out"] = held_out_eval(head, data, cfg, **evaluate)
         state["log"].append(row)
