@@ -121,12 +121,7 @@ def test_the_engine_hands_the_free_heap_back_once_requests_end(pair_dirs, monkey
             handles = [e.submit(Request(messages=MSG, max_tokens=3)) for _ in range(2)]
             for h in handles:
                 h.result()
-            deadline = time.monotonic() + 20
-            # the counter moves just after the release call: wait until both agree
-            while time.monotonic() < deadline:
-                released = e.snapshot()["memory"]["heap_releases"]
-                if released and released == len(calls):
-                    break
-                time.sleep(0.02)
-            assert 1 <= len(calls) <= 2, (batch, calls)
-            assert e.snapshot()["memory"]["heap_releases"] == len(calls)
+        # read once the engine thread has stopped: a release made as the second request ends
+        # may still be between its call and its count while the engine runs
+        assert 1 <= len(calls) <= 2, (batch, calls)
+        assert e.snapshot()["memory"]["heap_releases"] == len(calls)
