@@ -12,7 +12,11 @@ Per context and prompt it measures:
   the cold run wrote (the load's time and bytes shown apart);
 - **decode**: tokens per second after the first token for mlx-lm's own plain decoding, our plain
   path and the default engine (per-cycle policy, DFlash and lookup drafts), each started from the
-  cached prefix (exact: the K/V rows are what a prefill gives), and the default engine's tau.
+  cached prefix (exact: the K/V rows are what a prefill gives), and the default engine's tau;
+- **copy**: how much of the reply repeats its prompt (``analysis.copy_share``): what a lookup
+  draft can reach. Whether a reply copies is the target model's doing, not the engine's (a small
+  target handed a long file first may write new code instead of re-emitting the one it was asked
+  to edit), so ``copying`` judges the engine on the agent replies that do copy.
 
 The disk entries go to a temporary folder inside the user cache (same disk), deleted afterwards.
 Everything runs on the calling thread, which owns the pair.
@@ -33,6 +37,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from .analysis import COPY_SUBSET, copy_share
 from .costs import CostMeter, Costs
 from .costs import context_term as term
 from .decode import Step, plain_steps, spec_steps
@@ -43,8 +48,10 @@ from .prefix_store import DiskConfig, PrefixStore
 from .prompts import BUILTIN, Prompt
 from .stats import Stats
 from .text import encode_prompt
+from .verify import tolerance
 
 PACKAGE = Path(__file__).resolve().parent
+COPYING = COPY_SUBSET  # an agent reply with this copy share or more is a copying reply (as in the main bench)
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -145,6 +152,9 @@ class ContextRow:
     decode_tps: dict  # method label -> tok/s after the first token
     tau: float | None
     identical: bool  # every method's tokens equal mlx-lm's
+    # where one did not: "<method>: token i, ..." with the target's own verdict there (``divergence``)
+    divergence: str | None
+    copy: float  # the reply's copy share against its prompt (``analysis.copy_share``)
     costs: dict  # costs.Costs.as_dict() of the passes timed at this context (T1, Tt(B), Td(B))
 
     def restart_margin(self) -> float:
@@ -228,12 +238,17 @@ def measure(
     if entry is None or len(entry.tokens) != len(ids) - 1:
         raise RuntimeError("the prefix cache kept no entry for the prompt")
     ref, rates, tau = None, {}, None
+    eos = tuple(pair.tokenizer.eos_token_ids)  # every row ends a reply where mlx-lm's does
     rows = (
         ("mlx-lm plain", lambda: _mlx_lm(pair, entry, ids, max_tokens)),
         (
             "plain (ours)",
             lambda: plain_steps(
-                pair.model, ids, max_tokens=max_tokens, prefill=take(entry, len(entry.tokens), drafter=False)
+                pair.model,
+                ids,
+                max_tokens=max_tokens,
+                eos_ids=eos,
+                prefill=take(entry, len(entry.tokens), drafter=False),
             ),
         ),
         (
@@ -244,12 +259,13 @@ def measure(
                 ids,
                 block_size=2,
                 max_tokens=max_tokens,
+                eos_ids=eos,
                 policy=policies(),
                 prefill=take(entry, len(entry.tokens), drafter=True),
             ),
         ),
     )
-    identical = True
+    identical, divergence = True, None
     for label, make in rows:
         threads("mlx-lm" if label.startswith("mlx-lm") else "ours")
         got = []
@@ -259,6 +275,8 @@ def measure(
         rates[label] = statistics.median(got)
         if ref is None:
             ref = tokens
+        if tokens != ref and divergence is None:
+            divergence = f"{label}: " + diverged(pair, entry, ids, ref, tokens)
         identical &= tokens == ref
         if label == "default engine":
             tau = stats.mean_acceptance_length
@@ -287,11 +305,43 @@ def measure(
         {k: round(v, 2) for k, v in rates.items()},
         None if tau is None else round(tau, 2),
         identical,
+        divergence,
+        round(copy_share(ids, ref or ()), 3),
         meter.costs().as_dict(),
     )
 
 
 COST_SIZES = (2, 4, 8, 16)
+
+
+def diverged(pair, entry, ids: Sequence[int], ref: Sequence[int], other: Sequence[int]) -> str:
+    """Where ``other`` first departs from mlx-lm's greedy ``ref``, and the target's verdict there:
+    its logits at that position (one pass over the reply so far, from the cached prefix) put the
+    two tokens within rounding of each other (a near tie: either is the target's greedy choice,
+    and the runs' different kernels rounded differently) or not (a MISMATCH: a bug)."""
+    i = next((k for k, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+    if i >= len(ref) or i >= len(other):
+        first, then = ("mlx-lm's run", "this one") if i >= len(ref) else ("this run", "mlx-lm's")
+        return f"{first} ended after {i} tokens where {then} went on: MISMATCH"
+    cache = take(entry, len(entry.tokens), drafter=False).target
+    logits = pair.model(mx.array([list(ids[-1:]) + list(ref[:i])], mx.int32), cache=cache)[0, -1]
+    return f"token {i} ({ref[i]} vs {other[i]}), " + tie_verdict(logits, ref[i], other[i])
+
+
+def tie_verdict(logits: mx.array, a: int, b: int) -> str:
+    """Are tokens ``a`` and ``b`` within rounding of each other in the target's ``logits``?"""
+    dtype = str(logits.dtype).split(".")[-1]
+    row = logits.astype(mx.float32)
+    la, lb, mag = (float(x) for x in (row[a], row[b], mx.abs(row).max()))
+    tol = tolerance(dtype, mag)
+    return f"logits {abs(la - lb):.3g} apart (tolerance {tol:.3g}): " + (
+        "near tie" if abs(la - lb) <= tol else "MISMATCH"
+    )
+
+
+def near_tie(row: ContextRow) -> bool:
+    """The row's tokens differ only where the target is at a near tie (``diverged``)."""
+    return not row.identical and (row.divergence or "").endswith("near tie")
 
 
 def context_term(rows: Sequence[ContextRow]):
@@ -357,6 +407,7 @@ def table(rows: Sequence[ContextRow]) -> str:
         "engine x mlx-lm",
         "engine x plain",
         "tau",
+        "copy",
         "same",
     ]
     lines = []
@@ -378,11 +429,33 @@ def table(rows: Sequence[ContextRow]) -> str:
                 f"{eng / mlx:.2f}" if eng and mlx else "-",
                 f"{eng / ours:.2f}" if eng and ours else "-",
                 "-" if r.tau is None else f"{r.tau:.2f}",
-                "yes" if r.identical else "NO",
+                f"{r.copy:.0%}",
+                "yes" if r.identical else ("tie" if near_tie(r) else "NO"),
             ]
         )
     widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(head)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)) for ln in [head, *lines])
+
+
+def copying(rows: Sequence[ContextRow]) -> dict[int, float | None]:
+    """Per context asked: the default engine's lowest speedup over mlx-lm's plain decoding among
+    the agent replies that copy (copy share >= ``COPYING``); None where no agent reply copied."""
+    out: dict[int, float | None] = {}
+    for r in rows:
+        out.setdefault(r.context, None)
+        d = r.decode_tps
+        eng, mlx = d.get("default engine"), d.get("mlx-lm plain")
+        if r.kind == "agent" and r.copy >= COPYING and eng and mlx:
+            got = out[r.context]
+            out[r.context] = eng / mlx if got is None else min(got, eng / mlx)
+    return out
+
+
+def copying_line(rows: Sequence[ContextRow]) -> str:
+    """``copying`` for people: one line."""
+    got = copying(rows)
+    parts = [f"{c}: " + ("no copying reply" if v is None else f"{v:.2f}x") for c, v in got.items()]
+    return f"copying agent replies (copy >= {COPYING:.0%}), default engine x mlx-lm plain, lowest: " + ", ".join(parts)
 
 
 def as_dicts(rows: Sequence[ContextRow]) -> list[dict]:
