@@ -152,7 +152,8 @@ class ContextRow:
     decode_tps: dict  # method label -> tok/s after the first token
     tau: float | None
     identical: bool  # every method's tokens equal mlx-lm's
-    # where one did not: "<method>: token i, ..." with the target's own verdict there (``divergence``)
+    # where one did not: "<method>: token i, ..." with the target's own verdict there (``diverged``),
+    # one per method that departed, joined by "; "
     divergence: str | None
     copy: float  # the reply's copy share against its prompt (``analysis.copy_share``)
     costs: dict  # costs.Costs.as_dict() of the passes timed at this context (T1, Tt(B), Td(B))
@@ -265,7 +266,7 @@ def measure(
             ),
         ),
     )
-    identical, divergence = True, None
+    identical, parted = True, []
     for label, make in rows:
         threads("mlx-lm" if label.startswith("mlx-lm") else "ours")
         got = []
@@ -275,8 +276,8 @@ def measure(
         rates[label] = statistics.median(got)
         if ref is None:
             ref = tokens
-        if tokens != ref and divergence is None:
-            divergence = f"{label}: " + diverged(pair, entry, ids, ref, tokens)
+        if tokens != ref:
+            parted.append(f"{label}: " + diverged(pair, entry, ids, ref, tokens))
         identical &= tokens == ref
         if label == "default engine":
             tau = stats.mean_acceptance_length
@@ -305,7 +306,7 @@ def measure(
         {k: round(v, 2) for k, v in rates.items()},
         None if tau is None else round(tau, 2),
         identical,
-        divergence,
+        "; ".join(parted) or None,
         round(copy_share(ids, ref or ()), 3),
         meter.costs().as_dict(),
     )
@@ -340,8 +341,10 @@ def tie_verdict(logits: mx.array, a: int, b: int) -> str:
 
 
 def near_tie(row: ContextRow) -> bool:
-    """The row's tokens differ only where the target is at a near tie (``diverged``)."""
-    return not row.identical and (row.divergence or "").endswith("near tie")
+    """The row's tokens differ, and every method that departed from mlx-lm's did so where the
+    target is at a near tie (``diverged``)."""
+    parts = (row.divergence or "").split("; ")
+    return not row.identical and all(p.endswith("near tie") for p in parts)
 
 
 def context_term(rows: Sequence[ContextRow]):

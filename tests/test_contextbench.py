@@ -156,3 +156,7 @@ def test_a_divergence_is_named_a_near_tie_only_within_rounding(tmp_path):
     tie = "default engine: token 3 (1 vs 2), logits 0 apart (tolerance 0.0001): near tie"
     rows = [replace(_row(1024, "agent", 1.0, 20.0), identical=False, divergence=tie)]
     assert contextbench.near_tie(rows[0]) and "tie" in contextbench.table(rows)
+    both = replace(
+        rows[0], divergence=tie + "; plain (ours): token 5 (1 vs 2), logits 3 apart (tolerance 0.0001): MISMATCH"
+    )
+    assert not contextbench.near_tie(both) and " NO " in contextbench.table([both]) + " "
