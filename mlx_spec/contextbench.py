@@ -16,7 +16,8 @@ Per context and prompt it measures:
 - **copy**: how much of the reply repeats its prompt (``analysis.copy_share``): what a lookup
   draft can reach. Whether a reply copies is the target model's doing, not the engine's (a small
   target handed a long file first may write new code instead of re-emitting the one it was asked
-  to edit), so ``copying`` judges the engine on the agent replies that do copy.
+  to edit), so ``copying`` judges the engine on the agent replies that do copy;
+- **same**: verify's verdict over the three rows (``diverged`` names each departure).
 
 The disk entries go to a temporary folder inside the user cache (same disk), deleted afterwards.
 Everything runs on the calling thread, which owns the pair.
@@ -48,10 +49,9 @@ from .prefix_store import DiskConfig, PrefixStore
 from .prompts import BUILTIN, Prompt
 from .stats import Stats
 from .text import encode_prompt
-from .verify import tolerance
+from .verify import IDENTICAL, MISMATCH, NUMERIC, tolerance
 
 PACKAGE = Path(__file__).resolve().parent
-COPYING = COPY_SUBSET  # an agent reply with this copy share or more is a copying reply (as in the main bench)
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -151,10 +151,10 @@ class ContextRow:
     disk_bytes: int
     decode_tps: dict  # method label -> tok/s after the first token
     tau: float | None
-    identical: bool  # every method's tokens equal mlx-lm's
-    # where one did not: "<method>: token i, ..." with the target's own verdict there (``diverged``),
-    # one per method that departed, joined by "; "
-    divergence: str | None
+    # verify's verdict over the methods: IDENTICAL (every method's tokens equal mlx-lm's), NUMERIC
+    # (those that departed did so at a near tie of the target's), or MISMATCH
+    verdict: str
+    divergence: str | None  # "<method>: token i, ..." for each method that departed (``diverged``), "; "-joined
     copy: float  # the reply's copy share against its prompt (``analysis.copy_share``)
     costs: dict  # costs.Costs.as_dict() of the passes timed at this context (T1, Tt(B), Td(B))
 
@@ -266,7 +266,7 @@ def measure(
             ),
         ),
     )
-    identical, parted = True, []
+    parted: list[tuple[str, str]] = []  # (verdict, what) per method that departed
     for label, make in rows:
         threads("mlx-lm" if label.startswith("mlx-lm") else "ours")
         got = []
@@ -277,8 +277,8 @@ def measure(
         if ref is None:
             ref = tokens
         if tokens != ref:
-            parted.append(f"{label}: " + diverged(pair, entry, ids, ref, tokens))
-        identical &= tokens == ref
+            verdict, what = diverged(pair, entry, ids, ref, tokens)
+            parted.append((verdict, f"{label}: {what}"))
         if label == "default engine":
             tau = stats.mean_acceptance_length
     threads("ours")
@@ -305,8 +305,8 @@ def measure(
         nbytes,
         {k: round(v, 2) for k, v in rates.items()},
         None if tau is None else round(tau, 2),
-        identical,
-        "; ".join(parted) or None,
+        max((v for v, _ in parted), key=(IDENTICAL, NUMERIC, MISMATCH).index, default=IDENTICAL),
+        "; ".join(w for _, w in parted) or None,
         round(copy_share(ids, ref or ()), 3),
         meter.costs().as_dict(),
     )
@@ -315,44 +315,36 @@ def measure(
 COST_SIZES = (2, 4, 8, 16)
 
 
-def diverged(pair, entry, ids: Sequence[int], ref: Sequence[int], other: Sequence[int]) -> str:
-    """Where ``other`` first departs from mlx-lm's greedy ``ref``, and the target's verdict there:
-    its logits at that position (one pass over the reply so far, from the cached prefix) put the
-    two tokens within rounding of each other (a near tie: either is the target's greedy choice,
-    and the runs' different kernels rounded differently) or not (a MISMATCH: a bug)."""
+def diverged(pair, entry, ids: Sequence[int], ref: Sequence[int], other: Sequence[int]) -> tuple[str, str]:
+    """(verdict, what) where ``other`` first departs from mlx-lm's greedy ``ref``: NUMERIC where
+    the target's logits there (one pass over the reply so far, from the cached prefix) put the two
+    tokens within ``verify.tolerance`` of each other (a near tie: either is its greedy choice, and
+    the runs' kernels rounded differently), MISMATCH otherwise or where one run ended first."""
     i = next((k for k, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
     if i >= len(ref) or i >= len(other):
         first, then = ("mlx-lm's run", "this one") if i >= len(ref) else ("this run", "mlx-lm's")
-        return f"{first} ended after {i} tokens where {then} went on: MISMATCH"
+        return MISMATCH, f"{first} ended after {i} tokens where {then} went on"
     cache = take(entry, len(entry.tokens), drafter=False).target
     logits = pair.model(mx.array([list(ids[-1:]) + list(ref[:i])], mx.int32), cache=cache)[0, -1]
-    return f"token {i} ({ref[i]} vs {other[i]}), " + tie_verdict(logits, ref[i], other[i])
+    verdict, gap = tie_verdict(logits, ref[i], other[i])
+    return verdict, f"token {i} ({ref[i]} vs {other[i]}), {gap}"
 
 
-def tie_verdict(logits: mx.array, a: int, b: int) -> str:
-    """Are tokens ``a`` and ``b`` within rounding of each other in the target's ``logits``?"""
-    dtype = str(logits.dtype).split(".")[-1]
+def tie_verdict(logits: mx.array, a: int, b: int) -> tuple[str, str]:
+    """(NUMERIC or MISMATCH, the gap in words): are ``a`` and ``b`` within rounding in ``logits``?"""
     row = logits.astype(mx.float32)
     la, lb, mag = (float(x) for x in (row[a], row[b], mx.abs(row).max()))
-    tol = tolerance(dtype, mag)
-    return f"logits {abs(la - lb):.3g} apart (tolerance {tol:.3g}): " + (
-        "near tie" if abs(la - lb) <= tol else "MISMATCH"
-    )
-
-
-def near_tie(row: ContextRow) -> bool:
-    """The row's tokens differ, and every method that departed from mlx-lm's did so where the
-    target is at a near tie (``diverged``)."""
-    parts = (row.divergence or "").split("; ")
-    return not row.identical and all(p.endswith("near tie") for p in parts)
+    tol = tolerance(str(logits.dtype).split(".")[-1], mag)
+    return (NUMERIC if abs(la - lb) <= tol else MISMATCH), f"logits {abs(la - lb):.3g} apart (tolerance {tol:.3g})"
 
 
 def context_term(rows: Sequence[ContextRow]):
-    """The context term (``costs.context_term``) read off the shortest and longest contexts' pass
-    costs, or None with fewer than two lengths."""
-    by = sorted({r.prompt_tokens: r for r in rows}.values(), key=lambda r: r.prompt_tokens)
-    if len(by) < 2:
+    """The context term (``costs.context_term``) read off the shortest and longest prompts' pass
+    costs, or None unless at least two context lengths were asked (prompts padded to one length
+    differ by a few hundred tokens: their difference is noise, not a term)."""
+    if len({r.context for r in rows}) < 2:
         return None
+    by = sorted(rows, key=lambda r: r.prompt_tokens)
     return term(Costs.from_dict(by[0].costs), Costs.from_dict(by[-1].costs))
 
 
@@ -433,7 +425,7 @@ def table(rows: Sequence[ContextRow]) -> str:
                 f"{eng / ours:.2f}" if eng and ours else "-",
                 "-" if r.tau is None else f"{r.tau:.2f}",
                 f"{r.copy:.0%}",
-                "yes" if r.identical else ("tie" if near_tie(r) else "NO"),
+                {IDENTICAL: "yes", NUMERIC: "tie"}.get(r.verdict, "NO"),
             ]
         )
     widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(head)]
@@ -442,13 +434,14 @@ def table(rows: Sequence[ContextRow]) -> str:
 
 def copying(rows: Sequence[ContextRow]) -> dict[int, float | None]:
     """Per context asked: the default engine's lowest speedup over mlx-lm's plain decoding among
-    the agent replies that copy (copy share >= ``COPYING``); None where no agent reply copied."""
+    the agent replies that copy (copy share >= ``analysis.COPY_SUBSET``, as the main bench counts
+    them); None where no agent reply copied."""
     out: dict[int, float | None] = {}
     for r in rows:
         out.setdefault(r.context, None)
         d = r.decode_tps
         eng, mlx = d.get("default engine"), d.get("mlx-lm plain")
-        if r.kind == "agent" and r.copy >= COPYING and eng and mlx:
+        if r.kind == "agent" and r.copy >= COPY_SUBSET and eng and mlx:
             got = out[r.context]
             out[r.context] = eng / mlx if got is None else min(got, eng / mlx)
     return out
@@ -458,7 +451,9 @@ def copying_line(rows: Sequence[ContextRow]) -> str:
     """``copying`` for people: one line."""
     got = copying(rows)
     parts = [f"{c}: " + ("no copying reply" if v is None else f"{v:.2f}x") for c, v in got.items()]
-    return f"copying agent replies (copy >= {COPYING:.0%}), default engine x mlx-lm plain, lowest: " + ", ".join(parts)
+    return f"copying agent replies (copy >= {COPY_SUBSET:.0%}), default engine x mlx-lm plain, lowest: " + ", ".join(
+        parts
+    )
 
 
 def as_dicts(rows: Sequence[ContextRow]) -> list[dict]:

@@ -236,7 +236,7 @@ def test_greedy_is_lossless_across_sources_and_blocks(dense, sources, pinned):
             assert all(L <= pinned for L in blocks) and blocks.count(pinned) >= len(blocks) - 1  # (room at the end)
 
 
-def test_hybrid_uses_both_sources_and_oracle_drafter_mixes_cleanly(dense, monkeypatch):
+def test_the_default_engine_uses_both_sources_and_an_oracle_drafter_mixes_cleanly(dense, monkeypatch):
     """(On a clock that stands still: the policy decides from its prior costs, not from this
     machine's load, which could otherwise price the lookup out of a short run.)"""
     model, target, drafter, refs = dense
@@ -834,7 +834,7 @@ def test_copy_model_by_match_length():
     assert c.cond(8) > 0.95 and c.cond(20) > 0.95 and c.cond(40) == pytest.approx(LOOKUP_PRIOR[-1][1])
 
 
-def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_hybrid_beats_both_sources():
+def test_a_copying_reply_reaches_most_of_the_copy_ceiling_and_the_default_engine_beats_both_sources():
     """A scripted agent edit: the reply re-emits a 150-token file with two edits (a new line
     inserted, a token changed). The policy's model time against an oracle that drafts every
     copied token (analysis.copy_oracle at the same costs), lookup only, DFlash only (a weak

@@ -54,6 +54,7 @@ from ..server import process
 from ..session import open_session
 from ..text import encode_prompt
 from ..tuning import apply_threads, load_result, machine_info, tune_key
+from ..verify import MISMATCH
 
 
 def _ints(text: str) -> list[int]:
@@ -727,7 +728,7 @@ def context_run(args) -> int:
                 "context term (ms a pass gains per 1000 tokens of context; costs.Costs.ctx_ms): "
                 + ", ".join(f"{'T1' if B == 1 else f'Tt({B})'} +{v:.2f}" for B, v in sorted(term.ctx_ms.items()))
             )
-    return 0 if all(r.identical or contextbench.near_tie(r) for r in rows) else 1
+    return 0 if all(r.verdict != MISMATCH for r in rows) else 1
 
 
 def _curve_source(tuned) -> str:
